@@ -1,0 +1,425 @@
+//! One block I/O request, as the kernel's `struct bio`.
+//!
+//! A bio is moved, never shared: submitting hands it to a device, and
+//! [`Bio::complete`] hands it back up the stack. Because `complete` consumes
+//! the bio, a request cannot be completed twice, and a bio dropped while it
+//! still has completion frames is a lost I/O, which debug builds catch.
+//!
+//! Completion follows dm's clone/end_io model without allocating a clone:
+//! every layer that wants to see the completion (the owner that created the
+//! bio, a mapped device counting in-flight I/O, multipath retrying on another
+//! path) pushes an [`EndIo`] frame; completion pops the top frame and calls
+//! it. A layer that only remaps (linear) changes `offset` and passes the same
+//! bio down, so stacking costs nothing per I/O.
+//!
+//! The data buffer is an [`IoBuf`]: a pointer and length into memory the
+//! submitter owns until completion, like a `bio_vec`. Splitting a bio (at a
+//! table boundary or a stripe chunk) is then just a sub-range, no copy.
+
+use crate::status::Status;
+use smallvec::SmallVec;
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// The operation, kernel `REQ_OP_*`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Op {
+    Read,
+    Write,
+    /// An empty flush: make earlier completed writes durable.
+    Flush,
+    /// Discard (trim): the range may read back as anything afterwards.
+    Discard,
+    /// Write zeroes: the range reads back as zeroes afterwards.
+    WriteZeroes,
+}
+
+impl Op {
+    /// Does this op change the device's contents?
+    pub fn is_write(self) -> bool {
+        !matches!(self, Op::Read)
+    }
+
+    /// Does this op move data through the buffer?
+    pub fn has_data(self) -> bool {
+        matches!(self, Op::Read | Op::Write)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::Flush => "flush",
+            Op::Discard => "discard",
+            Op::WriteZeroes => "write_zeroes",
+        }
+    }
+}
+
+/// Request flags, kernel `REQ_*` modifiers. A small hand-written bitset:
+/// four bits do not justify a dependency.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct BioFlags(u8);
+
+impl BioFlags {
+    pub const NONE: BioFlags = BioFlags(0);
+    /// Forced unit access: this write is durable when it completes.
+    pub const FUA: BioFlags = BioFlags(1);
+    /// Flush the device's cache before this request (kernel `REQ_PREFLUSH`).
+    pub const PREFLUSH: BioFlags = BioFlags(2);
+    /// Write-zeroes must not deallocate (NBD `NO_HOLE`, kernel `REQ_NOUNMAP`).
+    pub const NOUNMAP: BioFlags = BioFlags(4);
+    /// Write-zeroes must fail with `Again` unless it is fast (NBD `FAST_ZERO`).
+    pub const FAST_ZERO: BioFlags = BioFlags(8);
+    /// Do not retry below this layer (kernel `REQ_FAILFAST_TRANSPORT`).
+    pub const FAILFAST: BioFlags = BioFlags(16);
+
+    pub fn contains(self, other: BioFlags) -> bool {
+        self.0 & other.0 == other.0 && other.0 != 0
+    }
+    pub fn insert(&mut self, other: BioFlags) {
+        self.0 |= other.0;
+    }
+    pub fn remove(&mut self, other: BioFlags) {
+        self.0 &= !other.0;
+    }
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+}
+
+impl std::ops::BitOr for BioFlags {
+    type Output = BioFlags;
+    fn bitor(self, rhs: BioFlags) -> BioFlags {
+        BioFlags(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for BioFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut names = Vec::new();
+        for (flag, name) in [
+            (BioFlags::FUA, "FUA"),
+            (BioFlags::PREFLUSH, "PREFLUSH"),
+            (BioFlags::NOUNMAP, "NOUNMAP"),
+            (BioFlags::FAST_ZERO, "FAST_ZERO"),
+            (BioFlags::FAILFAST, "FAILFAST"),
+        ] {
+            if self.contains(flag) {
+                names.push(name);
+            }
+        }
+        write!(f, "{}", names.join("|"))
+    }
+}
+
+/// A data buffer borrowed from the submitter for the life of one request.
+///
+/// Creating one is `unsafe` (the submitter promises the memory outlives the
+/// request and is not touched until completion); using one is safe. This is
+/// the same contract the kernel's `bio_vec` pages carry.
+#[derive(Clone, Copy)]
+pub struct IoBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is owned by exactly one in-flight request at a time by
+// the construction contract; moving that ownership between threads is the
+// point of submitting a request.
+unsafe impl Send for IoBuf {}
+unsafe impl Sync for IoBuf {}
+
+impl IoBuf {
+    /// A buffer of no bytes, for flushes and discards.
+    pub const fn empty() -> IoBuf {
+        IoBuf {
+            ptr: NonNull::dangling().as_ptr(),
+            len: 0,
+        }
+    }
+
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes, and not accessed by
+    /// anything but the request carrying it, until that request completes.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> IoBuf {
+        IoBuf { ptr, len }
+    }
+
+    /// # Safety
+    /// As [`IoBuf::from_raw`]: the slice must outlive the request and stay
+    /// untouched until it completes.
+    pub unsafe fn from_slice(s: &mut [u8]) -> IoBuf {
+        IoBuf {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// A sub-range of this buffer (used to split a request).
+    ///
+    /// # Panics
+    /// If `off + len` exceeds the buffer.
+    pub fn slice(&self, off: usize, len: usize) -> IoBuf {
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len),
+            "IoBuf::slice {off}+{len} out of {}",
+            self.len
+        );
+        IoBuf {
+            // SAFETY: in bounds by the assert above.
+            ptr: unsafe { self.ptr.add(off) },
+            len,
+        }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: validity is the construction contract.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    pub fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: exclusive use by the one request holding this buffer is the
+        // construction contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl fmt::Debug for IoBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IoBuf({:p}, {})", self.ptr, self.len)
+    }
+}
+
+/// Page-aligned, zeroed, owned memory that submitters lend to requests
+/// (O_DIRECT needs the alignment).
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: plain owned memory.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    pub const ALIGN: usize = 4096;
+
+    pub fn new(len: usize) -> AlignedBuf {
+        let layout = Layout::from_size_align(len.max(1), Self::ALIGN).expect("buffer layout");
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len, layout }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: owned allocation of `len` bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: owned allocation of `len` bytes, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Lend `off..off+len` of this buffer to a request.
+    ///
+    /// # Safety
+    /// The caller must keep this `AlignedBuf` alive and not touch that range
+    /// until the request completes.
+    pub unsafe fn io_buf(&self, off: usize, len: usize) -> IoBuf {
+        assert!(off + len <= self.len, "AlignedBuf::io_buf out of range");
+        IoBuf::from_raw(self.ptr.as_ptr().add(off), len)
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// Something that wants to know when a bio completes: the bio's owner, or a
+/// layer between the owner and the leaf (kernel `bi_end_io` / dm `end_io`).
+///
+/// `private` is the value the layer stored when it pushed its frame (dm's
+/// per-bio data, in one word). The implementation takes the bio by value:
+/// it either completes it further up (`bio.complete(status)`), resubmits it
+/// (multipath retry), or, as the owner, keeps it for reuse.
+pub trait EndIo: Send + Sync {
+    fn end_io(&self, bio: Bio, status: Status, private: u64);
+}
+
+struct EndFrame {
+    sink: Arc<dyn EndIo>,
+    private: u64,
+}
+
+/// One block I/O request. See the module documentation for the model.
+pub struct Bio {
+    pub op: Op,
+    pub flags: BioFlags,
+    /// Byte offset on the device the bio is currently submitted to.
+    pub offset: u64,
+    /// Length in bytes. For reads and writes it equals `buf.len()`.
+    pub len: u64,
+    pub buf: IoBuf,
+    /// When the owner issued it, in [`crate::clock::now_ns`] nanoseconds.
+    pub start_ns: u64,
+    /// Free for the owner to identify the request (a slot index, an NBD
+    /// handle). Layers below never touch it.
+    pub cookie: u64,
+    frames: SmallVec<[EndFrame; 4]>,
+}
+
+impl Bio {
+    /// A new bio owned by `owner`, which gets it back through
+    /// [`EndIo::end_io`] with `private == cookie`.
+    pub fn new(
+        op: Op,
+        offset: u64,
+        len: u64,
+        buf: IoBuf,
+        owner: Arc<dyn EndIo>,
+        cookie: u64,
+    ) -> Bio {
+        let mut frames = SmallVec::new();
+        frames.push(EndFrame {
+            sink: owner,
+            private: cookie,
+        });
+        Bio {
+            op,
+            flags: BioFlags::NONE,
+            offset,
+            len,
+            buf,
+            start_ns: crate::clock::now_ns(),
+            cookie,
+            frames,
+        }
+    }
+
+    pub fn with_flags(mut self, flags: BioFlags) -> Bio {
+        self.flags = flags;
+        self
+    }
+
+    /// Re-arm a bio the owner got back, for reuse without reallocation.
+    pub fn rearm(&mut self, owner: Arc<dyn EndIo>, op: Op, offset: u64, len: u64, buf: IoBuf) {
+        debug_assert!(self.frames.is_empty(), "rearming an in-flight bio");
+        self.frames.clear();
+        self.frames.push(EndFrame {
+            sink: owner,
+            private: self.cookie,
+        });
+        self.op = op;
+        self.flags = BioFlags::NONE;
+        self.offset = offset;
+        self.len = len;
+        self.buf = buf;
+        self.start_ns = crate::clock::now_ns();
+    }
+
+    /// Ask to see this bio's completion before the layers above do.
+    pub fn push_end(&mut self, sink: Arc<dyn EndIo>, private: u64) {
+        self.frames.push(EndFrame { sink, private });
+    }
+
+    /// How many layers are waiting for this bio's completion.
+    pub fn depth(&self) -> usize {
+        self.frames.len()
+    }
+
+    /// End this bio with `status`: the most recent frame sees it first.
+    pub fn complete(mut self, status: Status) {
+        match self.frames.pop() {
+            Some(frame) => frame.sink.end_io(self, status, frame.private),
+            None => debug_assert!(false, "bio completed twice (no completion frame left)"),
+        }
+    }
+
+    /// Byte range end (exclusive).
+    pub fn end(&self) -> u64 {
+        self.offset + self.len
+    }
+
+    /// The data, for reads and writes.
+    pub fn data(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    pub fn data_mut(&self) -> &mut [u8] {
+        self.buf.as_mut_slice()
+    }
+
+    /// A child request for `off..off+len` (relative to this bio), owned by
+    /// `owner`: used to split a bio at a boundary. The child shares this
+    /// bio's buffer range, op and flags.
+    pub fn child(&self, off: u64, len: u64, owner: Arc<dyn EndIo>, cookie: u64) -> Bio {
+        let buf = if self.op.has_data() {
+            self.buf.slice(off as usize, len as usize)
+        } else {
+            IoBuf::empty()
+        };
+        let mut b = Bio::new(self.op, self.offset + off, len, buf, owner, cookie);
+        b.flags = self.flags;
+        b.start_ns = self.start_ns;
+        b
+    }
+}
+
+impl Drop for Bio {
+    fn drop(&mut self) {
+        if !self.frames.is_empty() && !std::thread::panicking() {
+            debug_assert!(
+                false,
+                "bio {:?} {}+{} dropped without completion ({} waiting layers)",
+                self.op,
+                self.offset,
+                self.len,
+                self.frames.len()
+            );
+        }
+    }
+}
+
+impl fmt::Debug for Bio {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Bio")
+            .field("op", &self.op)
+            .field("flags", &self.flags)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .field("depth", &self.frames.len())
+            .finish()
+    }
+}

@@ -1,0 +1,64 @@
+//! CPU time accounting (getrusage), as fio reports usr/sys per job and as
+//! the seeds' arguments are about CPU spent per I/O.
+
+use std::time::Duration;
+
+/// User and system CPU time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuTime {
+    pub user_ns: u64,
+    pub sys_ns: u64,
+}
+
+impl CpuTime {
+    pub fn total_ns(self) -> u64 {
+        self.user_ns + self.sys_ns
+    }
+
+    pub fn since(self, earlier: CpuTime) -> CpuTime {
+        CpuTime {
+            user_ns: self.user_ns.saturating_sub(earlier.user_ns),
+            sys_ns: self.sys_ns.saturating_sub(earlier.sys_ns),
+        }
+    }
+
+    pub fn add(self, o: CpuTime) -> CpuTime {
+        CpuTime {
+            user_ns: self.user_ns + o.user_ns,
+            sys_ns: self.sys_ns + o.sys_ns,
+        }
+    }
+
+    /// Percent of `wall` spent in user and system mode (may exceed 100 for a
+    /// whole process on several CPUs).
+    pub fn percent_of(self, wall: Duration) -> (f64, f64) {
+        let w = wall.as_nanos().max(1) as f64;
+        (
+            self.user_ns as f64 * 100.0 / w,
+            self.sys_ns as f64 * 100.0 / w,
+        )
+    }
+}
+
+fn rusage(who: libc::c_int) -> CpuTime {
+    // SAFETY: zeroed rusage is a valid out-parameter.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: valid pointer.
+    unsafe { libc::getrusage(who, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    CpuTime {
+        user_ns: tv(ru.ru_utime),
+        sys_ns: tv(ru.ru_stime),
+    }
+}
+
+/// CPU time of the calling thread.
+pub fn thread_cpu() -> CpuTime {
+    rusage(libc::RUSAGE_THREAD)
+}
+
+/// CPU time of the whole process (all threads, including workers that
+/// complete I/O on behalf of submitters).
+pub fn process_cpu() -> CpuTime {
+    rusage(libc::RUSAGE_SELF)
+}

@@ -1,0 +1,126 @@
+//! The `Device` trait: anything bios can be submitted to.
+//!
+//! Mirrors the kernel's `submit_bio` contract: submission never fails
+//! synchronously; every bio handed to `submit` is completed exactly once,
+//! possibly before `submit` returns (a device completing inline, like
+//! null_blk with `irqmode=0`), possibly later on another thread.
+
+use crate::bio::Bio;
+use crate::status::Status;
+use std::sync::Arc;
+
+/// What a device can do, as advertised to the layers and clients above
+/// (NBD transmission flags are derived from this).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Features {
+    /// Has a volatile cache: FLUSH does something.
+    pub flush: bool,
+    /// Honours FUA.
+    pub fua: bool,
+    pub discard: bool,
+    pub write_zeroes: bool,
+    /// Write-zeroes is cheap (no data written), so FAST_ZERO can succeed.
+    pub fast_zero: bool,
+    pub read_only: bool,
+    /// A flush from any submitter covers writes completed for every
+    /// submitter (true for devices with one shared state): NBD's
+    /// CAN_MULTI_CONN is offered only then.
+    pub flush_is_global: bool,
+    /// The device can tell where it has holes (reads of zeroes that cost
+    /// nothing): see [`Device::extents`].
+    pub knows_holes: bool,
+}
+
+impl Default for Features {
+    fn default() -> Self {
+        Features {
+            flush: true,
+            fua: true,
+            discard: false,
+            write_zeroes: false,
+            fast_zero: false,
+            read_only: false,
+            flush_is_global: true,
+            knows_holes: false,
+        }
+    }
+}
+
+impl Features {
+    /// The features a stack of devices offers: what every member offers.
+    pub fn intersect(self, o: Features) -> Features {
+        Features {
+            flush: self.flush || o.flush,
+            fua: self.fua && o.fua,
+            discard: self.discard && o.discard,
+            write_zeroes: self.write_zeroes && o.write_zeroes,
+            fast_zero: self.fast_zero && o.fast_zero,
+            read_only: self.read_only || o.read_only,
+            flush_is_global: self.flush_is_global && o.flush_is_global,
+            knows_holes: self.knows_holes && o.knows_holes,
+        }
+    }
+}
+
+/// A run of bytes that is either data or a hole (reads as zeroes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub offset: u64,
+    pub len: u64,
+    pub hole: bool,
+}
+
+pub trait Device: Send + Sync {
+    /// Hand a bio to the device. It will be completed exactly once.
+    fn submit(&self, bio: Bio);
+
+    /// Size in bytes.
+    fn size(&self) -> u64;
+
+    fn logical_block_size(&self) -> u32 {
+        512
+    }
+
+    fn physical_block_size(&self) -> u32 {
+        self.logical_block_size().max(4096)
+    }
+
+    /// Largest single request the device accepts, in bytes.
+    fn max_io_bytes(&self) -> u64 {
+        32 << 20
+    }
+
+    fn features(&self) -> Features {
+        Features::default()
+    }
+
+    /// Data/hole map of `offset..offset+len`, if the device knows one
+    /// (`features().knows_holes`). `None` means "all data, as far as I know".
+    fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {
+        None
+    }
+}
+
+pub type DeviceRef = Arc<dyn Device>;
+
+/// Common admission check for a bio against a device's geometry: the range
+/// must lie inside the device and be aligned to its logical block size; data
+/// ops must carry a buffer of exactly `len` bytes. Devices call this first
+/// and complete with the returned status on failure.
+pub fn check_bio(dev: &dyn Device, bio: &Bio) -> Result<(), Status> {
+    let lbs = dev.logical_block_size() as u64;
+    if bio.op == crate::Op::Flush {
+        return Ok(());
+    }
+    let end = bio.offset.checked_add(bio.len).ok_or(Status::Invalid)?;
+    if end > dev.size() {
+        return Err(Status::Invalid);
+    }
+    if bio.offset % lbs != 0 || bio.len % lbs != 0 {
+        return Err(Status::Invalid);
+    }
+    if bio.op.has_data() && bio.buf.len() as u64 != bio.len {
+        return Err(Status::Invalid);
+    }
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! blk-mq engine (being built; see issue 3).
