@@ -10,7 +10,10 @@
 //! bio, a mapped device counting in-flight I/O, multipath retrying on another
 //! path) pushes an [`EndIo`] frame; completion pops the top frame and calls
 //! it. A layer that only remaps (linear) changes `offset` and passes the same
-//! bio down, so stacking costs nothing per I/O.
+//! bio down, so stacking costs nothing per I/O. A frame also records the
+//! offset the bio had when it was pushed and restores it on completion
+//! (dm's `dm_bio_record`/`dm_bio_restore`), so every layer sees the bio as
+//! it submitted it and can resubmit it unchanged.
 //!
 //! The data buffer is an [`IoBuf`]: a pointer and length into memory the
 //! submitter owns until completion, like a `bio_vec`. Splitting a bio (at a
@@ -280,6 +283,7 @@ pub trait EndIo: Send + Sync {
 struct EndFrame {
     sink: Arc<dyn EndIo>,
     private: u64,
+    offset: u64,
 }
 
 /// One block I/O request. See the module documentation for the model.
@@ -314,6 +318,7 @@ impl Bio {
         frames.push(EndFrame {
             sink: owner,
             private: cookie,
+            offset,
         });
         Bio {
             op,
@@ -339,6 +344,7 @@ impl Bio {
         self.frames.push(EndFrame {
             sink: owner,
             private: self.cookie,
+            offset,
         });
         self.op = op;
         self.flags = BioFlags::NONE;
@@ -348,9 +354,15 @@ impl Bio {
         self.start_ns = crate::clock::now_ns();
     }
 
-    /// Ask to see this bio's completion before the layers above do.
+    /// Ask to see this bio's completion before the layers above do. The
+    /// current offset is recorded and restored when this frame is popped.
     pub fn push_end(&mut self, sink: Arc<dyn EndIo>, private: u64) {
-        self.frames.push(EndFrame { sink, private });
+        let offset = self.offset;
+        self.frames.push(EndFrame {
+            sink,
+            private,
+            offset,
+        });
     }
 
     /// How many layers are waiting for this bio's completion.
@@ -361,7 +373,10 @@ impl Bio {
     /// End this bio with `status`: the most recent frame sees it first.
     pub fn complete(mut self, status: Status) {
         match self.frames.pop() {
-            Some(frame) => frame.sink.end_io(self, status, frame.private),
+            Some(frame) => {
+                self.offset = frame.offset;
+                frame.sink.end_io(self, status, frame.private)
+            }
             None => debug_assert!(false, "bio completed twice (no completion frame left)"),
         }
     }
@@ -421,5 +436,49 @@ impl fmt::Debug for Bio {
             .field("len", &self.len)
             .field("depth", &self.frames.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use parking_lot::Mutex;
+
+    #[derive(Default)]
+    struct Seen(Mutex<Vec<(u64, Status, u64)>>);
+    impl EndIo for Seen {
+        fn end_io(&self, bio: Bio, status: Status, private: u64) {
+            self.0.lock().push((bio.offset, status, private));
+            if bio.depth() > 0 {
+                bio.complete(status);
+            }
+        }
+    }
+
+    #[test]
+    fn frames_pop_in_order_and_restore_offsets() {
+        let owner = Arc::new(Seen::default());
+        let mid = Arc::new(Seen::default());
+        let mut bio = Bio::new(Op::Flush, 4096, 0, IoBuf::empty(), owner.clone(), 7);
+        bio.offset = 8192; // a layer remaps
+        bio.push_end(mid.clone(), 3);
+        bio.offset = 1 << 20; // a lower layer remaps again
+        bio.complete(Status::IoError);
+        assert_eq!(*mid.0.lock(), vec![(8192, Status::IoError, 3)]);
+        assert_eq!(*owner.0.lock(), vec![(4096, Status::IoError, 7)]);
+    }
+
+    #[test]
+    fn child_shares_parent_buffer_range() {
+        let owner = Arc::new(Seen::default());
+        let mut mem = vec![0u8; 8192];
+        let buf = unsafe { IoBuf::from_slice(&mut mem) };
+        let parent = Bio::new(Op::Write, 0, 8192, buf, owner.clone(), 1);
+        let child = parent.child(4096, 4096, owner.clone(), 2);
+        assert_eq!(child.offset, 4096);
+        assert_eq!(child.buf.as_ptr(), unsafe { mem.as_mut_ptr().add(4096) });
+        child.complete(Status::Ok);
+        parent.complete(Status::Ok);
+        assert_eq!(owner.0.lock().len(), 2);
     }
 }
