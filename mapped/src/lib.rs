@@ -1,1 +1,19 @@
-//! Mapped devices.
+//! The mapped-device layer, after Linux device-mapper: a `dmsetup`-style
+//! table language, targets (one file each, one shape), mapped devices with
+//! suspend/resume/reload, and a registry of named devices.
+//!
+//! Leaf drivers (null, memory, file) appear here as table targets too, so
+//! one table language describes a whole stack.
+
+pub mod device;
+pub mod error;
+pub mod registry;
+pub mod split;
+pub mod table;
+pub mod target;
+pub mod targets;
+
+pub use device::MappedDevice;
+pub use error::DmError;
+pub use registry::{DeviceInfo, Registry};
+pub use target::{CtrContext, DevArg, Target, TargetRef, TargetType};

@@ -1,0 +1,422 @@
+//! A mapped device: a name, a live table, an optional staged (inactive)
+//! table, and the suspend state, after the kernel's `struct mapped_device`.
+//!
+//! I/O path: count the bio in flight, pick the table line(s) it falls in
+//! (splitting at line boundaries and at a target's `max_io_len`), hand it
+//! to the target with a line-relative offset. A completion frame pushed
+//! here uncounts it, which is what lets `suspend` wait for in-flight I/O.
+//!
+//! Suspend follows dm: presuspend hooks, then new bios are held (not
+//! failed) while in-flight ones drain, then postsuspend. Resume swaps in
+//! the staged table if there is one, runs resume hooks and resubmits the
+//! held bios in arrival order. The live table is read per I/O through
+//! `arc_swap`, which costs no lock and no shared-counter bounce.
+
+use crate::split::Split;
+use crate::table::{render_table, TableLine};
+use crate::target::TargetRef;
+use arc_swap::ArcSwap;
+use blkstack_core::device::{check_bio, Extent};
+use blkstack_core::{Bio, Device, EndIo, Features, Op, Status, SECTOR_SIZE};
+use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// One constructed table line.
+pub struct TableEntry {
+    pub line: TableLine,
+    pub target: TargetRef,
+    /// Registry names of the devices this line uses.
+    pub deps: Vec<String>,
+}
+
+impl TableEntry {
+    fn start_bytes(&self) -> u64 {
+        self.line.start * SECTOR_SIZE
+    }
+    fn end_bytes(&self) -> u64 {
+        (self.line.start + self.line.len) * SECTOR_SIZE
+    }
+}
+
+/// A constructed table: lines in sector order, tiling `0..size`.
+pub struct Table {
+    pub entries: Vec<TableEntry>,
+}
+
+impl Table {
+    pub fn size_bytes(&self) -> u64 {
+        self.entries.last().map(|e| e.end_bytes()).unwrap_or(0)
+    }
+
+    /// Index of the entry containing byte `off`.
+    fn find(&self, off: u64) -> usize {
+        self.entries.partition_point(|e| e.end_bytes() <= off)
+    }
+
+    /// Every device this table uses, without repeats.
+    pub fn deps(&self) -> Vec<String> {
+        let mut v: Vec<String> = Vec::new();
+        for e in &self.entries {
+            for d in &e.deps {
+                if !v.contains(d) {
+                    v.push(d.clone());
+                }
+            }
+        }
+        v
+    }
+
+    /// `dmsetup table` text with the targets' own argument rendering.
+    pub fn table_text(&self) -> String {
+        let lines: Vec<TableLine> = self
+            .entries
+            .iter()
+            .map(|e| TableLine {
+                line: e.line.line,
+                start: e.line.start,
+                len: e.line.len,
+                target: e.line.target.clone(),
+                args: crate::table::split_args(&e.target.table()),
+            })
+            .collect();
+        render_table(&lines)
+    }
+
+    /// `dmsetup status` text.
+    pub fn status_text(&self) -> String {
+        let mut s = String::new();
+        for e in &self.entries {
+            s.push_str(&format!(
+                "{} {} {} {}\n",
+                e.line.start,
+                e.line.len,
+                e.line.target,
+                e.target.status()
+            ));
+        }
+        s
+    }
+
+    fn features(&self) -> Features {
+        let mut f: Option<Features> = None;
+        for e in &self.entries {
+            let t = e.target.features();
+            f = Some(match f {
+                None => t,
+                Some(a) => a.intersect(t),
+            });
+        }
+        f.unwrap_or_default()
+    }
+
+    /// Map a device-relative bio onto the table.
+    fn map(&self, bio: Bio) {
+        if bio.op == Op::Flush {
+            if self.entries.len() == 1 {
+                self.entries[0].target.map(bio);
+            } else {
+                let pieces = vec![(0, 0); self.entries.len()];
+                Split::run(bio, &pieces, |i, child| self.entries[i].target.map(child));
+            }
+            return;
+        }
+        let i = self.find(bio.offset);
+        let e = &self.entries[i];
+        let rel = bio.offset - e.start_bytes();
+        let room = (e.end_bytes() - bio.offset).min(e.target.max_io_len(rel));
+        if bio.len <= room {
+            let mut bio = bio;
+            bio.offset = rel;
+            e.target.map(bio);
+            return;
+        }
+        // Crosses a line or a target's boundary: cut it into pieces that
+        // each fit one entry and its max_io_len.
+        let mut pieces = Vec::new();
+        let mut off = bio.offset;
+        while off < bio.end() {
+            let e = &self.entries[self.find(off)];
+            let rel = off - e.start_bytes();
+            let room = (e.end_bytes() - off).min(e.target.max_io_len(rel)).max(1);
+            let len = room.min(bio.end() - off);
+            pieces.push((off - bio.offset, len));
+            off += len;
+        }
+        Split::run(bio, &pieces, |_, mut child| {
+            let e = &self.entries[self.find(child.offset)];
+            child.offset -= e.start_bytes();
+            e.target.map(child);
+        });
+    }
+}
+
+struct Core {
+    live: ArcSwap<Table>,
+    inactive: Mutex<Option<Arc<Table>>>,
+    suspended: AtomicBool,
+    inflight: AtomicU64,
+    held: Mutex<Vec<Bio>>,
+    drain_lock: Mutex<()>,
+    drained: Condvar,
+    read_only: AtomicBool,
+    /// Counts table swaps and other events, as `dmsetup info` shows.
+    event_nr: AtomicU64,
+    open_count: AtomicU64,
+}
+
+impl Core {
+    fn put_inflight(&self) {
+        if self.inflight.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.suspended.load(Ordering::SeqCst)
+        {
+            let _g = self.drain_lock.lock();
+            self.drained.notify_all();
+        }
+    }
+}
+
+impl EndIo for Core {
+    fn end_io(&self, bio: Bio, status: Status, _private: u64) {
+        self.put_inflight();
+        bio.complete(status);
+    }
+}
+
+/// A named device built from a table.
+pub struct MappedDevice {
+    pub name: String,
+    pub uuid: Option<String>,
+    pub minor: u32,
+    core: Arc<Core>,
+}
+
+impl MappedDevice {
+    pub fn new(
+        name: String,
+        uuid: Option<String>,
+        minor: u32,
+        read_only: bool,
+        table: Table,
+    ) -> MappedDevice {
+        MappedDevice {
+            name,
+            uuid,
+            minor,
+            core: Arc::new(Core {
+                live: ArcSwap::from_pointee(table),
+                inactive: Mutex::new(None),
+                suspended: AtomicBool::new(false),
+                inflight: AtomicU64::new(0),
+                held: Mutex::new(Vec::new()),
+                drain_lock: Mutex::new(()),
+                drained: Condvar::new(),
+                read_only: AtomicBool::new(read_only),
+                event_nr: AtomicU64::new(0),
+                open_count: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    pub fn live_table(&self) -> Arc<Table> {
+        self.core.live.load_full()
+    }
+
+    pub fn inactive_table(&self) -> Option<Arc<Table>> {
+        self.core.inactive.lock().clone()
+    }
+
+    pub fn is_suspended(&self) -> bool {
+        self.core.suspended.load(Ordering::SeqCst)
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.core.read_only.load(Ordering::Relaxed)
+    }
+
+    pub fn set_read_only(&self, ro: bool) {
+        self.core.read_only.store(ro, Ordering::Relaxed);
+    }
+
+    pub fn inflight(&self) -> u64 {
+        self.core.inflight.load(Ordering::SeqCst)
+    }
+
+    pub fn event_nr(&self) -> u64 {
+        self.core.event_nr.load(Ordering::Relaxed)
+    }
+
+    /// Holders outside the registry (an NBD export) count here; remove
+    /// refuses an open device unless forced.
+    pub fn open(&self) {
+        self.core.open_count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn close(&self) {
+        self.core.open_count.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    pub fn open_count(&self) -> u64 {
+        self.core.open_count.load(Ordering::SeqCst)
+    }
+
+    /// Stage a table for the next resume (dm `reload`).
+    pub fn stage(&self, table: Table) {
+        *self.core.inactive.lock() = Some(Arc::new(table));
+    }
+
+    /// Drop a staged table (dmsetup `clear`).
+    pub fn clear_staged(&self) -> bool {
+        self.core.inactive.lock().take().is_some()
+    }
+
+    /// Stop new I/O (held, not failed) and wait for in-flight I/O to end.
+    pub fn suspend(&self) {
+        if self.core.suspended.load(Ordering::SeqCst) {
+            return;
+        }
+        let live = self.live_table();
+        for e in &live.entries {
+            e.target.presuspend();
+        }
+        self.core.suspended.store(true, Ordering::SeqCst);
+        let mut g = self.core.drain_lock.lock();
+        while self.core.inflight.load(Ordering::SeqCst) != 0 {
+            self.core
+                .drained
+                .wait_for(&mut g, std::time::Duration::from_millis(10));
+        }
+        drop(g);
+        for e in &live.entries {
+            e.target.postsuspend();
+        }
+    }
+
+    /// Swap in a staged table if any, and let I/O flow again. Returns
+    /// whether a table was swapped.
+    pub fn resume(&self) -> bool {
+        let staged = self.core.inactive.lock().take();
+        let swapped = staged.is_some();
+        if let Some(t) = staged {
+            if !self.is_suspended() {
+                // dm resumes only suspended devices with a new table;
+                // a running device is suspended first.
+                self.suspend();
+            }
+            self.core.live.store(t);
+            self.core.event_nr.fetch_add(1, Ordering::Relaxed);
+        }
+        if !self.is_suspended() {
+            return swapped;
+        }
+        for e in &self.live_table().entries {
+            e.target.resume();
+        }
+        let held = {
+            let mut h = self.core.held.lock();
+            self.core.suspended.store(false, Ordering::SeqCst);
+            std::mem::take(&mut *h)
+        };
+        for bio in held {
+            self.submit(bio);
+        }
+        swapped
+    }
+
+    pub fn table_text(&self) -> String {
+        self.live_table().table_text()
+    }
+
+    pub fn status_text(&self) -> String {
+        self.live_table().status_text()
+    }
+
+    /// `dmsetup message NAME SECTOR MSG...`: sent to the line containing
+    /// `sector` (dm requires a sector; 0 selects the first line).
+    pub fn message(&self, sector: u64, args: &[&str]) -> Result<String, String> {
+        if args.is_empty() {
+            return Err("empty message".into());
+        }
+        let t = self.live_table();
+        let e = t
+            .entries
+            .iter()
+            .find(|e| sector >= e.line.start && sector < e.line.start + e.line.len)
+            .ok_or_else(|| format!("sector {sector} is beyond the end of {}", self.name))?;
+        e.target.message(args)
+    }
+}
+
+impl Device for MappedDevice {
+    fn submit(&self, mut bio: Bio) {
+        let core = &self.core;
+        // Dekker-style with suspend(): count first, then look at the flag;
+        // suspend sets the flag, then waits for the count to reach zero.
+        loop {
+            core.inflight.fetch_add(1, Ordering::SeqCst);
+            if !core.suspended.load(Ordering::SeqCst) {
+                break;
+            }
+            core.put_inflight();
+            let mut held = core.held.lock();
+            if core.suspended.load(Ordering::SeqCst) {
+                held.push(bio);
+                return;
+            }
+        }
+        if let Err(s) = check_bio(self, &bio) {
+            core.put_inflight();
+            bio.complete(s);
+            return;
+        }
+        if bio.op.is_write() && bio.op != Op::Flush && self.is_read_only() {
+            core.put_inflight();
+            bio.complete(Status::Permission);
+            return;
+        }
+        bio.push_end(core.clone(), 0);
+        let table = core.live.load();
+        table.map(bio);
+    }
+
+    fn size(&self) -> u64 {
+        self.core.live.load().size_bytes()
+    }
+
+    fn logical_block_size(&self) -> u32 {
+        512
+    }
+
+    fn features(&self) -> Features {
+        let mut f = self.core.live.load().features();
+        if self.is_read_only() {
+            f.read_only = true;
+        }
+        f
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
+        let t = self.core.live.load();
+        let mut out = Vec::new();
+        let end = offset.checked_add(len)?.min(t.size_bytes());
+        let mut off = offset;
+        while off < end {
+            let e = &t.entries[t.find(off)];
+            let piece = (e.end_bytes().min(end)) - off;
+            let rel = off - e.start_bytes();
+            match e.target.extents(rel, piece) {
+                Some(v) => out.extend(v.into_iter().map(|x| Extent {
+                    offset: x.offset + e.start_bytes(),
+                    ..x
+                })),
+                None => out.push(Extent {
+                    offset: off,
+                    len: piece,
+                    hole: false,
+                }),
+            }
+            off += piece;
+        }
+        Some(out)
+    }
+}

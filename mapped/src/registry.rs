@@ -1,0 +1,411 @@
+//! The registry of named devices, device-mapper's control interface as a
+//! library: create, reload, suspend, resume, remove, message, and the
+//! `table`/`status`/`info`/`ls` views.
+//!
+//! Every change is all or nothing: a batch of devices (a stack file, a
+//! concise list) is built completely, every constructor run, before any of
+//! it becomes visible; a failed reload leaves the live and staged tables
+//! as they were. Devices refer to each other by name, `/dev/mapper/NAME` or
+//! `253:MINOR`; a device used by another cannot be removed, and a reload
+//! that would make a device use itself (directly or through others) is
+//! refused.
+
+use crate::device::{MappedDevice, Table, TableEntry};
+use crate::error::DmError;
+use crate::table::{parse_concise, parse_stack, parse_table, DeviceSpec};
+use crate::target::{CtrContext, DM_MAJOR};
+use crate::targets;
+use blkstack_core::{Device, DeviceRef};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// What `dmsetup info` shows for a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub uuid: Option<String>,
+    pub major: u32,
+    pub minor: u32,
+    pub suspended: bool,
+    pub read_only: bool,
+    pub live_table: bool,
+    pub inactive_table: bool,
+    pub open_count: u64,
+    pub event_nr: u64,
+    pub target_count: usize,
+    pub size_bytes: u64,
+}
+
+#[derive(Default)]
+struct State {
+    devices: BTreeMap<String, Arc<MappedDevice>>,
+}
+
+impl State {
+    fn resolve(&self, staged: &[Arc<MappedDevice>], arg: &str) -> Option<Arc<MappedDevice>> {
+        let all = || self.devices.values().chain(staged.iter());
+        if let Some((maj, min)) = arg.split_once(':') {
+            if let (Ok(maj), Ok(min)) = (maj.parse::<u32>(), min.parse::<u32>()) {
+                if maj != DM_MAJOR {
+                    return None;
+                }
+                return all().find(|d| d.minor == min).cloned();
+            }
+        }
+        let name = arg.strip_prefix("/dev/mapper/").unwrap_or(arg);
+        all().find(|d| d.name == name).cloned()
+    }
+
+    fn next_minor(&self, staged: &[Arc<MappedDevice>]) -> u32 {
+        let used: Vec<u32> = self
+            .devices
+            .values()
+            .chain(staged.iter())
+            .map(|d| d.minor)
+            .collect();
+        (0..).find(|m| !used.contains(m)).unwrap_or(0)
+    }
+
+    /// Devices whose live or staged table uses `name`.
+    fn users_of(&self, name: &str) -> Vec<String> {
+        self.devices
+            .values()
+            .filter(|d| {
+                d.name != name
+                    && (d.live_table().deps().iter().any(|x| x == name)
+                        || d.inactive_table()
+                            .is_some_and(|t| t.deps().iter().any(|x| x == name)))
+            })
+            .map(|d| d.name.clone())
+            .collect()
+    }
+
+    /// Does `from` reach `to` through live or staged tables?
+    fn reaches(&self, from: &str, to: &str, depth: usize) -> bool {
+        if from == to {
+            return true;
+        }
+        if depth > 64 {
+            return true;
+        }
+        let Some(d) = self.devices.get(from) else {
+            return false;
+        };
+        let mut deps = d.live_table().deps();
+        if let Some(t) = d.inactive_table() {
+            deps.extend(t.deps());
+        }
+        deps.iter().any(|x| self.reaches(x, to, depth + 1))
+    }
+}
+
+/// The set of named devices. Cheap to share (`Arc<Registry>`).
+#[derive(Default)]
+pub struct Registry {
+    state: Mutex<State>,
+}
+
+impl Registry {
+    pub fn new() -> Arc<Registry> {
+        Arc::new(Registry::default())
+    }
+
+    /// Build a table for device `name`, resolving device arguments among
+    /// the registered devices and `staged` ones.
+    fn build_table(
+        state: &State,
+        staged: &[Arc<MappedDevice>],
+        name: &str,
+        text: &str,
+    ) -> Result<Table, DmError> {
+        let lines = parse_table(text).map_err(|e| e.in_device(name))?;
+        let lookup = |arg: &str| -> Option<(String, u32, DeviceRef)> {
+            state
+                .resolve(staged, arg)
+                .map(|d| (d.name.clone(), d.minor, d.clone() as DeviceRef))
+        };
+        let mut entries = Vec::with_capacity(lines.len());
+        for line in lines {
+            let tt = targets::lookup(&line.target).ok_or_else(|| {
+                DmError::line(
+                    line.line,
+                    format!(
+                        "unknown target type '{}' (known: {})",
+                        line.target,
+                        targets::names().join(", ")
+                    ),
+                )
+                .in_device(name)
+            })?;
+            let mut ctx = CtrContext::new(line.start, line.len, name, &lookup);
+            let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
+            let target = (tt.ctr)(&mut ctx, &args).map_err(|msg| {
+                DmError::line(line.line, format!("{}: {msg}", line.target)).in_device(name)
+            })?;
+            let deps = ctx.take_used();
+            if deps.iter().any(|d| d == name) {
+                return Err(
+                    DmError::line(line.line, format!("device {name} cannot use itself"))
+                        .in_device(name),
+                );
+            }
+            entries.push(TableEntry { line, target, deps });
+        }
+        Ok(Table { entries })
+    }
+
+    /// Create one device from a table text.
+    pub fn create(&self, name: &str, table: &str) -> Result<Arc<MappedDevice>, DmError> {
+        let spec = DeviceSpec {
+            name: name.to_string(),
+            uuid: None,
+            minor: None,
+            read_only: false,
+            table: table.to_string(),
+        };
+        self.create_specs(&[spec])?;
+        self.get(name)
+            .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))
+    }
+
+    /// Create several devices, in order (later ones may use earlier
+    /// ones); all of them or none.
+    pub fn create_specs(&self, specs: &[DeviceSpec]) -> Result<Vec<String>, DmError> {
+        let mut state = self.state.lock();
+        let mut staged: Vec<Arc<MappedDevice>> = Vec::new();
+        for spec in specs {
+            crate::table::validate_name(&spec.name)?;
+            if state.devices.contains_key(&spec.name) || staged.iter().any(|d| d.name == spec.name)
+            {
+                return Err(DmError::Exists(spec.name.clone()));
+            }
+            if let Some(u) = &spec.uuid {
+                if state
+                    .devices
+                    .values()
+                    .chain(staged.iter())
+                    .any(|d| d.uuid.as_deref() == Some(u))
+                {
+                    return Err(DmError::Invalid(format!(
+                        "device {}: uuid {u} is already in use",
+                        spec.name
+                    )));
+                }
+            }
+            let minor = match spec.minor {
+                Some(m) => {
+                    if state
+                        .devices
+                        .values()
+                        .chain(staged.iter())
+                        .any(|d| d.minor == m)
+                    {
+                        return Err(DmError::Invalid(format!(
+                            "device {}: minor {m} is already in use",
+                            spec.name
+                        )));
+                    }
+                    m
+                }
+                None => state.next_minor(&staged),
+            };
+            let table = Self::build_table(&state, &staged, &spec.name, &spec.table)?;
+            staged.push(Arc::new(MappedDevice::new(
+                spec.name.clone(),
+                spec.uuid.clone(),
+                minor,
+                spec.read_only,
+                table,
+            )));
+        }
+        let names = staged.iter().map(|d| d.name.clone()).collect();
+        for d in staged {
+            state.devices.insert(d.name.clone(), d);
+        }
+        Ok(names)
+    }
+
+    /// dmsetup `create --concise`.
+    pub fn create_concise(&self, s: &str) -> Result<Vec<String>, DmError> {
+        self.create_specs(&parse_concise(s)?)
+    }
+
+    /// A stack file: concise text or `NAME: <table line>` lines.
+    pub fn create_stack(&self, text: &str) -> Result<Vec<String>, DmError> {
+        self.create_specs(&parse_stack(text)?)
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<MappedDevice>> {
+        let state = self.state.lock();
+        state.resolve(&[], name)
+    }
+
+    /// The device as a `Device` to submit bios to.
+    pub fn device(&self, name: &str) -> Result<DeviceRef, DmError> {
+        self.get(name)
+            .map(|d| d as DeviceRef)
+            .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))
+    }
+
+    fn must_get(&self, name: &str) -> Result<Arc<MappedDevice>, DmError> {
+        self.get(name)
+            .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))
+    }
+
+    /// Stage a new table; it goes live at the next `resume`. On error the
+    /// device keeps its live and staged tables.
+    pub fn reload(&self, name: &str, table: &str) -> Result<(), DmError> {
+        let state = self.state.lock();
+        let dev = state
+            .resolve(&[], name)
+            .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
+        let t = Self::build_table(&state, &[], &dev.name, table)?;
+        for d in t.deps() {
+            if state.reaches(&d, &dev.name, 0) {
+                return Err(DmError::Invalid(format!(
+                    "device {}: table would make a cycle through {d}",
+                    dev.name
+                )));
+            }
+        }
+        let new_size = t.size_bytes();
+        let users = state.users_of(&dev.name);
+        if new_size < dev.size() && !users.is_empty() {
+            return Err(DmError::Busy {
+                name: dev.name.clone(),
+                why: format!(
+                    "shrinking from {} to {} sectors under {}",
+                    dev.size() / 512,
+                    new_size / 512,
+                    users.join(", ")
+                ),
+            });
+        }
+        dev.stage(t);
+        Ok(())
+    }
+
+    pub fn suspend(&self, name: &str) -> Result<(), DmError> {
+        let dev = self.must_get(name)?;
+        dev.suspend();
+        Ok(())
+    }
+
+    pub fn resume(&self, name: &str) -> Result<(), DmError> {
+        let dev = self.must_get(name)?;
+        dev.resume();
+        Ok(())
+    }
+
+    /// Drop a staged table (dmsetup `clear`).
+    pub fn clear(&self, name: &str) -> Result<(), DmError> {
+        self.must_get(name)?.clear_staged();
+        Ok(())
+    }
+
+    /// Remove a device. Refused while another device uses it, and while it
+    /// is open (exported) unless `force`.
+    pub fn remove(&self, name: &str, force: bool) -> Result<(), DmError> {
+        let mut state = self.state.lock();
+        let dev = state
+            .resolve(&[], name)
+            .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
+        let users = state.users_of(&dev.name);
+        if !users.is_empty() {
+            return Err(DmError::Busy {
+                name: dev.name.clone(),
+                why: format!("used by {}", users.join(", ")),
+            });
+        }
+        if dev.open_count() > 0 && !force {
+            return Err(DmError::Busy {
+                name: dev.name.clone(),
+                why: format!("open count {} (exported?); use force", dev.open_count()),
+            });
+        }
+        state.devices.remove(&dev.name);
+        drop(state);
+        // Drain what is in flight before the targets go away.
+        dev.suspend();
+        Ok(())
+    }
+
+    /// Remove every device, users before the devices they use.
+    pub fn remove_all(&self) {
+        loop {
+            let names = self.names();
+            if names.is_empty() {
+                return;
+            }
+            let mut progressed = false;
+            for n in names {
+                if self.remove(&n, true).is_ok() {
+                    progressed = true;
+                }
+            }
+            if !progressed {
+                return;
+            }
+        }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.state.lock().devices.keys().cloned().collect()
+    }
+
+    pub fn table_text(&self, name: &str) -> Result<String, DmError> {
+        Ok(self.must_get(name)?.table_text())
+    }
+
+    /// The staged table (`dmsetup table --inactive`), if any.
+    pub fn inactive_table_text(&self, name: &str) -> Result<Option<String>, DmError> {
+        Ok(self
+            .must_get(name)?
+            .inactive_table()
+            .map(|t| t.table_text()))
+    }
+
+    pub fn status_text(&self, name: &str) -> Result<String, DmError> {
+        Ok(self.must_get(name)?.status_text())
+    }
+
+    pub fn message(&self, name: &str, sector: u64, args: &[&str]) -> Result<String, DmError> {
+        let dev = self.must_get(name)?;
+        dev.message(sector, args)
+            .map_err(|m| DmError::Invalid(format!("{}: message failed: {m}", dev.name)))
+    }
+
+    pub fn info(&self, name: &str) -> Result<DeviceInfo, DmError> {
+        let d = self.must_get(name)?;
+        let t = d.live_table();
+        Ok(DeviceInfo {
+            name: d.name.clone(),
+            uuid: d.uuid.clone(),
+            major: DM_MAJOR,
+            minor: d.minor,
+            suspended: d.is_suspended(),
+            read_only: d.is_read_only(),
+            live_table: true,
+            inactive_table: d.inactive_table().is_some(),
+            open_count: d.open_count(),
+            event_nr: d.event_nr(),
+            target_count: t.entries.len(),
+            size_bytes: t.size_bytes(),
+        })
+    }
+
+    /// Names of the devices `name`'s live table uses.
+    pub fn deps(&self, name: &str) -> Result<Vec<String>, DmError> {
+        Ok(self.must_get(name)?.live_table().deps())
+    }
+
+    /// Names of the devices using `name`.
+    pub fn users(&self, name: &str) -> Result<Vec<String>, DmError> {
+        let state = self.state.lock();
+        let d = state
+            .resolve(&[], name)
+            .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
+        Ok(state.users_of(&d.name))
+    }
+}

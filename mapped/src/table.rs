@@ -1,0 +1,471 @@
+//! The dmsetup table language, parsed by hand (no crate speaks it).
+//!
+//! Three forms, as dmsetup accepts them:
+//! - a table: `start length target args...` lines in 512-byte sectors,
+//!   `#` comments and blank lines ignored, arguments split on whitespace
+//!   with backslash escaping one character (kernel `dm_split_args`);
+//! - dmsetup's `--concise` list: `name,uuid,minor,flags,table[,table]...`
+//!   devices separated by `;`, with `\,` `\;` `\\` escapes;
+//! - a stack file: either concise text, or one `NAME: <table line>` per
+//!   line (several lines with one NAME make a multi-line table), devices
+//!   created in the order they first appear.
+//!
+//! Validation follows `dm_table_add_target`/`dm_table_complete`: the lines,
+//! in order, must start at sector 0 and abut with no gap or overlap.
+
+use crate::error::DmError;
+use std::fmt::Write as _;
+
+/// One parsed table line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableLine {
+    /// 1-based line number in the text it came from (for errors).
+    pub line: usize,
+    pub start: u64,
+    pub len: u64,
+    pub target: String,
+    pub args: Vec<String>,
+}
+
+impl TableLine {
+    /// The line as `table` prints it (args re-escaped).
+    pub fn to_text(&self) -> String {
+        let mut s = format!("{} {} {}", self.start, self.len, self.target);
+        for a in &self.args {
+            s.push(' ');
+            s.push_str(&escape_arg(a));
+        }
+        s
+    }
+}
+
+/// Backslash-escape whitespace and backslashes so `split_args` gives `a` back.
+pub fn escape_arg(a: &str) -> String {
+    let mut out = String::with_capacity(a.len());
+    for c in a.chars() {
+        if c.is_whitespace() || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Kernel `dm_split_args`: whitespace separates, backslash escapes.
+pub fn split_args(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut in_word = false;
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            if let Some(n) = chars.next() {
+                cur.push(n);
+                in_word = true;
+            }
+        } else if c.is_whitespace() {
+            if in_word {
+                out.push(std::mem::take(&mut cur));
+                in_word = false;
+            }
+        } else {
+            cur.push(c);
+            in_word = true;
+        }
+    }
+    if in_word {
+        out.push(cur);
+    }
+    out
+}
+
+fn parse_u64(what: &str, s: &str, line: usize) -> Result<u64, DmError> {
+    s.parse::<u64>().map_err(|_| {
+        DmError::line(
+            line,
+            format!("bad {what} '{s}': not a non-negative integer"),
+        )
+    })
+}
+
+/// Parse one table line (already stripped of comments) at `line`.
+pub fn parse_line(text: &str, line: usize) -> Result<TableLine, DmError> {
+    let words = split_args(text);
+    if words.len() < 3 {
+        return Err(DmError::line(
+            line,
+            format!(
+                "expected '<start> <length> <target> [args...]', got '{}'",
+                text.trim()
+            ),
+        ));
+    }
+    let start = parse_u64("start sector", &words[0], line)?;
+    let len = parse_u64("length", &words[1], line)?;
+    if len == 0 {
+        return Err(DmError::line(line, "zero-length target".to_string()));
+    }
+    if start.checked_add(len).is_none() {
+        return Err(DmError::line(
+            line,
+            format!("start {start} + length {len} overflows"),
+        ));
+    }
+    Ok(TableLine {
+        line,
+        start,
+        len,
+        target: words[2].clone(),
+        args: words[3..].to_vec(),
+    })
+}
+
+/// Parse a whole table and check that its lines tile `0..size` exactly.
+pub fn parse_table(text: &str) -> Result<Vec<TableLine>, DmError> {
+    let mut lines = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let body = raw.trim();
+        if body.is_empty() || body.starts_with('#') {
+            continue;
+        }
+        lines.push(parse_line(body, i + 1)?);
+    }
+    check_layout(&lines)?;
+    Ok(lines)
+}
+
+/// Lines must be in order, start at 0, and abut (dm: "Gap in table",
+/// overlapping targets are refused too).
+pub fn check_layout(lines: &[TableLine]) -> Result<(), DmError> {
+    if lines.is_empty() {
+        return Err(DmError::Invalid("empty table: no target lines".into()));
+    }
+    let mut sorted: Vec<&TableLine> = lines.iter().collect();
+    sorted.sort_by_key(|l| l.start);
+    let mut next = 0u64;
+    let mut prev: Option<&TableLine> = None;
+    for l in sorted {
+        if l.start < next {
+            let p = prev.map(|p| p.line).unwrap_or(0);
+            return Err(DmError::line(
+                l.line,
+                format!(
+                    "sectors {}..{} overlap line {p}, which ends at {next}",
+                    l.start,
+                    l.start + l.len
+                ),
+            ));
+        }
+        if l.start > next {
+            return Err(match prev {
+                None => DmError::line(
+                    l.line,
+                    format!(
+                        "table must start at sector 0, this line starts at {}",
+                        l.start
+                    ),
+                ),
+                Some(p) => DmError::line(
+                    l.line,
+                    format!(
+                        "gap in table: line {} ends at sector {next}, this line starts at {}",
+                        p.line, l.start
+                    ),
+                ),
+            });
+        }
+        next = l.start + l.len;
+        prev = Some(l);
+    }
+    // Lines must also appear in sector order, as the kernel requires.
+    for w in lines.windows(2) {
+        if w[1].start < w[0].start {
+            return Err(DmError::line(
+                w[1].line,
+                format!(
+                    "lines out of order: starts at {} after a line starting at {}",
+                    w[1].start, w[0].start
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Render a table as `dmsetup table` does (one line each, newline-ended).
+pub fn render_table(lines: &[TableLine]) -> String {
+    let mut s = String::new();
+    for l in lines {
+        let _ = writeln!(s, "{}", l.to_text());
+    }
+    s
+}
+
+/// One device of a `--concise` list or a stack file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub name: String,
+    pub uuid: Option<String>,
+    pub minor: Option<u32>,
+    pub read_only: bool,
+    /// The table, one line per entry, in order.
+    pub table: String,
+}
+
+/// Split `s` on unescaped `sep`, keeping escapes of other characters intact
+/// for the next level, and unescaping `\sep`.
+fn split_escaped(s: &str, sep: char) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\\' {
+            match chars.next() {
+                Some(n) if n == sep => cur.push(n),
+                Some(n) => {
+                    cur.push('\\');
+                    cur.push(n);
+                }
+                None => cur.push('\\'),
+            }
+        } else if c == sep {
+            out.push(std::mem::take(&mut cur));
+        } else {
+            cur.push(c);
+        }
+    }
+    out.push(cur);
+    out
+}
+
+/// Parse dmsetup's concise format: `name,uuid,minor,flags,table[,table]...`
+/// with devices separated by `;`.
+pub fn parse_concise(s: &str) -> Result<Vec<DeviceSpec>, DmError> {
+    let mut out = Vec::new();
+    for (i, dev) in split_escaped(s.trim(), ';').into_iter().enumerate() {
+        let dev = dev.trim();
+        if dev.is_empty() {
+            continue;
+        }
+        let fields = split_escaped(dev, ',');
+        let which = i + 1;
+        if fields.len() < 5 {
+            return Err(DmError::Invalid(format!(
+                "concise device {which} ('{dev}'): expected name,uuid,minor,flags,table[,table...], got {} field(s)",
+                fields.len()
+            )));
+        }
+        let name = fields[0].trim().to_string();
+        validate_name(&name)?;
+        let uuid = Some(fields[1].trim().to_string()).filter(|u| !u.is_empty());
+        let minor = match fields[2].trim() {
+            "" => None,
+            m => Some(m.parse::<u32>().map_err(|_| {
+                DmError::Invalid(format!("concise device {name}: bad minor '{m}'"))
+            })?),
+        };
+        let read_only = match fields[3].trim() {
+            "" | "rw" => false,
+            "ro" => true,
+            f => {
+                return Err(DmError::Invalid(format!(
+                    "concise device {name}: bad flags '{f}' (expected ro or rw)"
+                )))
+            }
+        };
+        let table = fields[4..]
+            .iter()
+            .map(|t| t.trim())
+            .collect::<Vec<_>>()
+            .join("\n");
+        out.push(DeviceSpec {
+            name,
+            uuid,
+            minor,
+            read_only,
+            table,
+        });
+    }
+    if out.is_empty() {
+        return Err(DmError::Invalid("concise list names no device".into()));
+    }
+    Ok(out)
+}
+
+/// Render devices in dmsetup's concise format.
+pub fn render_concise(devs: &[DeviceSpec]) -> String {
+    let esc = |s: &str| {
+        s.replace('\\', "\\\\")
+            .replace(',', "\\,")
+            .replace(';', "\\;")
+    };
+    devs.iter()
+        .map(|d| {
+            let mut f = vec![
+                esc(&d.name),
+                esc(d.uuid.as_deref().unwrap_or("")),
+                d.minor.map(|m| m.to_string()).unwrap_or_default(),
+                if d.read_only {
+                    "ro".into()
+                } else {
+                    "rw".into()
+                },
+            ];
+            f.extend(d.table.lines().filter(|l| !l.trim().is_empty()).map(esc));
+            f.join(",")
+        })
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
+/// Device names: what dm accepts in a `/dev/mapper/` name.
+pub fn validate_name(name: &str) -> Result<(), DmError> {
+    if name.is_empty() {
+        return Err(DmError::Invalid("empty device name".into()));
+    }
+    if name.len() > 127 {
+        return Err(DmError::Invalid(format!(
+            "device name '{name}' is longer than 127 characters"
+        )));
+    }
+    if name == "."
+        || name == ".."
+        || name.contains('/')
+        || name.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(DmError::Invalid(format!(
+            "bad device name '{name}': no '/', whitespace or control characters, not '.' or '..'"
+        )));
+    }
+    Ok(())
+}
+
+/// Parse a stack file: concise text, or `NAME: <table line>` lines.
+pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
+    let body: Vec<(usize, &str)> = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.trim()))
+        .filter(|(_, l)| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    if body.is_empty() {
+        return Err(DmError::Invalid("stack file defines no device".into()));
+    }
+    let is_named = |l: &str| {
+        l.split_whitespace()
+            .next()
+            .is_some_and(|w| w.ends_with(':') && w.len() > 1)
+    };
+    if !body.iter().all(|(_, l)| is_named(l)) {
+        if body.iter().any(|(_, l)| is_named(l)) {
+            let (n, _) = body
+                .iter()
+                .find(|(_, l)| !is_named(l))
+                .copied()
+                .unwrap_or((0, ""));
+            return Err(DmError::line(
+                n,
+                "stack file mixes 'NAME: table line' lines with other text; use one form".into(),
+            ));
+        }
+        let joined = body.iter().map(|(_, l)| *l).collect::<Vec<_>>().join("");
+        return parse_concise(&joined);
+    }
+    let mut devs: Vec<DeviceSpec> = Vec::new();
+    for (n, l) in body {
+        let (name, rest) = l.split_once(':').unwrap_or((l, ""));
+        let name = name.trim();
+        validate_name(name).map_err(|e| DmError::line(n, e.to_string()))?;
+        let rest = rest.trim();
+        // Validate the line syntax now, with its real line number.
+        parse_line(rest, n).map_err(|e| e.in_device(name))?;
+        match devs.iter_mut().find(|d| d.name == name) {
+            Some(d) => {
+                d.table.push('\n');
+                d.table.push_str(rest);
+            }
+            None => devs.push(DeviceSpec {
+                name: name.to_string(),
+                uuid: None,
+                minor: None,
+                read_only: false,
+                table: rest.to_string(),
+            }),
+        }
+    }
+    Ok(devs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_lines_comments_and_escapes() {
+        let t = parse_table("# a comment\n\n0 100 linear zero0 0\n100 50 error\n").unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0].line, 3);
+        assert_eq!(t[0].args, vec!["zero0", "0"]);
+        assert_eq!(t[1].target, "error");
+        assert_eq!(split_args(r"a\ b  c\\d"), vec!["a b", r"c\d"]);
+        assert_eq!(split_args(&escape_arg("x y\\z")), vec!["x y\\z"]);
+    }
+
+    #[test]
+    fn rejects_bad_layouts_naming_the_line() {
+        let e = parse_table("0 100 zero\n50 100 zero\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2") && e.contains("overlap"), "{e}");
+        let e = parse_table("0 100 zero\n200 100 zero\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2") && e.contains("gap"), "{e}");
+        let e = parse_table("10 100 zero\n").unwrap_err().to_string();
+        assert!(e.contains("line 1") && e.contains("sector 0"), "{e}");
+        let e = parse_table("0 1x0 zero\n").unwrap_err().to_string();
+        assert!(
+            e.contains("line 1") && e.contains("bad length '1x0'"),
+            "{e}"
+        );
+        let e = parse_table("0 100\n").unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
+        let e = parse_table("0 0 zero\n").unwrap_err().to_string();
+        assert!(e.contains("zero-length"), "{e}");
+        assert!(parse_table("# nothing\n").is_err());
+    }
+
+    #[test]
+    fn concise_round_trip() {
+        let s = "a,,,rw,0 100 zero;b,uuid-b,5,ro,0 50 linear a 0,50 50 linear a 50";
+        let d = parse_concise(s).unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[1].minor, Some(5));
+        assert!(d[1].read_only);
+        assert_eq!(d[1].table, "0 50 linear a 0\n50 50 linear a 50");
+        assert_eq!(parse_concise(&render_concise(&d)).unwrap(), d);
+        assert!(parse_concise("a,,x,rw,0 1 zero")
+            .unwrap_err()
+            .to_string()
+            .contains("minor"));
+        assert!(parse_concise("a,,,zz,0 1 zero")
+            .unwrap_err()
+            .to_string()
+            .contains("flags"));
+        assert!(parse_concise("a,,,rw").is_err());
+    }
+
+    #[test]
+    fn stack_named_lines_group_by_name() {
+        let d = parse_stack(
+            "# stack\nm0: 0 100 memory\nlin: 0 50 linear m0 0\nlin: 50 50 linear m0 50\n",
+        )
+        .unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[1].table, "0 50 linear m0 0\n50 50 linear m0 50");
+        let e = parse_stack("m0: 0 x memory\n").unwrap_err().to_string();
+        assert!(e.contains("line 1") && e.contains("m0"), "{e}");
+        let c = parse_stack("z,,,rw,0 8 zero\n").unwrap();
+        assert_eq!(c[0].name, "z");
+    }
+}

@@ -1,0 +1,196 @@
+//! The shape every target has, after the kernel's `struct target_type`.
+//!
+//! A target type is a name and a constructor (`ctr`); a constructed target
+//! maps bios, and reports `status` (STATUSTYPE_INFO), `table`
+//! (STATUSTYPE_TABLE) and answers `message`s. Targets that need to see a
+//! completion (`end_io` in dm) push an `EndIo` frame on the bio in `map`.
+//! Suspend hooks follow dm's presuspend/postsuspend/resume.
+//!
+//! `map` receives the bio with `offset` relative to the target's first
+//! byte, as `dm_target_offset()` gives it, so a target never needs to know
+//! where in the table it sits.
+
+use crate::error::DmError;
+use blkstack_core::device::Extent;
+use blkstack_core::{Bio, DeviceRef, Features, SECTOR_SIZE};
+use std::fmt;
+use std::sync::Arc;
+
+/// The device-mapper major number, used to print device references the way
+/// `dmsetup table` does (`253:MINOR`).
+pub const DM_MAJOR: u32 = 253;
+
+pub trait Target: Send + Sync {
+    /// Handle a bio whose offset is relative to the target's start. The
+    /// target owns it: submit it (remapped) to a lower device, queue it, or
+    /// complete it.
+    fn map(&self, bio: Bio);
+
+    /// `dmsetup status` text after `start length name ` (may be empty).
+    fn status(&self) -> String {
+        String::new()
+    }
+
+    /// `dmsetup table` arguments after `start length name `: parsing them
+    /// again must build the same target.
+    fn table(&self) -> String;
+
+    /// `dmsetup message`: `args` are the words after the sector.
+    fn message(&self, args: &[&str]) -> Result<String, String> {
+        Err(format!(
+            "message '{}' not supported by this target",
+            args.join(" ")
+        ))
+    }
+
+    /// Before suspend stops I/O (dm-delay flushes its queue here).
+    fn presuspend(&self) {}
+
+    /// After in-flight I/O has drained.
+    fn postsuspend(&self) {}
+
+    /// When the device resumes with this target live.
+    fn resume(&self) {}
+
+    fn features(&self) -> Features {
+        Features::default()
+    }
+
+    /// Data/hole map, target-relative, if known.
+    fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {
+        None
+    }
+
+    /// The largest bio `map` accepts starting at this target-relative
+    /// offset, in bytes (dm's `max_io_len`); the mapped device splits
+    /// larger ones. `u64::MAX` for no limit.
+    fn max_io_len(&self, _offset: u64) -> u64 {
+        u64::MAX
+    }
+}
+
+pub type TargetRef = Arc<dyn Target>;
+
+/// A device argument of a table line, resolved.
+#[derive(Clone)]
+pub struct DevArg {
+    /// The device's name in the registry.
+    pub name: String,
+    pub minor: u32,
+    pub dev: DeviceRef,
+}
+
+impl fmt::Display for DevArg {
+    /// `MAJOR:MINOR`, as `dmsetup table` prints device arguments.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{DM_MAJOR}:{}", self.minor)
+    }
+}
+
+impl fmt::Debug for DevArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}({DM_MAJOR}:{})", self.name, self.minor)
+    }
+}
+
+/// What a constructor may ask of the world: its place in the table and
+/// the devices it refers to (kernel `dm_get_device`).
+pub struct CtrContext<'a> {
+    /// Start of the line, in sectors.
+    pub begin: u64,
+    /// Length of the line, in sectors.
+    pub len: u64,
+    /// The name of the device being built (for worker thread names).
+    pub device_name: &'a str,
+    lookup: &'a dyn Fn(&str) -> Option<(String, u32, DeviceRef)>,
+    used: Vec<String>,
+}
+
+impl<'a> CtrContext<'a> {
+    pub fn new(
+        begin: u64,
+        len: u64,
+        device_name: &'a str,
+        lookup: &'a dyn Fn(&str) -> Option<(String, u32, DeviceRef)>,
+    ) -> Self {
+        CtrContext {
+            begin,
+            len,
+            device_name,
+            lookup,
+            used: Vec::new(),
+        }
+    }
+
+    /// Length of the line in bytes (the size of a leaf device).
+    pub fn len_bytes(&self) -> u64 {
+        self.len * SECTOR_SIZE
+    }
+
+    /// Resolve `NAME`, `/dev/mapper/NAME` or `253:MINOR`, and check that
+    /// `start_sector..start_sector+len_sectors` lies inside it (dm's
+    /// `device_area_is_invalid`).
+    pub fn get_device(
+        &mut self,
+        arg: &str,
+        start_sector: u64,
+        len_sectors: u64,
+    ) -> Result<DevArg, String> {
+        let (name, minor, dev) =
+            (self.lookup)(arg).ok_or_else(|| format!("device '{arg}' not found"))?;
+        let dev_sectors = dev.size() / SECTOR_SIZE;
+        let end = start_sector
+            .checked_add(len_sectors)
+            .ok_or_else(|| format!("device '{arg}': range overflows"))?;
+        if end > dev_sectors {
+            return Err(format!(
+                "device '{arg}' is too small: sectors {start_sector}..{end} needed, it has {dev_sectors}"
+            ));
+        }
+        if !self.used.contains(&name) {
+            self.used.push(name.clone());
+        }
+        Ok(DevArg { name, minor, dev })
+    }
+
+    /// The names of the devices this line's target opened.
+    pub fn take_used(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.used)
+    }
+}
+
+/// A target type: the name used in tables and its constructor.
+pub struct TargetType {
+    pub name: &'static str,
+    /// dm's target version triple, shown by `dmsetup targets`.
+    pub version: [u32; 3],
+    pub ctr: fn(&mut CtrContext<'_>, &[&str]) -> Result<TargetRef, String>,
+}
+
+/// Parse a number argument, naming it in the error.
+pub fn parse_arg<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, String> {
+    s.parse::<T>().map_err(|_| format!("invalid {what} '{s}'"))
+}
+
+/// Check an exact argument count, naming the expected syntax.
+pub fn expect_args(args: &[&str], counts: &[usize], syntax: &str) -> Result<(), String> {
+    if counts.contains(&args.len()) {
+        Ok(())
+    } else {
+        let want = counts
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(" or ");
+        Err(format!(
+            "expected {want} argument(s) '{syntax}', got {}",
+            args.len()
+        ))
+    }
+}
+
+impl From<String> for DmError {
+    fn from(s: String) -> DmError {
+        DmError::Invalid(s)
+    }
+}

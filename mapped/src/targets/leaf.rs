@@ -1,0 +1,62 @@
+//! Leaf drivers as table targets: the line's length is the device size,
+//! the optional `key=value` arguments go to the driver, and `map` submits
+//! straight to it (the line-relative offset is the device offset). Shared
+//! by `null`, `memory` and any other driver-backed target.
+
+use crate::target::{Target, TargetType};
+use blkstack_core::device::Extent;
+use blkstack_core::{Bio, Device, Features};
+
+/// What a leaf driver shows through `status`, `table` and `message`.
+pub trait LeafDriver: Device {
+    fn status(&self) -> String;
+    fn table_args(&self) -> String;
+    fn message(&self, args: &[&str]) -> Result<String, String> {
+        Err(format!("message '{}' not supported", args.join(" ")))
+    }
+}
+
+pub struct LeafTarget<D: LeafDriver> {
+    pub driver: D,
+}
+
+impl<D: LeafDriver> Target for LeafTarget<D> {
+    fn map(&self, bio: Bio) {
+        self.driver.submit(bio);
+    }
+
+    fn status(&self) -> String {
+        self.driver.status()
+    }
+
+    fn table(&self) -> String {
+        self.driver.table_args()
+    }
+
+    fn message(&self, args: &[&str]) -> Result<String, String> {
+        self.driver.message(args)
+    }
+
+    fn features(&self) -> Features {
+        self.driver.features()
+    }
+
+    fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
+        self.driver.extents(offset, len)
+    }
+}
+
+/// Shorthand to declare a leaf target type.
+pub const fn leaf_type(
+    name: &'static str,
+    ctr: fn(
+        &mut crate::target::CtrContext<'_>,
+        &[&str],
+    ) -> Result<crate::target::TargetRef, String>,
+) -> TargetType {
+    TargetType {
+        name,
+        version: [1, 0, 0],
+        ctr,
+    }
+}

@@ -1,0 +1,30 @@
+//! The target types a table may name. Adding a target is one file here and
+//! one line in [`TYPES`].
+
+pub mod error;
+pub mod leaf;
+pub mod linear;
+pub mod memory;
+pub mod null;
+pub mod striped;
+pub mod zero;
+
+use crate::target::TargetType;
+
+/// Every known target type.
+pub static TYPES: &[TargetType] = &[
+    zero::TYPE,
+    error::TYPE,
+    linear::TYPE,
+    striped::TYPE,
+    null::TYPE,
+    memory::TYPE,
+];
+
+pub fn lookup(name: &str) -> Option<&'static TargetType> {
+    TYPES.iter().find(|t| t.name == name)
+}
+
+pub fn names() -> Vec<&'static str> {
+    TYPES.iter().map(|t| t.name).collect()
+}
