@@ -22,7 +22,7 @@ impl CpuTime {
         }
     }
 
-    pub fn add(self, o: CpuTime) -> CpuTime {
+    pub fn plus(self, o: CpuTime) -> CpuTime {
         CpuTime {
             user_ns: self.user_ns + o.user_ns,
             sys_ns: self.sys_ns + o.sys_ns,

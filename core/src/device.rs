@@ -116,7 +116,7 @@ pub fn check_bio(dev: &dyn Device, bio: &Bio) -> Result<(), Status> {
     if end > dev.size() {
         return Err(Status::Invalid);
     }
-    if bio.offset % lbs != 0 || bio.len % lbs != 0 {
+    if !bio.offset.is_multiple_of(lbs) || !bio.len.is_multiple_of(lbs) {
         return Err(Status::Invalid);
     }
     if bio.op.has_data() && bio.buf.len() as u64 != bio.len {

@@ -163,6 +163,7 @@ impl Registry {
             minor: None,
             read_only: false,
             table: table.to_string(),
+            origin_lines: None,
         };
         self.create_specs(&[spec])?;
         self.get(name)
@@ -210,7 +211,16 @@ impl Registry {
                 }
                 None => state.next_minor(&staged),
             };
-            let table = Self::build_table(&state, &staged, &spec.name, &spec.table)?;
+            let table = Self::build_table(&state, &staged, &spec.name, &spec.table).map_err(
+                |e| match (e, &spec.origin_lines) {
+                    (DmError::Line { device, line, msg }, Some(origin)) => DmError::Line {
+                        device,
+                        line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
+                        msg,
+                    },
+                    (e, _) => e,
+                },
+            )?;
             staged.push(Arc::new(MappedDevice::new(
                 spec.name.clone(),
                 spec.uuid.clone(),

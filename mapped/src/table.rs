@@ -210,6 +210,9 @@ pub struct DeviceSpec {
     pub read_only: bool,
     /// The table, one line per entry, in order.
     pub table: String,
+    /// For a stack file: the file line each table line came from, so
+    /// errors name the line the user wrote.
+    pub origin_lines: Option<Vec<usize>>,
 }
 
 /// Split `s` on unescaped `sep`, keeping escapes of other characters intact
@@ -284,6 +287,7 @@ pub fn parse_concise(s: &str) -> Result<Vec<DeviceSpec>, DmError> {
             minor,
             read_only,
             table,
+            origin_lines: None,
         });
     }
     if out.is_empty() {
@@ -383,6 +387,7 @@ pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
             Some(d) => {
                 d.table.push('\n');
                 d.table.push_str(rest);
+                d.origin_lines.get_or_insert_with(Vec::new).push(n);
             }
             None => devs.push(DeviceSpec {
                 name: name.to_string(),
@@ -390,6 +395,7 @@ pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
                 minor: None,
                 read_only: false,
                 table: rest.to_string(),
+                origin_lines: Some(vec![n]),
             }),
         }
     }

@@ -93,6 +93,9 @@ impl fmt::Debug for DevArg {
     }
 }
 
+/// Resolves a device argument to (registry name, minor, device).
+pub type DeviceLookup<'a> = &'a dyn Fn(&str) -> Option<(String, u32, DeviceRef)>;
+
 /// What a constructor may ask of the world: its place in the table and
 /// the devices it refers to (kernel `dm_get_device`).
 pub struct CtrContext<'a> {
@@ -102,17 +105,12 @@ pub struct CtrContext<'a> {
     pub len: u64,
     /// The name of the device being built (for worker thread names).
     pub device_name: &'a str,
-    lookup: &'a dyn Fn(&str) -> Option<(String, u32, DeviceRef)>,
+    lookup: DeviceLookup<'a>,
     used: Vec<String>,
 }
 
 impl<'a> CtrContext<'a> {
-    pub fn new(
-        begin: u64,
-        len: u64,
-        device_name: &'a str,
-        lookup: &'a dyn Fn(&str) -> Option<(String, u32, DeviceRef)>,
-    ) -> Self {
+    pub fn new(begin: u64, len: u64, device_name: &'a str, lookup: DeviceLookup<'a>) -> Self {
         CtrContext {
             begin,
             len,

@@ -45,14 +45,14 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
     if chunk == 0 {
         return Err("invalid chunk size 0".into());
     }
-    if ctx.len % n != 0 {
+    if !ctx.len.is_multiple_of(n) {
         return Err(format!(
             "target length {} is not divisible by the number of stripes {n}",
             ctx.len
         ));
     }
     let width = ctx.len / n;
-    if width % chunk != 0 {
+    if !width.is_multiple_of(chunk) {
         return Err(format!(
             "target length {} is not divisible by chunk size {chunk} times {n} stripes",
             ctx.len
