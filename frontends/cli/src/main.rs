@@ -14,10 +14,13 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client).
+    Serve(blkstack_nbd::NbdArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Serve(a) => blkstack_nbd::run_cli(a),
     }
 }

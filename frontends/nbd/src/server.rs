@@ -1,0 +1,279 @@
+//! Listening sockets, accepting connections, and the graceful stop.
+//!
+//! One thread accepts on every listener at once with `poll(2)`, which also
+//! watches a self-pipe: [`Stopper::stop`] (and SIGINT/SIGTERM, once
+//! [`install_signal_stop`] is called) writes a byte there. Stopping then
+//! follows what the NBD spec asks of a server that shuts down: no new
+//! connections (listeners closed, Unix socket files removed), the read side
+//! of every connection shut so no new request is accepted, every request
+//! already in flight completed and answered, and finally every exported
+//! device flushed.
+
+use crate::conn;
+use crate::export::Export;
+use crate::sock::Sock;
+use crate::uri::ListenUri;
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::Op;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io;
+use std::net::TcpListener;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    fn fd(&self) -> RawFd {
+        match self {
+            Listener::Tcp(l) => l.as_raw_fd(),
+            Listener::Unix(l, _) => l.as_raw_fd(),
+        }
+    }
+
+    fn accept(&self) -> io::Result<OwnedFd> {
+        match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept()?;
+                // Replies are small and latency-bound: never wait for Nagle.
+                s.set_nodelay(true)?;
+                Ok(OwnedFd::from(s))
+            }
+            Listener::Unix(l, _) => Ok(OwnedFd::from(l.accept()?.0)),
+        }
+    }
+}
+
+/// Wakes a running [`Server`] up and makes it stop gracefully.
+#[derive(Clone)]
+pub struct Stopper {
+    w: Arc<OwnedFd>,
+}
+
+impl Stopper {
+    pub fn stop(&self) {
+        let b = 1u8;
+        // SAFETY: writes one byte from a valid buffer to our pipe. A full
+        // pipe (EAGAIN) means a stop is already pending: nothing to do.
+        unsafe { libc::write(self.w.as_raw_fd(), (&b as *const u8).cast(), 1) };
+    }
+}
+
+/// What a finished [`Server::run`] did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ServeSummary {
+    pub connections: u64,
+}
+
+pub struct Server {
+    exports: Arc<Vec<Export>>,
+    listeners: Vec<(ListenUri, Listener)>,
+    stop_r: OwnedFd,
+    stop_w: Arc<OwnedFd>,
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: fds is a valid array of two ints.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two fresh fds that we now own.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+impl Server {
+    /// Bind every address. A Unix socket path that exists but has nobody
+    /// listening (a crashed earlier server) is replaced; one in use is an
+    /// error.
+    pub fn bind(exports: Vec<Export>, addrs: &[ListenUri]) -> io::Result<Server> {
+        if exports.is_empty() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "no exports given"));
+        }
+        let mut listeners = Vec::new();
+        for a in addrs {
+            let l = match a {
+                ListenUri::Tcp(sa) => {
+                    let l = TcpListener::bind(sa).map_err(|e| {
+                        io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"))
+                    })?;
+                    let bound = l.local_addr()?;
+                    (ListenUri::Tcp(bound), Listener::Tcp(l))
+                }
+                ListenUri::Unix(p) => {
+                    if p.exists() {
+                        if UnixStream::connect(p).is_ok() {
+                            return Err(io::Error::new(
+                                io::ErrorKind::AddrInUse,
+                                format!("{}: a server is already listening there", p.display()),
+                            ));
+                        }
+                        std::fs::remove_file(p)?;
+                    }
+                    let l = UnixListener::bind(p).map_err(|e| {
+                        io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"))
+                    })?;
+                    (a.clone(), Listener::Unix(l, p.clone()))
+                }
+            };
+            listeners.push(l);
+        }
+        let (stop_r, stop_w) = pipe()?;
+        Ok(Server {
+            exports: Arc::new(exports),
+            listeners,
+            stop_r,
+            stop_w: Arc::new(stop_w),
+        })
+    }
+
+    /// The addresses actually bound (TCP port 0 resolved).
+    pub fn addresses(&self) -> Vec<ListenUri> {
+        self.listeners.iter().map(|(u, _)| u.clone()).collect()
+    }
+
+    pub fn exports(&self) -> &[Export] {
+        &self.exports
+    }
+
+    pub fn stopper(&self) -> Stopper {
+        Stopper {
+            w: self.stop_w.clone(),
+        }
+    }
+
+    /// Accept and serve until stopped; then stop gracefully (see the
+    /// module documentation) and return.
+    pub fn run(self) -> io::Result<ServeSummary> {
+        let live: Arc<Mutex<HashMap<u64, Arc<Sock>>>> = Arc::default();
+        let mut threads: Vec<JoinHandle<()>> = Vec::new();
+        let mut summary = ServeSummary::default();
+        let mut pfds: Vec<libc::pollfd> = self
+            .listeners
+            .iter()
+            .map(|(_, l)| l.fd())
+            .chain(std::iter::once(self.stop_r.as_raw_fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        'accept: loop {
+            // SAFETY: pfds is a valid array of pollfd.
+            let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if pfds[pfds.len() - 1].revents != 0 {
+                break 'accept;
+            }
+            for (i, (_, l)) in self.listeners.iter().enumerate() {
+                if pfds[i].revents == 0 {
+                    continue;
+                }
+                let fd = match l.accept() {
+                    Ok(fd) => fd,
+                    // A client that went away before accept, or a transient
+                    // shortage of fds: keep serving the others.
+                    Err(e) => {
+                        eprintln!("blkstack-nbd: accept: {e}");
+                        continue;
+                    }
+                };
+                summary.connections += 1;
+                let id = summary.connections;
+                let sock = Arc::new(Sock::new(fd));
+                live.lock().insert(id, sock.clone());
+                let exports = self.exports.clone();
+                let live2 = live.clone();
+                let t = std::thread::Builder::new()
+                    .name(format!("nbd-conn-{id}"))
+                    .spawn(move || {
+                        if let Err(e) = conn::serve(sock, &exports) {
+                            if !matches!(
+                                e.kind(),
+                                io::ErrorKind::UnexpectedEof
+                                    | io::ErrorKind::ConnectionReset
+                                    | io::ErrorKind::BrokenPipe
+                            ) {
+                                eprintln!("blkstack-nbd: connection {id}: {e}");
+                            }
+                        }
+                        live2.lock().remove(&id);
+                    })?;
+                threads.push(t);
+            }
+            threads.retain(|t| !t.is_finished());
+        }
+        // Graceful stop: no new connections...
+        for (_, l) in &self.listeners {
+            if let Listener::Unix(_, p) = l {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        drop(self.listeners);
+        // ...no new requests, in-flight ones answered...
+        for s in live.lock().values() {
+            s.shutdown(std::net::Shutdown::Read);
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        // ...and every device flushed.
+        for e in self.exports.iter() {
+            if !e.read_only {
+                let st = submit_and_wait(&*e.dev, Op::Flush, 0, 0, &mut []);
+                if !st.is_ok() {
+                    eprintln!("blkstack-nbd: flushing {}: {st}", e.name);
+                }
+            }
+        }
+        Ok(summary)
+    }
+}
+
+/// The write end of the stop pipe, for the signal handler.
+static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_signal(_sig: libc::c_int) {
+    let fd = SIGNAL_FD.load(Ordering::Relaxed);
+    if fd >= 0 {
+        let b = 1u8;
+        // SAFETY: write(2) is async-signal-safe; fd is our pipe.
+        unsafe { libc::write(fd, (&b as *const u8).cast(), 1) };
+    }
+}
+
+/// Make SIGINT and SIGTERM stop `stopper`'s server gracefully. The stopper
+/// is kept alive for the rest of the process (the handler may fire late).
+pub fn install_signal_stop(stopper: &Stopper) -> io::Result<()> {
+    let keep = Box::leak(Box::new(stopper.clone()));
+    SIGNAL_FD.store(keep.w.as_raw_fd(), Ordering::Relaxed);
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction with a plain handler and an empty mask
+        // is valid; on_signal only does async-signal-safe work.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            sa.sa_flags = libc::SA_RESTART;
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}

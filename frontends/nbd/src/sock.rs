@@ -1,0 +1,138 @@
+//! A connected stream socket (TCP or Unix) used through its raw fd.
+//!
+//! The reader thread and whichever thread completes a bio share one socket:
+//! the reader only receives, completers only send (under the connection's
+//! writer lock). Going through `recv`/`send`/`sendmsg` directly, instead of
+//! `TcpStream`/`UnixStream`, gives one type for both families, lets replies
+//! go out with `MSG_NOSIGNAL` (a vanished client must not kill the server
+//! with SIGPIPE) and lets a header and a read's data leave in one
+//! `sendmsg` without copying the data.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+pub struct Sock {
+    fd: OwnedFd,
+}
+
+impl Sock {
+    pub fn new(fd: OwnedFd) -> Sock {
+        Sock { fd }
+    }
+
+    pub fn raw(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// One `recv`; `Ok(0)` is end of stream. Retries on EINTR.
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            // SAFETY: buf is valid writable memory of buf.len() bytes.
+            let n = unsafe { libc::recv(self.raw(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Receive exactly `buf.len()` bytes or fail (EOF is `UnexpectedEof`).
+    pub fn recv_exact(&self, mut buf: &mut [u8]) -> io::Result<()> {
+        while !buf.is_empty() {
+            let n = self.recv(buf)?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            buf = &mut buf[n..];
+        }
+        Ok(())
+    }
+
+    /// Send all of `a` then all of `b`, with as few syscalls as the kernel
+    /// allows (one `sendmsg` in the common case).
+    pub fn send_all2(&self, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+        while !a.is_empty() || !b.is_empty() {
+            let iov = [
+                libc::iovec {
+                    iov_base: a.as_ptr() as *mut libc::c_void,
+                    iov_len: a.len(),
+                },
+                libc::iovec {
+                    iov_base: b.as_ptr() as *mut libc::c_void,
+                    iov_len: b.len(),
+                },
+            ];
+            // SAFETY: zeroed msghdr is a valid "no name, no control" header.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+            msg.msg_iovlen = 2;
+            // SAFETY: iov points at two live slices for the call's duration.
+            let n = unsafe { libc::sendmsg(self.raw(), &msg, libc::MSG_NOSIGNAL) };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            let mut n = n as usize;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            let from_a = n.min(a.len());
+            a = &a[from_a..];
+            n -= from_a;
+            b = &b[n..];
+        }
+        Ok(())
+    }
+
+    pub fn send_all(&self, a: &[u8]) -> io::Result<()> {
+        self.send_all2(a, &[])
+    }
+
+    /// `shutdown(2)`; errors (e.g. already disconnected) are irrelevant to
+    /// every caller, which only wants the other side unblocked.
+    pub fn shutdown(&self, how: std::net::Shutdown) {
+        let how = match how {
+            std::net::Shutdown::Read => libc::SHUT_RD,
+            std::net::Shutdown::Write => libc::SHUT_WR,
+            std::net::Shutdown::Both => libc::SHUT_RDWR,
+        };
+        // SAFETY: plain syscall on an fd we own.
+        unsafe { libc::shutdown(self.raw(), how) };
+    }
+
+    /// Bound how long a `recv` may block (None: forever). Used so that a
+    /// client that stalls mid-handshake cannot pin a thread for ever.
+    pub fn set_recv_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        let tv = match t {
+            Some(d) => libc::timeval {
+                tv_sec: d.as_secs() as libc::time_t,
+                tv_usec: d.subsec_micros() as libc::suseconds_t,
+            },
+            None => libc::timeval {
+                tv_sec: 0,
+                tv_usec: 0,
+            },
+        };
+        // SAFETY: tv is a valid timeval for SO_RCVTIMEO.
+        let r = unsafe {
+            libc::setsockopt(
+                self.raw(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
