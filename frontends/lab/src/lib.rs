@@ -1,1 +1,195 @@
-//! Lab.
+//! `blkstack lab`: the five seed experiments, each rerun with the old and
+//! the new mechanism side by side, printed beside the seed's published
+//! figures, checked against the claims the issues make, and written as
+//! `NAME.json` and `NAME.svg`.
+//!
+//! An experiment is one module with `run(&LabOpts) -> Result<LabReport>`
+//! and one line in [`EXPERIMENTS`].
+
+pub mod plot;
+pub mod report;
+
+use anyhow::{anyhow, bail, Context, Result};
+use report::LabReport;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Options every experiment gets.
+#[derive(Clone, Debug, Default)]
+pub struct LabOpts {
+    /// Each experiment under 60 s.
+    pub quick: bool,
+    /// Repetitions per point (experiments choose a default when `None`).
+    pub repeats: Option<usize>,
+    /// Parallel jobs (experiments choose a default suited to the machine).
+    pub jobs: Option<usize>,
+    /// Experiment-specific `key=value` settings (`--set`).
+    pub params: BTreeMap<String, String>,
+}
+
+impl LabOpts {
+    /// A `--set key=value` parameter parsed as `T`, or `default`.
+    pub fn param<T: std::str::FromStr>(&self, key: &str, default: T) -> Result<T> {
+        match self.params.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .parse::<T>()
+                .map_err(|_| anyhow!("--set {key}={v}: not a valid value")),
+        }
+    }
+
+    /// A comma-separated list parameter.
+    pub fn param_list<T: std::str::FromStr + Clone>(
+        &self,
+        key: &str,
+        default: &[T],
+    ) -> Result<Vec<T>> {
+        match self.params.get(key) {
+            None => Ok(default.to_vec()),
+            Some(v) => v
+                .split(',')
+                .map(|x| {
+                    x.trim()
+                        .parse::<T>()
+                        .map_err(|_| anyhow!("--set {key}={v}: '{x}' is not valid"))
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One experiment: name (the subcommand), the seed it reruns, its runner.
+pub struct Experiment {
+    pub name: &'static str,
+    pub seed: &'static str,
+    pub about: &'static str,
+    pub run: fn(&LabOpts) -> Result<LabReport>,
+}
+
+/// Every experiment, in seed order.
+pub static EXPERIMENTS: &[Experiment] = &[];
+
+#[derive(clap::Args, Debug)]
+#[command(
+    about = "Rerun the seed experiments (old vs new mechanism), print them beside the seed's figures, write JSON and SVG"
+)]
+pub struct LabArgs {
+    /// Experiment name, or `all`. `--list` shows them.
+    pub experiment: Option<String>,
+    /// Short runs: each experiment under 60 s.
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for NAME.json and NAME.svg (created if missing).
+    #[arg(long, default_value = "lab-out")]
+    pub out: PathBuf,
+    /// Repetitions per point.
+    #[arg(long)]
+    pub repeats: Option<usize>,
+    /// Parallel jobs where the experiment has them.
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Experiment-specific setting, `key=value` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// List the experiments and exit.
+    #[arg(long)]
+    pub list: bool,
+}
+
+fn list() -> String {
+    let mut s = String::from("experiments:\n");
+    for e in EXPERIMENTS {
+        s.push_str(&format!("  {:<12} seed {}  {}\n", e.name, e.seed, e.about));
+    }
+    s.push_str("  all          every experiment above\n");
+    s
+}
+
+/// Run one experiment and write its outputs.
+pub fn run_one(e: &Experiment, opts: &LabOpts, out: &std::path::Path) -> Result<LabReport> {
+    let started = std::time::Instant::now();
+    let mut report = (e.run)(opts).with_context(|| format!("lab {}", e.name))?;
+    if report.command.is_empty() {
+        report.command = format!(
+            "cargo run --release -- lab {}{}",
+            e.name,
+            if opts.quick { " --quick" } else { "" }
+        );
+    }
+    report.note(format!("ran in {:.1} s", started.elapsed().as_secs_f64()));
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let json_path = out.join(format!("{}.json", e.name));
+    std::fs::write(&json_path, serde_json::to_string_pretty(&report.to_json())?)
+        .with_context(|| format!("writing {}", json_path.display()))?;
+    if let Some(spec) = &report.plot {
+        let svg_path = out.join(format!("{}.svg", e.name));
+        plot::write_svg(&report, spec, &svg_path)?;
+    }
+    Ok(report)
+}
+
+pub fn run_cli(args: LabArgs) -> Result<()> {
+    if args.list {
+        print!("{}", list());
+        return Ok(());
+    }
+    let Some(name) = args.experiment.as_deref() else {
+        bail!("name an experiment or `all`\n{}", list());
+    };
+    let mut params = BTreeMap::new();
+    for kv in &args.set {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
+        params.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    let opts = LabOpts {
+        quick: args.quick,
+        repeats: args.repeats,
+        jobs: args.jobs,
+        params,
+    };
+    if args.repeats == Some(0) {
+        bail!("--repeats must be at least 1");
+    }
+    if args.jobs == Some(0) {
+        bail!("--jobs must be at least 1");
+    }
+    let selected: Vec<&Experiment> = if name == "all" {
+        EXPERIMENTS.iter().collect()
+    } else {
+        match EXPERIMENTS.iter().find(|e| e.name == name) {
+            Some(e) => vec![e],
+            None => bail!("unknown experiment '{name}'\n{}", list()),
+        }
+    };
+    if selected.is_empty() {
+        bail!("no experiments are built yet");
+    }
+    let mut failed = Vec::new();
+    for e in selected {
+        eprintln!(
+            "lab {}: running{}...",
+            e.name,
+            if opts.quick { " (quick)" } else { "" }
+        );
+        match run_one(e, &opts, &args.out) {
+            Ok(r) => {
+                println!("{}", r.to_text());
+                if !r.all_checks_pass() {
+                    failed.push(format!("{} (a check failed)", e.name));
+                }
+            }
+            Err(err) => {
+                eprintln!("lab {}: error: {err:#}", e.name);
+                failed.push(format!("{} (error)", e.name));
+            }
+        }
+    }
+    println!("outputs in {}", args.out.display());
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        bail!("not reproduced: {}", failed.join(", "))
+    }
+}
