@@ -4,6 +4,7 @@
 //! as a library.
 
 use clap::{Parser, Subcommand};
+use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(name = "blkstack", version, about = "A userspace block I/O stack: dm-style targets, blk-mq engine, NBD server, fio-compatible bench, and the lab")]
@@ -16,11 +17,23 @@ struct Cli {
 enum Cmd {
     /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client).
     Serve(blkstack_nbd::NbdArgs),
+    /// Rerun the seed experiments, old vs new mechanism (`lab all --quick`).
+    Lab(blkstack_lab::LabArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.cmd {
+    let result = match cli.cmd {
         Cmd::Serve(a) => blkstack_nbd::run_cli(a),
+        Cmd::Lab(a) => blkstack_lab::run_cli(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` prints the context chain on one line; no backtrace
+            // even when RUST_BACKTRACE is set, as users read this.
+            eprintln!("blkstack: error: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }
