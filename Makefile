@@ -1,0 +1,26 @@
+# The two commands a newcomer needs are in README.md; this file holds the
+# test recipe that `.ci/run` also uses.
+
+SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd
+
+.PHONY: test deps check lab
+
+# Install the real peers the interop tests start, if any is missing.
+deps:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system tools (missing:$$missing)"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils >/dev/null; \
+	fi
+
+# Every test: unit, integration, loom models, interop with the real clients.
+test: deps
+	cargo test --workspace
+
+check:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+lab:
+	cargo run --release -- lab all --quick
