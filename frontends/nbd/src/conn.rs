@@ -244,9 +244,9 @@ impl EndIo for Shared {
         let idx = private as usize;
         let slot = &self.slots[idx];
         if !status.is_ok() {
-            let _ = slot
-                .err
-                .compare_exchange(0, status.as_u8(), Ordering::AcqRel, Ordering::Acquire);
+            let _ =
+                slot.err
+                    .compare_exchange(0, status.as_u8(), Ordering::AcqRel, Ordering::Acquire);
         }
         if slot.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
@@ -484,9 +484,19 @@ fn handshake(sock: &Sock, inb: &mut InBuf, exports: &[Export]) -> io::Result<Opt
             }
             OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
-                    opt_err(sock, opt, REP_ERR_INVALID, "NBD_OPT_STRUCTURED_REPLY takes no data")?;
+                    opt_err(
+                        sock,
+                        opt,
+                        REP_ERR_INVALID,
+                        "NBD_OPT_STRUCTURED_REPLY takes no data",
+                    )?;
                 } else if structured {
-                    opt_err(sock, opt, REP_ERR_INVALID, "structured replies already negotiated")?;
+                    opt_err(
+                        sock,
+                        opt,
+                        REP_ERR_INVALID,
+                        "structured replies already negotiated",
+                    )?;
                 } else {
                     structured = true;
                     opt_reply(sock, opt, REP_ACK, &[])?;
@@ -540,7 +550,12 @@ fn handshake(sock: &Sock, inb: &mut InBuf, exports: &[Export]) -> io::Result<Opt
                 opt_reply(sock, opt, REP_ACK, &[])?;
             }
             _ => {
-                opt_err(sock, opt, REP_ERR_UNSUP, &format!("option {opt} is not supported"))?;
+                opt_err(
+                    sock,
+                    opt,
+                    REP_ERR_UNSUP,
+                    &format!("option {opt} is not supported"),
+                )?;
             }
         }
     }
@@ -682,30 +697,37 @@ impl Transmission<'_> {
         if r.len == 0 {
             return Err(Refusal(EINVAL, "zero-length request"));
         }
+        if matches!(r.cmd, CMD_READ | CMD_WRITE) && r.len > self.max_request {
+            return Err(Refusal(
+                EOVERFLOW,
+                "request larger than the maximum block size",
+            ));
+        }
         let end = r.offset.checked_add(r.len as u64);
-        if end.map_or(true, |e| e > self.size) {
+        if end.is_none_or(|e| e > self.size) {
             return Err(if writes {
                 Refusal(ENOSPC, "request extends beyond the end of the export")
             } else {
                 Refusal(EINVAL, "request extends beyond the end of the export")
             });
         }
-        if matches!(r.cmd, CMD_READ | CMD_WRITE) && r.len > self.max_request {
-            return Err(Refusal(EOVERFLOW, "request larger than the maximum block size"));
-        }
         if matches!(r.cmd, CMD_CACHE | CMD_BLOCK_STATUS) {
             return Ok(());
         }
-        if r.offset % self.lbs != 0 || r.len as u64 % self.lbs != 0 {
-            return Err(Refusal(EINVAL, "request not aligned to the minimum block size"));
+        if !r.offset.is_multiple_of(self.lbs) || !(r.len as u64).is_multiple_of(self.lbs) {
+            return Err(Refusal(
+                EINVAL,
+                "request not aligned to the minimum block size",
+            ));
         }
         match r.cmd {
             CMD_TRIM if !self.features.discard => {
                 Err(Refusal(EINVAL, "trim is not supported by this export"))
             }
-            CMD_WRITE_ZEROES if !self.features.write_zeroes => {
-                Err(Refusal(EINVAL, "write zeroes is not supported by this export"))
-            }
+            CMD_WRITE_ZEROES if !self.features.write_zeroes => Err(Refusal(
+                EINVAL,
+                "write zeroes is not supported by this export",
+            )),
             CMD_WRITE_ZEROES if r.flags & CMD_FLAG_FAST_ZERO != 0 && !self.features.fast_zero => {
                 Err(Refusal(ENOTSUP, "zeroing is not fast on this export"))
             }
@@ -770,7 +792,11 @@ impl Transmission<'_> {
                 // owns the slots, outlives the bio through the `owner`
                 // Arc the bio carries.
                 let buf = unsafe { m.buf.io_buf(0, len) };
-                let op = if r.cmd == CMD_READ { Op::Read } else { Op::Write };
+                let op = if r.cmd == CMD_READ {
+                    Op::Read
+                } else {
+                    Op::Write
+                };
                 (op, buf)
             }
             CMD_FLUSH => (Op::Flush, IoBuf::empty()),
@@ -805,8 +831,8 @@ impl Transmission<'_> {
         for _ in 0..count {
             let l = piece.min(total - off);
             let b = if op.has_data() { buf } else { IoBuf::empty() };
-            let bio = Bio::new(op, offset + off, l, b, self.owner.clone(), idx as u64)
-                .with_flags(flags);
+            let bio =
+                Bio::new(op, offset + off, l, b, self.owner.clone(), idx as u64).with_flags(flags);
             off += l;
             self.export.dev.submit(bio);
         }

@@ -14,6 +14,7 @@
 //! BLOCK_STATUS, DISC; replies out of order; many connections.
 //! Not supported: TLS, extended headers, RESIZE.
 
+pub mod client;
 pub mod conn;
 pub mod export;
 pub mod proto;
@@ -21,7 +22,8 @@ pub mod server;
 pub mod sock;
 pub mod uri;
 
-// TESTS
+#[cfg(test)]
+mod tests;
 
 pub use export::Export;
 pub use server::{install_signal_stop, Server, Stopper};
@@ -33,16 +35,19 @@ use std::path::PathBuf;
 
 /// `blkstack serve`: export devices over NBD until SIGINT/SIGTERM.
 #[derive(clap::Args, Debug)]
-#[command(
-    after_help = "Examples:\n  \
+#[command(after_help = "Examples:\n  \
     blkstack serve --concise 'd0,,,rw,0 2097152 memory' --export d0 --listen nbd://127.0.0.1:10809\n  \
     blkstack serve --stack stack.txt --export data,golden:ro --listen 'nbd+unix:///?socket=/tmp/nbd.sock'\n\n\
     Clients then use e.g. nbd://127.0.0.1:10809/d0 or nbd+unix:///data?socket=/tmp/nbd.sock.\n\
-    SIGINT/SIGTERM stop gracefully: no new connections, in-flight I/O answered, devices flushed."
-)]
+    SIGINT/SIGTERM stop gracefully: no new connections, in-flight I/O answered, devices flushed.")]
 pub struct NbdArgs {
     /// Create devices from a stack file (dmsetup concise text, or `NAME: <table line>` lines).
-    #[arg(long, value_name = "FILE", conflicts_with = "concise", required_unless_present = "concise")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        conflicts_with = "concise",
+        required_unless_present = "concise"
+    )]
     pub stack: Option<PathBuf>,
 
     /// Create devices from a dmsetup --concise string.
@@ -52,7 +57,12 @@ pub struct NbdArgs {
     /// Devices to export (comma-separated or repeated). `NAME:ro` exports NAME
     /// read-only (writes, trims and zeroing fail with EPERM). The first export
     /// is also the default one (empty export name).
-    #[arg(long, value_name = "NAME[:ro][,NAME[:ro]...]", value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        value_name = "NAME[:ro][,NAME[:ro]...]",
+        value_delimiter = ',',
+        required = true
+    )]
     pub export: Vec<String>,
 
     /// Export these devices read-only (same as NAME:ro in --export).
@@ -67,7 +77,10 @@ pub struct NbdArgs {
 }
 
 /// Parse `--export`/`--readonly` into (name, read_only) pairs.
-pub fn parse_exports(export: &[String], readonly: &[String]) -> anyhow::Result<Vec<(String, bool)>> {
+pub fn parse_exports(
+    export: &[String],
+    readonly: &[String],
+) -> anyhow::Result<Vec<(String, bool)>> {
     let mut out: Vec<(String, bool)> = Vec::new();
     for e in export {
         let e = e.trim();

@@ -158,12 +158,29 @@ pub const MAX_STRING: usize = 4096;
 /// Something a peer sent that does not parse.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WireError {
-    BadMagic { what: &'static str, got: u64 },
-    Truncated { what: &'static str, need: usize, have: usize },
-    TrailingBytes { what: &'static str, extra: usize },
-    StringTooLong { what: &'static str, len: usize },
-    NotUtf8 { what: &'static str },
-    ContainsNul { what: &'static str },
+    BadMagic {
+        what: &'static str,
+        got: u64,
+    },
+    Truncated {
+        what: &'static str,
+        need: usize,
+        have: usize,
+    },
+    TrailingBytes {
+        what: &'static str,
+        extra: usize,
+    },
+    StringTooLong {
+        what: &'static str,
+        len: usize,
+    },
+    NotUtf8 {
+        what: &'static str,
+    },
+    ContainsNul {
+        what: &'static str,
+    },
 }
 
 impl fmt::Display for WireError {
@@ -575,8 +592,19 @@ impl ChunkHeader {
 
 /// Header of an OFFSET_DATA chunk carrying `data_len` bytes at `offset`;
 /// the data follows (28 bytes here).
-pub fn encode_data_chunk_header(out: &mut Vec<u8>, flags: u16, handle: u64, offset: u64, data_len: u32) {
-    out.extend_from_slice(&chunk_header(flags, REPLY_TYPE_OFFSET_DATA, handle, data_len + 8));
+pub fn encode_data_chunk_header(
+    out: &mut Vec<u8>,
+    flags: u16,
+    handle: u64,
+    offset: u64,
+    data_len: u32,
+) {
+    out.extend_from_slice(&chunk_header(
+        flags,
+        REPLY_TYPE_OFFSET_DATA,
+        handle,
+        data_len + 8,
+    ));
     out.extend_from_slice(&offset.to_be_bytes());
 }
 
@@ -654,7 +682,10 @@ mod tests {
         }
         .encode();
         b[0] ^= 0xff;
-        assert!(matches!(Request::parse(&b), Err(WireError::BadMagic { .. })));
+        assert!(matches!(
+            Request::parse(&b),
+            Err(WireError::BadMagic { .. })
+        ));
     }
 
     #[test]
@@ -689,7 +720,10 @@ mod tests {
         let mut v = Vec::new();
         v.extend_from_slice(&100u32.to_be_bytes());
         v.extend_from_slice(b"abc");
-        assert!(matches!(GoRequest::parse(&v), Err(WireError::Truncated { .. })));
+        assert!(matches!(
+            GoRequest::parse(&v),
+            Err(WireError::Truncated { .. })
+        ));
         // Info count promises more than present.
         let mut v = Vec::new();
         GoRequest {
@@ -803,7 +837,13 @@ mod tests {
     #[test]
     fn block_status_chunk_layout() {
         let mut v = Vec::new();
-        encode_block_status_chunk(&mut v, REPLY_FLAG_DONE, 3, 1, &[(512, STATE_HOLE), (1024, 0)]);
+        encode_block_status_chunk(
+            &mut v,
+            REPLY_FLAG_DONE,
+            3,
+            1,
+            &[(512, STATE_HOLE), (1024, 0)],
+        );
         let h = ChunkHeader::parse(&v[..20].try_into().expect("20")).expect("header");
         assert_eq!(h.len, 4 + 16);
         assert_eq!(v.len(), 20 + 20);

@@ -96,7 +96,10 @@ impl Server {
     /// error.
     pub fn bind(exports: Vec<Export>, addrs: &[ListenUri]) -> io::Result<Server> {
         if exports.is_empty() {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "no exports given"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "no exports given",
+            ));
         }
         let mut listeners = Vec::new();
         for a in addrs {

@@ -74,7 +74,9 @@ impl ListenUri {
                 ));
             }
             if authority.contains('?') || authority.contains('@') {
-                return Err(format!("{s}: query parameters and user names are not supported"));
+                return Err(format!(
+                    "{s}: query parameters and user names are not supported"
+                ));
             }
             let (host, port) = split_host_port(authority).map_err(|e| format!("{s}: {e}"))?;
             let port = port.unwrap_or(DEFAULT_PORT);
