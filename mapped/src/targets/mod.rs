@@ -1,7 +1,9 @@
 //! The target types a table may name. Adding a target is one file here and
 //! one line in [`TYPES`].
 
+pub mod dust;
 pub mod error;
+pub mod flakey;
 pub mod leaf;
 pub mod linear;
 pub mod memory;
@@ -19,6 +21,8 @@ pub static TYPES: &[TargetType] = &[
     striped::TYPE,
     null::TYPE,
     memory::TYPE,
+    flakey::TYPE,
+    dust::TYPE,
 ];
 
 pub fn lookup(name: &str) -> Option<&'static TargetType> {

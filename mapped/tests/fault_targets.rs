@@ -1,0 +1,186 @@
+//! flakey and dust as a tester uses them: the failure each one promises
+//! happens, and only then; their table/status/message text is dm's.
+
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::{Device, Op, Status};
+use blkstack_mapped::Registry;
+use std::sync::Arc;
+
+fn setup() -> Arc<Registry> {
+    let reg = Registry::new();
+    reg.create("m", "0 4096 memory").unwrap();
+    reg
+}
+
+fn write(dev: &dyn Device, off: u64, byte: u8) -> Status {
+    let mut b = vec![byte; 4096];
+    submit_and_wait(dev, Op::Write, off, 4096, &mut b)
+}
+
+fn read(dev: &dyn Device, off: u64) -> (Status, Vec<u8>) {
+    let mut b = vec![0u8; 4096];
+    let s = submit_and_wait(dev, Op::Read, off, 4096, &mut b);
+    (s, b)
+}
+
+#[test]
+fn flakey_up_passes_down_fails_everything_by_default() {
+    let reg = setup();
+    reg.create("up", "0 4096 flakey m 0 1 0").unwrap();
+    reg.create("down", "0 4096 flakey m 0 0 1").unwrap();
+    let up = reg.device("up").unwrap();
+    let down = reg.device("down").unwrap();
+    assert_eq!(write(&*up, 0, 7), Status::Ok);
+    assert_eq!(read(&*up, 0), (Status::Ok, vec![7; 4096]));
+    assert_eq!(write(&*down, 0, 8), Status::IoError);
+    assert_eq!(read(&*down, 0).0, Status::IoError);
+    assert_eq!(
+        reg.table_text("down").unwrap(),
+        "0 4096 flakey 253:0 0 0 1 0\n"
+    );
+}
+
+#[test]
+fn flakey_features_drop_error_and_corrupt() {
+    let reg = setup();
+    let m = reg.device("m").unwrap();
+    reg.create("drop", "0 4096 flakey m 0 0 1 1 drop_writes")
+        .unwrap();
+    reg.create("err", "0 4096 flakey m 0 0 1 1 error_writes")
+        .unwrap();
+    reg.create("cor", "0 4096 flakey m 0 0 1 5 corrupt_bio_byte 10 r 255 0")
+        .unwrap();
+    assert_eq!(write(&*m, 0, 1), Status::Ok);
+    let drop = reg.device("drop").unwrap();
+    assert_eq!(
+        write(&*drop, 0, 2),
+        Status::Ok,
+        "dropped writes report success"
+    );
+    assert_eq!(read(&*m, 0).1, vec![1; 4096], "... but change nothing");
+    assert_eq!(
+        read(&*drop, 0),
+        (Status::Ok, vec![1; 4096]),
+        "reads pass while dropping writes"
+    );
+    let err = reg.device("err").unwrap();
+    assert_eq!(write(&*err, 0, 3), Status::IoError);
+    assert_eq!(read(&*err, 0).0, Status::Ok);
+    let cor = reg.device("cor").unwrap();
+    let (s, data) = read(&*cor, 0);
+    assert_eq!(s, Status::Ok);
+    assert_eq!(data[9], 255);
+    assert_eq!(data[8], 1);
+    assert_eq!(
+        read(&*m, 0).1[9],
+        1,
+        "read corruption must not reach the medium"
+    );
+    assert_eq!(
+        reg.table_text("cor").unwrap(),
+        "0 4096 flakey 253:0 0 0 1 5 corrupt_bio_byte 10 r 255 0\n"
+    );
+    assert_eq!(
+        reg.table_text("drop").unwrap(),
+        "0 4096 flakey 253:0 0 0 1 1 drop_writes\n"
+    );
+}
+
+#[test]
+fn flakey_argument_errors() {
+    let reg = setup();
+    for (t, want) in [
+        ("0 8 flakey m 0 1", "invalid argument count"),
+        ("0 8 flakey m 0 0 0", "interval is zero"),
+        ("0 8 flakey m 0 1 1 2 drop_writes error_writes", "conflicts"),
+        (
+            "0 8 flakey m 0 1 1 1 bogus",
+            "unrecognised flakey feature 'bogus'",
+        ),
+        ("0 8 flakey m 0 1 1 5 corrupt_bio_byte 1 x 0 0", "direction"),
+        (
+            "0 8 flakey m 0 1 1 6 drop_writes corrupt_bio_byte 1 w 0 0",
+            "incompatible",
+        ),
+        (
+            "0 8 flakey m 0 1 1 3 drop_writes",
+            "3 feature args declared",
+        ),
+    ] {
+        let e = reg.create("f", t).err().expect(t).to_string();
+        assert!(e.contains(want) && e.contains("line 1"), "{t}: {e}");
+    }
+}
+
+#[test]
+fn dust_fails_reads_of_bad_blocks_once_enabled() {
+    let reg = setup();
+    reg.create("d", "0 4096 dust m 0 4096").unwrap();
+    let d = reg.device("d").unwrap();
+    assert_eq!(write(&*d, 4096, 5), Status::Ok);
+    assert_eq!(reg.message("d", 0, &["addbadblock", "1"]).unwrap(), "");
+    assert_eq!(
+        read(&*d, 4096).0,
+        Status::Ok,
+        "bypass until enabled, as dm-dust"
+    );
+    reg.message("d", 0, &["enable"]).unwrap();
+    assert_eq!(
+        reg.status_text("d").unwrap(),
+        "0 4096 dust 253:0 fail_read_on_bad_block verbose\n"
+    );
+    assert_eq!(read(&*d, 4096).0, Status::IoError);
+    assert_eq!(read(&*d, 0).0, Status::Ok);
+    assert_eq!(
+        reg.message("d", 0, &["queryblock", "1"]).unwrap(),
+        "dust_query_block: block 1 found in badblocklist"
+    );
+    assert_eq!(
+        reg.message("d", 0, &["countbadblocks"]).unwrap(),
+        "countbadblocks: 1 badblock(s) found"
+    );
+    // A write to a bad block remaps it: reads work again.
+    assert_eq!(write(&*d, 4096, 6), Status::Ok);
+    assert_eq!(read(&*d, 4096), (Status::Ok, vec![6; 4096]));
+    // Write-fail count: the first N writes fail.
+    reg.message("d", 0, &["addbadblock", "2", "2"]).unwrap();
+    assert_eq!(write(&*d, 8192, 1), Status::IoError);
+    assert_eq!(write(&*d, 8192, 1), Status::IoError);
+    assert_eq!(write(&*d, 8192, 1), Status::Ok);
+    // A bio over several blocks is split per block: only the bad one fails.
+    reg.message("d", 0, &["addbadblock", "5"]).unwrap();
+    let mut b = vec![0u8; 4 * 4096];
+    assert_eq!(
+        submit_and_wait(&*d, Op::Read, 3 * 4096, 4 * 4096, &mut b),
+        Status::IoError
+    );
+    assert_eq!(reg.message("d", 0, &["listbadblocks"]).unwrap(), "5\n");
+    assert!(reg
+        .message("d", 0, &["addbadblock", "5"])
+        .unwrap_err()
+        .to_string()
+        .contains("already"));
+    assert!(reg
+        .message("d", 0, &["addbadblock", "99999"])
+        .unwrap_err()
+        .to_string()
+        .contains("out of range"));
+    assert!(reg
+        .message("d", 0, &["frobnicate"])
+        .unwrap_err()
+        .to_string()
+        .contains("unrecognized"));
+    assert_eq!(
+        reg.message("d", 0, &["clearbadblocks"]).unwrap(),
+        "dust_clear_badblocks: badblocks cleared"
+    );
+    assert_eq!(reg.table_text("d").unwrap(), "0 4096 dust 253:0 0 4096\n");
+    for (t, want) in [
+        ("0 8 dust m 0 1000", "power of 2"),
+        ("0 8 dust m 0 256", "at least 512"),
+        ("0 8 dust m 0", "expected 3"),
+    ] {
+        let e = reg.create("x", t).err().expect(t).to_string();
+        assert!(e.contains(want), "{t}: {e}");
+    }
+}
