@@ -1,1 +1,53 @@
-//! Bench runner.
+//! `blkstack bench`: an in-process, fio-compatible benchmark runner.
+//!
+//! It reads fio job files and fio's command-line options, drives blkstack
+//! devices through the core [`Device`](blkstack_core::Device) API with
+//! `iodepth` requests in flight per thread, and reports in fio's normal and
+//! JSON formats, so results sit beside fio's own. Latencies go into
+//! HdrHistograms; `verify=crc32c` writes self-describing blocks and reads
+//! them back as fio does.
+//!
+//! # Library use (the lab and other frontends)
+//!
+//! ```no_run
+//! use blkstack_bench::{run_jobs, JobSpec, RunOptions, RwMode};
+//! use std::time::Duration;
+//! let reg = blkstack_mapped::Registry::new();
+//! reg.create("m0", "0 2048 memory").unwrap();
+//! let job = JobSpec {
+//!     name: "x".into(),
+//!     filename: Some("m0".into()),
+//!     rw: RwMode::RandRead,
+//!     iodepth: 16,
+//!     runtime: Some(Duration::from_secs(1)),
+//!     time_based: true,
+//!     ..JobSpec::default()
+//! };
+//! let report = run_jobs(&reg, &[job], &RunOptions::default()).unwrap();
+//! println!("{:.0} IOPS, p99 {} ns", report.jobs[0].read.iops(),
+//!          report.jobs[0].read.clat.percentile(99.0));
+//! print!("{}", blkstack_bench::write_json(&report));
+//! ```
+//!
+//! [`run_on_device`] runs against a [`DeviceRef`](blkstack_core::DeviceRef)
+//! you built yourself; [`run_jobs_with`] takes any resolver.
+
+pub mod cli;
+pub mod cmdline;
+mod engine;
+pub mod jobfile;
+mod offsets;
+pub mod output;
+mod run;
+pub mod spec;
+pub mod stats;
+pub mod verify;
+
+pub use cli::{run_cli, BenchArgs};
+pub use cmdline::{parse_command_line, CommandLine, EtaMode, OutputFormat};
+pub use engine::{Geometry, JobProgress};
+pub use jobfile::{parse_job_file, JobFileError};
+pub use output::{write_json, write_normal, write_normal_header};
+pub use run::{run_jobs, run_jobs_with, run_on_device, RunOptions};
+pub use spec::{BlockSizes, JobSpec, RwMode, SizeSpec, VerifyMode, WaitMode};
+pub use stats::{BenchReport, DirStats, GroupStats, JobResult, LatStats};

@@ -1,0 +1,124 @@
+//! `blkstack bench ARGS...`: parse fio's command line, create the devices
+//! named by `--stack`/`--concise`, run the jobs, print the report.
+//!
+//! The arguments are parsed here rather than by clap because fio's grammar
+//! is order dependent (each `--name` opens a job that the following options
+//! change); clap only collects them. The exit status is non-zero when any
+//! job hit an I/O error or a verify failure, as fio's is.
+
+use crate::cmdline::{parse_command_line, EtaMode, OutputFormat};
+use crate::output::{write_json, write_normal, write_normal_header};
+use crate::run::{run_jobs, RunOptions};
+use anyhow::{bail, Context};
+use blkstack_mapped::Registry;
+use std::io::{IsTerminal, Write};
+
+const LONG_ABOUT: &str = "\
+Run fio job files and fio-style options against blkstack devices, in process.
+
+Devices: --stack FILE (a stack file: dmsetup concise text or `NAME: <table>` lines)
+and/or --concise 'NAME,,,rw,0 2048 memory;...'. A job's `filename` names a device
+(NAME or /dev/mapper/NAME); without one, the device named like the job, else the
+last device created.
+
+Job options (job file keys or --key=value): name filename rw(read write randread
+randwrite rw readwrite randrw) bs bssplit iodepth numjobs runtime time_based size
+io_size offset loops ramp_time rwmixread rwmixwrite norandommap randrepeat randseed
+verify(crc32c) do_verify verify_fatal continue_on_error group_reporting stonewall
+new_group wait(interrupt poll hybrid). Sizes take k/m/g/t (x1024) and %; times take
+us/ms/s/m/h. Options before the first --name apply to every job (and to job files);
+each --name starts a new job.
+
+Report options: --output-format=normal|json|normal,json  --output=FILE
+--eta=auto|always|never (progress bar on stderr).
+
+Example: blkstack bench --stack examples/striped-memory.stack --name=x --rw=randrw
+  --bs=4k --iodepth=16 --runtime=5s --time_based --verify=crc32c";
+
+/// `blkstack bench`: fio-compatible benchmark runner.
+#[derive(clap::Args, Debug)]
+#[command(about = "fio-compatible benchmark runner (job files, fio options, fio-shaped output)", long_about = LONG_ABOUT)]
+pub struct BenchArgs {
+    /// Job files and fio-style options (--name=x --rw=randread ...), in fio's order.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        num_args = 0..,
+        value_name = "JOBFILE|--OPTION"
+    )]
+    pub args: Vec<String>,
+}
+
+/// Run `blkstack bench`.
+pub fn run_cli(args: BenchArgs) -> anyhow::Result<()> {
+    let cl = parse_command_line(&args.args)?;
+    let registry = Registry::new();
+    let mut created: Vec<String> = Vec::new();
+    for path in &cl.stack_files {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading stack file {}", path.display()))?;
+        let names = registry
+            .create_stack(&text)
+            .map_err(|e| anyhow::anyhow!("stack file {}: {e}", path.display()))?;
+        created.extend(names);
+    }
+    for c in &cl.concise {
+        let names = registry
+            .create_concise(c)
+            .map_err(|e| anyhow::anyhow!("--concise '{c}': {e}"))?;
+        created.extend(names);
+    }
+    let jobs = cl.jobs()?;
+    if created.is_empty() {
+        bail!("no devices: give --stack FILE or --concise STRING");
+    }
+    let progress = match cl.eta {
+        EtaMode::Always => true,
+        EtaMode::Never => false,
+        EtaMode::Auto => std::io::stderr().is_terminal(),
+    };
+    let opts = RunOptions {
+        progress,
+        default_filename: created.last().cloned(),
+    };
+
+    let mut sink: Box<dyn Write> = match &cl.output {
+        Some(p) => {
+            Box::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
+        }
+        None => Box::new(std::io::stdout()),
+    };
+    let normal = cl.output_formats.contains(&OutputFormat::Normal);
+    if normal {
+        sink.write_all(write_normal_header(&jobs).as_bytes())?;
+        sink.flush()?;
+    }
+    let result = run_jobs(&registry, &jobs, &opts);
+    registry.remove_all();
+    let report = result?;
+    for t in &report.threads {
+        for f in &t.verify_failures {
+            eprintln!("{}: {f}", t.name);
+        }
+    }
+    for f in &cl.output_formats {
+        match f {
+            OutputFormat::Normal => {
+                sink.write_all(b"\n")?;
+                sink.write_all(write_normal(&report).as_bytes())?;
+            }
+            OutputFormat::Json => sink.write_all(write_json(&report).as_bytes())?,
+        }
+    }
+    sink.flush()?;
+    if report.failed() {
+        let verify = report.verify_errors();
+        let io_errors: u64 = report
+            .threads
+            .iter()
+            .map(|t| t.read.errors + t.write.errors)
+            .sum();
+        bail!("bench failed: {verify} verify error(s), {io_errors} I/O error(s)");
+    }
+    Ok(())
+}

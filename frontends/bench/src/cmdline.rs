@@ -1,0 +1,271 @@
+//! fio's command line: `--key=value` (or `--key value`) for any job option,
+//! job files as plain arguments, and `--name=X` starting a new job.
+//!
+//! As in fio (`parse_cmd_line`), options before the first `--name` are the
+//! defaults every job starts from (job files included: their `[global]`
+//! builds on them), and each `--name` opens a job that the options after it
+//! change. Boolean options may stand alone (`--time_based`). blkstack adds
+//! `--stack FILE` / `--concise STRING` (devices to create first) and
+//! `--wait=interrupt|poll|hybrid`.
+
+use crate::jobfile::parse_job_file;
+use crate::spec::JobSpec;
+use anyhow::{bail, Context};
+use std::path::PathBuf;
+
+/// The report formats, fio's `--output-format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Normal,
+    Json,
+}
+
+/// Whether to show the progress bar (fio's `--eta`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum EtaMode {
+    /// When stderr is a terminal.
+    #[default]
+    Auto,
+    Always,
+    Never,
+}
+
+/// Everything `blkstack bench ARGS...` said.
+#[derive(Clone, Debug)]
+pub struct CommandLine {
+    pub stack_files: Vec<PathBuf>,
+    pub concise: Vec<String>,
+    pub job_files: Vec<PathBuf>,
+    /// Options given before the first `--name`.
+    pub defaults: JobSpec,
+    /// Jobs opened with `--name`.
+    pub named_jobs: Vec<JobSpec>,
+    pub output_formats: Vec<OutputFormat>,
+    pub output: Option<PathBuf>,
+    pub eta: EtaMode,
+}
+
+/// Options that are booleans in fio: they may be given without a value.
+const BOOL_KEYS: &[&str] = &[
+    "time_based",
+    "norandommap",
+    "randrepeat",
+    "group_reporting",
+    "stonewall",
+    "wait_for_previous",
+    "new_group",
+    "verify_fatal",
+    "do_verify",
+    "direct",
+    "buffered",
+    "thread",
+    "invalidate",
+];
+
+/// Parse the arguments after `blkstack bench`.
+pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
+    let mut cl = CommandLine {
+        stack_files: Vec::new(),
+        concise: Vec::new(),
+        job_files: Vec::new(),
+        defaults: JobSpec::default(),
+        named_jobs: Vec::new(),
+        output_formats: vec![OutputFormat::Normal],
+        output: None,
+        eta: EtaMode::Auto,
+    };
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        i += 1;
+        let Some(opt) = arg.strip_prefix("--") else {
+            if arg.starts_with('-') && arg.len() > 1 {
+                bail!("'{arg}': options are written --key=value, as in fio");
+            }
+            cl.job_files.push(PathBuf::from(arg));
+            continue;
+        };
+        let (key, inline_value) = match opt.split_once('=') {
+            Some((k, v)) => (k.to_string(), Some(v.to_string())),
+            None => (opt.to_string(), None),
+        };
+        if key.is_empty() {
+            bail!("'{arg}': missing option name");
+        }
+        let is_bool = BOOL_KEYS.contains(&key.as_str());
+        // Non-boolean options take the next argument when not written with '='.
+        let value = match inline_value {
+            Some(v) => Some(v),
+            None if is_bool => None,
+            None => {
+                let v = args
+                    .get(i)
+                    .with_context(|| format!("option --{key} needs a value"))?;
+                i += 1;
+                Some(v.clone())
+            }
+        };
+        match key.as_str() {
+            "stack" => cl
+                .stack_files
+                .push(PathBuf::from(value.unwrap_or_default())),
+            "concise" => cl.concise.push(value.unwrap_or_default()),
+            "output" => cl.output = Some(PathBuf::from(value.unwrap_or_default())),
+            "output-format" | "output_format" => {
+                let text = value.unwrap_or_default();
+                let mut formats = Vec::new();
+                for f in text.split(',').map(str::trim) {
+                    formats.push(match f {
+                        "normal" => OutputFormat::Normal,
+                        "json" | "json+" => OutputFormat::Json,
+                        other => bail!(
+                            "--output-format: '{other}' is not supported (use normal, json, or normal,json)"
+                        ),
+                    });
+                }
+                cl.output_formats = formats;
+            }
+            "eta" => {
+                cl.eta = match value.as_deref().unwrap_or("") {
+                    "auto" => EtaMode::Auto,
+                    "always" => EtaMode::Always,
+                    "never" => EtaMode::Never,
+                    other => bail!("--eta: '{other}' is not one of auto, always, never"),
+                }
+            }
+            "name" => {
+                let mut job = cl.defaults.clone();
+                job.name = value.unwrap_or_default();
+                if job.name.is_empty() {
+                    bail!("--name needs a non-empty value");
+                }
+                cl.named_jobs.push(job);
+            }
+            _ => {
+                let target = cl.named_jobs.last_mut().unwrap_or(&mut cl.defaults);
+                target
+                    .apply(&key, value.as_deref())
+                    .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
+            }
+        }
+    }
+    Ok(cl)
+}
+
+impl CommandLine {
+    /// All jobs, in fio's order: the job files' jobs, then the `--name` jobs.
+    pub fn jobs(&self) -> anyhow::Result<Vec<JobSpec>> {
+        let mut jobs = Vec::new();
+        for path in &self.job_files {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading job file {}", path.display()))?;
+            let parsed = parse_job_file(&text, &self.defaults)
+                .with_context(|| format!("job file {}", path.display()))?;
+            jobs.extend(parsed);
+        }
+        jobs.extend(self.named_jobs.iter().cloned());
+        if jobs.is_empty() {
+            bail!(
+                "no jobs: give a job file or --name=NAME with options (see blkstack bench --help)"
+            );
+        }
+        Ok(jobs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{BlockSizes, RwMode, VerifyMode, WaitMode};
+    use std::time::Duration;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn fio_style_options() {
+        let cl = parse_command_line(&args(
+            "--stack ex.stack --name=x --filename=/dev/mapper/s0 --rw=randrw --bs 4k --iodepth=64 \
+             --numjobs=2 --runtime=5s --time_based --size=1g --offset=1m --ramp_time=1 \
+             --rwmixread=70 --norandommap --randrepeat=0 --verify=crc32c --output-format=json \
+             --group_reporting --wait=hybrid",
+        ))
+        .unwrap();
+        assert_eq!(cl.stack_files, vec![PathBuf::from("ex.stack")]);
+        assert_eq!(cl.output_formats, vec![OutputFormat::Json]);
+        let jobs = cl.jobs().unwrap();
+        assert_eq!(jobs.len(), 1);
+        let j = &jobs[0];
+        assert_eq!(j.name, "x");
+        assert_eq!(j.filename.as_deref(), Some("/dev/mapper/s0"));
+        assert_eq!(j.rw, RwMode::RandRw);
+        assert_eq!(j.bs, BlockSizes::single(4096));
+        assert_eq!((j.iodepth, j.numjobs, j.rwmixread), (64, 2, 70));
+        assert_eq!(j.runtime, Some(Duration::from_secs(5)));
+        assert_eq!(j.ramp_time, Duration::from_secs(1));
+        assert!(j.time_based && j.norandommap && !j.randrepeat && j.group_reporting);
+        assert_eq!(j.verify, VerifyMode::Crc32c);
+        assert_eq!(j.wait, WaitMode::Hybrid);
+    }
+
+    #[test]
+    fn several_names_start_several_jobs_from_the_defaults() {
+        let cl = parse_command_line(&args(
+            "--bs=8k --iodepth=4 --name=a --rw=read --name=b --rw=write --iodepth=2",
+        ))
+        .unwrap();
+        let jobs = cl.jobs().unwrap();
+        assert_eq!(jobs.len(), 2);
+        assert_eq!(
+            (jobs[0].name.as_str(), jobs[0].rw, jobs[0].iodepth),
+            ("a", RwMode::Read, 4)
+        );
+        assert_eq!(
+            (jobs[1].name.as_str(), jobs[1].rw, jobs[1].iodepth),
+            ("b", RwMode::Write, 2)
+        );
+        assert_eq!(jobs[1].bs, BlockSizes::single(8192));
+    }
+
+    #[test]
+    fn bad_options_are_named() {
+        let e = parse_command_line(&args("--name=a --iodepth=lots")).unwrap_err();
+        assert!(e.to_string().contains("--iodepth"), "{e}");
+        let e = parse_command_line(&args("--name=a --bogus=1")).unwrap_err();
+        assert!(e.to_string().contains("--bogus: unknown option"), "{e}");
+        let e = parse_command_line(&args("--name=a --rw")).unwrap_err();
+        assert!(e.to_string().contains("--rw needs a value"), "{e}");
+        let e = parse_command_line(&args("--output-format=terse")).unwrap_err();
+        assert!(e.to_string().contains("terse"), "{e}");
+        let e = parse_command_line(&args("-x")).unwrap_err();
+        assert!(e.to_string().contains("--key=value"), "{e}");
+        let cl = parse_command_line(&args("--bs=4k")).unwrap();
+        assert!(cl.jobs().unwrap_err().to_string().contains("no jobs"));
+    }
+
+    #[test]
+    fn job_files_build_on_leading_options() {
+        let dir = std::env::temp_dir().join(format!("blkstack-bench-cl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("j.fio");
+        std::fs::write(&path, "[global]\nbs=16k\n[one]\nrw=randread\n").unwrap();
+        let mut a = args("--iodepth=8");
+        a.push(path.display().to_string());
+        a.extend(args("--output-format=normal,json"));
+        let cl = parse_command_line(&a).unwrap();
+        let jobs = cl.jobs().unwrap();
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].iodepth, 8);
+        assert_eq!(jobs[0].bs, BlockSizes::single(16384));
+        assert_eq!(
+            cl.output_formats,
+            vec![OutputFormat::Normal, OutputFormat::Json]
+        );
+        std::fs::write(&path, "[one]\nrw=upwards\n").unwrap();
+        let e = cl.jobs().unwrap_err();
+        let text = format!("{e:#}");
+        assert!(text.contains("j.fio") && text.contains("line 2"), "{text}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
