@@ -8,6 +8,7 @@
 pub mod device;
 pub mod error;
 pub mod registry;
+pub mod selectors;
 pub mod split;
 pub mod table;
 pub mod target;

@@ -7,6 +7,7 @@ pub mod flakey;
 pub mod leaf;
 pub mod linear;
 pub mod memory;
+pub mod multipath;
 pub mod null;
 pub mod striped;
 pub mod zero;
@@ -21,6 +22,7 @@ pub static TYPES: &[TargetType] = &[
     striped::TYPE,
     null::TYPE,
     memory::TYPE,
+    multipath::TYPE,
     flakey::TYPE,
     dust::TYPE,
 ];

@@ -1,0 +1,185 @@
+//! Path selectors for the `multipath` target, after the kernel's
+//! `struct path_selector_type` (drivers/md/dm-path-selector.h).
+//!
+//! A selector owns the per-path state of one priority group and answers
+//! one question per I/O: which path next. It is told about every I/O's
+//! start and end (so load- and latency-based selectors can learn), about
+//! path failures and reinstatements, and it renders its part of the
+//! target's `status` and `table` text. Paths are named by their index in
+//! the group, in the order `add_path` saw them.
+//!
+//! Each selector is one file with the same shape; adding one is a file
+//! here and a line in [`TYPES`]. Selector state sits behind a
+//! `parking_lot` mutex where the kernel uses a spinlock, and in atomics
+//! where the kernel uses `atomic_t`.
+
+pub mod historical_service_time;
+pub mod queue_length;
+pub mod round_robin;
+pub mod service_time;
+
+/// Which view of the state a `status` call renders (kernel
+/// `status_type_t`): live counters for `dmsetup status`, constructor
+/// arguments for `dmsetup table`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusType {
+    Info,
+    Table,
+}
+
+/// One constructed selector, owning the paths of one priority group.
+pub trait PathSelector: Send + Sync {
+    /// Register the next path (index = number of paths added before) with
+    /// its per-path table arguments. Called only while the table is built.
+    fn add_path(&mut self, args: &[&str]) -> Result<(), String>;
+
+    /// Take a path out of selection.
+    fn fail_path(&self, path: usize);
+
+    /// Put a failed path back into selection.
+    fn reinstate_path(&self, path: usize);
+
+    /// The path for the next I/O of `nr_bytes`, or `None` if no path of
+    /// this group is usable.
+    fn select_path(&self, nr_bytes: u64) -> Option<usize>;
+
+    /// An I/O of `nr_bytes` was sent down `path`.
+    fn start_io(&self, _path: usize, _nr_bytes: u64) {}
+
+    /// An I/O sent down `path` at `start_time_ns` (on the
+    /// [`blkstack_core::clock::now_ns`] clock, possibly truncated to a
+    /// jiffy by the target's `start_time` feature) has ended.
+    fn end_io(&self, _path: usize, _nr_bytes: u64, _start_time_ns: u64) {}
+
+    /// Does `end_io` use its start time? The target only reads the clock
+    /// per I/O for selectors that do (the kernel's `PS_NEED_HR_TIMER_FL`
+    /// idea: other selectors should not pay for a timestamp).
+    fn needs_start_time(&self) -> bool {
+        false
+    }
+
+    /// The selector's status words, each followed by a space as the
+    /// kernel's `DMEMIT` leaves them: for the group when `path` is `None`
+    /// (`"<#args> [args]... "`), else for one path.
+    fn status(&self, path: Option<usize>, ty: StatusType) -> String;
+}
+
+impl std::fmt::Debug for dyn PathSelector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PathSelector({})",
+            self.status(None, StatusType::Table).trim_end()
+        )
+    }
+}
+
+/// A selector type: its table name, how many per-path words its `status`
+/// prints in each view, and its constructor taking the selector args.
+pub struct SelectorType {
+    pub name: &'static str,
+    /// Per-path words in `table` output (kernel `table_args`).
+    pub table_args: u32,
+    /// Per-path words in `status` output (kernel `info_args`).
+    pub info_args: u32,
+    pub create: fn(&[&str]) -> Result<Box<dyn PathSelector>, String>,
+}
+
+/// Every known selector type.
+pub static TYPES: &[SelectorType] = &[
+    round_robin::TYPE,
+    queue_length::TYPE,
+    service_time::TYPE,
+    historical_service_time::TYPE,
+];
+
+pub fn lookup(name: &str) -> Option<&'static SelectorType> {
+    TYPES.iter().find(|t| t.name == name)
+}
+
+pub fn names() -> Vec<&'static str> {
+    TYPES.iter().map(|t| t.name).collect()
+}
+
+/// Parse an unsigned selector argument the way the kernel's
+/// `sscanf("%u%c")` accepts it: digits only, nothing after.
+pub(crate) fn parse_u32(selector: &str, what: &str, s: &str) -> Result<u32, String> {
+    s.parse::<u32>()
+        .map_err(|_| format!("{selector} ps: invalid {what} '{s}'"))
+}
+
+/// The ordered list of usable paths that every kernel selector keeps
+/// (`valid_paths`); failed paths are simply absent from it.
+#[derive(Debug, Default)]
+pub(crate) struct ValidList {
+    order: Vec<usize>,
+}
+
+impl ValidList {
+    pub fn push_back(&mut self, p: usize) {
+        self.order.push(p);
+    }
+
+    pub fn push_front(&mut self, p: usize) {
+        self.order.insert(0, p);
+    }
+
+    /// `list_move` to the failed list: drop it from the valid order.
+    pub fn remove(&mut self, p: usize) -> bool {
+        match self.order.iter().position(|&x| x == p) {
+            Some(i) => {
+                self.order.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn contains(&self, p: usize) -> bool {
+        self.order.contains(&p)
+    }
+
+    /// `list_move_tail` of a valid path: least preferred on ties next time.
+    pub fn move_to_tail(&mut self, p: usize) {
+        if self.remove(p) {
+            self.order.push(p);
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.order.iter().copied()
+    }
+
+    pub fn first(&self) -> Option<usize> {
+        self.order.first().copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_type_is_found_by_name() {
+        for t in TYPES {
+            assert_eq!(lookup(t.name).map(|x| x.name), Some(t.name));
+        }
+        assert!(lookup("nosuch").is_none());
+    }
+
+    #[test]
+    fn valid_list_moves_like_kernel_lists() {
+        let mut l = ValidList::default();
+        for p in 0..3 {
+            l.push_back(p);
+        }
+        l.move_to_tail(0);
+        assert_eq!(l.iter().collect::<Vec<_>>(), vec![1, 2, 0]);
+        assert!(l.remove(2));
+        assert!(!l.remove(2));
+        l.push_front(2);
+        assert_eq!(l.iter().collect::<Vec<_>>(), vec![2, 1, 0]);
+        l.move_to_tail(7);
+        assert_eq!(l.iter().count(), 3);
+    }
+}

@@ -1,0 +1,919 @@
+//! `multipath`: several paths to the same storage, used through a path
+//! selector, failed over on path errors (kernel drivers/md/dm-mpath.c,
+//! bio-based).
+//!
+//! Table grammar, as dm-mpath's constructor:
+//!
+//! ```text
+//! <#features> [feature]... <#hw_handler args> [hw_handler [arg]...]
+//! <#priority groups> <initial group>
+//!   [<selector> <#selector args> [arg]... <#paths> <#per-path args>
+//!      [<path> [arg]...]... ]...
+//! ```
+//!
+//! Features: `queue_if_no_path`, `pg_init_retries N` (1..=50),
+//! `pg_init_delay_msecs N` (0..=60000), `retain_attached_hw_handler`,
+//! `queue_mode bio|rq|mq` (rq and mq are one mode, as in current kernels;
+//! `bio` implies `retain_attached_hw_handler`), and blkstack's own
+//! `start_time ns|jiffies:HZ`: the start time path selectors are given in
+//! `end_io`. `ns` (default) is the seed's fix (Krisman, 2022: HST gets
+//! `ktime_get_ns()` start times in bio mode); `jiffies:250` reproduces
+//! the bug by truncating the start to a jiffy of an emulated HZ=250 clock.
+//! Only non-default values are printed back by `table`, so tables without
+//! it are dmsetup-identical. There are no SCSI device handlers here, so a
+//! hardware handler is refused and `pg_init_*` are kept only for the table.
+//!
+//! I/O: choose a group and path as `choose_pgpath` does (a switch request
+//! first, then the current group, then every group in order, bypassed
+//! groups last), tell the selector, push a completion frame and send the
+//! bio to the path. A path error (`Status::is_path_error`) fails the path
+//! and resubmits the bio, its offset restored by the frame, to another
+//! path. With no usable path a bio is queued if `queue_if_no_path` is set
+//! (until a path is reinstated or `fail_if_no_path` arrives), else it ends
+//! with EIO. The queue and the path-state changes share one mutex, the
+//! kernel's `m->lock`; the per-I/O path choice only reads atomics and the
+//! selector's own lock.
+//!
+//! Per-I/O state fits the frame's one word: the path index in the top 16
+//! bits, the start time's low 48 bits of nanoseconds (78 hours) below;
+//! the full start time is rebuilt at completion relative to the clock.
+//!
+//! Messages: `queue_if_no_path`, `fail_if_no_path`, `disable_group N`,
+//! `enable_group N`, `switch_group N`, `fail_path DEV`,
+//! `reinstate_path DEV`. `status` and `table` print what dm-mpath's
+//! `multipath_status` prints for STATUSTYPE_INFO and STATUSTYPE_TABLE.
+
+use crate::selectors::{self, PathSelector, SelectorType, StatusType};
+use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType, DM_MAJOR};
+use blkstack_core::clock::{now_ns, Jiffies};
+use blkstack_core::{Bio, BioFlags, EndIo, Features, Status};
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+
+pub const TYPE: TargetType = TargetType {
+    name: "multipath",
+    version: [1, 14, 0],
+    ctr,
+};
+
+/// "No group" / "no path" in the atomics below.
+const NONE: usize = usize::MAX;
+/// The per-I/O word holds the path index in 16 bits.
+const MAX_PATHS: usize = 1 << 16;
+const START_BITS: u32 = 48;
+const START_MASK: u64 = (1 << START_BITS) - 1;
+
+/// How the constructor's dm_arg ranges are enforced (kernel `dm_arg`).
+const MAX_GROUPS: u32 = 1024;
+const MAX_PATHS_PER_GROUP: u32 = 1024;
+const MAX_ARGS: u32 = 1024;
+const MAX_FEATURE_ARGS: u32 = 10;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum QueueMode {
+    /// `rq` or `mq`: request-based in the kernel; the default.
+    Request,
+    Bio,
+}
+
+/// Which start time selectors get (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StartTime {
+    Ns,
+    Jiffies(Jiffies),
+}
+
+impl StartTime {
+    fn parse(s: &str) -> Result<StartTime, String> {
+        if s.eq_ignore_ascii_case("ns") {
+            return Ok(StartTime::Ns);
+        }
+        if let Some(hz) = s.strip_prefix("jiffies:") {
+            let hz: u32 = hz
+                .parse()
+                .map_err(|_| format!("start_time: invalid HZ '{hz}' in '{s}'"))?;
+            if !(1..=100_000).contains(&hz) {
+                return Err(format!("start_time: HZ {hz} must be in 1..=100000"));
+            }
+            return Ok(StartTime::Jiffies(Jiffies::new(hz)));
+        }
+        Err(format!(
+            "start_time: unknown value '{s}': expected 'ns' or 'jiffies:HZ' (e.g. jiffies:250)"
+        ))
+    }
+}
+
+struct PgPath {
+    dev: DevArg,
+    /// Owning group and index inside its selector.
+    pg: usize,
+    index: usize,
+    /// Changed only under `Multipath::lock`.
+    active: AtomicBool,
+    fail_count: AtomicU32,
+}
+
+struct PriorityGroup {
+    ps_type: &'static SelectorType,
+    ps: Box<dyn PathSelector>,
+    /// Global indices of this group's paths, in table order.
+    paths: Vec<usize>,
+    bypassed: AtomicBool,
+}
+
+struct Config {
+    queue_mode: QueueMode,
+    pg_init_retries: u32,
+    pg_init_delay_msecs: Option<u32>,
+    retain_attached_hw_handler: bool,
+    start_time: StartTime,
+}
+
+/// Kernel `struct multipath`, shared between the target and its frames.
+pub struct Multipath {
+    cfg: Config,
+    groups: Vec<PriorityGroup>,
+    paths: Vec<PgPath>,
+    nr_valid_paths: AtomicUsize,
+    current_pg: AtomicUsize,
+    next_pg: AtomicUsize,
+    current_pgpath: AtomicUsize,
+    /// MPATHF_QUEUE_IO: set until the first group switch.
+    queue_io: AtomicBool,
+    queue_if_no_path: AtomicBool,
+    saved_queue_if_no_path: AtomicBool,
+    pg_init_count: AtomicU32,
+    /// Between postsuspend and resume messages are refused, as dm does.
+    suspended: AtomicBool,
+    /// `m->lock` and `m->queued_bios`.
+    lock: Mutex<VecDeque<Bio>>,
+    /// This multipath itself, for resubmitting from `end_io` (which only
+    /// gets `&self`).
+    me: Weak<Multipath>,
+}
+
+pub struct MultipathTarget {
+    m: Arc<Multipath>,
+}
+
+/// The kernel's `dm_arg_set`: the args not consumed yet.
+struct ArgSet<'a> {
+    args: &'a [&'a str],
+    pos: usize,
+}
+
+impl<'a> ArgSet<'a> {
+    fn remaining(&self) -> usize {
+        self.args.len() - self.pos
+    }
+
+    fn shift(&mut self, what: &str) -> Result<&'a str, String> {
+        let a = self
+            .args
+            .get(self.pos)
+            .copied()
+            .ok_or_else(|| format!("missing {what} (the table ends early)"))?;
+        self.pos += 1;
+        Ok(a)
+    }
+
+    /// Kernel `dm_read_arg`: an unsigned in `min..=max`.
+    fn read(&mut self, what: &str, min: u32, max: u32) -> Result<u32, String> {
+        let a = self.shift(what)?;
+        let v: u32 = a.parse().map_err(|_| format!("invalid {what} '{a}'"))?;
+        if v < min || v > max {
+            return Err(format!("invalid {what} {v}: must be in {min}..={max}"));
+        }
+        Ok(v)
+    }
+
+    /// Kernel `dm_read_arg_group`: a count, and that many args must follow.
+    fn read_group(&mut self, what: &str, max: u32) -> Result<u32, String> {
+        let n = self.read(what, 0, max)?;
+        if n as usize > self.remaining() {
+            return Err(format!(
+                "{what} is {n} but only {} argument(s) follow",
+                self.remaining()
+            ));
+        }
+        Ok(n)
+    }
+
+    fn take(&mut self, n: usize) -> &'a [&'a str] {
+        let s = &self.args[self.pos..self.pos + n];
+        self.pos += n;
+        s
+    }
+}
+
+fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
+    let mut cfg = Config {
+        queue_mode: QueueMode::Request,
+        pg_init_retries: 0,
+        pg_init_delay_msecs: None,
+        retain_attached_hw_handler: false,
+        start_time: StartTime::Ns,
+    };
+    let mut queue_if_no_path = false;
+    let mut argc = a.read_group("number of feature args", MAX_FEATURE_ARGS)?;
+    while argc > 0 {
+        let name = a.shift("feature")?;
+        argc -= 1;
+        let is = |s: &str| name.eq_ignore_ascii_case(s);
+        if is("queue_if_no_path") {
+            queue_if_no_path = true;
+            continue;
+        }
+        if is("retain_attached_hw_handler") {
+            cfg.retain_attached_hw_handler = true;
+            continue;
+        }
+        let takes_value = is("pg_init_retries")
+            || is("pg_init_delay_msecs")
+            || is("queue_mode")
+            || is("start_time");
+        if !takes_value {
+            return Err(format!(
+                "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ)"
+            ));
+        }
+        if argc == 0 {
+            return Err(format!(
+                "feature '{name}' needs a value, but the feature count ends here"
+            ));
+        }
+        argc -= 1;
+        if is("pg_init_retries") {
+            cfg.pg_init_retries = a.read("pg_init_retries (must be between 1 and 50)", 1, 50)?;
+        } else if is("pg_init_delay_msecs") {
+            cfg.pg_init_delay_msecs = Some(a.read(
+                "pg_init_delay_msecs (must be between 0 and 60000)",
+                0,
+                60000,
+            )?);
+        } else if is("queue_mode") {
+            let m = a.shift("queue_mode")?;
+            cfg.queue_mode = if m.eq_ignore_ascii_case("bio") {
+                QueueMode::Bio
+            } else if m.eq_ignore_ascii_case("rq") || m.eq_ignore_ascii_case("mq") {
+                QueueMode::Request
+            } else {
+                return Err(format!(
+                    "unknown queue_mode '{m}' requested (known: bio, rq, mq)"
+                ));
+            };
+        } else {
+            cfg.start_time = StartTime::parse(a.shift("start_time")?)?;
+        }
+    }
+    if cfg.queue_mode == QueueMode::Bio {
+        // Kernel alloc_multipath_stage2: bio-based only discovers handlers.
+        cfg.retain_attached_hw_handler = true;
+    }
+    Ok((cfg, queue_if_no_path))
+}
+
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+    let mut a = ArgSet { args, pos: 0 };
+    let (cfg, queue_if_no_path) = parse_features(&mut a)?;
+
+    let hw_argc = a.read_group("number of hardware handler args", MAX_ARGS)?;
+    if hw_argc != 0 {
+        let name = a.shift("hardware handler")?;
+        return Err(format!(
+            "hardware handler '{name}' is not supported: blkstack has no SCSI device handlers; use '0' hardware handler args"
+        ));
+    }
+
+    let nr_groups = a.read("number of priority groups", 0, MAX_GROUPS)?;
+    let initial = a.read("initial priority group number", 0, MAX_GROUPS)?;
+    if (nr_groups == 0) != (initial == 0) {
+        return Err(format!(
+            "invalid initial priority group {initial} for {nr_groups} group(s): it must be 0 exactly when there are no groups"
+        ));
+    }
+    if initial > nr_groups {
+        return Err(format!(
+            "invalid initial priority group {initial}: there are only {nr_groups} group(s)"
+        ));
+    }
+
+    let mut groups = Vec::new();
+    let mut paths: Vec<PgPath> = Vec::new();
+    while a.remaining() > 0 {
+        let g = groups.len();
+        let gname = format!("priority group {}", g + 1);
+        if a.remaining() < 2 {
+            return Err(format!("{gname}: not enough priority group arguments"));
+        }
+        let sel_name = a.shift("path selector")?;
+        let ps_type = selectors::lookup(sel_name).ok_or_else(|| {
+            format!(
+                "{gname}: unknown path selector type '{sel_name}' (known: {})",
+                selectors::names().join(", ")
+            )
+        })?;
+        let ps_argc = a
+            .read_group("number of path selector args", MAX_ARGS)
+            .map_err(|e| format!("{gname}: {e}"))?;
+        let mut ps = (ps_type.create)(a.take(ps_argc as usize))
+            .map_err(|e| format!("{gname}: path selector constructor failed: {e}"))?;
+        let nr_paths = a
+            .read("number of paths", 1, MAX_PATHS_PER_GROUP)
+            .map_err(|e| format!("{gname}: {e}"))?;
+        let nr_sel_args = a
+            .read("number of per-path selector args", 0, MAX_ARGS)
+            .map_err(|e| format!("{gname}: {e}"))?;
+        let per_path = 1 + nr_sel_args as usize;
+        let mut members = Vec::with_capacity(nr_paths as usize);
+        for i in 0..nr_paths as usize {
+            if a.remaining() < per_path {
+                return Err(format!(
+                    "{gname}: not enough path parameters: path {} of {nr_paths} needs a device and {nr_sel_args} selector arg(s), {} argument(s) left",
+                    i + 1,
+                    a.remaining()
+                ));
+            }
+            let words = a.take(per_path);
+            let dev = ctx
+                .get_device(words[0], 0, ctx.len)
+                .map_err(|e| format!("{gname}, path {}: {e}", i + 1))?;
+            ps.add_path(&words[1..])
+                .map_err(|e| format!("{gname}, path {} ({}): {e}", i + 1, words[0]))?;
+            if paths.len() + 1 >= MAX_PATHS {
+                return Err(format!(
+                    "too many paths: at most {} in one table",
+                    MAX_PATHS - 1
+                ));
+            }
+            members.push(paths.len());
+            paths.push(PgPath {
+                dev,
+                pg: g,
+                index: i,
+                active: AtomicBool::new(true),
+                fail_count: AtomicU32::new(0),
+            });
+        }
+        groups.push(PriorityGroup {
+            ps_type,
+            ps,
+            paths: members,
+            bypassed: AtomicBool::new(false),
+        });
+    }
+    if groups.len() != nr_groups as usize {
+        return Err(format!(
+            "priority group count mismatch: the table declares {nr_groups} group(s) but describes {}",
+            groups.len()
+        ));
+    }
+
+    let nr_valid = paths.len();
+    let next_pg = if initial == 0 {
+        NONE
+    } else {
+        initial as usize - 1
+    };
+    Ok(Arc::new(MultipathTarget {
+        m: Arc::new_cyclic(|me| Multipath {
+            cfg,
+            groups,
+            paths,
+            nr_valid_paths: AtomicUsize::new(nr_valid),
+            current_pg: AtomicUsize::new(NONE),
+            next_pg: AtomicUsize::new(next_pg),
+            current_pgpath: AtomicUsize::new(NONE),
+            queue_io: AtomicBool::new(true),
+            queue_if_no_path: AtomicBool::new(queue_if_no_path),
+            saved_queue_if_no_path: AtomicBool::new(queue_if_no_path),
+            pg_init_count: AtomicU32::new(0),
+            suspended: AtomicBool::new(false),
+            lock: Mutex::new(VecDeque::new()),
+            me: me.clone(),
+        }),
+    }))
+}
+
+fn pack(path: usize, start_ns: u64) -> u64 {
+    ((path as u64) << START_BITS) | (start_ns & START_MASK)
+}
+
+/// The path index and the full start time from a frame's word.
+fn unpack(private: u64, now: u64) -> (usize, u64) {
+    let path = (private >> START_BITS) as usize;
+    let low = private & START_MASK;
+    let age = (now & START_MASK).wrapping_sub(low) & START_MASK;
+    (path, now.wrapping_sub(age))
+}
+
+impl Multipath {
+    fn load_opt(a: &AtomicUsize) -> Option<usize> {
+        match a.load(Ordering::Acquire) {
+            NONE => None,
+            v => Some(v),
+        }
+    }
+
+    /// Kernel `__switch_pg` (no hardware handler: nothing to initialise).
+    fn switch_pg(&self, pg: usize) {
+        self.current_pg.store(pg, Ordering::Release);
+        self.queue_io.store(false, Ordering::Release);
+        self.pg_init_count.store(0, Ordering::Relaxed);
+    }
+
+    /// Kernel `choose_path_in_pg`.
+    fn choose_path_in_pg(&self, pg: usize, nr_bytes: u64) -> Option<usize> {
+        let g = &self.groups[pg];
+        let idx = g.ps.select_path(nr_bytes)?;
+        let path = g.paths[idx];
+        if self.current_pg.load(Ordering::Acquire) != pg {
+            let _g = self.lock.lock();
+            self.current_pgpath.store(path, Ordering::Release);
+            self.switch_pg(pg);
+        }
+        Some(path)
+    }
+
+    /// Kernel `choose_pgpath`: a requested switch first, then the current
+    /// group, then every group in order skipping bypassed ones, then the
+    /// bypassed ones.
+    fn choose_pgpath(&self, nr_bytes: u64) -> Option<usize> {
+        if self.nr_valid_paths.load(Ordering::Acquire) == 0 {
+            self.queue_io.store(false, Ordering::Release);
+        } else {
+            if Self::load_opt(&self.next_pg).is_some() {
+                let pg = {
+                    let _g = self.lock.lock();
+                    self.next_pg.swap(NONE, Ordering::AcqRel)
+                };
+                if pg != NONE {
+                    if let Some(p) = self.choose_path_in_pg(pg, nr_bytes) {
+                        return Some(p);
+                    }
+                }
+            }
+            if let Some(pg) = Self::load_opt(&self.current_pg) {
+                if let Some(p) = self.choose_path_in_pg(pg, nr_bytes) {
+                    return Some(p);
+                }
+            }
+            for want_bypassed in [false, true] {
+                for pg in 0..self.groups.len() {
+                    if self.groups[pg].bypassed.load(Ordering::Acquire) != want_bypassed {
+                        continue;
+                    }
+                    if let Some(p) = self.choose_path_in_pg(pg, nr_bytes) {
+                        return Some(p);
+                    }
+                }
+            }
+        }
+        let _g = self.lock.lock();
+        self.current_pgpath.store(NONE, Ordering::Release);
+        self.current_pg.store(NONE, Ordering::Release);
+        None
+    }
+
+    /// Map a bio (target-relative offset) onto a path, queue it, or fail
+    /// it. Also the resubmission after a path error and for queued bios.
+    fn map_bio(self: &Arc<Self>, mut bio: Bio) {
+        loop {
+            let nr_bytes = bio.len;
+            let queue_io = self.queue_io.load(Ordering::Acquire);
+            let mut path = Self::load_opt(&self.current_pgpath);
+            if path.is_none() || !queue_io {
+                path = self.choose_pgpath(nr_bytes);
+            }
+            if queue_io && self.cfg.queue_mode == QueueMode::Bio {
+                // Bio-based dm-mpath queues this bio and runs pg_init on
+                // the group; without a hardware handler that completes at
+                // once (SCSI_DH_NOSYS is success) and the bio is mapped
+                // again. The only trace is the counter in `status`.
+                self.pg_init_count.fetch_add(1, Ordering::Relaxed);
+                self.queue_io.store(false, Ordering::Release);
+            }
+            let Some(path) = path else {
+                match self.queue_or_fail(bio) {
+                    Some(b) => {
+                        bio = b;
+                        continue;
+                    }
+                    None => return,
+                }
+            };
+            let p = &self.paths[path];
+            let g = &self.groups[p.pg];
+            let start = if g.ps.needs_start_time() {
+                match self.cfg.start_time {
+                    StartTime::Ns => now_ns(),
+                    StartTime::Jiffies(j) => j.truncate_ns(now_ns()),
+                }
+            } else {
+                0
+            };
+            g.ps.start_io(p.index, nr_bytes);
+            bio.flags.insert(BioFlags::FAILFAST);
+            bio.push_end(self.clone(), pack(path, start));
+            p.dev.dev.submit(bio);
+            return;
+        }
+    }
+
+    /// No usable path: queue the bio (`queue_if_no_path`) or end it with
+    /// EIO. Decided under the lock that reinstatement takes, so a bio is
+    /// never queued after the queue was last drained. Gives the bio back
+    /// if a path became usable meanwhile.
+    fn queue_or_fail(&self, bio: Bio) -> Option<Bio> {
+        let mut q = self.lock.lock();
+        if self.nr_valid_paths.load(Ordering::Acquire) > 0 {
+            return Some(bio);
+        }
+        if self.queue_if_no_path.load(Ordering::Acquire) {
+            q.push_back(bio);
+            return None;
+        }
+        drop(q);
+        bio.complete(Status::IoError);
+        None
+    }
+
+    /// Resubmit every queued bio (kernel `process_queued_bios`).
+    fn process_queued(self: &Arc<Self>) {
+        let bios = std::mem::take(&mut *self.lock.lock());
+        for bio in bios {
+            self.map_bio(bio);
+        }
+    }
+
+    /// Kernel `fail_path`.
+    fn fail_path(&self, path: usize) {
+        let _g = self.lock.lock();
+        let p = &self.paths[path];
+        if !p.active.load(Ordering::Acquire) {
+            return;
+        }
+        self.groups[p.pg].ps.fail_path(p.index);
+        p.active.store(false, Ordering::Release);
+        p.fail_count.fetch_add(1, Ordering::Relaxed);
+        self.nr_valid_paths.fetch_sub(1, Ordering::AcqRel);
+        if self.current_pgpath.load(Ordering::Acquire) == path {
+            self.current_pgpath.store(NONE, Ordering::Release);
+        }
+    }
+
+    /// Kernel `reinstate_path`: the first usable path releases the queue.
+    fn reinstate_path(self: &Arc<Self>, path: usize) {
+        let run_queue = {
+            let _g = self.lock.lock();
+            let p = &self.paths[path];
+            if p.active.load(Ordering::Acquire) {
+                return;
+            }
+            self.groups[p.pg].ps.reinstate_path(p.index);
+            p.active.store(true, Ordering::Release);
+            let n = self.nr_valid_paths.fetch_add(1, Ordering::AcqRel) + 1;
+            if n == 1 {
+                self.current_pgpath.store(NONE, Ordering::Release);
+            }
+            n == 1
+        };
+        if run_queue {
+            self.process_queued();
+        }
+    }
+
+    /// Kernel `queue_if_no_path(m, queue, save_old_value)`.
+    fn set_queue_if_no_path(self: &Arc<Self>, queue: bool, save_old_value: bool) {
+        {
+            let _g = self.lock.lock();
+            let saved = if save_old_value {
+                self.queue_if_no_path.load(Ordering::Acquire)
+            } else {
+                queue
+            };
+            self.saved_queue_if_no_path.store(saved, Ordering::Release);
+            self.queue_if_no_path.store(queue, Ordering::Release);
+        }
+        if !queue {
+            self.process_queued();
+        }
+    }
+
+    /// Kernel `bypass_pg`.
+    fn bypass_pg(&self, pg: usize, bypassed: bool) {
+        let _g = self.lock.lock();
+        self.groups[pg].bypassed.store(bypassed, Ordering::Release);
+        self.current_pgpath.store(NONE, Ordering::Release);
+        self.current_pg.store(NONE, Ordering::Release);
+    }
+
+    /// Kernel `switch_pg_num`.
+    fn switch_pg_num(&self, pg: usize) {
+        let _g = self.lock.lock();
+        for g in &self.groups {
+            g.bypassed.store(false, Ordering::Release);
+        }
+        self.current_pgpath.store(NONE, Ordering::Release);
+        self.current_pg.store(NONE, Ordering::Release);
+        self.next_pg.store(pg, Ordering::Release);
+    }
+
+    fn parse_pg_num(&self, verb: &str, s: &str) -> Result<usize, String> {
+        let n: usize = s
+            .parse()
+            .map_err(|_| format!("{verb}: invalid priority group number '{s}'"))?;
+        if n == 0 || n > self.groups.len() {
+            return Err(format!(
+                "{verb}: invalid priority group number {n}: groups are numbered 1..={}",
+                self.groups.len()
+            ));
+        }
+        Ok(n - 1)
+    }
+
+    /// The paths a message's device argument names: the registry name,
+    /// `/dev/mapper/NAME` or `MAJOR:MINOR`.
+    fn paths_named(&self, arg: &str) -> Vec<usize> {
+        let name = arg.strip_prefix("/dev/mapper/").unwrap_or(arg);
+        (0..self.paths.len())
+            .filter(|&i| {
+                let d = &self.paths[i].dev;
+                d.name == name || format!("{DM_MAJOR}:{}", d.minor) == arg
+            })
+            .collect()
+    }
+
+    /// dm-mpath `multipath_status`.
+    fn status_text(&self, ty: StatusType) -> String {
+        use std::fmt::Write;
+        let _g = self.lock.lock();
+        let mut s = String::new();
+        match ty {
+            StatusType::Info => {
+                let _ = write!(
+                    s,
+                    "2 {} {} ",
+                    self.queue_io.load(Ordering::Acquire) as u32,
+                    self.pg_init_count.load(Ordering::Relaxed)
+                );
+            }
+            StatusType::Table => {
+                let c = &self.cfg;
+                let qifnp = self.queue_if_no_path.load(Ordering::Acquire);
+                let n = qifnp as u32
+                    + (c.pg_init_retries > 0) as u32 * 2
+                    + c.pg_init_delay_msecs.is_some() as u32 * 2
+                    + c.retain_attached_hw_handler as u32
+                    + (c.queue_mode != QueueMode::Request) as u32 * 2
+                    + (c.start_time != StartTime::Ns) as u32 * 2;
+                let _ = write!(s, "{n} ");
+                if qifnp {
+                    s.push_str("queue_if_no_path ");
+                }
+                if c.pg_init_retries > 0 {
+                    let _ = write!(s, "pg_init_retries {} ", c.pg_init_retries);
+                }
+                if let Some(d) = c.pg_init_delay_msecs {
+                    let _ = write!(s, "pg_init_delay_msecs {d} ");
+                }
+                if c.retain_attached_hw_handler {
+                    s.push_str("retain_attached_hw_handler ");
+                }
+                if c.queue_mode == QueueMode::Bio {
+                    s.push_str("queue_mode bio ");
+                }
+                if let StartTime::Jiffies(j) = c.start_time {
+                    let _ = write!(s, "start_time jiffies:{} ", j.hz);
+                }
+            }
+        }
+        // No hardware handler.
+        s.push_str("0 ");
+        let pg_num = Self::load_opt(&self.next_pg)
+            .or_else(|| Self::load_opt(&self.current_pg))
+            .map(|g| g + 1)
+            .unwrap_or(if self.groups.is_empty() { 0 } else { 1 });
+        let _ = write!(s, "{} {pg_num} ", self.groups.len());
+        let current = Self::load_opt(&self.current_pg);
+        for (gi, g) in self.groups.iter().enumerate() {
+            match ty {
+                StatusType::Info => {
+                    let state = if g.bypassed.load(Ordering::Acquire) {
+                        'D'
+                    } else if current == Some(gi) {
+                        'A'
+                    } else {
+                        'E'
+                    };
+                    let _ = write!(s, "{state} ");
+                    s.push_str(&g.ps.status(None, ty));
+                    let _ = write!(s, "{} {} ", g.paths.len(), g.ps_type.info_args);
+                    for &pi in &g.paths {
+                        let p = &self.paths[pi];
+                        let _ = write!(
+                            s,
+                            "{} {} {} ",
+                            p.dev,
+                            if p.active.load(Ordering::Acquire) {
+                                "A"
+                            } else {
+                                "F"
+                            },
+                            p.fail_count.load(Ordering::Relaxed)
+                        );
+                        s.push_str(&g.ps.status(Some(p.index), ty));
+                    }
+                }
+                StatusType::Table => {
+                    let _ = write!(s, "{} ", g.ps_type.name);
+                    s.push_str(&g.ps.status(None, ty));
+                    let _ = write!(s, "{} {} ", g.paths.len(), g.ps_type.table_args);
+                    for &pi in &g.paths {
+                        let p = &self.paths[pi];
+                        let _ = write!(s, "{} ", p.dev);
+                        s.push_str(&g.ps.status(Some(p.index), ty));
+                    }
+                }
+            }
+        }
+        s
+    }
+}
+
+impl EndIo for Multipath {
+    /// Kernel `multipath_end_io_bio`.
+    fn end_io(&self, bio: Bio, status: Status, private: u64) {
+        let path = (private >> START_BITS) as usize;
+        let Some(p) = self.paths.get(path) else {
+            debug_assert!(
+                false,
+                "multipath frame names path {path} of {}",
+                self.paths.len()
+            );
+            bio.complete(status);
+            return;
+        };
+        let retry = !status.is_ok() && status.is_path_error();
+        if retry {
+            self.fail_path(path);
+        }
+        let ps = &self.groups[p.pg].ps;
+        let start = if ps.needs_start_time() {
+            unpack(private, now_ns()).1
+        } else {
+            0
+        };
+        ps.end_io(p.index, bio.len, start);
+        if !retry {
+            bio.complete(status);
+            return;
+        }
+        // Another path, the queue, or EIO: the same decision as a new bio.
+        match self.me.upgrade() {
+            Some(me) => me.map_bio(bio),
+            None => bio.complete(Status::IoError),
+        }
+    }
+}
+
+impl Target for MultipathTarget {
+    fn map(&self, bio: Bio) {
+        self.m.map_bio(bio);
+    }
+
+    fn status(&self) -> String {
+        self.m.status_text(StatusType::Info)
+    }
+
+    fn table(&self) -> String {
+        self.m.status_text(StatusType::Table)
+    }
+
+    /// Kernel `multipath_message`.
+    fn message(&self, args: &[&str]) -> Result<String, String> {
+        let m = &self.m;
+        if m.suspended.load(Ordering::Acquire) {
+            return Err("device is suspended (EBUSY): resume it first".into());
+        }
+        let verb = args.first().copied().unwrap_or("");
+        let is = |s: &str| verb.eq_ignore_ascii_case(s);
+        if args.len() == 1 {
+            if is("queue_if_no_path") {
+                m.set_queue_if_no_path(true, false);
+                return Ok(String::new());
+            }
+            if is("fail_if_no_path") {
+                m.set_queue_if_no_path(false, false);
+                return Ok(String::new());
+            }
+        }
+        let known = [
+            "queue_if_no_path",
+            "fail_if_no_path",
+            "disable_group",
+            "enable_group",
+            "switch_group",
+            "fail_path",
+            "reinstate_path",
+        ];
+        if !known.iter().any(|k| is(k)) {
+            return Err(format!(
+                "unrecognised multipath message '{verb}' (known: {})",
+                known.join(", ")
+            ));
+        }
+        if args.len() != 2 {
+            return Err(format!(
+                "invalid multipath message arguments: '{verb}' expects {} argument(s), got {}",
+                if is("queue_if_no_path") || is("fail_if_no_path") {
+                    1
+                } else {
+                    2
+                },
+                args.len()
+            ));
+        }
+        let arg = args[1];
+        if is("disable_group") {
+            m.bypass_pg(m.parse_pg_num(verb, arg)?, true);
+        } else if is("enable_group") {
+            m.bypass_pg(m.parse_pg_num(verb, arg)?, false);
+        } else if is("switch_group") {
+            m.switch_pg_num(m.parse_pg_num(verb, arg)?);
+        } else {
+            let paths = m.paths_named(arg);
+            if paths.is_empty() {
+                return Err(format!(
+                    "{verb}: device '{arg}' is not a path of this multipath"
+                ));
+            }
+            for p in paths {
+                if is("fail_path") {
+                    m.fail_path(p);
+                } else {
+                    m.reinstate_path(p);
+                }
+            }
+        }
+        Ok(String::new())
+    }
+
+    /// Suspend cannot finish while bios wait for a path: stop queueing and
+    /// fail what waits (kernel `multipath_presuspend`).
+    fn presuspend(&self) {
+        self.m.set_queue_if_no_path(false, true);
+    }
+
+    fn postsuspend(&self) {
+        self.m.suspended.store(true, Ordering::Release);
+    }
+
+    /// Restore `queue_if_no_path` as it was before suspend.
+    fn resume(&self) {
+        let m = &self.m;
+        let _g = m.lock.lock();
+        m.queue_if_no_path.store(
+            m.saved_queue_if_no_path.load(Ordering::Acquire),
+            Ordering::Release,
+        );
+        m.suspended.store(false, Ordering::Release);
+    }
+
+    fn features(&self) -> Features {
+        let mut it = self.m.paths.iter().map(|p| p.dev.dev.features());
+        let first = it.next().unwrap_or_default();
+        let mut f = it.fold(first, Features::intersect);
+        // Which path answers an extent query is not fixed.
+        f.knows_holes = false;
+        f
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_word_round_trips_path_and_start() {
+        let now = 5_000_000_123_456_789u64;
+        for (path, age) in [(0usize, 0u64), (7, 1), (65534, 3_600_000_000_000)] {
+            let start = now - age;
+            let w = pack(path, start);
+            assert_eq!(unpack(w, now), (path, start));
+        }
+    }
+
+    #[test]
+    fn start_time_values() {
+        assert_eq!(StartTime::parse("ns"), Ok(StartTime::Ns));
+        assert_eq!(
+            StartTime::parse("jiffies:250"),
+            Ok(StartTime::Jiffies(Jiffies::new(250)))
+        );
+        assert!(StartTime::parse("jiffies:0").is_err());
+        assert!(StartTime::parse("ms").is_err());
+    }
+}
