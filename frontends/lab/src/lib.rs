@@ -6,6 +6,7 @@
 //! An experiment is one module with `run(&LabOpts) -> Result<LabReport>`
 //! and one line in [`EXPERIMENTS`].
 
+pub mod common;
 pub mod plot;
 pub mod report;
 
