@@ -7,8 +7,10 @@
 //! and one line in [`EXPERIMENTS`].
 
 pub mod common;
+pub mod mq_run;
 pub mod plot;
 pub mod report;
+pub mod sbitmap;
 
 use anyhow::{anyhow, bail, Context, Result};
 use report::LabReport;
@@ -68,7 +70,20 @@ pub struct Experiment {
 }
 
 /// Every experiment, in seed order.
-pub static EXPERIMENTS: &[Experiment] = &[];
+pub static EXPERIMENTS: &[Experiment] = &[
+    Experiment {
+        name: "mq-run",
+        seed: "001",
+        about: "queue-run dedup off vs on at QD 16..1024",
+        run: mq_run::run,
+    },
+    Experiment {
+        name: "sbitmap",
+        seed: "003",
+        about: "tag wakeups: wait_cnt vs completion/wakeup counters",
+        run: sbitmap::run,
+    },
+];
 
 #[derive(clap::Args, Debug)]
 #[command(
