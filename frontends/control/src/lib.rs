@@ -1,0 +1,27 @@
+//! Live control of a running `blkstack serve`, after device-mapper's
+//! control interface (`/dev/mapper/control` and `dmsetup`).
+//!
+//! The server side ([`ControlServer`], [`Control`]) listens on a private
+//! unix socket and speaks JSON-RPC 2.0, one request per line
+//! ([`proto`]; docs/CONTROL.md describes every method). It drives the
+//! registry of mapped devices with the kernel's semantics (staged tables
+//! swapped in by resume, suspend that drains and holds, remove that
+//! refuses a busy device, all-or-nothing changes) and, through the
+//! [`ExportHost`] trait, the NBD server's exports, so the NBD crate need
+//! not know about this one beyond implementing that trait.
+//!
+//! The client side ([`Client`], [`cli`]) is the dmsetup-style verbs of the
+//! `blkstack` command, printing dmsetup's text ([`format`]).
+
+pub mod cli;
+pub mod client;
+pub mod format;
+pub mod methods;
+pub mod proto;
+pub mod server;
+
+pub use cli::{run_cli, Verb};
+pub use client::{CallError, Client};
+pub use methods::{not_exported, Control, ExportHost, ExportInfo};
+pub use proto::RpcError;
+pub use server::{default_socket_path, ControlServer};

@@ -1,0 +1,176 @@
+//! The wire format of the control socket: JSON-RPC 2.0, one request per
+//! line and one response per line (docs/CONTROL.md is the user-facing
+//! description; this file is the single place that defines it).
+//!
+//! Errors carry the errno device-mapper's ioctls return for the same
+//! failure (ENXIO for a missing device, EBUSY for one in use or already
+//! existing, EINVAL for a bad table or message), so the CLI can print
+//! dmsetup's `... ioctl on NAME failed: <strerror>` line and a script can
+//! branch on the code without parsing text.
+
+use blkstack_mapped::DmError;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// JSON-RPC's reserved codes.
+pub const PARSE_ERROR: i64 = -32700;
+pub const INVALID_REQUEST: i64 = -32600;
+pub const METHOD_NOT_FOUND: i64 = -32601;
+pub const INVALID_PARAMS: i64 = -32602;
+
+/// Application codes: the errno the kernel's dm ioctl would return.
+pub const ENXIO: i64 = libc::ENXIO as i64;
+pub const EBUSY: i64 = libc::EBUSY as i64;
+pub const EINVAL: i64 = libc::EINVAL as i64;
+pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
+
+/// Longest request line the server reads; a stack of tables fits many
+/// times over, and a runaway client cannot make the server buffer
+/// without bound.
+pub const MAX_LINE: usize = 16 << 20;
+
+/// One request line. `id` absent means a notification (no reply), as
+/// JSON-RPC 2.0 says.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Request {
+    #[serde(default)]
+    pub jsonrpc: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<Value>,
+    pub method: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<Value>,
+}
+
+/// The `error` member of a failed response.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct RpcError {
+    pub code: i64,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+}
+
+impl std::fmt::Display for RpcError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for RpcError {}
+
+impl RpcError {
+    pub fn new(code: i64, message: impl Into<String>) -> RpcError {
+        let message = message.into();
+        let data = errno_name(code).map(|n| json!({ "errno": n }));
+        RpcError {
+            code,
+            message,
+            data,
+        }
+    }
+
+    pub fn invalid_params(message: impl Into<String>) -> RpcError {
+        RpcError::new(INVALID_PARAMS, message)
+    }
+
+    /// The errno text dmsetup would print (`strerror`), for application
+    /// codes; protocol errors have none.
+    pub fn strerror(&self) -> Option<&'static str> {
+        Some(match self.code {
+            ENXIO => "No such device or address",
+            EBUSY => "Device or resource busy",
+            EINVAL => "Invalid argument",
+            ENOTSUP => "Operation not supported",
+            _ => return None,
+        })
+    }
+}
+
+fn errno_name(code: i64) -> Option<&'static str> {
+    Some(match code {
+        ENXIO => "ENXIO",
+        EBUSY => "EBUSY",
+        EINVAL => "EINVAL",
+        ENOTSUP => "EOPNOTSUPP",
+        _ => return None,
+    })
+}
+
+impl From<DmError> for RpcError {
+    fn from(e: DmError) -> RpcError {
+        let (code, kind) = match &e {
+            DmError::NoSuchDevice(_) => (ENXIO, "no_such_device"),
+            DmError::Exists(_) => (EBUSY, "exists"),
+            DmError::Busy { .. } => (EBUSY, "busy"),
+            DmError::Line { .. } => (EINVAL, "table"),
+            DmError::Invalid(_) => (EINVAL, "invalid"),
+        };
+        let mut r = RpcError::new(code, e.to_string());
+        if let Some(Value::Object(m)) = &mut r.data {
+            m.insert("kind".into(), Value::String(kind.into()));
+        }
+        r
+    }
+}
+
+/// Build a success response line (without the newline).
+pub fn response_ok(id: &Value, result: Value) -> String {
+    json!({ "jsonrpc": "2.0", "id": id, "result": result }).to_string()
+}
+
+/// Build an error response line (without the newline).
+pub fn response_err(id: &Value, err: &RpcError) -> String {
+    json!({ "jsonrpc": "2.0", "id": id, "error": err }).to_string()
+}
+
+/// A response as a client reads it.
+#[derive(Debug, Deserialize)]
+pub struct Response {
+    #[serde(default)]
+    pub id: Value,
+    #[serde(default)]
+    pub result: Option<Value>,
+    #[serde(default)]
+    pub error: Option<RpcError>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dm_errors_map_to_dm_errnos() {
+        let e: RpcError = DmError::NoSuchDevice("d0".into()).into();
+        assert_eq!(e.code, ENXIO);
+        assert_eq!(e.data.unwrap()["kind"], "no_such_device");
+        let e: RpcError = DmError::Busy {
+            name: "d0".into(),
+            why: "open".into(),
+        }
+        .into();
+        assert_eq!(e.code, EBUSY);
+        assert_eq!(e.strerror(), Some("Device or resource busy"));
+        let e: RpcError = DmError::line(3, "bad".into()).into();
+        assert_eq!((e.code, e.message.as_str()), (EINVAL, "line 3: bad"));
+    }
+
+    #[test]
+    fn protocol_errors_have_no_errno() {
+        let e = RpcError::new(METHOD_NOT_FOUND, "no such method");
+        assert!(e.data.is_none());
+        assert!(e.strerror().is_none());
+    }
+
+    #[test]
+    fn responses_round_trip() {
+        let line = response_err(&json!(7), &RpcError::new(EINVAL, "x"));
+        let r: Response = serde_json::from_str(&line).unwrap();
+        assert_eq!(r.id, json!(7));
+        assert_eq!(r.error.unwrap().code, EINVAL);
+        let line = response_ok(&json!("a"), json!({"k": 1}));
+        let r: Response = serde_json::from_str(&line).unwrap();
+        assert_eq!(r.result.unwrap()["k"], 1);
+    }
+}
