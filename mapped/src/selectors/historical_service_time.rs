@@ -256,7 +256,7 @@ impl PathSelector for HistoricalServiceTime {
         let mut v = self.valid.lock();
         let mut best: Option<usize> = None;
         for p in v.iter() {
-            if best.map_or(true, |b| self.compare(p, b, time_now) < 0) {
+            if best.is_none_or(|b| self.compare(p, b, time_now) < 0) {
                 best = Some(p);
             }
         }

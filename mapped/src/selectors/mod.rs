@@ -74,6 +74,10 @@ impl std::fmt::Debug for dyn PathSelector {
     }
 }
 
+/// A selector constructor: the selector args in, a selector or the
+/// reason out.
+pub type SelectorCtr = fn(&[&str]) -> Result<Box<dyn PathSelector>, String>;
+
 /// A selector type: its table name, how many per-path words its `status`
 /// prints in each view, and its constructor taking the selector args.
 pub struct SelectorType {
@@ -82,7 +86,7 @@ pub struct SelectorType {
     pub table_args: u32,
     /// Per-path words in `status` output (kernel `info_args`).
     pub info_args: u32,
-    pub create: fn(&[&str]) -> Result<Box<dyn PathSelector>, String>,
+    pub create: SelectorCtr,
 }
 
 /// Every known selector type.

@@ -78,7 +78,7 @@ impl PathSelector for QueueLength {
         let mut best: Option<(usize, i64)> = None;
         for p in v.iter() {
             let q = self.paths[p].qlen.load(Ordering::Relaxed);
-            if best.map_or(true, |(_, bq)| q < bq) {
+            if best.is_none_or(|(_, bq)| q < bq) {
                 best = Some((p, q));
             }
             if best.is_some_and(|(_, bq)| bq == 0) {

@@ -128,7 +128,7 @@ impl PathSelector for ServiceTime {
         let mut v = self.valid.lock();
         let mut best: Option<usize> = None;
         for p in v.iter() {
-            if best.map_or(true, |b| self.compare_load(p, b, nr_bytes) < 0) {
+            if best.is_none_or(|b| self.compare_load(p, b, nr_bytes) < 0) {
                 best = Some(p);
             }
         }

@@ -246,13 +246,9 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
         }
         argc -= 1;
         if is("pg_init_retries") {
-            cfg.pg_init_retries = a.read("pg_init_retries (must be between 1 and 50)", 1, 50)?;
+            cfg.pg_init_retries = a.read("pg_init_retries", 1, 50)?;
         } else if is("pg_init_delay_msecs") {
-            cfg.pg_init_delay_msecs = Some(a.read(
-                "pg_init_delay_msecs (must be between 0 and 60000)",
-                0,
-                60000,
-            )?);
+            cfg.pg_init_delay_msecs = Some(a.read("pg_init_delay_msecs", 0, 60000)?);
         } else if is("queue_mode") {
             let m = a.shift("queue_mode")?;
             cfg.queue_mode = if m.eq_ignore_ascii_case("bio") {
