@@ -6,6 +6,7 @@
 //! the mapped layer shows for `dmsetup table` / `dmsetup status`.
 
 pub mod args;
+pub mod file;
 pub mod memory;
 pub mod null;
 

@@ -3,6 +3,7 @@
 
 pub mod dust;
 pub mod error;
+pub mod file;
 pub mod flakey;
 pub mod leaf;
 pub mod linear;
@@ -25,6 +26,7 @@ pub static TYPES: &[TargetType] = &[
     multipath::TYPE,
     flakey::TYPE,
     dust::TYPE,
+    file::TYPE,
 ];
 
 pub fn lookup(name: &str) -> Option<&'static TargetType> {
