@@ -1,6 +1,7 @@
 //! The target types a table may name. Adding a target is one file here and
 //! one line in [`TYPES`].
 
+pub mod delay;
 pub mod dust;
 pub mod error;
 pub mod file;
@@ -23,6 +24,7 @@ pub static TYPES: &[TargetType] = &[
     striped::TYPE,
     null::TYPE,
     memory::TYPE,
+    delay::TYPE,
     multipath::TYPE,
     flakey::TYPE,
     dust::TYPE,
