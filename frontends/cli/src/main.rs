@@ -19,6 +19,9 @@ enum Cmd {
     Serve(blkstack_nbd::NbdArgs),
     /// Rerun the seed experiments, old vs new mechanism (`lab all --quick`).
     Lab(blkstack_lab::LabArgs),
+    /// dmsetup-style verbs against a running `blkstack serve` (create, remove, suspend, ...).
+    #[command(flatten)]
+    Control(blkstack_control::Verb),
 }
 
 fn main() -> ExitCode {
@@ -26,6 +29,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Serve(a) => blkstack_nbd::run_cli(a),
         Cmd::Lab(a) => blkstack_lab::run_cli(a),
+        Cmd::Control(v) => blkstack_control::run_cli(v),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

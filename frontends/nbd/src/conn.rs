@@ -286,6 +286,8 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export]) -> io::Result<()> {
     };
     sock.set_recv_timeout(None)?;
     let export = &exports[neg.export];
+    // Live control: lets `unexport` see and disconnect this client.
+    let _listed = export.attach(&sock);
     let slots: Box<[Slot]> = (0..MAX_INFLIGHT)
         .map(|_| Slot {
             meta: Mutex::new(SlotMeta {

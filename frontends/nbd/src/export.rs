@@ -3,7 +3,10 @@
 //! (transmission flags, block-size constraints).
 
 use crate::proto::*;
+use crate::sock::Sock;
 use blkstack_core::DeviceRef;
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 /// Largest READ/WRITE we accept: the protocol's usual 32 MiB cap (qemu and
 /// nbdkit use the same), or the device's own limit if smaller.
@@ -16,6 +19,59 @@ pub struct Export {
     pub dev: DeviceRef,
     /// Set by the user (`NAME:ro`, `--readonly`) or by the device itself.
     pub read_only: bool,
+    /// Live control (blkstack-control): the connections serving this
+    /// export, so `unexport` can refuse while clients use it, or shut
+    /// their sockets' read side (in-flight requests still answered).
+    pub clients: Arc<Mutex<Vec<Arc<Sock>>>>,
+}
+
+/// Live control: keeps a connection listed in [`Export::clients`] while
+/// it lives.
+pub struct ClientGuard {
+    clients: Arc<Mutex<Vec<Arc<Sock>>>>,
+    sock: Arc<Sock>,
+}
+
+impl Drop for ClientGuard {
+    fn drop(&mut self) {
+        self.clients.lock().retain(|s| !Arc::ptr_eq(s, &self.sock));
+    }
+}
+
+/// Live control (blkstack-control): the exports of a running server, which
+/// `export`/`unexport` change. A connection takes a snapshot when it is
+/// accepted, so a change never alters the list under a handshake.
+#[derive(Clone, Default)]
+pub struct ExportTable(Arc<Mutex<Arc<Vec<Export>>>>);
+
+impl ExportTable {
+    pub fn new(exports: Vec<Export>) -> ExportTable {
+        ExportTable(Arc::new(Mutex::new(Arc::new(exports))))
+    }
+
+    pub fn snapshot(&self) -> Arc<Vec<Export>> {
+        self.0.lock().clone()
+    }
+
+    /// Replace the list with `f(current)`; `f` may refuse.
+    pub fn update<E>(&self, f: impl FnOnce(&[Export]) -> Result<Vec<Export>, E>) -> Result<(), E> {
+        let mut g = self.0.lock();
+        let next = f(&g)?;
+        *g = Arc::new(next);
+        Ok(())
+    }
+}
+
+impl Clone for Export {
+    fn clone(&self) -> Export {
+        Export {
+            name: self.name.clone(),
+            description: self.description.clone(),
+            dev: self.dev.clone(),
+            read_only: self.read_only,
+            clients: self.clients.clone(),
+        }
+    }
 }
 
 impl Export {
@@ -32,6 +88,17 @@ impl Export {
             description,
             dev,
             read_only,
+            clients: Arc::default(),
+        }
+    }
+
+    /// Live control: list `sock` as a client of this export until the
+    /// guard drops.
+    pub fn attach(&self, sock: &Arc<Sock>) -> ClientGuard {
+        self.clients.lock().push(sock.clone());
+        ClientGuard {
+            clients: self.clients.clone(),
+            sock: sock.clone(),
         }
     }
 

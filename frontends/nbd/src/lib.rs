@@ -16,6 +16,8 @@
 
 pub mod client;
 pub mod conn;
+/// Live control (blkstack-control): runtime export/unexport.
+pub mod control;
 pub mod export;
 pub mod proto;
 pub mod server;
@@ -74,6 +76,13 @@ pub struct NbdArgs {
     /// Default: nbd://127.0.0.1:10809.
     #[arg(long, value_name = "URI")]
     pub listen: Vec<String>,
+
+    /// Live control (blkstack-control): the control socket for `blkstack
+    /// create/reload/suspend/resume/export/...` [default:
+    /// $XDG_RUNTIME_DIR/blkstack/control.sock, else /run/blkstack/control.sock;
+    /// if that default is taken by another server, serve runs without one].
+    #[arg(long, value_name = "PATH")]
+    pub control: Option<PathBuf>,
 }
 
 /// Parse `--export`/`--readonly` into (name, read_only) pairs.
@@ -128,20 +137,43 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
         reg.create_concise(c).context("--concise")?;
     }
     let mut list = Vec::new();
+    let mut held = Vec::new();
     for (name, ro) in exports {
         let dev = reg
-            .device(&name)
+            .get(&name)
+            .ok_or_else(|| blkstack_mapped::DmError::NoSuchDevice(name.clone()))
             .with_context(|| format!("--export {name}"))?;
+        held.push((name.clone(), dev.clone()));
         list.push(Export::new(name, dev, ro));
     }
     let server = Server::bind(list, &listen)?;
+    // Live control (blkstack-control): the control socket lives as long
+    // as the server runs.
+    let host = control::NbdExportHost::new(server.export_table(), server.addresses(), held);
+    let control_state = std::sync::Arc::new(blkstack_control::Control::new(
+        reg.clone(),
+        Some(std::sync::Arc::new(host)),
+    ));
+    let control_server = match &args.control {
+        Some(p) => Some(blkstack_control::ControlServer::start(p, control_state, false)?),
+        None => {
+            let p = blkstack_control::default_socket_path();
+            match blkstack_control::ControlServer::start(&p, control_state, true) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    eprintln!("blkstack serve: no control socket: {e}");
+                    None
+                }
+            }
+        }
+    };
     install_signal_stop(&server.stopper())?;
     {
         // One line per export and address, so a script (or a test) can
         // read the real port when it asked for port 0.
         let mut so = std::io::stdout().lock();
         for a in server.addresses() {
-            for e in server.exports() {
+            for e in server.exports().iter() {
                 writeln!(
                     so,
                     "serving {} ({} bytes{}) at {}",
@@ -152,10 +184,14 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
                 )?;
             }
         }
+        if let Some(c) = &control_server {
+            writeln!(so, "control socket at {}", c.path().display())?;
+        }
         writeln!(so, "ready")?;
         so.flush()?;
     }
     let summary = server.run()?;
+    drop(control_server);
     eprintln!(
         "blkstack serve: stopped after {} connection(s); devices flushed",
         summary.connections

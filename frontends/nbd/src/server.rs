@@ -10,7 +10,7 @@
 //! device flushed.
 
 use crate::conn;
-use crate::export::Export;
+use crate::export::{Export, ExportTable};
 use crate::sock::Sock;
 use crate::uri::ListenUri;
 use blkstack_core::sync::submit_and_wait;
@@ -74,7 +74,7 @@ pub struct ServeSummary {
 }
 
 pub struct Server {
-    exports: Arc<Vec<Export>>,
+    exports: ExportTable,
     listeners: Vec<(ListenUri, Listener)>,
     stop_r: OwnedFd,
     stop_w: Arc<OwnedFd>,
@@ -131,7 +131,7 @@ impl Server {
         }
         let (stop_r, stop_w) = pipe()?;
         Ok(Server {
-            exports: Arc::new(exports),
+            exports: ExportTable::new(exports),
             listeners,
             stop_r,
             stop_w: Arc::new(stop_w),
@@ -143,8 +143,14 @@ impl Server {
         self.listeners.iter().map(|(u, _)| u.clone()).collect()
     }
 
-    pub fn exports(&self) -> &[Export] {
-        &self.exports
+    /// The exports now (live control may change them while running).
+    pub fn exports(&self) -> Arc<Vec<Export>> {
+        self.exports.snapshot()
+    }
+
+    /// Live control: the handle `export`/`unexport` change.
+    pub fn export_table(&self) -> ExportTable {
+        self.exports.clone()
     }
 
     pub fn stopper(&self) -> Stopper {
@@ -200,7 +206,7 @@ impl Server {
                 let id = summary.connections;
                 let sock = Arc::new(Sock::new(fd));
                 live.lock().insert(id, sock.clone());
-                let exports = self.exports.clone();
+                let exports = self.exports.snapshot();
                 let live2 = live.clone();
                 let t = std::thread::Builder::new()
                     .name(format!("nbd-conn-{id}"))
@@ -236,7 +242,7 @@ impl Server {
             let _ = t.join();
         }
         // ...and every device flushed.
-        for e in self.exports.iter() {
+        for e in self.exports.snapshot().iter() {
             if !e.read_only {
                 let st = submit_and_wait(&*e.dev, Op::Flush, 0, 0, &mut []);
                 if !st.is_ok() {
