@@ -147,7 +147,7 @@ impl Geometry {
         let min_bs = spec.bs.min();
         let max_bs = spec.bs.max();
         for &(b, _) in &spec.bs.split {
-            if b % lbs != 0 {
+            if !b.is_multiple_of(lbs) {
                 bail!(
                     "job '{}': block size {b} is not a multiple of {dev_name}'s logical block size {lbs}",
                     spec.name
@@ -160,7 +160,7 @@ impl Geometry {
                     dev.max_io_bytes()
                 );
             }
-            if spec.verify != VerifyMode::None && b % min_bs != 0 {
+            if spec.verify != VerifyMode::None && !b.is_multiple_of(min_bs) {
                 bail!(
                     "job '{}': with verify, every block size must be a multiple of the smallest ({min_bs}); {b} is not",
                     spec.name
@@ -179,7 +179,7 @@ impl Geometry {
             // fio aligns percentage offsets down to the block size.
             start -= start % min_bs;
         }
-        if start % lbs != 0 {
+        if !start.is_multiple_of(lbs) {
             bail!(
                 "job '{}': offset {start} is not a multiple of {dev_name}'s logical block size {lbs}",
                 spec.name

@@ -354,7 +354,7 @@ fn write_percentiles(out: &mut String, name: &str, l: &LatStats) {
     };
     let per_line = (80 - 7) / (precision + 10 + time_width);
     for (j, &(p, v)) in list.iter().enumerate() {
-        if j != 0 && j % per_line == 0 {
+        if j != 0 && j.is_multiple_of(per_line) {
             out.push_str("     |");
         }
         let is_last = j == list.len() - 1;

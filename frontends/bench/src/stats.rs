@@ -154,9 +154,10 @@ pub struct DirStats {
 }
 
 impl DirStats {
-    /// fio's runtime in milliseconds.
+    /// fio's runtime in milliseconds (rounded up, as fio's `update_runtime`,
+    /// so a sub-millisecond run still has a rate).
     pub fn runtime_ms(&self) -> u64 {
-        self.runtime_ns / 1_000_000
+        self.runtime_ns.div_ceil(1_000_000)
     }
 
     /// IOPS as fio computes them: ios * 1000 / runtime_ms.
@@ -511,7 +512,7 @@ mod tests {
         let d = DirStats {
             io_bytes: 4096 * 1000,
             total_ios: 1000,
-            runtime_ns: 1_000_900_000, // 1000 ms after truncation
+            runtime_ns: 999_100_000, // 1000 ms after rounding up
             ..DirStats::default()
         };
         assert_eq!(d.runtime_ms(), 1000);

@@ -22,6 +22,8 @@ enum Cmd {
     /// dmsetup-style verbs against a running `blkstack serve` (create, remove, suspend, ...).
     #[command(flatten)]
     Control(blkstack_control::Verb),
+    /// fio-compatible benchmark runner: job files and fio options against blkstack devices.
+    Bench(blkstack_bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -30,6 +32,7 @@ fn main() -> ExitCode {
         Cmd::Serve(a) => blkstack_nbd::run_cli(a),
         Cmd::Lab(a) => blkstack_lab::run_cli(a),
         Cmd::Control(v) => blkstack_control::run_cli(v),
+        Cmd::Bench(a) => blkstack_bench::run_cli(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
