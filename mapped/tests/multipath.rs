@@ -269,6 +269,11 @@ fn a_path_error_fails_the_path_and_the_io_is_retried_on_another() {
     }
     let st = status_args(&reg, "mp");
     assert!(st.contains("253:4 F 1 253:1 A 0"), "{st}");
+    // The failed attempt and the eight successes, per path.
+    assert_eq!(
+        reg.message("mp", 0, &["path_stats"]).unwrap(),
+        "253:4 1 4096\n253:1 8 32768\n"
+    );
     let m = reg.device("m").unwrap();
     for i in 0..8u64 {
         let (s, data) = read(&*m, i * 4096);

@@ -40,7 +40,10 @@
 //!
 //! Messages: `queue_if_no_path`, `fail_if_no_path`, `disable_group N`,
 //! `enable_group N`, `switch_group N`, `fail_path DEV`,
-//! `reinstate_path DEV`. `status` and `table` print what dm-mpath's
+//! `reinstate_path DEV`, and blkstack's `path_stats`, which answers one
+//! line per path, `<dev> <ios> <bytes>`: I/Os and bytes that path has
+//! completed (any status) since the table was loaded, for measuring how a
+//! selector spreads load. `status` and `table` print what dm-mpath's
 //! `multipath_status` prints for STATUSTYPE_INFO and STATUSTYPE_TABLE.
 
 use crate::selectors::{self, PathSelector, SelectorType, StatusType};
@@ -49,7 +52,7 @@ use blkstack_core::clock::{now_ns, Jiffies};
 use blkstack_core::{Bio, BioFlags, EndIo, Features, Status};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 pub const TYPE: TargetType = TargetType {
@@ -113,6 +116,9 @@ struct PgPath {
     /// Changed only under `Multipath::lock`.
     active: AtomicBool,
     fail_count: AtomicU32,
+    /// Completions on this path, for `path_stats`.
+    ios: AtomicU64,
+    bytes: AtomicU64,
 }
 
 struct PriorityGroup {
@@ -351,6 +357,8 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
                 index: i,
                 active: AtomicBool::new(true),
                 fail_count: AtomicU32::new(0),
+                ios: AtomicU64::new(0),
+                bytes: AtomicU64::new(0),
             });
         }
         groups.push(PriorityGroup {
@@ -642,6 +650,22 @@ impl Multipath {
             .collect()
     }
 
+    /// The `path_stats` answer: `<dev> <ios> <bytes>` per path.
+    fn path_stats(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        for p in &self.paths {
+            let _ = writeln!(
+                s,
+                "{} {} {}",
+                p.dev,
+                p.ios.load(Ordering::Relaxed),
+                p.bytes.load(Ordering::Relaxed)
+            );
+        }
+        s
+    }
+
     /// dm-mpath `multipath_status`.
     fn status_text(&self, ty: StatusType) -> String {
         use std::fmt::Write;
@@ -752,6 +776,8 @@ impl EndIo for Multipath {
             bio.complete(status);
             return;
         };
+        p.ios.fetch_add(1, Ordering::Relaxed);
+        p.bytes.fetch_add(bio.len, Ordering::Relaxed);
         let retry = !status.is_ok() && status.is_path_error();
         if retry {
             self.fail_path(path);
@@ -796,6 +822,9 @@ impl Target for MultipathTarget {
         }
         let verb = args.first().copied().unwrap_or("");
         let is = |s: &str| verb.eq_ignore_ascii_case(s);
+        if args.len() == 1 && is("path_stats") {
+            return Ok(m.path_stats());
+        }
         if args.len() == 1 {
             if is("queue_if_no_path") {
                 m.set_queue_if_no_path(true, false);
@@ -814,6 +843,7 @@ impl Target for MultipathTarget {
             "switch_group",
             "fail_path",
             "reinstate_path",
+            "path_stats",
         ];
         if !known.iter().any(|k| is(k)) {
             return Err(format!(
@@ -824,7 +854,7 @@ impl Target for MultipathTarget {
         if args.len() != 2 {
             return Err(format!(
                 "invalid multipath message arguments: '{verb}' expects {} argument(s), got {}",
-                if is("queue_if_no_path") || is("fail_if_no_path") {
+                if is("queue_if_no_path") || is("fail_if_no_path") || is("path_stats") {
                     1
                 } else {
                     2
