@@ -7,6 +7,7 @@
 //! and one line in [`EXPERIMENTS`].
 
 pub mod common;
+pub mod hybrid_poll;
 pub mod mq_run;
 pub mod plot;
 pub mod report;
@@ -76,6 +77,12 @@ pub static EXPERIMENTS: &[Experiment] = &[
         seed: "001",
         about: "queue-run dedup off vs on at QD 16..1024",
         run: mq_run::run,
+    },
+    Experiment {
+        name: "hybrid-poll",
+        seed: "002",
+        about: "completion wait: interrupt vs poll vs hybrid (sleep, then poll)",
+        run: hybrid_poll::run,
     },
     Experiment {
         name: "sbitmap",

@@ -1,0 +1,373 @@
+//! `lab hybrid-poll`: seed 002 (io_uring hybrid polling: sleep about half
+//! the expected completion time, then poll; merged upstream as
+//! `IORING_SETUP_HYBRID_IOPOLL`) rerun with the bench's three wait modes.
+//!
+//! The seed ran fio with `hipri=1 iodepth=64` on an NVMe disk without poll
+//! queues: 128 KiB sequential read and write with 1 job, 4 KiB random read
+//! and write with 16 jobs, and compared busy polling ("Native") with the
+//! patch ("Optimization") on bandwidth/IOPS and per-CPU utilisation. Here
+//! the disk is `null irqmode=2 completion_nsec=N` (null_blk's timer mode:
+//! every request completes on another thread N ns after submission), with
+//! service times like an NVMe disk's, and the job thread waits for
+//! completions by `interrupt` (block on the completion queue), `poll`
+//! (spin) or `hybrid` (sleep part of the shortest completion time seen,
+//! then spin; see `blkstack_bench::WaitMode`).
+//!
+//! CPU utilisation per job is the whole process's CPU time (job threads,
+//! the null device's completion thread, everything) over wall time,
+//! divided by the number of jobs, as the issue asks; the job threads' own
+//! CPU (what `htop` showed the seed's author per fio job) is shown beside
+//! it. The claim checked, on every workload whose service time is at least
+//! 20 µs: hybrid keeps at least 97 % of poll's IOPS/bandwidth at no more
+//! than 30 % of poll's CPU.
+
+use crate::common::{median, round};
+use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::LabOpts;
+use anyhow::{bail, Context, Result};
+use blkstack_bench::{run_jobs, BlockSizes, JobSpec, RunOptions, RwMode, WaitMode};
+use blkstack_core::cpu::process_cpu;
+use blkstack_mapped::Registry;
+use serde_json::json;
+use std::time::Duration;
+
+/// One of the seed's four fio jobs.
+#[derive(Clone, Copy, Debug)]
+struct Workload {
+    name: &'static str,
+    rw: RwMode,
+    bs: u64,
+    /// Jobs: the seed's sequential jobs run 1; the random ones run "many"
+    /// (16 on the seed's 8-core VM), here `--jobs` (default 2 on 2 vCPUs).
+    many_jobs: bool,
+    /// Bandwidth (MB/s) for sequential jobs, kIOPS for random ones, as the
+    /// seed's table reports them.
+    bandwidth: bool,
+}
+
+const WORKLOADS: [Workload; 4] = [
+    Workload {
+        name: "read",
+        rw: RwMode::Read,
+        bs: 128 << 10,
+        many_jobs: false,
+        bandwidth: true,
+    },
+    Workload {
+        name: "write",
+        rw: RwMode::Write,
+        bs: 128 << 10,
+        many_jobs: false,
+        bandwidth: true,
+    },
+    Workload {
+        name: "randread",
+        rw: RwMode::RandRead,
+        bs: 4 << 10,
+        many_jobs: true,
+        bandwidth: false,
+    },
+    Workload {
+        name: "randwrite",
+        rw: RwMode::RandWrite,
+        bs: 4 << 10,
+        many_jobs: true,
+        bandwidth: false,
+    },
+];
+
+const WAITS: [WaitMode; 3] = [WaitMode::Interrupt, WaitMode::Poll, WaitMode::Hybrid];
+
+/// Service times (ns) like an NVMe disk's: fast reads, typical, slow.
+const SERVICE_NS: [u64; 3] = [20_000, 50_000, 100_000];
+/// The claim applies from this service time up.
+const CLAIM_MIN_SERVICE_NS: u64 = 20_000;
+const MIN_PERF_RATIO: f64 = 0.97;
+const MAX_CPU_RATIO: f64 = 0.30;
+
+/// 1 GiB device: large enough that 128 KiB sequential jobs do not wrap
+/// every few milliseconds; null stores nothing.
+const DEV_SECTORS: u64 = 2 * 1024 * 1024;
+
+/// The seed's table: (workload, unit, native perf, native CPU %,
+/// optimized perf, optimized CPU %).
+const SEED: [(&str, &str, &str, &str, &str, &str); 4] = [
+    ("read", "BW/s", "10.9G", "100%", "10.8G", "44%"),
+    ("write", "BW/s", "6175", "100%", "6150", "32%"),
+    ("randread", "KIOPS", "1680", "100%", "1608", "100%"),
+    ("randwrite", "KIOPS", "225", "100%", "225", "15%"),
+];
+
+/// The device under test, as a stack file whose top device is `dev`.
+fn stack(backend: &str, service_ns: u64) -> Result<String> {
+    Ok(match backend {
+        "null" => format!("dev: 0 {DEV_SECTORS} null irqmode=2 completion_nsec={service_ns}\n"),
+        // Cross-check: dm-delay (seed 000's accurate delays) over an
+        // inline null device.
+        "delay" => format!(
+            "base: 0 {DEV_SECTORS} null\ndev: 0 {DEV_SECTORS} delay base 0 {}\n",
+            service_ns as f64 / 1e6
+        ),
+        other => bail!("--set backend={other}: expected null or delay"),
+    })
+}
+
+/// What one run of one wait mode measured.
+#[derive(Clone, Copy, Debug, Default)]
+struct Figures {
+    /// MB/s (10^6 bytes) or kIOPS, per the workload.
+    perf: f64,
+    /// Process CPU over wall time per job, percent of one CPU.
+    cpu_per_job_pct: f64,
+    /// The job threads' own CPU over their runtime, mean per job, percent.
+    job_thread_cpu_pct: f64,
+    mean_lat_us: f64,
+}
+
+fn measure(stack_text: &str, job: &JobSpec, w: &Workload) -> Result<Figures> {
+    let reg = Registry::new();
+    reg.create_stack(stack_text)
+        .with_context(|| format!("building the device:\n{stack_text}"))?;
+    let before = process_cpu();
+    let t0 = std::time::Instant::now();
+    let result = run_jobs(&reg, std::slice::from_ref(job), &RunOptions::default());
+    let wall = t0.elapsed();
+    let cpu = process_cpu().since(before);
+    reg.remove_all();
+    let report = result?;
+    let j = report.jobs.first().context("the bench returned no job")?;
+    let errors = j.read.errors + j.write.errors;
+    if errors > 0 || j.error != 0 {
+        bail!(
+            "{} wait={}: {errors} I/O errors (first errno {})",
+            w.name,
+            job.wait.name(),
+            j.error
+        );
+    }
+    let perf = if w.bandwidth {
+        (j.read.bw_bytes() + j.write.bw_bytes()) as f64 / 1e6
+    } else {
+        (j.read.iops() + j.write.iops()) / 1e3
+    };
+    let jobs = job.numjobs.max(1) as f64;
+    let thread_pcts: Vec<f64> = report
+        .threads
+        .iter()
+        .map(|t| (t.usr_cpu_ns + t.sys_cpu_ns) as f64 * 100.0 / t.elapsed_ns.max(1) as f64)
+        .collect();
+    let mut lat = j.read.clone();
+    lat.merge(&j.write);
+    Ok(Figures {
+        perf,
+        cpu_per_job_pct: cpu.total_ns() as f64 * 100.0 / wall.as_nanos().max(1) as f64 / jobs,
+        job_thread_cpu_pct: thread_pcts.iter().sum::<f64>() / thread_pcts.len().max(1) as f64,
+        mean_lat_us: lat.clat.mean() / 1e3,
+    })
+}
+
+/// Median of each figure over repeats.
+fn median_figures(runs: &[Figures]) -> Figures {
+    let m = |f: fn(&Figures) -> f64| median(&runs.iter().map(f).collect::<Vec<_>>());
+    Figures {
+        perf: m(|f| f.perf),
+        cpu_per_job_pct: m(|f| f.cpu_per_job_pct),
+        job_thread_cpu_pct: m(|f| f.job_thread_cpu_pct),
+        mean_lat_us: m(|f| f.mean_lat_us),
+    }
+}
+
+pub fn run(opts: &LabOpts) -> Result<LabReport> {
+    let many_jobs = opts.jobs.unwrap_or(2) as u32;
+    let repeats = opts.repeats.unwrap_or(if opts.quick { 1 } else { 3 });
+    let runtime =
+        Duration::from_millis(opts.param("runtime_ms", if opts.quick { 1000 } else { 3000 })?);
+    let iodepth: u32 = opts.param("iodepth", 64)?;
+    let services: Vec<u64> = opts.param_list("service_ns", &SERVICE_NS)?;
+    let backend: String = opts.param("backend", "null".to_string())?;
+    let names: Vec<String> = opts.param_list(
+        "workloads",
+        &WORKLOADS
+            .iter()
+            .map(|w| w.name.to_string())
+            .collect::<Vec<_>>(),
+    )?;
+    let workloads: Vec<Workload> = names
+        .iter()
+        .map(|n| {
+            WORKLOADS
+                .iter()
+                .find(|w| w.name == n)
+                .copied()
+                .with_context(|| {
+                    format!("--set workloads: '{n}' is not one of read, write, randread, randwrite")
+                })
+        })
+        .collect::<Result<_>>()?;
+    if iodepth == 0 || services.is_empty() {
+        bail!("--set iodepth must be at least 1 and service_ns must name a service time");
+    }
+    // Fail early and clearly if the backend lacks what the experiment needs.
+    {
+        let probe = Registry::new();
+        let text = stack(&backend, services[0])?;
+        if let Err(e) = probe.create_stack(&text) {
+            bail!(
+                "the device under test cannot be built ({e}); `null irqmode=2 completion_nsec=N` needs the mq null driver, `--set backend=delay` uses dm-delay instead"
+            );
+        }
+        probe.remove_all();
+    }
+
+    let mut r = LabReport::new(
+        "hybrid-poll",
+        "wait for completions: interrupt vs poll vs hybrid (seed 002)",
+        &[
+            "case",
+            "workload",
+            "service_us",
+            "jobs",
+            "iodepth",
+            "unit",
+            "interrupt_perf",
+            "interrupt_cpu_pct",
+            "poll_perf",
+            "poll_cpu_pct",
+            "hybrid_perf",
+            "hybrid_cpu_pct",
+            "hybrid_vs_poll_perf_pct",
+            "hybrid_vs_poll_cpu_pct",
+            "interrupt_thread_cpu_pct",
+            "poll_thread_cpu_pct",
+            "hybrid_thread_cpu_pct",
+            "poll_lat_us",
+            "hybrid_lat_us",
+        ],
+    );
+    for w in &workloads {
+        let jobs = if w.many_jobs { many_jobs } else { 1 };
+        for &svc in &services {
+            let text = stack(&backend, svc)?;
+            let mut runs: [Vec<Figures>; 3] = Default::default();
+            for _ in 0..repeats {
+                // Modes interleaved, so slow drift of the machine (other
+                // tenants on the 2 vCPUs) hits all three alike.
+                for (i, &wait) in WAITS.iter().enumerate() {
+                    let job = JobSpec {
+                        name: format!("{}-{}", w.name, wait.name()),
+                        filename: Some("dev".into()),
+                        rw: w.rw,
+                        bs: BlockSizes::single(w.bs),
+                        iodepth,
+                        numjobs: jobs,
+                        runtime: Some(runtime),
+                        time_based: true,
+                        group_reporting: true,
+                        norandommap: true,
+                        wait,
+                        ..JobSpec::default()
+                    };
+                    runs[i].push(measure(&text, &job, w)?);
+                }
+            }
+            let [int, poll, hyb] = [
+                median_figures(&runs[0]),
+                median_figures(&runs[1]),
+                median_figures(&runs[2]),
+            ];
+            let perf_ratio = hyb.perf / poll.perf.max(1e-9);
+            let cpu_ratio = hyb.cpu_per_job_pct / poll.cpu_per_job_pct.max(1e-9);
+            let svc_us = svc as f64 / 1e3;
+            let unit = if w.bandwidth { "MB/s" } else { "kIOPS" };
+            r.push_row([
+                ("case", json!(format!("{} {}us", w.name, svc_us))),
+                ("workload", json!(w.name)),
+                ("service_us", json!(round(svc_us, 1))),
+                ("jobs", json!(jobs)),
+                ("iodepth", json!(iodepth)),
+                ("unit", json!(unit)),
+                ("interrupt_perf", json!(round(int.perf, 1))),
+                ("interrupt_cpu_pct", json!(round(int.cpu_per_job_pct, 1))),
+                ("poll_perf", json!(round(poll.perf, 1))),
+                ("poll_cpu_pct", json!(round(poll.cpu_per_job_pct, 1))),
+                ("hybrid_perf", json!(round(hyb.perf, 1))),
+                ("hybrid_cpu_pct", json!(round(hyb.cpu_per_job_pct, 1))),
+                (
+                    "hybrid_vs_poll_perf_pct",
+                    json!(round(perf_ratio * 100.0, 1)),
+                ),
+                ("hybrid_vs_poll_cpu_pct", json!(round(cpu_ratio * 100.0, 1))),
+                (
+                    "interrupt_thread_cpu_pct",
+                    json!(round(int.job_thread_cpu_pct, 1)),
+                ),
+                (
+                    "poll_thread_cpu_pct",
+                    json!(round(poll.job_thread_cpu_pct, 1)),
+                ),
+                (
+                    "hybrid_thread_cpu_pct",
+                    json!(round(hyb.job_thread_cpu_pct, 1)),
+                ),
+                ("poll_lat_us", json!(round(poll.mean_lat_us, 1))),
+                ("hybrid_lat_us", json!(round(hyb.mean_lat_us, 1))),
+            ]);
+            if svc >= CLAIM_MIN_SERVICE_NS {
+                let pass = perf_ratio >= MIN_PERF_RATIO && cpu_ratio <= MAX_CPU_RATIO;
+                r.check(
+                    &format!("{} {}us: hybrid >= 97% of poll's {unit} at <= 30% of poll's CPU", w.name, svc_us),
+                    pass,
+                    format!(
+                        "hybrid {:.1} {unit} at {:.1}% CPU/job vs poll {:.1} {unit} at {:.1}% CPU/job: {:.1}% of poll's {unit} (need >= 97%), {:.1}% of poll's CPU (need <= 30%); interrupt {:.1} {unit} at {:.1}% CPU/job",
+                        hyb.perf,
+                        hyb.cpu_per_job_pct,
+                        poll.perf,
+                        poll.cpu_per_job_pct,
+                        perf_ratio * 100.0,
+                        cpu_ratio * 100.0,
+                        int.perf,
+                        int.cpu_per_job_pct
+                    ),
+                );
+            }
+        }
+    }
+
+    r.seed = Some(SeedTable {
+        caption: "seed 002 (fio, NVMe without poll queues, 8-core VM, iodepth=64; \"Native\" = busy polling, \"Optimization\" = the patch; CPU = per-CPU utilisation in htop)".into(),
+        columns: ["rw", "unit", "native", "native_cpu", "optimization", "optimization_cpu"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        rows: SEED
+            .iter()
+            .map(|s| {
+                [s.0, s.1, s.2, s.3, s.4, s.5]
+                    .iter()
+                    .map(|x| x.to_string())
+                    .collect()
+            })
+            .collect(),
+    });
+    r.plot = Some(PlotSpec {
+        x: "case".into(),
+        series: vec![
+            "interrupt_cpu_pct".into(),
+            "poll_cpu_pct".into(),
+            "hybrid_cpu_pct".into(),
+        ],
+        x_label: "workload and service time".into(),
+        y_label: "CPU per job (% of one CPU, whole process)".into(),
+        kind: PlotKind::Bar,
+        filter: Vec::new(),
+    });
+    r.note(format!(
+        "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (the seed used 16 on 8 cores; this machine has {} CPUs); {repeats} run(s) of {} ms per point, median shown",
+        stack(&backend, services[0])?.trim().replace('\n', " | "),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        runtime.as_millis()
+    ));
+    r.note("perf columns are MB/s (10^6 B/s) for read/write and kIOPS for randread/randwrite; *_cpu_pct is process CPU over wall time divided by the job count; *_thread_cpu_pct is the job threads' own CPU");
+    r.note("hybrid can only save CPU when the job thread has time to wait: when the service time is shorter than the CPU cost of keeping iodepth I/Os moving, every mode is CPU-bound and all three spend about the same CPU (the seed's randread row shows the same: 100% for both)");
+    Ok(r)
+}
