@@ -219,6 +219,8 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         probe.remove_all();
     }
 
+    // Other tenants of this machine skew CPU shares: say how busy it was.
+    let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let mut r = LabReport::new(
         "hybrid-poll",
         "wait for completions: interrupt vs poll vs hybrid (seed 002)",
@@ -366,6 +368,10 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         stack(&backend, services[0])?.trim().replace('\n', " | "),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         runtime.as_millis()
+    ));
+    r.note(format!(
+        "load average (1/5/15 min) before the run: {}; anything above the CPU count means other processes competed with the jobs for CPU",
+        load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     ));
     r.note("perf columns are MB/s (10^6 B/s) for read/write and kIOPS for randread/randwrite; *_cpu_pct is process CPU over wall time divided by the job count; *_thread_cpu_pct is the job threads' own CPU");
     r.note("hybrid can only save CPU when the job thread has time to wait: when the service time is shorter than the CPU cost of keeping iodepth I/Os moving, every mode is CPU-bound and all three spend about the same CPU (the seed's randread row shows the same: 100% for both)");
