@@ -1,0 +1,675 @@
+//! The request queue: bios in, driver calls out, completions back (kernel
+//! `block/blk-mq.c`: `blk_mq_submit_bio`, `blk_mq_run_hw_queue`,
+//! `blk_mq_dispatch_rq_list`, `blk_mq_end_request`).
+//!
+//! Submission: pick the submitting thread's hardware queue, take a tag
+//! (sleeping if none is free), store the bio in the tag's slot, and issue
+//! directly to the driver unless requests are already waiting on the
+//! dispatch list. A driver that says busy gets the request back on the
+//! dispatch list's head and the queue's restart bit set; the next
+//! completion runs the queue again.
+//!
+//! Queue runs are inline (on the caller's thread) or posted to kblockd,
+//! optionally delayed. With `run_dedup` (default, seed 001) a zero-delay
+//! post is skipped while one is pending (`BLK_MQ_S_WORK_QUEUED`), and a
+//! delayed post clears the bit so it never stands in for an immediate run;
+//! without it every asynchronous run pays the pool's lock, as before the
+//! seed. `run_on_completion` runs every hardware queue asynchronously on
+//! each completion, as SCSI's `scsi_end_request` did in the seed.
+//!
+//! Completion follows null_blk's `irqmode`: inline in whoever issued the
+//! request (0), on a per-hardware-queue completion thread (1, "softirq"),
+//! or on that thread after `completion_nsec` measured from issue with a
+//! precise absolute sleep (2, "timer").
+//!
+//! The hot path allocates nothing: tags index preallocated slots, the
+//! dispatch list and completion queues keep their capacity, and every lock
+//! taken per I/O is per hardware queue (none is global).
+
+use crate::hwqueue::{HctxStats, HwQueue, S_RESTART, S_STOPPED, S_WORK_QUEUED};
+use crate::kblockd::{DelayedWork, Kblockd};
+use crate::sbitmap::{SbqStats, WakeupAlgo, MAX_DEPTH};
+use crate::tags::{Tags, TagsConfig};
+use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns};
+use blkstack_core::{Bio, Status};
+use parking_lot::Mutex;
+use std::cell::Cell;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, OnceLock, Weak};
+use std::thread::JoinHandle;
+
+/// Where a request the driver finished is completed (null_blk `irqmode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CompletionMode {
+    /// 0: at once, on the thread that issued it.
+    Inline,
+    /// 1: on the hardware queue's completion thread.
+    Softirq,
+    /// 2: on the completion thread, `nsec` after issue.
+    Timer { nsec: u64 },
+}
+
+impl CompletionMode {
+    /// null_blk's `irqmode` number.
+    pub fn irqmode(self) -> u32 {
+        match self {
+            CompletionMode::Inline => 0,
+            CompletionMode::Softirq => 1,
+            CompletionMode::Timer { .. } => 2,
+        }
+    }
+}
+
+/// Largest number of hardware queues.
+pub const MAX_HW_QUEUES: u32 = 256;
+/// Kernel `BLK_MQ_RESOURCE_DELAY`: retry a busy queue with nothing in
+/// flight after 3 ms.
+pub const RESOURCE_DELAY_NS: u64 = 3_000_000;
+
+/// Options of a queue (the engine-level knobs a leaf driver exposes as
+/// `key=value` table args).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Hardware queues (`submit_queues`), 1..=256.
+    pub hw_queues: u32,
+    /// Tags per hardware queue, or in total when shared (`hw_queue_depth`).
+    pub queue_depth: u32,
+    /// Of which reserved.
+    pub reserved_tags: u32,
+    /// One tag set shared by all hardware queues.
+    pub shared_tags: bool,
+    /// The driver may sleep in `queue_rq`: queue runs always go to kblockd.
+    pub blocking: bool,
+    pub completion: CompletionMode,
+    pub tag_wakeup: WakeupAlgo,
+    /// Seed 001's queued bit (true) or post every time (false).
+    pub run_dedup: bool,
+    /// Run all hardware queues asynchronously on every completion.
+    pub run_on_completion: bool,
+    /// Tags in order (`BLK_MQ_F_TAG_RR`).
+    pub round_robin_tags: bool,
+    /// See `SbitmapQueue::with_rescue_timeout_ns` (0: never).
+    pub rescue_timeout_ns: u64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            hw_queues: 1,
+            queue_depth: 64,
+            reserved_tags: 0,
+            shared_tags: false,
+            blocking: false,
+            completion: CompletionMode::Inline,
+            tag_wakeup: WakeupAlgo::Counter,
+            run_dedup: true,
+            run_on_completion: false,
+            round_robin_tags: false,
+            rescue_timeout_ns: 0,
+        }
+    }
+}
+
+impl EngineOptions {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.hw_queues == 0 || self.hw_queues > MAX_HW_QUEUES {
+            return Err(format!(
+                "submit_queues={} is out of range 1..={MAX_HW_QUEUES}",
+                self.hw_queues
+            ));
+        }
+        if self.queue_depth == 0 || self.queue_depth > MAX_DEPTH {
+            return Err(format!(
+                "hw_queue_depth={} is out of range 1..={MAX_DEPTH}",
+                self.queue_depth
+            ));
+        }
+        if self.reserved_tags >= self.queue_depth {
+            return Err(format!(
+                "reserved_tags={} must be below hw_queue_depth={}",
+                self.reserved_tags, self.queue_depth
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What the driver did with a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueRq {
+    /// Finished with this status; the engine completes it per the
+    /// completion mode.
+    Done(Status),
+    /// Accepted; the driver will call [`RequestCompleter::end_request`].
+    Issued,
+    /// Cannot take it now (kernel `BLK_STS_RESOURCE`): requeue.
+    Busy,
+}
+
+/// A request as the driver sees it.
+#[derive(Clone, Copy)]
+pub struct Rq<'a> {
+    pub tag: u32,
+    pub hctx: u32,
+    pub bio: &'a Bio,
+}
+
+/// A leaf driver under the engine (kernel `struct blk_mq_ops`).
+pub trait Driver: Send + Sync + 'static {
+    /// Start a request (kernel `queue_rq`).
+    fn queue_rq(&self, rq: Rq<'_>) -> QueueRq;
+
+    /// Finish a request in completion context (kernel `complete`); may
+    /// change the status.
+    fn complete(&self, _rq: Rq<'_>, status: Status) -> Status {
+        status
+    }
+
+    /// Called once with a handle for completing [`QueueRq::Issued`]
+    /// requests later.
+    fn attach(&self, _completer: RequestCompleter) {}
+}
+
+/// Completes requests a driver accepted with [`QueueRq::Issued`].
+#[derive(Clone)]
+pub struct RequestCompleter {
+    inner: Weak<dyn EndRequest>,
+}
+
+impl RequestCompleter {
+    /// Complete the request `tag` of hardware queue `hctx` (kernel
+    /// `blk_mq_complete_request`): goes through the completion mode.
+    pub fn end_request(&self, hctx: u32, tag: u32, status: Status) {
+        if let Some(q) = self.inner.upgrade() {
+            q.finish(hctx, tag, status);
+        }
+    }
+}
+
+trait EndRequest: Send + Sync {
+    fn finish(&self, hctx: u32, tag: u32, status: Status);
+}
+
+/// Everything an experiment reads about a queue.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Tags in use now, over all tag sets.
+    pub tags_in_use: u32,
+    /// Total tags over all tag sets.
+    pub tags_total: u32,
+    pub tags: SbqStats,
+    pub hctx: HctxStats,
+    /// Requests waiting on dispatch lists now.
+    pub dispatch_waiting: u32,
+    /// Requests accepted by the driver and not completed.
+    pub in_driver: u32,
+}
+
+/// Per-hardware-queue completion thread state (irqmode 1 and 2).
+struct Completer {
+    queue: Mutex<Vec<(u64, u32, Status)>>,
+    sleeping: AtomicBool,
+    shutdown: AtomicBool,
+    thread: OnceLock<std::thread::Thread>,
+}
+
+impl Completer {
+    fn new(depth: usize) -> Completer {
+        Completer {
+            queue: Mutex::new(Vec::with_capacity(depth)),
+            sleeping: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            thread: OnceLock::new(),
+        }
+    }
+
+    #[inline]
+    fn push(&self, deadline: u64, tag: u32, status: Status) {
+        self.queue.lock().push((deadline, tag, status));
+        if self.sleeping.load(SeqCst) {
+            if let Some(t) = self.thread.get() {
+                t.unpark();
+            }
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+}
+
+struct QueueInner<D: Driver> {
+    driver: D,
+    opts: EngineOptions,
+    hctxs: Box<[HwQueue]>,
+    completers: Box<[Completer]>,
+    kblockd: Arc<Kblockd>,
+}
+
+/// A blk-mq request queue over driver `D`.
+pub struct Queue<D: Driver> {
+    inner: Arc<QueueInner<D>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// The submitting thread's hardware queue index (the kernel maps CPUs;
+/// threads are numbered in the order they first submit).
+#[inline]
+fn thread_hctx(nr: usize) -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static ID: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    if nr == 1 {
+        return 0;
+    }
+    ID.with(|c| {
+        let mut v = c.get();
+        if v == usize::MAX {
+            v = NEXT.fetch_add(1, Relaxed);
+            c.set(v);
+        }
+        v % nr
+    })
+}
+
+impl<D: Driver> Queue<D> {
+    /// Build a queue (and its completion threads) on the process-wide
+    /// kblockd pool.
+    pub fn new(driver: D, opts: EngineOptions) -> Result<Queue<D>, String> {
+        Self::with_kblockd(driver, opts, Kblockd::global())
+    }
+
+    pub fn with_kblockd(
+        driver: D,
+        opts: EngineOptions,
+        kblockd: Arc<Kblockd>,
+    ) -> Result<Queue<D>, String> {
+        opts.validate()?;
+        let tags_cfg = TagsConfig {
+            depth: opts.queue_depth,
+            reserved: opts.reserved_tags,
+            wakeup: opts.tag_wakeup,
+            round_robin: opts.round_robin_tags,
+            shared: opts.shared_tags && opts.hw_queues > 1,
+            rescue_timeout_ns: opts.rescue_timeout_ns,
+        };
+        let shared = if tags_cfg.shared {
+            Some(Arc::new(Tags::new(tags_cfg)?))
+        } else {
+            None
+        };
+        let mut hctxs = Vec::with_capacity(opts.hw_queues as usize);
+        for i in 0..opts.hw_queues {
+            let tags = match &shared {
+                Some(t) => t.clone(),
+                None => Arc::new(Tags::new(tags_cfg)?),
+            };
+            hctxs.push(HwQueue::new(i, tags));
+        }
+        let completers = (0..opts.hw_queues)
+            .map(|_| Completer::new(opts.queue_depth as usize))
+            .collect();
+        let inner = Arc::new(QueueInner {
+            driver,
+            opts: opts.clone(),
+            hctxs: hctxs.into_boxed_slice(),
+            completers,
+            kblockd,
+        });
+        for h in inner.hctxs.iter() {
+            let weak = Arc::downgrade(&inner);
+            let idx = h.index as usize;
+            let work = DelayedWork::new(move || {
+                if let Some(q) = weak.upgrade() {
+                    q.run_work_fn(&q.hctxs[idx]);
+                }
+            });
+            let _ = h.run_work.set(work);
+        }
+        let dyn_inner: Arc<dyn EndRequest> = inner.clone();
+        inner.driver.attach(RequestCompleter {
+            inner: Arc::downgrade(&dyn_inner),
+        });
+        let mut threads = Vec::new();
+        if opts.completion != CompletionMode::Inline {
+            for i in 0..opts.hw_queues as usize {
+                let q = inner.clone();
+                let h = std::thread::Builder::new()
+                    .name(format!("blkmq-cpl/{i}"))
+                    .spawn(move || q.completion_thread(i))
+                    .map_err(|e| format!("cannot start completion thread: {e}"))?;
+                let _ = inner.completers[i].thread.set(h.thread().clone());
+                threads.push(h);
+            }
+        }
+        Ok(Queue { inner, threads })
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.inner.opts
+    }
+
+    pub fn driver(&self) -> &D {
+        &self.inner.driver
+    }
+
+    pub fn hw_queues(&self) -> &[HwQueue] {
+        &self.inner.hctxs
+    }
+
+    /// Submit a bio that the caller has already validated.
+    #[inline]
+    pub fn submit(&self, bio: Bio) {
+        self.inner.submit(bio)
+    }
+
+    /// Run hardware queue `i` (kernel `blk_mq_run_hw_queue`).
+    pub fn run_hw_queue(&self, i: usize, async_run: bool) {
+        self.inner.run_hw_queue(&self.inner.hctxs[i], async_run)
+    }
+
+    /// Run every hardware queue (kernel `blk_mq_run_hw_queues`).
+    pub fn run_hw_queues(&self, async_run: bool) {
+        self.inner.run_hw_queues(async_run)
+    }
+
+    /// Post a run of queue `i` after `delay_ns` (kernel
+    /// `blk_mq_delay_run_hw_queue`).
+    pub fn delay_run_hw_queue(&self, i: usize, delay_ns: u64) {
+        self.inner.post_run(&self.inner.hctxs[i], delay_ns)
+    }
+
+    /// Kernel `blk_mq_stop_hw_queue`: no dispatch until started again.
+    pub fn stop_hw_queue(&self, i: usize) {
+        let h = &self.inner.hctxs[i];
+        if let Some(w) = h.run_work.get() {
+            self.inner.kblockd.cancel(w);
+        }
+        h.state.fetch_or(S_STOPPED, SeqCst);
+        h.state.fetch_and(!S_WORK_QUEUED, SeqCst);
+    }
+
+    /// Kernel `blk_mq_start_hw_queue` + run.
+    pub fn start_hw_queue(&self, i: usize, async_run: bool) {
+        let h = &self.inner.hctxs[i];
+        h.state.fetch_and(!S_STOPPED, SeqCst);
+        self.inner.run_hw_queue(h, async_run);
+    }
+
+    /// Counters summed over all hardware queues (tag sets counted once).
+    pub fn stats(&self) -> QueueStats {
+        let mut s = QueueStats::default();
+        let mut seen: Vec<*const Tags> = Vec::new();
+        for h in self.inner.hctxs.iter() {
+            let p = Arc::as_ptr(&h.tags);
+            if !seen.contains(&p) {
+                seen.push(p);
+                s.tags_in_use += h.tags.in_use();
+                s.tags_total += h.tags.depth();
+                let t = h.tags.stats();
+                s.tags.waits += t.waits;
+                s.tags.woken += t.woken;
+                s.tags.wake_batches += t.wake_batches;
+                s.tags.dropped_credits += t.dropped_credits;
+                s.tags.rescued += t.rescued;
+            }
+            let c = h.stats();
+            s.hctx.runs_inline += c.runs_inline;
+            s.hctx.runs_posted += c.runs_posted;
+            s.hctx.runs_deduped += c.runs_deduped;
+            s.hctx.runs_from_work += c.runs_from_work;
+            s.hctx.requeues += c.requeues;
+            s.hctx.dispatched_from_list += c.dispatched_from_list;
+            s.hctx.restarts += c.restarts;
+            s.dispatch_waiting += h.dispatch_len();
+            s.in_driver += h.in_driver();
+        }
+        s
+    }
+
+    /// The engine part of a `dmsetup status` line.
+    pub fn status(&self) -> String {
+        let s = self.stats();
+        format!(
+            "tags={}/{} tag_waits={} tag_wakeups={} wake_batches={} dropped_credits={} \
+             rescued={} runs_inline={} runs_posted={} runs_deduped={} requeues={} restarts={} \
+             dispatch_waiting={} in_driver={}",
+            s.tags_in_use,
+            s.tags_total,
+            s.tags.waits,
+            s.tags.woken,
+            s.tags.wake_batches,
+            s.tags.dropped_credits,
+            s.tags.rescued,
+            s.hctx.runs_inline,
+            s.hctx.runs_posted,
+            s.hctx.runs_deduped,
+            s.hctx.requeues,
+            s.hctx.restarts,
+            s.dispatch_waiting,
+            s.in_driver
+        )
+    }
+}
+
+impl<D: Driver> Drop for Queue<D> {
+    fn drop(&mut self) {
+        for h in self.inner.hctxs.iter() {
+            if let Some(w) = h.run_work.get() {
+                self.inner.kblockd.cancel(w);
+            }
+            h.tags.wake_all();
+        }
+        for c in self.inner.completers.iter() {
+            c.shutdown.store(true, SeqCst);
+            c.wake();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<D: Driver> EndRequest for QueueInner<D> {
+    fn finish(&self, hctx: u32, tag: u32, status: Status) {
+        self.finish_request(&self.hctxs[hctx as usize], tag, status, now_ns());
+    }
+}
+
+impl<D: Driver> QueueInner<D> {
+    #[inline]
+    fn submit(&self, bio: Bio) {
+        let h = &self.hctxs[thread_hctx(self.hctxs.len())];
+        let tag = h.tags.get(&h.tag_state, false, &h.wait_index, || {
+            self.run_hw_queue(h, false)
+        });
+        h.tags.slot(tag).fill(bio, h.index);
+        if h.has_pending() || h.is_stopped() {
+            h.push_tail(tag);
+            self.run_hw_queue(h, self.opts.blocking);
+            return;
+        }
+        self.issue(h, tag);
+    }
+
+    /// Hand one request to the driver. Returns false if it was busy (the
+    /// request is then back on the dispatch list's head).
+    #[inline]
+    fn issue(&self, h: &HwQueue, tag: u32) -> bool {
+        let issue_ns = now_ns_if_timer(self.opts.completion);
+        h.in_driver.fetch_add(1, SeqCst);
+        let rq = Rq {
+            tag,
+            hctx: h.index,
+            bio: h.tags.slot(tag).bio(),
+        };
+        match self.driver.queue_rq(rq) {
+            QueueRq::Done(status) => {
+                self.finish_request(h, tag, status, issue_ns);
+                true
+            }
+            QueueRq::Issued => true,
+            QueueRq::Busy => {
+                h.in_driver.fetch_sub(1, SeqCst);
+                h.counters.requeues.fetch_add(1, Relaxed);
+                h.push_head(tag);
+                h.state.fetch_or(S_RESTART, SeqCst);
+                // Nothing in flight will complete and restart us: retry
+                // later, as the kernel does after BLK_STS_RESOURCE.
+                if h.in_driver.load(SeqCst) == 0 {
+                    self.post_run(h, RESOURCE_DELAY_NS);
+                }
+                false
+            }
+        }
+    }
+
+    /// Route a finished request through the completion mode.
+    #[inline]
+    fn finish_request(&self, h: &HwQueue, tag: u32, status: Status, issue_ns: u64) {
+        match self.opts.completion {
+            CompletionMode::Inline => self.end_request(h, tag, status),
+            CompletionMode::Softirq => self.completers[h.index as usize].push(0, tag, status),
+            CompletionMode::Timer { nsec } => {
+                self.completers[h.index as usize].push(issue_ns + nsec, tag, status)
+            }
+        }
+    }
+
+    /// The real end of a request (kernel `blk_mq_end_request`): free the
+    /// tag first, so that an owner who resubmits from its completion
+    /// callback finds one, then complete the bio.
+    #[inline]
+    fn end_request(&self, h: &HwQueue, tag: u32, status: Status) {
+        let slot = h.tags.slot(tag);
+        let bio = slot.take();
+        let owner = &self.hctxs[slot.hctx() as usize];
+        let status = self.driver.complete(
+            Rq {
+                tag,
+                hctx: owner.index,
+                bio: &bio,
+            },
+            status,
+        );
+        owner.in_driver.fetch_sub(1, SeqCst);
+        owner.tags.put(&owner.tag_state, tag);
+        if owner.state.load(SeqCst) & S_RESTART != 0
+            && owner.state.fetch_and(!S_RESTART, SeqCst) & S_RESTART != 0
+        {
+            owner.counters.restarts.fetch_add(1, Relaxed);
+            self.run_hw_queue(owner, true);
+        }
+        if self.opts.run_on_completion {
+            self.run_hw_queues(true);
+        }
+        bio.complete(status);
+    }
+
+    fn run_hw_queues(&self, async_run: bool) {
+        for h in self.hctxs.iter() {
+            self.run_hw_queue(h, async_run);
+        }
+    }
+
+    /// Kernel `blk_mq_run_hw_queue`: nothing to do without pending
+    /// requests; inline unless asked (or the driver blocks).
+    #[inline]
+    fn run_hw_queue(&self, h: &HwQueue, async_run: bool) {
+        if !h.has_pending() || h.is_stopped() {
+            return;
+        }
+        if async_run || self.opts.blocking {
+            self.post_run(h, 0);
+        } else {
+            h.counters.runs_inline.fetch_add(1, Relaxed);
+            self.dispatch(h);
+        }
+    }
+
+    /// Kernel `__blk_mq_delay_run_hw_queue`'s async half, with seed 001.
+    fn post_run(&self, h: &HwQueue, delay_ns: u64) {
+        if self.opts.run_dedup {
+            if delay_ns == 0 {
+                if h.state.load(SeqCst) & S_WORK_QUEUED != 0 {
+                    h.counters.runs_deduped.fetch_add(1, Relaxed);
+                    return;
+                }
+                if h.state.fetch_or(S_WORK_QUEUED, SeqCst) & S_WORK_QUEUED != 0 {
+                    h.counters.runs_deduped.fetch_add(1, Relaxed);
+                    return;
+                }
+            } else {
+                // A delayed run must not stand in for the next immediate
+                // one (seed 001 v2).
+                h.state.fetch_and(!S_WORK_QUEUED, SeqCst);
+            }
+        }
+        h.counters.runs_posted.fetch_add(1, Relaxed);
+        if let Some(w) = h.run_work.get() {
+            self.kblockd.post(w, delay_ns);
+        }
+    }
+
+    /// Kernel `blk_mq_run_work_fn`.
+    fn run_work_fn(&self, h: &HwQueue) {
+        h.state.fetch_and(!S_WORK_QUEUED, SeqCst);
+        if h.is_stopped() {
+            return;
+        }
+        h.counters.runs_from_work.fetch_add(1, Relaxed);
+        self.dispatch(h);
+    }
+
+    /// Issue what waits on the dispatch list until it is empty or the
+    /// driver is busy (kernel `blk_mq_dispatch_rq_list`).
+    fn dispatch(&self, h: &HwQueue) {
+        while !h.is_stopped() {
+            let Some(tag) = h.pop() else { break };
+            h.counters.dispatched_from_list.fetch_add(1, Relaxed);
+            if !self.issue(h, tag) {
+                break;
+            }
+        }
+    }
+
+    fn completion_thread(&self, i: usize) {
+        set_thread_timer_slack_ns(1);
+        let c = &self.completers[i];
+        let h = &self.hctxs[i];
+        let mut local: Vec<(u64, u32, Status)> = Vec::with_capacity(self.opts.queue_depth as usize);
+        loop {
+            std::mem::swap(&mut *c.queue.lock(), &mut local);
+            if local.is_empty() {
+                if c.shutdown.load(SeqCst) {
+                    return;
+                }
+                c.sleeping.store(true, SeqCst);
+                if c.queue.lock().is_empty() && !c.shutdown.load(SeqCst) {
+                    std::thread::park();
+                }
+                c.sleeping.store(false, SeqCst);
+                continue;
+            }
+            for &(deadline, tag, status) in local.iter() {
+                if deadline != 0 && now_ns() < deadline {
+                    sleep_until_ns(deadline);
+                }
+                self.end_request(h, tag, status);
+            }
+            local.clear();
+        }
+    }
+}
+
+#[inline]
+fn now_ns_if_timer(mode: CompletionMode) -> u64 {
+    match mode {
+        CompletionMode::Timer { .. } => now_ns(),
+        _ => 0,
+    }
+}
