@@ -45,6 +45,7 @@ fn fio_nbd_engine_randrw_with_crc32c_verify() {
                     "--do_verify=1",
                     "--verify_fatal=1",
                     "--randrepeat=0",
+                    "--verify_state_save=0",
                 ])
                 .args(&extra),
             T,

@@ -262,7 +262,11 @@ impl EndIo for Shared {
             } else {
                 nbd_error(status)
             };
-            self.push_status(&mut out, m.handle, err, &status.to_string());
+            if err == 0 {
+                self.push_status(&mut out, m.handle, 0, "");
+            } else {
+                self.push_status(&mut out, m.handle, err, &status.to_string());
+            }
         }
         drop(m);
         out.free.push(idx as u16);
