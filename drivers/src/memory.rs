@@ -7,13 +7,19 @@
 //! memory; Discard and WriteZeroes free the pages they cover (WriteZeroes
 //! with NOUNMAP keeps them allocated and zeroes them instead, as the flag
 //! asks), so the data/hole map that [`Device::extents`] reports is exact at
-//! page granularity. Optional table args: `bs=` (512..=4096, power of two).
+//! page granularity. Optional table args: `bs=` (512..=4096, power of two)
+//! and the engine args of [`crate::engine_args`]: requests go through the
+//! blk-mq engine like `null`'s, so the same completion modes and tag
+//! options apply (the copy itself is done in `queue_rq`).
 
 use crate::args::{check_size, KvArgs};
+use crate::engine_args::EngineArgs;
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{Bio, BioFlags, Device, Features, Op, Status};
+use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
 use parking_lot::RwLock;
 use std::collections::HashMap;
+use std::fmt::Write;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -131,12 +137,22 @@ impl PageStore {
         let end = offset + len;
         let first_full = offset.div_ceil(PAGE_SIZE);
         let end_full = end >> PAGE_SHIFT; // exclusive
-                                          // Partial edge pages: zero the covered part of a page that exists.
-        for (page, in_page, n, _) in Self::pieces(offset, len) {
-            let whole = page >= first_full && page < end_full;
-            if whole {
-                continue;
-            }
+                                          // Partial edge pages (at most the first and the last): zero the
+                                          // covered part.
+        let first_page = offset >> PAGE_SHIFT;
+        let last_page = (end - 1) >> PAGE_SHIFT;
+        let mut edges = [None, None];
+        if !(first_full..end_full).contains(&first_page) {
+            edges[0] = Some(first_page);
+        }
+        if last_page != first_page && !(first_full..end_full).contains(&last_page) {
+            edges[1] = Some(last_page);
+        }
+        for page in edges.into_iter().flatten() {
+            let start = (page << PAGE_SHIFT).max(offset);
+            let stop = ((page + 1) << PAGE_SHIFT).min(end);
+            let in_page = (start & (PAGE_SIZE - 1)) as usize;
+            let n = (stop - start) as usize;
             let mut map = self.shard(page).write();
             if keep_allocated {
                 let p = map.entry(page).or_insert_with(|| {
@@ -243,15 +259,8 @@ impl PageStore {
     }
 }
 
-/// Parsed `memory` arguments, shared with the engine-driven variant.
-pub(crate) fn parse_memory_args(size_bytes: u64, kv: &mut KvArgs<'_>) -> Result<u32, String> {
-    let block_size = kv.take_block_size("bs")?;
-    check_size("memory", size_bytes, block_size)?;
-    Ok(block_size)
-}
-
 /// Carry out one (already validated) bio against a page store.
-pub(crate) fn memory_execute(store: &PageStore, bio: &Bio) -> Status {
+fn memory_execute(store: &PageStore, bio: &Bio) -> Status {
     match bio.op {
         Op::Read => store.read(bio.offset, bio.data_mut()),
         Op::Write => store.write(bio.offset, bio.data()),
@@ -264,63 +273,105 @@ pub(crate) fn memory_execute(store: &PageStore, bio: &Bio) -> Status {
     Status::Ok
 }
 
-pub(crate) fn memory_features() -> Features {
-    Features {
-        discard: true,
-        write_zeroes: true,
-        fast_zero: true,
-        knows_holes: true,
-        ..Features::default()
+/// The memory driver under the engine: the copy happens in `queue_rq`,
+/// the completion goes wherever the engine's `irqmode` says.
+pub struct MemoryDriver {
+    store: PageStore,
+}
+
+impl Driver for MemoryDriver {
+    #[inline]
+    fn queue_rq(&self, rq: Rq<'_>) -> QueueRq {
+        QueueRq::Done(memory_execute(&self.store, rq.bio))
     }
 }
 
 pub struct MemoryDevice {
     size: u64,
     block_size: u32,
-    store: PageStore,
+    engine: EngineArgs,
+    queue: Queue<MemoryDriver>,
 }
 
 impl MemoryDevice {
+    /// Build from a table line's length (in bytes) and its optional
+    /// `key=value` args: `bs=` and the engine args.
     pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, String> {
         let mut kv = KvArgs::parse("memory", args)?;
-        let block_size = parse_memory_args(size_bytes, &mut kv)?;
+        let block_size = kv.take_block_size("bs")?;
+        let engine = EngineArgs::parse(&mut kv)?;
         kv.finish()?;
+        Self::build(size_bytes, block_size, engine)
+    }
+
+    /// Build with engine options set from Rust (experiments, benches).
+    pub fn with_options(
+        size_bytes: u64,
+        block_size: u32,
+        opts: EngineOptions,
+    ) -> Result<Self, String> {
+        if !(512..=4096).contains(&block_size) || !block_size.is_power_of_two() {
+            return Err(format!(
+                "memory: bs={block_size} is not a power of two in 512..=4096"
+            ));
+        }
+        Self::build(size_bytes, block_size, EngineArgs::from_options(opts))
+    }
+
+    fn build(size_bytes: u64, block_size: u32, engine: EngineArgs) -> Result<Self, String> {
+        check_size("memory", size_bytes, block_size)?;
+        let driver = MemoryDriver {
+            store: PageStore::new(),
+        };
+        let queue = Queue::new(driver, engine.opts.clone()).map_err(|e| format!("memory: {e}"))?;
         Ok(MemoryDevice {
             size: size_bytes,
             block_size,
-            store: PageStore::new(),
+            engine,
+            queue,
         })
     }
 
     pub fn table_args(&self) -> String {
+        let mut s = String::new();
         if self.block_size != 512 {
-            format!("bs={}", self.block_size)
-        } else {
-            String::new()
+            let _ = write!(s, " bs={}", self.block_size);
         }
+        self.engine.write_table_args(&mut s);
+        s.trim_start().to_string()
     }
 
     pub fn status(&self) -> String {
         format!(
-            "bs={} allocated_bytes={}",
+            "bs={} allocated_bytes={} {} {}",
             self.block_size,
-            self.store.allocated_pages() * PAGE_SIZE
+            self.store().allocated_pages() * PAGE_SIZE,
+            self.engine.describe(),
+            self.queue.status()
         )
     }
 
     pub fn store(&self) -> &PageStore {
-        &self.store
+        &self.queue.driver().store
+    }
+
+    pub fn engine_stats(&self) -> QueueStats {
+        self.queue.stats()
+    }
+
+    pub fn queue(&self) -> &Queue<MemoryDriver> {
+        &self.queue
     }
 }
 
 impl Device for MemoryDevice {
+    #[inline]
     fn submit(&self, bio: Bio) {
         if let Err(st) = check_bio(self, &bio) {
             bio.complete(st);
             return;
         }
-        let st = memory_execute(&self.store, &bio);
-        bio.complete(st);
+        self.queue.submit(bio);
     }
 
     fn size(&self) -> u64 {
@@ -332,12 +383,18 @@ impl Device for MemoryDevice {
     }
 
     fn features(&self) -> Features {
-        memory_features()
+        Features {
+            discard: true,
+            write_zeroes: true,
+            fast_zero: true,
+            knows_holes: true,
+            ..Features::default()
+        }
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
         let end = offset.saturating_add(len).min(self.size);
-        Some(self.store.extents(offset, end))
+        Some(self.store().extents(offset, end))
     }
 }
 
@@ -356,7 +413,12 @@ mod tests {
 
     #[test]
     fn stores_and_reads_back_across_pages() {
-        let d = MemoryDevice::from_args(1 << 20, &[]).unwrap();
+        for irq in ["irqmode=0", "irqmode=1"] {
+            stores_and_reads_back(MemoryDevice::from_args(1 << 20, &[irq]).unwrap());
+        }
+    }
+
+    fn stores_and_reads_back(d: MemoryDevice) {
         let mut w = pattern(8192 + 1024, 7);
         assert_eq!(
             submit_and_wait(&d, Op::Write, 3584, w.len() as u64, &mut w),
@@ -421,6 +483,18 @@ mod tests {
         assert_eq!(d.store().allocated_pages(), 4);
         submit_and_wait(&d, Op::Read, 0, 16384, &mut r);
         assert!(r.iter().all(|&b| b == 0));
+        // A range inside one page zeroes just that part.
+        let mut w = pattern(4096, 9);
+        submit_and_wait(&d, Op::Write, 0, 4096, &mut w);
+        assert_eq!(
+            submit_and_wait(&d, Op::Discard, 1024, 1024, &mut []),
+            Status::Ok
+        );
+        let mut r = vec![0u8; 4096];
+        submit_and_wait(&d, Op::Read, 0, 4096, &mut r);
+        assert_eq!(&r[..1024], &w[..1024]);
+        assert!(r[1024..2048].iter().all(|&b| b == 0));
+        assert_eq!(&r[2048..], &w[2048..]);
         // Plain write-zeroes frees them.
         assert_eq!(
             submit_and_wait(&d, Op::WriteZeroes, 0, 16384, &mut []),
@@ -475,6 +549,10 @@ mod tests {
         );
         assert_eq!(d.store().allocated_pages(), 0);
         assert_eq!(d.table_args(), "bs=4096");
+        let d =
+            MemoryDevice::from_args(1 << 20, &["bs=4096", "irqmode=1", "submit_queues=2"]).unwrap();
+        assert_eq!(d.table_args(), "bs=4096 irqmode=1 submit_queues=2");
+        assert!(d.status().contains("tags=0/128"), "{}", d.status());
         assert!(MemoryDevice::from_args(1 << 20, &["bs=8192"])
             .err()
             .unwrap()

@@ -1,17 +1,65 @@
-//! `null`: a device that does nothing, quickly (Linux `null_blk`).
+//! `null`: a device that does nothing, quickly (Linux `null_blk`), driven
+//! through the blk-mq engine.
 //!
-//! Reads return zeroes, writes are dropped, every request completes with
-//! `Ok`. It exists to measure the stack above it, the way the seeds measure
-//! blk-mq against null_blk. Optional table args: `bs=` (logical block
-//! size, a power of two in 512..=4096).
+//! Reads return zeroes, writes are dropped, every request succeeds. It
+//! exists to measure the stack above it and the engine itself, the way
+//! seeds 001 and 003 measure blk-mq against null_blk, so it takes
+//! null_blk's knobs as table args: `bs=` (logical block size, power of two
+//! in 512..=4096), the engine args of [`crate::engine_args`] (`irqmode`,
+//! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
+//! `blocking`, `tag_wakeup`, `run_dedup`, `run_on_completion`,
+//! `tag_rescue_ms`), and `max_inflight=` (per hardware queue; above it the
+//! driver answers busy, like a SCSI device whose queue is full: the
+//! dispatch-list and queue-run paths of seed 001 need a driver that
+//! pushes back; 0 = never busy, the default).
 
 use crate::args::{check_size, KvArgs};
+use crate::engine_args::EngineArgs;
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{Bio, Device, Features, Op, Status};
+use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
+use crossbeam_utils::CachePadded;
+use std::fmt::Write;
+use std::sync::atomic::AtomicU32;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// The null driver under the engine.
+pub struct NullDriver {
+    max_inflight: u32,
+    inflight: Box<[CachePadded<AtomicU32>]>,
+}
+
+impl Driver for NullDriver {
+    #[inline]
+    fn queue_rq(&self, rq: Rq<'_>) -> QueueRq {
+        if self.max_inflight > 0 {
+            let n = &self.inflight[rq.hctx as usize];
+            if n.load(Relaxed) >= self.max_inflight {
+                return QueueRq::Busy;
+            }
+            n.fetch_add(1, Relaxed);
+        }
+        if rq.bio.op == Op::Read {
+            rq.bio.data_mut().fill(0);
+        }
+        QueueRq::Done(Status::Ok)
+    }
+
+    #[inline]
+    fn complete(&self, rq: Rq<'_>, status: Status) -> Status {
+        if self.max_inflight > 0 {
+            self.inflight[rq.hctx as usize].fetch_sub(1, Relaxed);
+        }
+        status
+    }
+}
 
 pub struct NullDevice {
     size: u64,
     block_size: u32,
+    max_inflight: u32,
+    engine: EngineArgs,
+    queue: Queue<NullDriver>,
 }
 
 impl NullDevice {
@@ -20,39 +68,100 @@ impl NullDevice {
     pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, String> {
         let mut kv = KvArgs::parse("null", args)?;
         let block_size = kv.take_block_size("bs")?;
+        let max_inflight = kv.take_u64("max_inflight", 0, 0, u32::MAX as u64)? as u32;
+        let engine = EngineArgs::parse(&mut kv)?;
         kv.finish()?;
+        Self::build(size_bytes, block_size, max_inflight, engine)
+    }
+
+    /// Build with engine options set from Rust (experiments, benches).
+    pub fn with_options(
+        size_bytes: u64,
+        block_size: u32,
+        max_inflight: u32,
+        opts: EngineOptions,
+    ) -> Result<Self, String> {
+        if !(512..=4096).contains(&block_size) || !block_size.is_power_of_two() {
+            return Err(format!(
+                "null: bs={block_size} is not a power of two in 512..=4096"
+            ));
+        }
+        Self::build(
+            size_bytes,
+            block_size,
+            max_inflight,
+            EngineArgs::from_options(opts),
+        )
+    }
+
+    fn build(
+        size_bytes: u64,
+        block_size: u32,
+        max_inflight: u32,
+        engine: EngineArgs,
+    ) -> Result<Self, String> {
         check_size("null", size_bytes, block_size)?;
+        let driver = NullDriver {
+            max_inflight,
+            inflight: (0..engine.opts.hw_queues)
+                .map(|_| CachePadded::new(AtomicU32::new(0)))
+                .collect(),
+        };
+        let queue = Queue::new(driver, engine.opts.clone()).map_err(|e| format!("null: {e}"))?;
         Ok(NullDevice {
             size: size_bytes,
             block_size,
+            max_inflight,
+            engine,
+            queue,
         })
     }
 
     /// The args as `dmsetup table` prints them: only non-defaults, in a fixed
     /// order, so that parsing them again gives the same device.
     pub fn table_args(&self) -> String {
+        let mut s = String::new();
         if self.block_size != 512 {
-            format!("bs={}", self.block_size)
-        } else {
-            String::new()
+            let _ = write!(s, " bs={}", self.block_size);
         }
+        if self.max_inflight != 0 {
+            let _ = write!(s, " max_inflight={}", self.max_inflight);
+        }
+        self.engine.write_table_args(&mut s);
+        s.trim_start().to_string()
     }
 
+    /// Configuration, then the engine's live counters (tag use, waits,
+    /// wakeups, queue runs posted vs deduplicated, requeues).
     pub fn status(&self) -> String {
-        format!("bs={}", self.block_size)
+        format!(
+            "bs={} max_inflight={} {} {}",
+            self.block_size,
+            self.max_inflight,
+            self.engine.describe(),
+            self.queue.status()
+        )
+    }
+
+    /// The engine's counters, for experiments.
+    pub fn engine_stats(&self) -> QueueStats {
+        self.queue.stats()
+    }
+
+    /// The engine queue itself (run/stop queues, per-hctx counters).
+    pub fn queue(&self) -> &Queue<NullDriver> {
+        &self.queue
     }
 }
 
 impl Device for NullDevice {
+    #[inline]
     fn submit(&self, bio: Bio) {
         if let Err(st) = check_bio(self, &bio) {
             bio.complete(st);
             return;
         }
-        if bio.op == Op::Read {
-            bio.data_mut().fill(0);
-        }
-        bio.complete(Status::Ok);
+        self.queue.submit(bio);
     }
 
     fn size(&self) -> u64 {
@@ -90,23 +199,27 @@ impl Device for NullDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkstack_core::clock::now_ns;
     use blkstack_core::submit_and_wait;
 
     #[test]
     fn reads_zero_writes_dropped() {
-        let d = NullDevice::from_args(1 << 20, &[]).unwrap();
-        let mut buf = vec![0xabu8; 4096];
-        assert_eq!(
-            submit_and_wait(&d, Op::Write, 0, 4096, &mut buf),
-            Status::Ok
-        );
-        assert_eq!(submit_and_wait(&d, Op::Read, 0, 4096, &mut buf), Status::Ok);
-        assert!(buf.iter().all(|&b| b == 0));
-        assert_eq!(submit_and_wait(&d, Op::Flush, 0, 0, &mut []), Status::Ok);
-        assert_eq!(
-            submit_and_wait(&d, Op::Discard, 0, 8192, &mut []),
-            Status::Ok
-        );
+        for irq in ["irqmode=0", "irqmode=1", "irqmode=2"] {
+            let d = NullDevice::from_args(1 << 20, &[irq]).unwrap();
+            let mut buf = vec![0xabu8; 4096];
+            assert_eq!(
+                submit_and_wait(&d, Op::Write, 0, 4096, &mut buf),
+                Status::Ok
+            );
+            assert_eq!(submit_and_wait(&d, Op::Read, 0, 4096, &mut buf), Status::Ok);
+            assert!(buf.iter().all(|&b| b == 0));
+            assert_eq!(submit_and_wait(&d, Op::Flush, 0, 0, &mut []), Status::Ok);
+            assert_eq!(
+                submit_and_wait(&d, Op::Discard, 0, 8192, &mut []),
+                Status::Ok
+            );
+            assert_eq!(d.engine_stats().tags_in_use, 0);
+        }
     }
 
     #[test]
@@ -125,9 +238,34 @@ mod tests {
     }
 
     #[test]
+    fn timer_mode_is_never_early() {
+        let d = NullDevice::from_args(1 << 20, &["irqmode=2", "completion_nsec=200000"]).unwrap();
+        let mut buf = vec![0u8; 4096];
+        for _ in 0..10 {
+            let t0 = now_ns();
+            assert_eq!(submit_and_wait(&d, Op::Read, 0, 4096, &mut buf), Status::Ok);
+            assert!(now_ns() - t0 >= 200_000);
+        }
+    }
+
+    #[test]
     fn args_round_trip_and_errors() {
-        let d = NullDevice::from_args(1 << 20, &["bs=4096"]).unwrap();
+        let d = NullDevice::from_args(
+            1 << 20,
+            &[
+                "bs=4096",
+                "max_inflight=8",
+                "irqmode=1",
+                "hw_queue_depth=256",
+                "run_dedup=off",
+            ],
+        )
+        .unwrap();
         assert_eq!(d.logical_block_size(), 4096);
+        assert_eq!(
+            d.table_args(),
+            "bs=4096 max_inflight=8 irqmode=1 hw_queue_depth=256 run_dedup=off"
+        );
         let printed = d.table_args();
         let again: Vec<&str> = printed.split_whitespace().collect();
         let d2 = NullDevice::from_args(1 << 20, &again).unwrap();
@@ -144,6 +282,61 @@ mod tests {
             .err()
             .unwrap()
             .contains("'x'"));
+        assert!(NullDevice::from_args(1 << 20, &["irqmode=5"])
+            .err()
+            .unwrap()
+            .contains("irqmode"));
         assert!(NullDevice::from_args(1000, &[]).is_err());
+    }
+
+    #[test]
+    fn status_shows_tag_use_and_engine_counters() {
+        let d = NullDevice::from_args(1 << 20, &["hw_queue_depth=32"]).unwrap();
+        let st = d.status();
+        assert!(st.contains("tags=0/32"), "{st}");
+        assert!(st.contains("runs_deduped="), "{st}");
+        assert!(st.contains("tag_wakeup=counter"), "{st}");
+    }
+
+    #[test]
+    fn busy_driver_requeues_and_restarts() {
+        use blkstack_core::{EndIo, IoBuf};
+        use std::sync::atomic::AtomicU64;
+        use std::sync::Arc;
+        struct Count(AtomicU64);
+        impl EndIo for Count {
+            fn end_io(&self, bio: Bio, status: Status, _p: u64) {
+                assert_eq!(status, Status::Ok);
+                self.0.fetch_add(1, Relaxed);
+                drop(bio);
+            }
+        }
+        let d = NullDevice::from_args(
+            1 << 20,
+            &[
+                "irqmode=2",
+                "completion_nsec=100000",
+                "max_inflight=2",
+                "run_on_completion=1",
+            ],
+        )
+        .unwrap();
+        let c = Arc::new(Count(AtomicU64::new(0)));
+        for i in 0..40u64 {
+            d.submit(Bio::new(Op::Write, 0, 0, IoBuf::empty(), c.clone(), i));
+        }
+        let deadline = now_ns() + 10_000_000_000;
+        while c.0.load(Relaxed) < 40 {
+            assert!(now_ns() < deadline, "stuck: {}", d.status());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let s = d.engine_stats();
+        assert!(
+            s.hctx.requeues > 0 || s.hctx.dispatched_from_list > 0,
+            "{}",
+            d.status()
+        );
+        assert!(s.hctx.runs_posted > 0, "{}", d.status());
+        assert_eq!(s.tags_in_use, 0);
     }
 }
