@@ -298,6 +298,12 @@ struct Engine {
     verify_failures: Vec<String>,
     min_lat_ns: u64,
     progress: Arc<JobProgress>,
+    /// When the next bandwidth/IOPS sample is due, and the counters at the
+    /// previous one: `[read, write]` as `(bytes, ios)`.
+    sample_due_ns: u64,
+    sample_prev_ns: u64,
+    sample_prev: [(u64, u64); 2],
+    sample_dirs: [bool; 2],
 }
 
 impl Engine {
@@ -352,6 +358,10 @@ impl Engine {
             verify_failures: Vec::new(),
             min_lat_ns: u64::MAX,
             progress: setup.progress.clone(),
+            sample_due_ns: u64::MAX,
+            sample_prev_ns: 0,
+            sample_prev: [(0, 0); 2],
+            sample_dirs: [spec.rw.reads(), spec.rw.writes()],
         })
     }
 
@@ -568,6 +578,34 @@ impl Engine {
             .store(self.read.io_bytes + self.write.io_bytes, Ordering::Relaxed);
     }
 
+    /// Start periodic bandwidth/IOPS sampling from `now`.
+    fn start_sampling(&mut self, now: u64) {
+        self.sample_prev_ns = now;
+        self.sample_due_ns = now + crate::stats::SAMPLE_INTERVAL_NS;
+        self.sample_prev = [(0, 0); 2];
+    }
+
+    /// Close a sample interval at `now` (a completion time: no clock read).
+    fn take_sample(&mut self, now: u64) {
+        let spent_ms = (now - self.sample_prev_ns) / 1_000_000;
+        if spent_ms == 0 {
+            return;
+        }
+        for (i, dir) in [&mut self.read, &mut self.write].into_iter().enumerate() {
+            if !self.sample_dirs[i] {
+                continue;
+            }
+            let (pb, pi) = self.sample_prev[i];
+            let bw_kib = (dir.io_bytes - pb) * 1000 / spent_ms / 1024;
+            let iops = (dir.total_ios - pi) * 1000 / spent_ms;
+            dir.bw_samples.push(bw_kib);
+            dir.iops_samples.push(iops);
+            self.sample_prev[i] = (dir.io_bytes, dir.total_ios);
+        }
+        self.sample_prev_ns = now;
+        self.sample_due_ns = now + crate::stats::SAMPLE_INTERVAL_NS;
+    }
+
     /// Run the work phase until `deadline_ns` or `io_limit` bytes.
     /// Returns when nothing is in flight.
     fn pump_work(&mut self, record: bool, deadline_ns: u64, io_limit: u64) {
@@ -598,6 +636,9 @@ impl Engine {
             let last = self.process_completions(phase);
             if record {
                 self.publish_progress();
+                if last >= self.sample_due_ns {
+                    self.take_sample(last);
+                }
             }
             if last >= deadline_ns {
                 stop = true;
@@ -682,6 +723,7 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
 
     setup.progress.phase.store(1, Ordering::Relaxed);
     let work_start = now_ns();
+    eng.start_sampling(work_start);
     let deadline = match spec.runtime {
         Some(r) => work_start.saturating_add(r.as_nanos().min(u64::MAX as u128) as u64),
         None => u64::MAX,

@@ -12,7 +12,7 @@
 //! submission latency is not separated), and `lat_ns` carries the same
 //! samples as `clat_ns`.
 
-use crate::stats::{BenchReport, DirStats, GroupDir, JobResult, LatStats};
+use crate::stats::{sample_stats, BenchReport, DirStats, GroupDir, JobResult, LatStats};
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use std::fmt::Write as _;
 
@@ -187,7 +187,6 @@ fn strerror(errno: i32) -> String {
 }
 
 fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
-    let _ = report;
     let pid = std::process::id();
     if job.error == 0 {
         let _ = write!(
@@ -211,9 +210,17 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
             ctime_now()
         );
     }
-    for (name, d) in [("read", &job.read), ("write", &job.write)] {
+    let group = report.groups.iter().find(|g| g.groupid == job.groupid);
+    for (name, d, agg) in [
+        ("read", &job.read, group.map(|g| g.read.agg_bw).unwrap_or(0)),
+        (
+            "write",
+            &job.write,
+            group.map(|g| g.write.agg_bw).unwrap_or(0),
+        ),
+    ] {
         if d.io_bytes > 0 {
-            write_dir_normal(out, name, d);
+            write_dir_normal(out, name, d, agg);
         }
     }
     write_latency_distribution(out, job);
@@ -278,10 +285,19 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
             job.verify_checked, job.verify_errors
         );
     }
-    out.push('\n');
 }
 
-fn write_dir_normal(out: &mut String, name: &str, d: &DirStats) {
+/// fio's `per=`: this job's mean bandwidth as a share of its group's
+/// aggregate (`convert_agg_kbytes_percent`).
+fn percent_of_agg(mean_kib: f64, agg_bytes: u64) -> f64 {
+    if agg_bytes > 1024 {
+        (mean_kib * 100.0 / (agg_bytes as f64 / 1024.0)).min(100.0)
+    } else {
+        100.0
+    }
+}
+
+fn write_dir_normal(out: &mut String, name: &str, d: &DirStats, agg_bytes: u64) {
     let runt = d.runtime_ms().max(1);
     let bw = (d.io_bytes as u128 * 1000 / runt as u128) as u64;
     let iops = (d.total_ios as u128 * 1000 / runt as u128) as u64;
@@ -297,6 +313,32 @@ fn write_dir_normal(out: &mut String, name: &str, d: &DirStats) {
     display_lat(out, "clat", &d.clat);
     display_lat(out, " lat", &d.clat);
     write_percentiles(out, "clat", &d.clat);
+    if let Some((min, max, mean, dev)) = sample_stats(&d.bw_samples) {
+        let per = percent_of_agg(mean, agg_bytes);
+        let (mut min, mut max, mut mean, mut dev) = (min as f64, max as f64, mean, dev);
+        let mut unit = "KiB";
+        if mean > 1024.0 * 1024.0 {
+            min /= 1024.0;
+            max /= 1024.0;
+            mean /= 1024.0;
+            dev /= 1024.0;
+            unit = "MiB";
+        }
+        let _ = writeln!(
+            out,
+            "   bw ({unit:>5}/s): min={:5}, max={:5}, per={per:3.2}%, avg={mean:5.02}, stdev={dev:5.02}, samples={}",
+            min as u64,
+            max as u64,
+            d.bw_samples.len()
+        );
+    }
+    if let Some((min, max, mean, dev)) = sample_stats(&d.iops_samples) {
+        let _ = writeln!(
+            out,
+            "   iops        : min={min:5}, max={max:5}, avg={mean:5.02}, stdev={dev:5.02}, samples={}",
+            d.iops_samples.len()
+        );
+    }
 }
 
 /// fio's `display_lat`: unit chosen by `nsec_to_usec`/`nsec_to_msec`.
@@ -502,7 +544,14 @@ fn lat_json(l: &LatStats, percentiles: bool) -> J {
     obj(kv)
 }
 
-fn dir_json(d: &DirStats) -> J {
+fn dir_json(d: &DirStats, agg_bytes: u64) -> J {
+    let (bmin, bmax, bmean, bdev) = sample_stats(&d.bw_samples).unwrap_or((0, 0, 0.0, 0.0));
+    let (imin, imax, imean, idev) = sample_stats(&d.iops_samples).unwrap_or((0, 0, 0.0, 0.0));
+    let bw_agg = if d.bw_samples.is_empty() {
+        0.0
+    } else {
+        percent_of_agg(bmean, agg_bytes)
+    };
     obj(vec![
         ("io_bytes", J::U(d.io_bytes)),
         ("io_kbytes", J::U(d.io_bytes >> 10)),
@@ -516,12 +565,27 @@ fn dir_json(d: &DirStats) -> J {
         ("slat_ns", lat_json(&LatStats::default(), false)),
         ("clat_ns", lat_json(&d.clat, true)),
         ("lat_ns", lat_json(&d.clat, false)),
+        ("bw_min", J::U(bmin)),
+        ("bw_max", J::U(bmax)),
+        ("bw_agg", J::F(bw_agg)),
+        ("bw_mean", J::F(bmean)),
+        ("bw_dev", J::F(bdev)),
+        ("bw_samples", J::U(d.bw_samples.len() as u64)),
+        ("iops_min", J::U(imin)),
+        ("iops_max", J::U(imax)),
+        ("iops_mean", J::F(imean)),
+        ("iops_stddev", J::F(idev)),
+        ("iops_samples", J::U(d.iops_samples.len() as u64)),
         ("errors", J::U(d.errors)),
     ])
 }
 
-fn job_json(job: &JobResult) -> J {
+fn job_json(report: &BenchReport, job: &JobResult) -> J {
     let s = &job.spec;
+    let group = report.groups.iter().find(|g| g.groupid == job.groupid);
+    let (agg_r, agg_w) = group
+        .map(|g| (g.read.agg_bw, g.write.agg_bw))
+        .unwrap_or((0, 0));
     let mut opts = vec![
         ("name", J::S(s.name.clone())),
         ("filename", J::S(job.device.clone())),
@@ -596,8 +660,8 @@ fn job_json(job: &JobResult) -> J {
         ("error", J::I(job.error as i64)),
         ("elapsed", J::U(job.elapsed_ns.div_ceil(1_000_000_000))),
         ("job options", obj(opts)),
-        ("read", dir_json(&job.read)),
-        ("write", dir_json(&job.write)),
+        ("read", dir_json(&job.read, agg_r)),
+        ("write", dir_json(&job.write, agg_w)),
         ("job_runtime", J::U(job.runtime_ns / 1_000_000)),
         ("usr_cpu", J::F(job.usr_cpu_pct())),
         ("sys_cpu", J::F(job.sys_cpu_pct())),
@@ -644,7 +708,10 @@ pub fn write_json(report: &BenchReport) -> String {
         ("timestamp", J::U(report.timestamp)),
         ("timestamp_ms", J::U(report.timestamp * 1000)),
         ("time", J::S(time)),
-        ("jobs", J::Arr(report.jobs.iter().map(job_json).collect())),
+        (
+            "jobs",
+            J::Arr(report.jobs.iter().map(|j| job_json(report, j)).collect()),
+        ),
     ]);
     let mut s =
         serde_json::to_string_pretty(&root).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));

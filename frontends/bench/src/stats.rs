@@ -151,6 +151,32 @@ pub struct DirStats {
     /// reads the clock once at submit and once at completion, so fio's
     /// `clat` and `lat` are the same samples and `slat` is not measured.
     pub clat: LatStats,
+    /// Bandwidth over each [`SAMPLE_INTERVAL_NS`] of the I/O phase, KiB/s
+    /// (fio's `bw_avg_time` samples).
+    pub bw_samples: Vec<u64>,
+    /// IOPS over each sample interval (fio's `iops_avg_time` samples).
+    pub iops_samples: Vec<u64>,
+}
+
+/// fio's default `bw_avg_time` / `iops_avg_time`: 500 ms.
+pub const SAMPLE_INTERVAL_NS: u64 = 500_000_000;
+
+/// `(min, max, mean, sample stddev)` of periodic samples, as fio's
+/// `calc_lat` over `bw_stat`/`iops_stat`; `None` without samples.
+pub fn sample_stats(v: &[u64]) -> Option<(u64, u64, f64, f64)> {
+    if v.is_empty() {
+        return None;
+    }
+    let n = v.len() as f64;
+    let min = *v.iter().min()?;
+    let max = *v.iter().max()?;
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+    let dev = if v.len() > 1 {
+        (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    } else {
+        0.0
+    };
+    Some((min, max, mean, dev))
 }
 
 impl DirStats {
@@ -193,6 +219,8 @@ impl DirStats {
         self.errors += o.errors;
         self.runtime_ns = self.runtime_ns.max(o.runtime_ns);
         self.clat.merge(&o.clat);
+        self.bw_samples.extend_from_slice(&o.bw_samples);
+        self.iops_samples.extend_from_slice(&o.iops_samples);
     }
 }
 

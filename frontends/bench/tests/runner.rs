@@ -273,6 +273,21 @@ fn json_has_fios_shape() {
     assert!(p99 >= clat["min"].as_u64().unwrap() && p99 <= clat["max"].as_u64().unwrap());
     assert!(read["lat_ns"]["N"].as_u64().unwrap() > 0);
     assert_eq!(read["slat_ns"]["N"], 0);
+    for k in [
+        "bw_min",
+        "bw_max",
+        "bw_agg",
+        "bw_mean",
+        "bw_dev",
+        "bw_samples",
+        "iops_min",
+        "iops_max",
+        "iops_mean",
+        "iops_stddev",
+        "iops_samples",
+    ] {
+        assert!(read[k].is_number(), "read.{k}");
+    }
     assert_eq!(j["write"]["total_ios"], 0);
     for k in [
         "usr_cpu",
@@ -453,4 +468,22 @@ fn registry_stacks_verify_clean() {
     };
     let e = run_jobs(&reg, &[missing], &quiet()).unwrap_err();
     assert!(e.to_string().contains("nosuch"), "{e}");
+}
+
+#[test]
+fn bandwidth_and_iops_are_sampled_every_500ms() {
+    let dev: DeviceRef = TestDev::new(1 << 20, Fault::None, false);
+    let job = JobSpec {
+        rw: RwMode::RandRead,
+        runtime: Some(Duration::from_millis(1100)),
+        time_based: true,
+        ..JobSpec::default()
+    };
+    let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
+    let d = &r.jobs[0].read;
+    assert!((1..=3).contains(&d.bw_samples.len()), "{:?}", d.bw_samples);
+    assert_eq!(d.bw_samples.len(), d.iops_samples.len());
+    assert!(d.iops_samples.iter().all(|&s| s > 0));
+    assert!(r.jobs[0].write.bw_samples.is_empty());
+    assert!(write_normal(&r).contains("   iops        : min="));
 }
