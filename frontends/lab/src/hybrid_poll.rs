@@ -99,9 +99,16 @@ const SEED: [(&str, &str, &str, &str, &str, &str); 4] = [
 ];
 
 /// The device under test, as a stack file whose top device is `dev`.
-fn stack(backend: &str, service_ns: u64) -> Result<String> {
+///
+/// `tags` is null's `hw_queue_depth`: by default every I/O the jobs keep
+/// in flight gets a tag, so no submitter ever sleeps waiting for one and
+/// only the completion wait differs between the modes; a smaller value
+/// models a disk with that much internal parallelism.
+fn stack(backend: &str, service_ns: u64, tags: u32) -> Result<String> {
     Ok(match backend {
-        "null" => format!("dev: 0 {DEV_SECTORS} null irqmode=2 completion_nsec={service_ns}\n"),
+        "null" => format!(
+            "dev: 0 {DEV_SECTORS} null irqmode=2 completion_nsec={service_ns} hw_queue_depth={tags}\n"
+        ),
         // Cross-check: dm-delay (seed 000's accurate delays) over an
         // inline null device.
         "delay" => format!(
@@ -185,6 +192,10 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let iodepth: u32 = opts.param("iodepth", 64)?;
     let services: Vec<u64> = opts.param_list("service_ns", &SERVICE_NS)?;
     let backend: String = opts.param("backend", "null".to_string())?;
+    let tags: u32 = opts.param(
+        "hw_queue_depth",
+        iodepth.saturating_mul(many_jobs).max(iodepth),
+    )?;
     let names: Vec<String> = opts.param_list(
         "workloads",
         &WORKLOADS
@@ -210,7 +221,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // Fail early and clearly if the backend lacks what the experiment needs.
     {
         let probe = Registry::new();
-        let text = stack(&backend, services[0])?;
+        let text = stack(&backend, services[0], tags)?;
         if let Err(e) = probe.create_stack(&text) {
             bail!(
                 "the device under test cannot be built ({e}); `null irqmode=2 completion_nsec=N` needs the mq null driver, `--set backend=delay` uses dm-delay instead"
@@ -249,7 +260,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     for w in &workloads {
         let jobs = if w.many_jobs { many_jobs } else { 1 };
         for &svc in &services {
-            let text = stack(&backend, svc)?;
+            let text = stack(&backend, svc, tags)?;
             let mut runs: [Vec<Figures>; 3] = Default::default();
             for _ in 0..repeats {
                 // Modes interleaved, so slow drift of the machine (other
@@ -365,7 +376,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     });
     r.note(format!(
         "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (the seed used 16 on 8 cores; this machine has {} CPUs); {repeats} run(s) of {} ms per point, median shown",
-        stack(&backend, services[0])?.trim().replace('\n', " | "),
+        stack(&backend, services[0], tags)?.trim().replace('\n', " | "),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         runtime.as_millis()
     ));
@@ -376,4 +387,55 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     r.note("perf columns are MB/s (10^6 B/s) for read/write and kIOPS for randread/randwrite; *_cpu_pct is process CPU over wall time divided by the job count; *_thread_cpu_pct is the job threads' own CPU");
     r.note("hybrid can only save CPU when the job thread has time to wait: when the service time is shorter than the CPU cost of keeping iodepth I/Os moving, every mode is CPU-bound and all three spend about the same CPU (the seed's randread row shows the same: 100% for both)");
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny run: one workload, one service time, three modes. The
+    /// figures are not judged here (timed assertions do not belong in unit
+    /// tests); the shape is: one row with all three modes measured, one
+    /// check naming both ratios, the seed table beside it.
+    #[test]
+    fn one_point_produces_a_row_and_a_check() {
+        let mut opts = LabOpts {
+            quick: true,
+            repeats: Some(1),
+            jobs: Some(1),
+            ..LabOpts::default()
+        };
+        for (k, v) in [
+            ("runtime_ms", "150"),
+            ("workloads", "randwrite"),
+            ("service_ns", "50000"),
+            ("iodepth", "4"),
+        ] {
+            opts.params.insert(k.into(), v.into());
+        }
+        let r = run(&opts).expect("experiment runs");
+        assert_eq!(r.rows.len(), 1);
+        let row = &r.rows[0];
+        for col in ["interrupt_perf", "poll_perf", "hybrid_perf"] {
+            assert!(
+                row[col].as_f64().unwrap_or(0.0) > 0.0,
+                "{col} measured nothing: {row:?}"
+            );
+        }
+        assert_eq!(r.checks.len(), 1);
+        assert!(r.checks[0].detail.contains("of poll's kIOPS"));
+        assert_eq!(r.seed.as_ref().map(|s| s.rows.len()), Some(4));
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let mut opts = LabOpts::default();
+        opts.params.insert("workloads".into(), "sideways".into());
+        let e = run(&opts).unwrap_err().to_string();
+        assert!(e.contains("sideways"), "{e}");
+        let mut opts = LabOpts::default();
+        opts.params.insert("backend".into(), "floppy".into());
+        let e = format!("{:#}", run(&opts).unwrap_err());
+        assert!(e.contains("floppy"), "{e}");
+    }
 }
