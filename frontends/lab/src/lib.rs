@@ -8,6 +8,7 @@
 
 pub mod common;
 pub mod hybrid_poll;
+pub mod mpath;
 pub mod mq_run;
 pub mod plot;
 pub mod report;
@@ -89,6 +90,12 @@ pub static EXPERIMENTS: &[Experiment] = &[
         seed: "003",
         about: "tag wakeups: wait_cnt vs completion/wakeup counters",
         run: sbitmap::run,
+    },
+    Experiment {
+        name: "mpath",
+        seed: "004",
+        about: "multipath per-path share: service-time vs HST with jiffies and ns start times",
+        run: mpath::run,
     },
 ];
 

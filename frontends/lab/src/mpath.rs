@@ -1,0 +1,342 @@
+//! `lab mpath`: seed 004 (dm-mpath: nanosecond start times for the
+//! historical-service-time selector in bio-based multipath) rerun with
+//! jiffies and nanosecond start times, beside service-time and the ideal.
+//!
+//! As the seed: ten paths to one device with unequal cost, 4 KiB random
+//! writes at queue depth 64, and per path its share of the I/O. Our
+//! "utilisation" is the share of completed I/Os each path served, read
+//! from the multipath's `path_stats` message after a warm-up (so the
+//! selectors' learning phase is not counted).
+//!
+//! A path is a `delay` target over one `null` device with `load_k=1`:
+//! every I/O is delayed `cost * (1 + I/Os already in flight on that
+//! path)`. That is a server of fixed capacity `1/cost` I/Os per time unit
+//! whatever the queue on it (Little's law: n in flight, each taking
+//! `n * cost`), like the seed's disks, so the ideal split is each path's
+//! capacity over the sum: `(1/cost_i) / sum(1/cost_j)`. Costs default to
+//! 1,1,1,4,8,8,16,16,1,1 times `fast_ms`, the ratios that give the seed's
+//! "Best" column (0.18 x5, 0.04, 0.02 x2, 0.01 x2).
+//!
+//! The jiffies run truncates each I/O's start time to a tick of an
+//! emulated HZ (the multipath feature `start_time jiffies:HZ`), which is
+//! what dm gave HST before the seed's patch; an I/O that starts on an idle
+//! path then looks up to a tick slower than it was. The ns run uses the
+//! target's default, `start_time ns`, the patch.
+//!
+//! `--set` keys: `fast_ms` (0.25), `costs` (comma list, relative),
+//! `hz` (250), `iodepth` (64), `runtime_ms`, `warmup_ms`.
+
+use crate::common::{job, mean_sd, round};
+use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::LabOpts;
+use anyhow::{bail, ensure, Context, Result};
+use blkstack_bench::{run_jobs, RunOptions, RwMode};
+use blkstack_mapped::Registry;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The seed's disks, in its table's order.
+const DISKS: [&str; 10] = [
+    "sdd", "sde", "sdf", "sdg", "sdh", "sdi", "sdj", "sdk", "sdl", "sdm",
+];
+/// Relative path costs that give the seed's "Best" column.
+const COSTS: [f64; 10] = [1.0, 1.0, 1.0, 4.0, 8.0, 8.0, 16.0, 16.0, 1.0, 1.0];
+/// Seed 004, per disk: ST, HST (orig), HST (ktime), Best.
+const SEED: [[f64; 4]; 10] = [
+    [0.17, 0.20, 0.17, 0.18],
+    [0.17, 0.20, 0.17, 0.18],
+    [0.17, 0.20, 0.17, 0.18],
+    [0.06, 0.00, 0.06, 0.04],
+    [0.03, 0.00, 0.03, 0.02],
+    [0.03, 0.00, 0.03, 0.02],
+    [0.02, 0.00, 0.01, 0.01],
+    [0.02, 0.00, 0.01, 0.01],
+    [0.17, 0.20, 0.17, 0.18],
+    [0.17, 0.20, 0.17, 0.18],
+];
+/// Every device is 1 GiB.
+const SECTORS: u64 = 2 * 1024 * 1024;
+
+/// One selector configuration to measure.
+struct Policy {
+    column: &'static str,
+    selector: &'static str,
+    features: String,
+}
+
+/// The stack: a null device, one `delay` path per cost, the multipath.
+fn stack(costs_ms: &[f64], p: &Policy) -> String {
+    let mut s = format!("base: 0 {SECTORS} null\n");
+    for (i, ms) in costs_ms.iter().enumerate() {
+        s.push_str(&format!("p{i}: 0 {SECTORS} delay base 0 {ms} load_k=1\n"));
+    }
+    let paths: Vec<String> = (0..costs_ms.len()).map(|i| format!("p{i}")).collect();
+    s.push_str(&format!(
+        "dev: 0 {SECTORS} multipath {} 0 1 1 {} 0 {} 0 {}\n",
+        p.features,
+        p.selector,
+        costs_ms.len(),
+        paths.join(" ")
+    ));
+    s
+}
+
+/// Completed I/Os per path from a `path_stats` answer.
+fn parse_path_stats(text: &str, paths: usize) -> Result<Vec<u64>> {
+    let v: Vec<u64> = text
+        .lines()
+        .map(|l| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|w| w.parse().ok())
+                .with_context(|| format!("path_stats line '{l}'"))
+        })
+        .collect::<Result<_>>()?;
+    ensure!(
+        v.len() == paths,
+        "path_stats has {} lines, want {paths}",
+        v.len()
+    );
+    Ok(v)
+}
+
+struct Outcome {
+    shares: Vec<f64>,
+    iops: f64,
+    errors: u64,
+}
+
+/// Run the job on a fresh stack; shares count I/Os completed between the
+/// end of the warm-up and the end of the run.
+fn run_policy(
+    stack_text: &str,
+    paths: usize,
+    qd: u32,
+    runtime: Duration,
+    warmup: Duration,
+) -> Result<Outcome> {
+    let reg: Arc<Registry> = Registry::new();
+    reg.create_stack(stack_text)
+        .with_context(|| format!("building stack:\n{stack_text}"))?;
+    let snapshot = {
+        let reg = reg.clone();
+        std::thread::spawn(move || -> Result<String> {
+            std::thread::sleep(warmup);
+            Ok(reg.message("dev", 0, &["path_stats"])?)
+        })
+    };
+    let spec = job(RwMode::RandWrite, 4096, qd, 1, runtime);
+    let report = run_jobs(&reg, std::slice::from_ref(&spec), &RunOptions::default());
+    let at_warmup = snapshot
+        .join()
+        .map_err(|_| anyhow::anyhow!("path_stats snapshot thread panicked"))??;
+    let at_end = reg.message("dev", 0, &["path_stats"])?;
+    reg.remove_all();
+    let report = report?;
+    let j = report.jobs.first().context("bench returned no job")?;
+    let before = parse_path_stats(&at_warmup, paths)?;
+    let after = parse_path_stats(&at_end, paths)?;
+    let counted: Vec<u64> = after
+        .iter()
+        .zip(&before)
+        .map(|(a, b)| a.saturating_sub(*b))
+        .collect();
+    let total: u64 = counted.iter().sum();
+    ensure!(total > 0, "no I/O completed after the warm-up");
+    Ok(Outcome {
+        shares: counted.iter().map(|&c| c as f64 / total as f64).collect(),
+        iops: j.write.iops() + j.read.iops(),
+        errors: j.write.errors + j.read.errors + j.error.unsigned_abs() as u64,
+    })
+}
+
+pub fn run(opts: &LabOpts) -> Result<LabReport> {
+    let fast_ms: f64 = opts.param("fast_ms", 0.25)?;
+    let costs: Vec<f64> = opts.param_list("costs", &COSTS)?;
+    let hz: u32 = opts.param("hz", 250)?;
+    let qd: u32 = opts.param("iodepth", 64)?;
+    let runtime =
+        Duration::from_millis(opts.param("runtime_ms", if opts.quick { 4000 } else { 12000 })?);
+    let warmup = Duration::from_millis(opts.param("warmup_ms", runtime.as_millis() as u64 / 4)?);
+    let repeats = opts.repeats.unwrap_or(if opts.quick { 1 } else { 2 });
+    if costs.is_empty() || costs.len() > 1000 || costs.iter().any(|c| !c.is_finite() || *c <= 0.0) {
+        bail!("--set costs: give 1..1000 positive relative costs");
+    }
+    if !fast_ms.is_finite() || fast_ms <= 0.0 {
+        bail!("--set fast_ms: must be positive");
+    }
+    if warmup >= runtime {
+        bail!("--set warmup_ms must be shorter than runtime_ms");
+    }
+    let costs_ms: Vec<f64> = costs.iter().map(|c| c * fast_ms).collect();
+    let capacity: f64 = costs.iter().map(|c| 1.0 / c).sum();
+    let ideal: Vec<f64> = costs.iter().map(|c| (1.0 / c) / capacity).collect();
+    let n = costs.len();
+
+    let policies = [
+        Policy {
+            column: "st",
+            selector: "service-time",
+            features: "0".into(),
+        },
+        Policy {
+            column: "hst_jiffies",
+            selector: "historical-service-time",
+            features: format!("2 start_time jiffies:{hz}"),
+        },
+        Policy {
+            column: "hst_ns",
+            selector: "historical-service-time",
+            features: "0".into(),
+        },
+    ];
+    // shares[policy][repeat][path]
+    let mut shares: Vec<Vec<Vec<f64>>> = vec![Vec::new(); policies.len()];
+    let mut iops: Vec<Vec<f64>> = vec![Vec::new(); policies.len()];
+    for _ in 0..repeats {
+        for (pi, p) in policies.iter().enumerate() {
+            let o = run_policy(&stack(&costs_ms, p), n, qd, runtime, warmup)?;
+            ensure!(o.errors == 0, "{}: {} I/O errors", p.column, o.errors);
+            shares[pi].push(o.shares);
+            iops[pi].push(o.iops);
+        }
+    }
+    let mean_share = |pi: usize, path: usize| -> f64 {
+        let xs: Vec<f64> = shares[pi].iter().map(|r| r[path]).collect();
+        mean_sd(&xs).0
+    };
+
+    let mut r = LabReport::new(
+        "mpath",
+        "share of I/O per path, 10 asymmetric paths, randwrite QD64: service-time, HST with jiffies and ns start times, ideal",
+        &["path", "cost", "ideal", "st", "hst_jiffies", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
+    );
+    for path in 0..n {
+        let seed = SEED.get(path).filter(|_| n == DISKS.len());
+        let name = match DISKS.get(path) {
+            Some(d) if n == DISKS.len() => format!("p{path}/{d}"),
+            _ => format!("p{path}"),
+        };
+        r.push_row([
+            ("path", json!(name)),
+            ("cost", json!(costs[path])),
+            ("ideal", json!(round(ideal[path], 3))),
+            ("st", json!(round(mean_share(0, path), 3))),
+            ("hst_jiffies", json!(round(mean_share(1, path), 3))),
+            ("hst_ns", json!(round(mean_share(2, path), 3))),
+            ("seed_st", json!(seed.map(|s| s[0]))),
+            ("seed_hst_orig", json!(seed.map(|s| s[1]))),
+            ("seed_hst_ktime", json!(seed.map(|s| s[2]))),
+            ("seed_best", json!(seed.map(|s| s[3]))),
+        ]);
+    }
+
+    let worst = |pi: usize| -> (usize, f64) {
+        (0..n)
+            .map(|p| (p, (mean_share(pi, p) - ideal[p]).abs()))
+            .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a })
+    };
+    let (wp, wd) = worst(2);
+    r.check(
+        "HST with ns start times: within 0.02 of the ideal share on every path",
+        wd <= 0.02,
+        format!(
+            "largest gap {wd:.3} on p{wp} (ns {:.3} vs ideal {:.3})",
+            mean_share(2, wp),
+            ideal[wp]
+        ),
+    );
+    let slow: Vec<usize> = (0..n)
+        .filter(|&p| costs[p] > costs.iter().cloned().fold(f64::INFINITY, f64::min))
+        .collect();
+    let slow_sum = |pi: usize| slow.iter().map(|&p| mean_share(pi, p)).sum::<f64>();
+    let ideal_slow: f64 = slow.iter().map(|&p| ideal[p]).sum();
+    let (jiffies_slow, ns_slow) = (slow_sum(1), slow_sum(2));
+    r.check(
+        "HST with jiffies start times starves the slow paths (under half their ideal share)",
+        !slow.is_empty() && jiffies_slow < 0.5 * ideal_slow && jiffies_slow < ns_slow,
+        format!(
+            "slow paths' total share: jiffies {jiffies_slow:.3}, ns {ns_slow:.3}, ideal {ideal_slow:.3} (seed: orig 0.00, ktime 0.17, best 0.10)"
+        ),
+    );
+    let (st_wp, st_wd) = worst(0);
+    r.note(format!(
+        "service-time: largest gap to ideal {st_wd:.3} on p{st_wp}"
+    ));
+    for (pi, p) in policies.iter().enumerate() {
+        let (m, sd) = mean_sd(&iops[pi]);
+        r.note(format!("{}: {:.0} IOPS (sd {:.0})", p.column, m, sd));
+    }
+    r.note(format!(
+        "utilisation = share of completed I/Os per path (multipath path_stats), counted after a {} ms warm-up of a {} ms run, {repeats} run(s) per selector",
+        warmup.as_millis(),
+        runtime.as_millis()
+    ));
+    r.note(format!(
+        "paths: delay targets over one null device, delay = cost x {fast_ms} ms x (1 + I/Os in flight on the path) (load_k=1), so path capacity is 1/cost; jiffies run at HZ={hz}"
+    ));
+    r.seed = Some(SeedTable {
+        caption: "seed 004: utilisation of a 10-disk multipath with asymmetric costs, fio randwrite QD64, bio-based mpath".into(),
+        columns: ["disk", "ST", "HST (orig)", "HST(ktime)", "Best"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        rows: DISKS
+            .iter()
+            .zip(SEED.iter())
+            .map(|(d, s)| {
+                let mut row = vec![d.to_string()];
+                row.extend(s.iter().map(|x| format!("{x:.2}")));
+                row
+            })
+            .collect(),
+    });
+    r.plot = Some(PlotSpec {
+        x: "path".into(),
+        series: vec![
+            "ideal".into(),
+            "st".into(),
+            "hst_jiffies".into(),
+            "hst_ns".into(),
+        ],
+        x_label: "path (seed disk)".into(),
+        y_label: "share of I/O".into(),
+        kind: PlotKind::Bar,
+        filter: vec![],
+    });
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stack_builds_and_stats_parse() {
+        let p = Policy {
+            column: "hst_jiffies",
+            selector: "historical-service-time",
+            features: "2 start_time jiffies:250".into(),
+        };
+        let text = stack(&[0.25, 1.0], &p);
+        let reg = Registry::new();
+        reg.create_stack(&text).unwrap();
+        let t = reg.table_text("dev").unwrap();
+        assert!(
+            t.contains("multipath 2 start_time jiffies:250 0 1 1 historical-service-time"),
+            "{t}"
+        );
+        let stats = reg.message("dev", 0, &["path_stats"]).unwrap();
+        assert_eq!(parse_path_stats(&stats, 2).unwrap(), vec![0, 0]);
+        assert!(parse_path_stats(&stats, 3).is_err());
+    }
+
+    #[test]
+    fn seed_costs_give_the_seed_best_column() {
+        let cap: f64 = COSTS.iter().map(|c| 1.0 / c).sum();
+        for (c, s) in COSTS.iter().zip(SEED.iter()) {
+            assert!(((1.0 / c) / cap - s[3]).abs() < 0.005, "cost {c}");
+        }
+    }
+}
