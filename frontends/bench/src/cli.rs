@@ -37,7 +37,10 @@ Example: blkstack bench --stack examples/striped-memory.stack --name=x --rw=rand
 
 /// `blkstack bench`: fio-compatible benchmark runner.
 #[derive(clap::Args, Debug)]
-#[command(about = "fio-compatible benchmark runner (job files, fio options, fio-shaped output)", long_about = LONG_ABOUT)]
+#[command(
+    about = "fio-compatible benchmark runner (job files, fio options, fio-shaped output)",
+    after_help = LONG_ABOUT
+)]
 pub struct BenchArgs {
     /// Job files and fio-style options (--name=x --rw=randread ...), in fio's order.
     #[arg(
@@ -47,6 +50,16 @@ pub struct BenchArgs {
         value_name = "JOBFILE|--OPTION"
     )]
     pub args: Vec<String>,
+}
+
+/// First Ctrl-C: stop the jobs and report (as fio does); the handler then
+/// restores the default so a second Ctrl-C ends the process.
+extern "C" fn on_sigint(_sig: libc::c_int) {
+    crate::engine::request_stop();
+    // SAFETY: signal() is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_DFL);
+    }
 }
 
 /// Run `blkstack bench`.
@@ -93,7 +106,15 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<()> {
         sink.write_all(write_normal_header(&jobs).as_bytes())?;
         sink.flush()?;
     }
+    // SAFETY: installing a handler that only does async-signal-safe work.
+    unsafe {
+        libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t);
+    }
     let result = run_jobs(&registry, &jobs, &opts);
+    // SAFETY: as above; back to the default once the jobs are done.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_DFL);
+    }
     registry.remove_all();
     let report = result?;
     for t in &report.threads {

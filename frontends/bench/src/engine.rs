@@ -110,6 +110,25 @@ impl EndIo for CompletionQueue {
     }
 }
 
+/// Set by [`request_stop`]: every running job stops issuing, drains what is
+/// in flight and reports (fio's behaviour on Ctrl-C).
+static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
+
+/// Ask every running job to stop early and report what it did so far.
+/// Async-signal-safe (one atomic store), so a SIGINT handler may call it.
+pub fn request_stop() {
+    STOP_REQUESTED.store(true, Ordering::Relaxed);
+}
+
+/// Forget an earlier [`request_stop`] (called when a run starts).
+pub(crate) fn clear_stop() {
+    STOP_REQUESTED.store(false, Ordering::Relaxed);
+}
+
+fn stop_requested() -> bool {
+    STOP_REQUESTED.load(Ordering::Relaxed)
+}
+
 /// Live counters a progress display reads while the job runs.
 #[derive(Default)]
 pub struct JobProgress {
@@ -640,7 +659,7 @@ impl Engine {
                     self.take_sample(last);
                 }
             }
-            if last >= deadline_ns {
+            if last >= deadline_ns || stop_requested() {
                 stop = true;
             }
         }
@@ -655,6 +674,9 @@ impl Engine {
         let mut cursor = 0usize;
         let mut exhausted = false;
         loop {
+            if stop_requested() {
+                exhausted = true;
+            }
             while !exhausted && !self.failed && self.inflight < self.depth {
                 let run = self
                     .log
@@ -744,7 +766,12 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     }
 
     let mut verify_ns = 0;
-    if spec.verify != VerifyMode::None && spec.do_verify && spec.rw.writes() && !eng.failed {
+    if spec.verify != VerifyMode::None
+        && spec.do_verify
+        && spec.rw.writes()
+        && !eng.failed
+        && !stop_requested()
+    {
         setup.progress.phase.store(2, Ordering::Relaxed);
         let v0 = now_ns();
         let reads_before = eng.read.total_ios;

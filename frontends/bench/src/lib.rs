@@ -45,7 +45,7 @@ pub mod verify;
 
 pub use cli::{run_cli, BenchArgs};
 pub use cmdline::{parse_command_line, CommandLine, EtaMode, OutputFormat};
-pub use engine::{Geometry, JobProgress};
+pub use engine::{request_stop, Geometry, JobProgress};
 pub use jobfile::{parse_job_file, JobFileError};
 pub use output::{write_json, write_normal, write_normal_header};
 pub use run::{run_jobs, run_jobs_with, run_on_device, RunOptions};

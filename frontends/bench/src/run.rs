@@ -8,7 +8,7 @@
 //! While threads run, the calling thread draws the progress bar (when
 //! asked) from counters the job loops publish once per completion batch.
 
-use crate::engine::{run_thread, Geometry, JobProgress, ThreadSetup};
+use crate::engine::{clear_stop, run_thread, Geometry, JobProgress, ThreadSetup};
 use crate::spec::JobSpec;
 use crate::stats::{BenchReport, JobResult};
 use anyhow::{bail, Context};
@@ -124,6 +124,7 @@ pub fn run_jobs_with(
             });
         }
     }
+    clear_stop();
     let mut results: Vec<JobResult> = Vec::with_capacity(planned.len());
     let last_segment = segment;
     let mut rest = planned;

@@ -229,3 +229,38 @@ fn wait_modes_from_the_command_line() {
         assert_eq!(v["jobs"][0]["read"]["total_ios"], 1024);
     }
 }
+
+#[test]
+fn ctrl_c_stops_the_jobs_and_still_reports() {
+    let child = Command::new(env!("CARGO_BIN_EXE_blkstack"))
+        .args([
+            "bench",
+            "--stack",
+            &example("striped-memory.stack"),
+            "--name=long",
+            "--rw=randread",
+            "--runtime=60s",
+            "--time_based",
+            "--output-format=json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start blkstack");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(kill.success());
+    let out = child.wait_with_output().expect("wait for blkstack");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = json_of(&out);
+    let runtime = v["jobs"][0]["read"]["runtime"].as_u64().unwrap();
+    assert!(runtime < 30_000, "stopped early, ran {runtime} ms");
+    assert!(v["jobs"][0]["read"]["total_ios"].as_u64().unwrap() > 0);
+}
