@@ -159,7 +159,13 @@ pub struct Geometry {
 }
 
 impl Geometry {
-    pub fn resolve(spec: &JobSpec, dev: &DeviceRef, dev_name: &str) -> anyhow::Result<Geometry> {
+    /// The region of clone `clone_index` (0-based) of `spec` on `dev`.
+    pub fn resolve(
+        spec: &JobSpec,
+        dev: &DeviceRef,
+        dev_name: &str,
+        clone_index: u32,
+    ) -> anyhow::Result<Geometry> {
         use anyhow::bail;
         let dev_size = dev.size();
         let lbs = dev.logical_block_size().max(1) as u64;
@@ -198,6 +204,9 @@ impl Geometry {
             // fio aligns percentage offsets down to the block size.
             start -= start % min_bs;
         }
+        // fio's offset_increment: clone k starts k increments further.
+        let incr = spec.offset_increment.resolve(dev_size);
+        start = start.saturating_add(incr.saturating_mul(clone_index as u64));
         if !start.is_multiple_of(lbs) {
             bail!(
                 "job '{}': offset {start} is not a multiple of {dev_name}'s logical block size {lbs}",

@@ -101,21 +101,21 @@ pub fn run_jobs_with(
             bail!("job '{}': time_based needs a runtime", job.name);
         }
         let (dev_name, dev) = resolve(job)?;
-        let geometry = Geometry::resolve(job, &dev, &dev_name)?;
         if job.rw.writes() && dev.features().read_only {
             bail!(
                 "job '{}': {dev_name} is read-only and the job writes",
                 job.name
             );
         }
-        for _ in 0..job.numjobs {
+        for clone in 0..job.numjobs {
+            let geometry = Geometry::resolve(job, &dev, &dev_name, clone)?;
             thread_number += 1;
             planned.push(Planned {
                 setup: ThreadSetup {
                     spec: job.clone(),
                     device: dev.clone(),
                     device_name: dev_name.clone(),
-                    geometry: geometry.clone(),
+                    geometry,
                     groupid,
                     thread_number,
                     progress: Arc::new(JobProgress::default()),

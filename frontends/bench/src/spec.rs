@@ -201,6 +201,9 @@ pub struct JobSpec {
     /// Bytes of I/O to do (default `size`), fio's `io_size`.
     pub io_size: Option<SizeSpec>,
     pub offset: SizeSpec,
+    /// Clone `k` of this job starts `k * offset_increment` after `offset`
+    /// (fio `offset_increment`), so clones can verify separate regions.
+    pub offset_increment: SizeSpec,
     /// Repeat the job this many times (fio `loops`).
     pub loops: u32,
     /// Percent of mixed I/O that reads.
@@ -241,6 +244,7 @@ impl Default for JobSpec {
             size: None,
             io_size: None,
             offset: SizeSpec::Bytes(0),
+            offset_increment: SizeSpec::Bytes(0),
             loops: 1,
             rwmixread: 50,
             norandommap: false,
@@ -406,6 +410,10 @@ impl JobSpec {
             }
             "offset" => {
                 self.offset = parse_size_spec(&need(value)?).map_err(|m| key_err(key, m))?
+            }
+            "offset_increment" => {
+                self.offset_increment =
+                    parse_size_spec(&need(value)?).map_err(|m| key_err(key, m))?
             }
             "loops" => {
                 let n = wrap(parse_int(&need(value)?))?;

@@ -487,3 +487,25 @@ fn bandwidth_and_iops_are_sampled_every_500ms() {
     assert!(r.jobs[0].write.bw_samples.is_empty());
     assert!(write_normal(&r).contains("   iops        : min="));
 }
+
+#[test]
+fn clones_with_offset_increment_verify_their_own_regions() {
+    let dev: DeviceRef = TestDev::new(4 << 20, Fault::None, true);
+    let job = JobSpec {
+        numjobs: 4,
+        size: Some(SizeSpec::Bytes(1 << 20)),
+        offset_increment: SizeSpec::Bytes(1 << 20),
+        group_reporting: true,
+        ..verify_job(RwMode::RandRw)
+    };
+    let r = run_on_device(dev.clone(), "ram", &[job.clone()], &quiet()).unwrap();
+    assert_eq!(r.jobs[0].members, 4);
+    assert_eq!(
+        r.jobs[0].verify_errors, 0,
+        "{:?}",
+        r.jobs[0].verify_failures
+    );
+    let too_far = JobSpec { numjobs: 5, ..job };
+    let e = run_on_device(dev, "ram", &[too_far], &quiet()).unwrap_err();
+    assert!(e.to_string().contains("past the end"), "{e}");
+}
