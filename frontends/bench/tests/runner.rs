@@ -498,7 +498,7 @@ fn clones_with_offset_increment_verify_their_own_regions() {
         group_reporting: true,
         ..verify_job(RwMode::RandRw)
     };
-    let r = run_on_device(dev.clone(), "ram", &[job.clone()], &quiet()).unwrap();
+    let r = run_on_device(dev.clone(), "ram", std::slice::from_ref(&job), &quiet()).unwrap();
     assert_eq!(r.jobs[0].members, 4);
     assert_eq!(
         r.jobs[0].verify_errors, 0,
