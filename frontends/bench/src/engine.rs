@@ -537,6 +537,13 @@ impl Engine {
             };
             if !d.status.is_ok() {
                 dir.errors += 1;
+                if write {
+                    // What a failed write left behind is unknown: stop
+                    // expecting anything there (fio drops it from io_hist).
+                    if let Some(log) = &mut self.log {
+                        log.written(offset, len, 0);
+                    }
+                }
                 if self.first_error == 0 {
                     self.first_error = d.status.errno();
                 }

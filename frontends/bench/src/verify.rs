@@ -197,7 +197,8 @@ impl WriteLog {
         ((offset - self.start) / self.unit) as usize
     }
 
-    /// A write of `len` bytes at `offset` with `seq` completed.
+    /// A write of `len` bytes at `offset` with `seq` completed (`seq` 0:
+    /// the write failed, its units are no longer expected to hold anything).
     pub fn written(&mut self, offset: u64, len: u64, seq: u64) {
         let first = self.index(offset);
         let n = (len / self.unit) as usize;

@@ -23,6 +23,8 @@ enum Fault {
     FlipByte,
     /// Every 5th write is acknowledged but never stored.
     LoseWrite,
+    /// Every 5th write fails with an I/O error (and stores half its data).
+    FailWrite,
 }
 
 /// A RAM disk. Completes inline, or on a worker thread when `threaded`.
@@ -79,6 +81,12 @@ impl TestDev {
                 let faulty = n.is_multiple_of(5);
                 match self.fault {
                     Fault::LoseWrite if faulty => {}
+                    Fault::FailWrite if faulty => {
+                        let half = len / 2;
+                        self.data.lock()[off..off + half].copy_from_slice(&bio.data()[..half]);
+                        bio.complete(Status::IoError);
+                        return;
+                    }
                     _ => {
                         let mut d = self.data.lock();
                         d[off..off + len].copy_from_slice(bio.data());
@@ -508,4 +516,35 @@ fn clones_with_offset_increment_verify_their_own_regions() {
     let too_far = JobSpec { numjobs: 5, ..job };
     let e = run_on_device(dev, "ram", &[too_far], &quiet()).unwrap_err();
     assert!(e.to_string().contains("past the end"), "{e}");
+}
+
+#[test]
+fn io_errors_stop_the_job_or_are_counted_with_continue_on_error() {
+    let dev: DeviceRef = TestDev::new(1 << 20, Fault::FailWrite, false);
+    let r = run_on_device(dev, "ram", &[verify_job(RwMode::RandWrite)], &quiet()).unwrap();
+    let j = &r.jobs[0];
+    assert_eq!(j.error, libc::EIO);
+    assert!(
+        j.write.errors >= 1 && j.write.errors <= 8,
+        "stops soon: {}",
+        j.write.errors
+    );
+    assert_eq!(j.verify_checked, 0, "no verify after a fatal error");
+    assert!(r.failed());
+
+    let dev: DeviceRef = TestDev::new(1 << 20, Fault::FailWrite, false);
+    let job = JobSpec {
+        continue_on_error: true,
+        ..verify_job(RwMode::RandWrite)
+    };
+    let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
+    let j = &r.jobs[0];
+    assert_eq!(j.write.errors, 256 / 5, "every 5th of 256 writes failed");
+    assert_eq!(
+        j.verify_errors, 0,
+        "failed writes are not expected back: {:?}",
+        j.verify_failures
+    );
+    assert_eq!(j.verify_checked, 256 - 256 / 5);
+    assert!(r.failed());
 }
