@@ -548,3 +548,28 @@ fn io_errors_stop_the_job_or_are_counted_with_continue_on_error() {
     assert_eq!(j.verify_checked, 256 - 256 / 5);
     assert!(r.failed());
 }
+
+#[test]
+fn ramp_time_is_run_but_not_measured() {
+    let dev: DeviceRef = TestDev::new(1 << 20, Fault::None, false);
+    let job = JobSpec {
+        rw: RwMode::RandRead,
+        ramp_time: Duration::from_millis(300),
+        runtime: Some(Duration::from_millis(200)),
+        time_based: true,
+        ..JobSpec::default()
+    };
+    let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
+    let j = &r.jobs[0];
+    let run_ms = j.read.runtime_ms();
+    assert!(
+        (200..400).contains(&run_ms),
+        "measured {run_ms} ms, ramp excluded"
+    );
+    assert!(
+        j.elapsed_ns >= 500_000_000,
+        "ramp ran: elapsed {} ns",
+        j.elapsed_ns
+    );
+    assert_eq!(j.read.clat.samples, j.read.total_ios);
+}
