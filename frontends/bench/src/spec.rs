@@ -283,13 +283,42 @@ const IGNORED_KEYS: &[&str] = &[
     "disable_slat",
     "gtod_reduce",
     "clat_percentiles",
-    "percentile_list",
     "kb_base",
     "unit_base",
     "allow_file_create",
     "fallocate",
     "create_on_open",
     "random_generator",
+];
+
+/// fio options that change what is measured but that blkstack bench does
+/// not implement: refused with a message saying so, never ignored.
+const UNSUPPORTED_KEYS: &[&str] = &[
+    "percentile_list",
+    "lat_percentiles",
+    "slat_percentiles",
+    "rate",
+    "rate_iops",
+    "rate_min",
+    "rate_iops_min",
+    "thinktime",
+    "bsrange",
+    "blocksize_range",
+    "blockalign",
+    "verify_backlog",
+    "verify_interval",
+    "verify_pattern",
+    "verify_offset",
+    "verify_only",
+    "fsync",
+    "fdatasync",
+    "end_fsync",
+    "zonemode",
+    "zonesize",
+    "random_distribution",
+    "nrfiles",
+    "filesize",
+    "trim_percentage",
 ];
 
 /// What went wrong applying one key.
@@ -477,6 +506,12 @@ impl JobSpec {
             "stonewall" | "wait_for_previous" => self.stonewall = bool_of(value)?,
             "new_group" => self.new_group = bool_of(value)?,
             k if IGNORED_KEYS.contains(&k) => {}
+            k if UNSUPPORTED_KEYS.contains(&k) => {
+                return Err(key_err(
+                    key,
+                    "is a fio option blkstack bench does not implement",
+                ))
+            }
             _ => return Err(key_err(key, "unknown option")),
         }
         Ok(())
