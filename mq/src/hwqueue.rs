@@ -119,7 +119,8 @@ impl HwQueue {
         self.in_driver.load(Relaxed)
     }
 
-    /// Tags this queue holds.
+    /// Tags this queue holds (counted for shared tag sets only, as in the
+    /// kernel).
     pub fn nr_active(&self) -> u32 {
         self.tag_state.nr_active()
     }

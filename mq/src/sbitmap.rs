@@ -365,7 +365,11 @@ impl Sbitmap {
             w.word.load(Relaxed) & bit != 0,
             "sbitmap bit {nr} freed but not set"
         );
-        let prev = w.cleared.fetch_or(bit, Release);
+        // SeqCst: this and the waker's later SeqCst load of `ws_active`
+        // pair with the waiter's increment and fence in `prepare_to_wait`
+        // (the kernel's smp_mb__after_atomic, free after a locked
+        // instruction on x86, as this is).
+        let prev = w.cleared.fetch_or(bit, SeqCst);
         debug_assert!(prev & bit == 0, "sbitmap bit {nr} freed twice");
     }
 
@@ -731,8 +735,13 @@ impl SbitmapQueue {
     #[inline]
     pub fn clear(&self, nr: u32) {
         self.sb.clear_bit(nr);
-        // Pairs with the fence in `prepare_to_wait`: either the waiter's
-        // retry sees the bit free, or we see the waiter registered.
+        // Either the waiter's retry sees the bit free, or we see the waiter
+        // registered: `clear_bit` is a SeqCst read-modify-write and
+        // `wake_up` starts with a SeqCst load, against the waiter's SeqCst
+        // increment and fence. Loom models SeqCst accesses only as
+        // acquire/release, so its build adds the explicit fence that the
+        // C++20 rules make unnecessary here.
+        #[cfg(loom)]
         fence(SeqCst);
         self.wake_up(1);
         self.sb.update_hint_after_clear(nr);
@@ -742,7 +751,7 @@ impl SbitmapQueue {
     /// `sbitmap_queue_wake_up`).
     #[inline]
     pub fn wake_up(&self, nr: u32) {
-        if self.ws_active.load(Relaxed) == 0 {
+        if self.ws_active.load(SeqCst) == 0 {
             return;
         }
         match self.algo {

@@ -51,7 +51,7 @@ fn counter_two_threads_depth1() {
 
 #[test]
 fn counter_three_threads_depth1() {
-    model(3, 1, 1, 2);
+    model(3, 1, 1, 1);
 }
 
 #[test]
