@@ -19,8 +19,10 @@
 //! blk-mq tag is a request's index): a reusable, page-aligned data buffer
 //! and the few fields needed to write the reply. Slots are preallocated up
 //! to [`MAX_INFLIGHT`] per connection, so in steady state no I/O allocates.
-//! When every slot is busy the reader stops reading, which is the
-//! connection's queue depth limit and the client's backpressure.
+//! When every slot is busy, or the requests in flight already hold
+//! [`INFLIGHT_BYTES`] of data, the reader stops reading: that is the
+//! connection's queue depth limit and the client's backpressure, and it
+//! bounds the memory one client can make the server hold.
 
 use crate::export::Export;
 use crate::proto::*;
@@ -47,6 +49,12 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// `sendmsg` instead of being copied into the output buffer.
 const COPY_LIMIT: usize = 64 << 10;
 const INBUF: usize = 256 << 10;
+/// Data buffers larger than this are given back when their request
+/// completes, so an idle connection keeps at most this much per slot.
+const KEEP_BUF: usize = 256 << 10;
+/// Bytes of READ/WRITE data one connection may have in flight: 256 slots
+/// of 32 MiB would otherwise let one client pin 8 GiB of server memory.
+const INFLIGHT_BYTES: usize = 128 << 20;
 /// Context id of `base:allocation` on this server.
 const BASE_ALLOCATION_ID: u32 = 1;
 /// At most this many block-status descriptors per reply (the spec lets a
@@ -132,6 +140,8 @@ struct Out {
     batching: bool,
     free: Vec<u16>,
     inflight: usize,
+    /// Data bytes of the requests in flight (see [`INFLIGHT_BYTES`]).
+    inflight_bytes: usize,
     /// A send failed: the client is gone; stop writing, keep draining.
     dead: bool,
 }
@@ -183,10 +193,11 @@ impl Shared {
     }
 
     /// Give back a slot that never reached the device.
-    fn release_unused(&self, idx: usize) {
+    fn release_unused(&self, idx: usize, bytes: usize) {
         let mut out = self.out.lock();
         out.free.push(idx as u16);
         out.inflight -= 1;
+        out.inflight_bytes -= bytes;
         drop(out);
         self.freed.notify_one();
     }
@@ -238,6 +249,15 @@ impl Shared {
     }
 }
 
+/// Data bytes a request holds in its slot's buffer.
+fn data_bytes(m: &SlotMeta) -> usize {
+    if matches!(m.cmd, CMD_READ | CMD_WRITE) {
+        m.len as usize
+    } else {
+        0
+    }
+}
+
 impl EndIo for Shared {
     fn end_io(&self, bio: Bio, status: Status, private: u64) {
         drop(bio);
@@ -252,7 +272,7 @@ impl EndIo for Shared {
             return;
         }
         let status = Status::from_u8(slot.err.swap(0, Ordering::AcqRel));
-        let m = slot.meta.lock();
+        let mut m = slot.meta.lock();
         let mut out = self.out.lock();
         if status.is_ok() && m.cmd == CMD_READ {
             self.push_read(&mut out, &m);
@@ -268,9 +288,13 @@ impl EndIo for Shared {
                 self.push_status(&mut out, m.handle, err, &status.to_string());
             }
         }
-        drop(m);
         out.free.push(idx as u16);
         out.inflight -= 1;
+        out.inflight_bytes -= data_bytes(&m);
+        if m.buf.len() > KEEP_BUF {
+            m.buf = AlignedBuf::new(0);
+        }
+        drop(m);
         if !out.batching {
             self.flush(&mut out);
         }
@@ -316,6 +340,7 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export]) -> io::Result<()> {
             batching: false,
             free: (0..MAX_INFLIGHT as u16).rev().collect(),
             inflight: 0,
+            inflight_bytes: 0,
             dead: false,
         }),
         freed: Condvar::new(),
@@ -741,16 +766,22 @@ impl Transmission<'_> {
         }
     }
 
-    /// Take a free slot, waiting for completions if all are busy.
-    fn alloc_slot(&self) -> io::Result<usize> {
+    /// Take a free slot for a request moving `bytes` of data, waiting for
+    /// completions while all slots are busy or the data budget is spent
+    /// (a request alone may always go, whatever its size).
+    fn alloc_slot(&self, bytes: usize) -> io::Result<usize> {
         let mut out = self.shared.out.lock();
         loop {
             if out.dead {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
-            if let Some(i) = out.free.pop() {
-                out.inflight += 1;
-                return Ok(i as usize);
+            let fits = out.inflight == 0 || out.inflight_bytes + bytes <= INFLIGHT_BYTES;
+            if fits {
+                if let Some(i) = out.free.pop() {
+                    out.inflight += 1;
+                    out.inflight_bytes += bytes;
+                    return Ok(i as usize);
+                }
             }
             // About to wait: whatever was batched must go out first.
             out.batching = false;
@@ -760,7 +791,12 @@ impl Transmission<'_> {
     }
 
     fn submit(&mut self, r: &Request) -> io::Result<()> {
-        let idx = self.alloc_slot()?;
+        let bytes = if matches!(r.cmd, CMD_READ | CMD_WRITE) {
+            r.len as usize
+        } else {
+            0
+        };
+        let idx = self.alloc_slot(bytes)?;
         let shared = &*self.shared;
         let slot = &shared.slots[idx];
         let mut m = slot.meta.lock();
@@ -784,7 +820,7 @@ impl Transmission<'_> {
                     let dst = &mut m.buf.as_mut_slice()[..len];
                     if let Err(e) = read_payload(&mut self.inb, shared, dst) {
                         drop(m);
-                        shared.release_unused(idx);
+                        shared.release_unused(idx, bytes);
                         return Err(e);
                     }
                 } else if self.shared.structured

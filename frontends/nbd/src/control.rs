@@ -47,7 +47,11 @@ impl NbdExportHost {
             name: e.name.clone(),
             read_only: e.read_only,
             connections: e.clients.lock().len() as u64,
-            uris: self.addresses.iter().map(|a| a.client_uri(&e.name)).collect(),
+            uris: self
+                .addresses
+                .iter()
+                .map(|a| a.client_uri(&e.name))
+                .collect(),
         }
     }
 }
@@ -91,7 +95,9 @@ impl ExportHost for NbdExportHost {
             if clients > 0 && !force {
                 return Err(RpcError::new(
                     EBUSY,
-                    format!("{name} has {clients} client(s) connected; use force to disconnect them"),
+                    format!(
+                        "{name} has {clients} client(s) connected; use force to disconnect them"
+                    ),
                 ));
             }
             let mut next = cur.to_vec();

@@ -155,7 +155,11 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
         Some(std::sync::Arc::new(host)),
     ));
     let control_server = match &args.control {
-        Some(p) => Some(blkstack_control::ControlServer::start(p, control_state, false)?),
+        Some(p) => Some(blkstack_control::ControlServer::start(
+            p,
+            control_state,
+            false,
+        )?),
         None => {
             let p = blkstack_control::default_socket_path();
             match blkstack_control::ControlServer::start(&p, control_state, true) {
