@@ -7,6 +7,7 @@
 //! and one line in [`EXPERIMENTS`].
 
 pub mod common;
+pub mod delay;
 pub mod hybrid_poll;
 pub mod mpath;
 pub mod mq_run;
@@ -33,6 +34,24 @@ pub struct LabOpts {
 }
 
 impl LabOpts {
+    /// The command line that reruns experiment `name` with these options.
+    pub fn command_for(&self, name: &str) -> String {
+        let mut c = format!("cargo run --release -- lab {name}");
+        if self.quick {
+            c.push_str(" --quick");
+        }
+        if let Some(r) = self.repeats {
+            c.push_str(&format!(" --repeats {r}"));
+        }
+        if let Some(j) = self.jobs {
+            c.push_str(&format!(" --jobs {j}"));
+        }
+        for (k, v) in &self.params {
+            c.push_str(&format!(" --set {k}={v}"));
+        }
+        c
+    }
+
     /// A `--set key=value` parameter parsed as `T`, or `default`.
     pub fn param<T: std::str::FromStr>(&self, key: &str, default: T) -> Result<T> {
         match self.params.get(key) {
@@ -73,6 +92,12 @@ pub struct Experiment {
 
 /// Every experiment, in seed order.
 pub static EXPERIMENTS: &[Experiment] = &[
+    Experiment {
+        name: "delay",
+        seed: "000",
+        about: "dm-delay QD1 0..20 ms: timer+wq vs kthread vs hybrid, CPU per I/O",
+        run: delay::run,
+    },
     Experiment {
         name: "mq-run",
         seed: "001",
@@ -140,11 +165,7 @@ pub fn run_one(e: &Experiment, opts: &LabOpts, out: &std::path::Path) -> Result<
     let started = std::time::Instant::now();
     let mut report = (e.run)(opts).with_context(|| format!("lab {}", e.name))?;
     if report.command.is_empty() {
-        report.command = format!(
-            "cargo run --release -- lab {}{}",
-            e.name,
-            if opts.quick { " --quick" } else { "" }
-        );
+        report.command = opts.command_for(e.name);
     }
     report.note(format!("ran in {:.1} s", started.elapsed().as_secs_f64()));
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
