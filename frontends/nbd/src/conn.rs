@@ -31,7 +31,7 @@ use blkstack_core::device::Extent;
 use blkstack_core::{AlignedBuf, Bio, BioFlags, EndIo, IoBuf, Op, Status};
 use parking_lot::{Condvar, Mutex};
 use std::io;
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,7 +86,9 @@ impl InBuf {
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
-        } else if self.end == self.buf.len() {
+        } else if self.end == self.buf.len() || (self.start > 0 && self.available() < 4096) {
+            // Move the partial message to the front (cheap: it is small,
+            // or the buffer is full) so the next recv can take a lot.
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
@@ -138,12 +140,17 @@ struct Out {
     buf: Vec<u8>,
     /// The reader is working through buffered requests: append, don't send.
     batching: bool,
+    /// A send failed: the client is gone; stop writing, keep draining.
+    dead: bool,
+}
+
+/// Slot accounting, behind its own lock so that the reader can start new
+/// requests while a completer is busy sending a large reply.
+struct Slots {
     free: Vec<u16>,
     inflight: usize,
     /// Data bytes of the requests in flight (see [`INFLIGHT_BYTES`]).
     inflight_bytes: usize,
-    /// A send failed: the client is gone; stop writing, keep draining.
-    dead: bool,
 }
 
 /// The transmission-phase state shared by the reader and completers.
@@ -152,6 +159,9 @@ struct Shared {
     structured: bool,
     slots: Box<[Slot]>,
     out: Mutex<Out>,
+    /// Set with `out.dead`, readable without the writer lock.
+    dead: AtomicBool,
+    accounting: Mutex<Slots>,
     /// Signalled when a slot is freed (reader waiting for a slot or for
     /// the drain at the end).
     freed: Condvar,
@@ -171,6 +181,7 @@ impl Shared {
 
     fn kill(&self, out: &mut Out) {
         out.dead = true;
+        self.dead.store(true, Ordering::Release);
         // Unblock the reader too: nobody is listening any more.
         self.sock.shutdown(std::net::Shutdown::Both);
     }
@@ -192,13 +203,14 @@ impl Shared {
         }
     }
 
-    /// Give back a slot that never reached the device.
-    fn release_unused(&self, idx: usize, bytes: usize) {
-        let mut out = self.out.lock();
-        out.free.push(idx as u16);
-        out.inflight -= 1;
-        out.inflight_bytes -= bytes;
-        drop(out);
+    /// Give back a slot (its request is answered, or never reached the
+    /// device).
+    fn release(&self, idx: usize, bytes: usize) {
+        let mut a = self.accounting.lock();
+        a.free.push(idx as u16);
+        a.inflight -= 1;
+        a.inflight_bytes -= bytes;
+        drop(a);
         self.freed.notify_one();
     }
 
@@ -288,18 +300,16 @@ impl EndIo for Shared {
                 self.push_status(&mut out, m.handle, err, &status.to_string());
             }
         }
-        out.free.push(idx as u16);
-        out.inflight -= 1;
-        out.inflight_bytes -= data_bytes(&m);
-        if m.buf.len() > KEEP_BUF {
-            m.buf = AlignedBuf::new(0);
-        }
-        drop(m);
         if !out.batching {
             self.flush(&mut out);
         }
         drop(out);
-        self.freed.notify_one();
+        let bytes = data_bytes(&m);
+        if m.buf.len() > KEEP_BUF {
+            m.buf = AlignedBuf::new(0);
+        }
+        drop(m);
+        self.release(idx, bytes);
     }
 }
 
@@ -338,10 +348,13 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export]) -> io::Result<()> {
         out: Mutex::new(Out {
             buf: Vec::with_capacity(COPY_LIMIT * 2),
             batching: false,
+            dead: false,
+        }),
+        dead: AtomicBool::new(false),
+        accounting: Mutex::new(Slots {
             free: (0..MAX_INFLIGHT as u16).rev().collect(),
             inflight: 0,
             inflight_bytes: 0,
-            dead: false,
         }),
         freed: Condvar::new(),
     });
@@ -770,23 +783,30 @@ impl Transmission<'_> {
     /// completions while all slots are busy or the data budget is spent
     /// (a request alone may always go, whatever its size).
     fn alloc_slot(&self, bytes: usize) -> io::Result<usize> {
-        let mut out = self.shared.out.lock();
+        let mut flushed = false;
+        let mut a = self.shared.accounting.lock();
         loop {
-            if out.dead {
+            if self.shared.dead.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
-            let fits = out.inflight == 0 || out.inflight_bytes + bytes <= INFLIGHT_BYTES;
+            let fits = a.inflight == 0 || a.inflight_bytes + bytes <= INFLIGHT_BYTES;
             if fits {
-                if let Some(i) = out.free.pop() {
-                    out.inflight += 1;
-                    out.inflight_bytes += bytes;
+                if let Some(i) = a.free.pop() {
+                    a.inflight += 1;
+                    a.inflight_bytes += bytes;
                     return Ok(i as usize);
                 }
             }
-            // About to wait: whatever was batched must go out first.
-            out.batching = false;
-            self.shared.flush(&mut out);
-            self.shared.freed.wait(&mut out);
+            if !flushed {
+                // About to wait: whatever was batched must go out first
+                // (without holding the accounting lock across a send).
+                drop(a);
+                self.set_batching(false);
+                flushed = true;
+                a = self.shared.accounting.lock();
+                continue;
+            }
+            self.shared.freed.wait(&mut a);
         }
     }
 
@@ -820,7 +840,7 @@ impl Transmission<'_> {
                     let dst = &mut m.buf.as_mut_slice()[..len];
                     if let Err(e) = read_payload(&mut self.inb, shared, dst) {
                         drop(m);
-                        shared.release_unused(idx, bytes);
+                        shared.release(idx, bytes);
                         return Err(e);
                     }
                 } else if self.shared.structured
@@ -972,11 +992,10 @@ impl Transmission<'_> {
     /// been written (the spec: handle all outstanding requests before
     /// closing).
     fn drain(&mut self) {
-        let mut out = self.shared.out.lock();
-        out.batching = false;
-        self.shared.flush(&mut out);
-        while out.inflight > 0 {
-            self.shared.freed.wait(&mut out);
+        self.set_batching(false);
+        let mut a = self.shared.accounting.lock();
+        while a.inflight > 0 {
+            self.shared.freed.wait(&mut a);
         }
     }
 }

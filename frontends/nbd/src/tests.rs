@@ -26,6 +26,11 @@ struct VecDev {
     data: Mutex<Vec<u8>>,
     feats: Features,
     slow_offset: Option<u64>,
+    /// Every bio completes 1 s late on another thread.
+    slow_all: bool,
+    /// Bios submitted and not yet completed, and the most ever seen.
+    outstanding: Arc<AtomicU64>,
+    max_outstanding: Arc<AtomicU64>,
     flushes: AtomicU64,
     max_io: u64,
     ops: Mutex<Vec<(Op, u64, u64)>>,
@@ -43,6 +48,9 @@ impl VecDev {
                 ..Features::default()
             },
             slow_offset: None,
+            slow_all: false,
+            outstanding: Arc::default(),
+            max_outstanding: Arc::default(),
             flushes: AtomicU64::new(0),
             max_io: 32 << 20,
             ops: Mutex::new(Vec::new()),
@@ -63,6 +71,10 @@ impl Device for VecDev {
             return;
         }
         self.ops.lock().push((bio.op, bio.offset, bio.len));
+        if self.slow_all {
+            let now = self.outstanding.fetch_add(1, Ordering::SeqCst) + 1;
+            self.max_outstanding.fetch_max(now, Ordering::SeqCst);
+        }
         {
             let mut d = self.data.lock();
             let r = bio.offset as usize..(bio.offset + bio.len) as usize;
@@ -75,7 +87,15 @@ impl Device for VecDev {
                 }
             }
         }
-        if self.slow_offset == Some(bio.offset) && bio.op != Op::Flush {
+        if self.slow_all {
+            let outstanding = self.outstanding.clone();
+            std::thread::spawn(move || {
+                // Long enough for the server to submit everything it may.
+                std::thread::sleep(Duration::from_millis(1000));
+                outstanding.fetch_sub(1, Ordering::SeqCst);
+                bio.complete(Status::Ok);
+            });
+        } else if self.slow_offset == Some(bio.offset) && bio.op != Op::Flush {
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(100));
                 bio.complete(Status::Ok);
@@ -643,4 +663,25 @@ fn graceful_stop_answers_in_flight_requests_then_flushes() {
     );
     assert!(!path.exists(), "socket file removed");
     assert!(dev.data.lock()[..4096].iter().all(|&b| b == 9));
+}
+
+#[test]
+fn data_in_flight_per_connection_is_bounded() {
+    const BIG: u32 = 32 << 20;
+    let dev = VecDev::with(6 * BIG as usize, |d| d.slow_all = true);
+    let run = serve(vec![Export::new("a", dev.clone(), false)]);
+    let (mut c, _, _) = run.client("a", false);
+    for i in 0..6u64 {
+        c.request(&req(CMD_READ, 0, i, i * BIG as u64, BIG), &[])
+            .unwrap();
+    }
+    let mut buf = vec![0u8; BIG as usize];
+    for _ in 0..6 {
+        let r = c.simple_reply().unwrap();
+        assert_eq!(r.error, 0);
+        std::io::Read::read_exact(&mut c.s, &mut buf).unwrap();
+    }
+    // 128 MiB of data in flight at most: four 32 MiB reads, not six.
+    assert_eq!(dev.max_outstanding.load(Ordering::SeqCst), 4);
+    run.stop();
 }
