@@ -220,7 +220,7 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
         ),
     ] {
         if d.io_bytes > 0 {
-            write_dir_normal(out, name, d, agg);
+            write_dir_normal(out, name, d, agg, &job.spec.percentile_list);
         }
     }
     write_latency_distribution(out, job);
@@ -297,7 +297,7 @@ fn percent_of_agg(mean_kib: f64, agg_bytes: u64) -> f64 {
     }
 }
 
-fn write_dir_normal(out: &mut String, name: &str, d: &DirStats, agg_bytes: u64) {
+fn write_dir_normal(out: &mut String, name: &str, d: &DirStats, agg_bytes: u64, plist: &[f64]) {
     let runt = d.runtime_ms().max(1);
     let bw = (d.io_bytes as u128 * 1000 / runt as u128) as u64;
     let iops = (d.total_ios as u128 * 1000 / runt as u128) as u64;
@@ -312,7 +312,7 @@ fn write_dir_normal(out: &mut String, name: &str, d: &DirStats, agg_bytes: u64) 
     );
     display_lat(out, "clat", &d.clat);
     display_lat(out, " lat", &d.clat);
-    write_percentiles(out, "clat", &d.clat);
+    write_percentiles(out, "clat", &d.clat, plist);
     if let Some((min, max, mean, dev)) = sample_stats(&d.bw_samples) {
         let per = percent_of_agg(mean, agg_bytes);
         let (mut min, mut max, mut mean, mut dev) = (min as f64, max as f64, mean, dev);
@@ -371,12 +371,12 @@ fn display_lat(out: &mut String, name: &str, l: &LatStats) {
     );
 }
 
-/// fio's `show_clat_percentiles` with the default list and precision 2.
-fn write_percentiles(out: &mut String, name: &str, l: &LatStats) {
-    if l.samples == 0 {
+/// fio's `show_clat_percentiles` with precision 2.
+fn write_percentiles(out: &mut String, name: &str, l: &LatStats, plist: &[f64]) {
+    if l.samples == 0 || plist.is_empty() {
         return;
     }
-    let list = l.percentiles();
+    let list = l.percentiles_of(plist);
     let minv = list.iter().map(|p| p.1).min().unwrap_or(0);
     let maxv = list.iter().map(|p| p.1).max().unwrap_or(0);
     let (scale_down, divisor, unit) = if minv > 2_000_000 && maxv > 99_999_999 {
@@ -525,7 +525,7 @@ fn obj(kv: Vec<(&str, J)>) -> J {
     J::Obj(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
 }
 
-fn lat_json(l: &LatStats, percentiles: bool) -> J {
+fn lat_json(l: &LatStats, percentiles: Option<&[f64]>) -> J {
     let mut kv = vec![
         ("min", J::U(l.min())),
         ("max", J::U(l.max_ns)),
@@ -533,9 +533,9 @@ fn lat_json(l: &LatStats, percentiles: bool) -> J {
         ("stddev", J::F(l.stddev())),
         ("N", J::U(l.samples)),
     ];
-    if percentiles && l.samples > 0 {
+    if let (Some(list), true) = (percentiles, l.samples > 0) {
         let p = l
-            .percentiles()
+            .percentiles_of(list)
             .into_iter()
             .map(|(p, v)| (format!("{p:.6}"), J::U(v)))
             .collect();
@@ -544,7 +544,7 @@ fn lat_json(l: &LatStats, percentiles: bool) -> J {
     obj(kv)
 }
 
-fn dir_json(d: &DirStats, agg_bytes: u64) -> J {
+fn dir_json(d: &DirStats, agg_bytes: u64, plist: &[f64]) -> J {
     let (bmin, bmax, bmean, bdev) = sample_stats(&d.bw_samples).unwrap_or((0, 0, 0.0, 0.0));
     let (imin, imax, imean, idev) = sample_stats(&d.iops_samples).unwrap_or((0, 0, 0.0, 0.0));
     let bw_agg = if d.bw_samples.is_empty() {
@@ -562,9 +562,9 @@ fn dir_json(d: &DirStats, agg_bytes: u64) -> J {
         ("total_ios", J::U(d.total_ios)),
         ("short_ios", J::U(d.short_ios)),
         ("drop_ios", J::U(d.drop_ios)),
-        ("slat_ns", lat_json(&LatStats::default(), false)),
-        ("clat_ns", lat_json(&d.clat, true)),
-        ("lat_ns", lat_json(&d.clat, false)),
+        ("slat_ns", lat_json(&LatStats::default(), None)),
+        ("clat_ns", lat_json(&d.clat, Some(plist))),
+        ("lat_ns", lat_json(&d.clat, None)),
         ("bw_min", J::U(bmin)),
         ("bw_max", J::U(bmax)),
         ("bw_agg", J::F(bw_agg)),
@@ -660,8 +660,8 @@ fn job_json(report: &BenchReport, job: &JobResult) -> J {
         ("error", J::I(job.error as i64)),
         ("elapsed", J::U(job.elapsed_ns.div_ceil(1_000_000_000))),
         ("job options", obj(opts)),
-        ("read", dir_json(&job.read, agg_r)),
-        ("write", dir_json(&job.write, agg_w)),
+        ("read", dir_json(&job.read, agg_r, &s.percentile_list)),
+        ("write", dir_json(&job.write, agg_w, &s.percentile_list)),
         ("job_runtime", J::U(job.runtime_ns / 1_000_000)),
         ("usr_cpu", J::F(job.usr_cpu_pct())),
         ("sys_cpu", J::F(job.sys_cpu_pct())),

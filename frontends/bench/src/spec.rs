@@ -221,6 +221,8 @@ pub struct JobSpec {
     /// Keep going after an I/O error (fio `continue_on_error` != none).
     pub continue_on_error: bool,
     pub wait: WaitMode,
+    /// Completion-latency percentiles to report (fio `percentile_list`).
+    pub percentile_list: Vec<f64>,
     pub group_reporting: bool,
     /// Wait for the jobs before this one to finish, and start a new
     /// reporting group (fio `stonewall`).
@@ -256,6 +258,7 @@ impl Default for JobSpec {
             verify_fatal: false,
             continue_on_error: false,
             wait: WaitMode::Interrupt,
+            percentile_list: crate::stats::DEFAULT_PERCENTILES.to_vec(),
             group_reporting: false,
             stonewall: false,
             new_group: false,
@@ -294,7 +297,6 @@ const IGNORED_KEYS: &[&str] = &[
 /// fio options that change what is measured but that blkstack bench does
 /// not implement: refused with a message saying so, never ignored.
 const UNSUPPORTED_KEYS: &[&str] = &[
-    "percentile_list",
     "lat_percentiles",
     "slat_percentiles",
     "rate",
@@ -502,6 +504,10 @@ impl JobSpec {
                     key_err(key, format!("'{v}' is not one of interrupt, poll, hybrid"))
                 })?;
             }
+            "percentile_list" => {
+                let v = need(value)?;
+                self.percentile_list = parse_percentile_list(&v).map_err(|m| key_err(key, m))?;
+            }
             "group_reporting" => self.group_reporting = bool_of(value)?,
             "stonewall" | "wait_for_previous" => self.stonewall = bool_of(value)?,
             "new_group" => self.new_group = bool_of(value)?,
@@ -641,6 +647,26 @@ pub fn parse_time(s: &str, bare: TimeUnit) -> Result<Duration, String> {
         return Err(format!("'{s}' is out of range"));
     }
     Ok(Duration::from_nanos(ns as u64))
+}
+
+/// fio's `percentile_list=50:99:99.9`: at most 20 values in (0, 100],
+/// reported in ascending order.
+pub fn parse_percentile_list(s: &str) -> Result<Vec<f64>, String> {
+    let mut list = Vec::new();
+    for part in s.split(':').map(str::trim).filter(|p| !p.is_empty()) {
+        let v: f64 = part
+            .parse()
+            .map_err(|_| format!("'{part}' is not a number"))?;
+        if !(v > 0.0 && v <= 100.0) {
+            return Err(format!("{part} is not a percentile in (0, 100]"));
+        }
+        list.push(v);
+    }
+    if list.is_empty() || list.len() > 20 {
+        return Err(format!("'{s}': give 1 to 20 percentiles separated by ':'"));
+    }
+    list.sort_by(f64::total_cmp);
+    Ok(list)
 }
 
 /// fio's `bssplit=4k/50:64k/50`. A size without a percentage shares what

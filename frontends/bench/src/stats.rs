@@ -110,10 +110,12 @@ impl LatStats {
 
     /// `(percent, ns)` for fio's default list.
     pub fn percentiles(&self) -> Vec<(f64, u64)> {
-        DEFAULT_PERCENTILES
-            .iter()
-            .map(|&p| (p, self.percentile(p)))
-            .collect()
+        self.percentiles_of(&DEFAULT_PERCENTILES)
+    }
+
+    /// `(percent, ns)` for each percent of `list`.
+    pub fn percentiles_of(&self, list: &[f64]) -> Vec<(f64, u64)> {
+        list.iter().map(|&p| (p, self.percentile(p))).collect()
     }
 
     /// Samples in `[lo, hi)` nanoseconds.

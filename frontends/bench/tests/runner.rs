@@ -573,3 +573,22 @@ fn ramp_time_is_run_but_not_measured() {
     );
     assert_eq!(j.read.clat.samples, j.read.total_ios);
 }
+
+#[test]
+fn percentile_list_changes_the_reported_percentiles() {
+    let dev: DeviceRef = TestDev::new(1 << 20, Fault::None, false);
+    let job = JobSpec {
+        percentile_list: vec![50.0, 99.5],
+        ..JobSpec::default()
+    };
+    let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&write_json(&r)).unwrap();
+    let keys: Vec<&String> = v["jobs"][0]["read"]["clat_ns"]["percentile"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .collect();
+    assert_eq!(keys, ["50.000000", "99.500000"]);
+    let text = write_normal(&r);
+    assert!(text.contains("50.00th=[") && text.contains("99.50th=[") && !text.contains("99.99th"));
+}
