@@ -203,7 +203,9 @@ impl ProgressPlan {
 /// second (short runs stay quiet), until every thread is done.
 fn draw_progress(progress: &[Arc<JobProgress>], plan: &ProgressPlan) {
     let t0 = now_ns();
-    let tick = Duration::from_millis(200);
+    // Check for the end often (the caller joins right after), redraw less.
+    let tick = Duration::from_millis(50);
+    let redraw_ns = 250_000_000;
     let mut bar: Option<ProgressBar> = None;
     let (mut last_ns, mut last_r, mut last_w, mut last_b) = (t0, 0u64, 0u64, 0u64);
     loop {
@@ -212,7 +214,7 @@ fn draw_progress(progress: &[Arc<JobProgress>], plan: &ProgressPlan) {
             break;
         }
         let now = now_ns();
-        if now - t0 < 1_000_000_000 {
+        if now - t0 < 1_000_000_000 || now - last_ns < redraw_ns {
             continue;
         }
         let b = bar.get_or_insert_with(|| {
