@@ -1697,7 +1697,7 @@ mod tests {
                 on_disk[range].iter().all(|&b| b == byte),
                 "write at {off} via {route:?}"
             );
-            let mut back = AlignedBuf::new(buf.len() + 4096);
+            let back = AlignedBuf::new(buf.len() + 4096);
             // Read back through the same route shape (misaligned memory
             // for the bounce case).
             let rb = if route == Route::Bounce {
