@@ -649,15 +649,17 @@ impl Engine {
         let mut stop = false;
         loop {
             while !stop && !self.failed && self.inflight < self.depth {
-                let Some(req) = self.next_work_req(io_limit - issued) else {
+                let Some(req) = self.next_work_req(io_limit.saturating_sub(issued)) else {
                     if issued >= io_limit || self.inflight == 0 {
                         stop = true;
                     }
                     break;
                 };
-                // The last I/O may be clipped to the limit, as fio does.
+                // The last I/O may be clipped to the limit, as fio does. The
+                // remainder is a multiple of the logical block size (every
+                // block size is), and of the verify unit in verify mode.
                 let req = Req {
-                    len: req.len.min(io_limit - issued).max(self.unit),
+                    len: req.len.min(io_limit - issued),
                     ..req
                 };
                 issued = issued.saturating_add(req.len);

@@ -592,3 +592,19 @@ fn percentile_list_changes_the_reported_percentiles() {
     let text = write_normal(&r);
     assert!(text.contains("50.00th=[") && text.contains("99.50th=[") && !text.contains("99.99th"));
 }
+
+#[test]
+fn odd_block_size_mixes_end_exactly_at_the_io_limit() {
+    let dev: DeviceRef = TestDev::new(1 << 20, Fault::None, false);
+    let job = JobSpec {
+        rw: RwMode::RandRw,
+        bs: BlockSizes {
+            split: vec![(3072, 50), (4096, 50)],
+        },
+        io_size: Some(SizeSpec::Bytes(300 << 10)),
+        ..JobSpec::default()
+    };
+    let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
+    let j = &r.jobs[0];
+    assert_eq!(j.read.io_bytes + j.write.io_bytes, 300 << 10);
+}
