@@ -42,6 +42,8 @@ pub struct HctxStats {
     pub dispatched_from_list: u64,
     /// Runs triggered by the restart bit on completion.
     pub restarts: u64,
+    /// Inline runs skipped because a restart is already armed.
+    pub runs_skipped_restart: u64,
 }
 
 #[derive(Default)]
@@ -53,6 +55,7 @@ pub(crate) struct HctxCounters {
     pub requeues: AtomicU64,
     pub dispatched_from_list: AtomicU64,
     pub restarts: AtomicU64,
+    pub runs_skipped_restart: AtomicU64,
 }
 
 /// One hardware queue.
@@ -157,6 +160,7 @@ impl HwQueue {
             requeues: c.requeues.load(Relaxed),
             dispatched_from_list: c.dispatched_from_list.load(Relaxed),
             restarts: c.restarts.load(Relaxed),
+            runs_skipped_restart: c.runs_skipped_restart.load(Relaxed),
         }
     }
 }

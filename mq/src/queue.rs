@@ -67,6 +67,12 @@ pub const MAX_HW_QUEUES: u32 = 256;
 /// flight after 3 ms.
 pub const RESOURCE_DELAY_NS: u64 = 3_000_000;
 
+/// How often a shared tag set checks for hardware queues gone idle (the
+/// kernel's check rides on its request timeout work; what matters is that
+/// an idle queue's share returns to the others within a fraction of a
+/// second).
+pub const IDLE_CHECK_NS: u64 = 100_000_000;
+
 /// Options of a queue (the engine-level knobs a leaf driver exposes as
 /// `key=value` table args).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -247,6 +253,8 @@ struct QueueInner<D: Driver> {
     hctxs: Box<[HwQueue]>,
     completers: Box<[Completer]>,
     kblockd: Arc<Kblockd>,
+    /// Shared tag sets: the periodic idle check (kernel timeout work).
+    idle_work: OnceLock<Arc<DelayedWork>>,
 }
 
 /// A blk-mq request queue over driver `D`.
@@ -319,7 +327,17 @@ impl<D: Driver> Queue<D> {
             hctxs: hctxs.into_boxed_slice(),
             completers,
             kblockd,
+            idle_work: OnceLock::new(),
         });
+        if tags_cfg.shared {
+            let weak = Arc::downgrade(&inner);
+            let work = DelayedWork::new(move || {
+                if let Some(q) = weak.upgrade() {
+                    q.idle_sweep();
+                }
+            });
+            let _ = inner.idle_work.set(work);
+        }
         for h in inner.hctxs.iter() {
             let weak = Arc::downgrade(&inner);
             let idx = h.index as usize;
@@ -425,6 +443,7 @@ impl<D: Driver> Queue<D> {
             s.hctx.requeues += c.requeues;
             s.hctx.dispatched_from_list += c.dispatched_from_list;
             s.hctx.restarts += c.restarts;
+            s.hctx.runs_skipped_restart += c.runs_skipped_restart;
             s.dispatch_waiting += h.dispatch_len();
             s.in_driver += h.in_driver();
         }
@@ -458,6 +477,9 @@ impl<D: Driver> Queue<D> {
 
 impl<D: Driver> Drop for Queue<D> {
     fn drop(&mut self) {
+        if let Some(w) = self.inner.idle_work.get() {
+            self.inner.kblockd.cancel(w);
+        }
         for h in self.inner.hctxs.iter() {
             if let Some(w) = h.run_work.get() {
                 self.inner.kblockd.cancel(w);
@@ -484,9 +506,13 @@ impl<D: Driver> QueueInner<D> {
     #[inline]
     fn submit(&self, bio: Bio) {
         let h = &self.hctxs[thread_hctx(self.hctxs.len())];
+        let was_inactive = h.tags.is_shared() && !h.tag_state.is_active();
         let tag = h.tags.get(&h.tag_state, false, &h.wait_index, || {
             self.run_hw_queue(h, false)
         });
+        if was_inactive {
+            self.arm_idle_check();
+        }
         h.tags.slot(tag).fill(bio, h.index);
         if h.has_pending() || h.is_stopped() {
             h.push_tail(tag);
@@ -570,6 +596,24 @@ impl<D: Driver> QueueInner<D> {
         bio.complete(status);
     }
 
+    fn arm_idle_check(&self) {
+        if let Some(w) = self.idle_work.get() {
+            self.kblockd.post(w, IDLE_CHECK_NS);
+        }
+    }
+
+    /// Let hardware queues that stopped issuing give up their share of a
+    /// shared tag set; re-arms while any queue is still active.
+    fn idle_sweep(&self) {
+        let mut any_active = false;
+        for h in self.hctxs.iter() {
+            any_active |= h.tags.idle_check(&h.tag_state);
+        }
+        if any_active {
+            self.arm_idle_check();
+        }
+    }
+
     fn run_hw_queues(&self, async_run: bool) {
         for h in self.hctxs.iter() {
             self.run_hw_queue(h, async_run);
@@ -577,7 +621,8 @@ impl<D: Driver> QueueInner<D> {
     }
 
     /// Kernel `blk_mq_run_hw_queue`: nothing to do without pending
-    /// requests; inline unless asked (or the driver blocks).
+    /// requests; inline unless asked (or the driver blocks). An inline run
+    /// is skipped while the restart bit is set.
     #[inline]
     fn run_hw_queue(&self, h: &HwQueue, async_run: bool) {
         if !h.has_pending() || h.is_stopped() {
@@ -585,6 +630,11 @@ impl<D: Driver> QueueInner<D> {
         }
         if async_run || self.opts.blocking {
             self.post_run(h, 0);
+        } else if h.state.load(SeqCst) & S_RESTART != 0 {
+            // The driver said busy and the next completion will run this
+            // queue: trying again from the submitter now would only take
+            // the request off the list and put it back.
+            h.counters.runs_skipped_restart.fetch_add(1, Relaxed);
         } else {
             h.counters.runs_inline.fetch_add(1, Relaxed);
             self.dispatch(h);

@@ -103,6 +103,8 @@ pub struct HctxTagState {
     /// counted only in shared sets, where the fair share needs it, as in
     /// the kernel.
     nr_active: AtomicU32,
+    /// Allocated since the last idle check (see [`Tags::idle_check`]).
+    recent: AtomicBool,
 }
 
 impl HctxTagState {
@@ -235,7 +237,13 @@ impl Tags {
     /// `__blk_mq_tag_busy`).
     #[inline]
     pub fn tag_busy(&self, hs: &HctxTagState) {
-        if !self.cfg.shared || hs.active.load(Relaxed) {
+        if !self.cfg.shared {
+            return;
+        }
+        if !hs.recent.load(Relaxed) {
+            hs.recent.store(true, Relaxed);
+        }
+        if hs.active.load(Relaxed) {
             return;
         }
         let _g = self.busy_lock.lock();
@@ -263,6 +271,22 @@ impl Tags {
         }
         self.bitmap_tags.wake_all();
         self.breserved_tags.wake_all();
+    }
+
+    /// The idle half of the kernel's timeout work for shared sets: a
+    /// hardware queue that is active, holds no tag and has allocated none
+    /// since the previous check stops counting as a user, so the others get
+    /// their share back. Returns whether `hs` is still active.
+    pub fn idle_check(&self, hs: &HctxTagState) -> bool {
+        if !self.cfg.shared || !hs.active.load(Relaxed) {
+            return false;
+        }
+        let recent = hs.recent.swap(false, Relaxed);
+        if !recent && hs.nr_active.load(Relaxed) == 0 {
+            self.tag_idle(hs);
+            return false;
+        }
+        true
     }
 
     fn update_wake_batch(&self, users: u32) {
@@ -475,11 +499,14 @@ mod tests {
         assert_eq!(held_a.len(), 32);
         let held_b: Vec<u32> = std::iter::from_fn(|| t.get_nowait(&b, false)).collect();
         assert_eq!(held_b.len(), 32);
-        // b goes idle: a may grow again.
+        // b goes idle: a may grow again. The first check only notes that b
+        // was recently busy, the second finds it idle.
         for x in held_b {
             t.put(&b, x);
         }
-        t.tag_idle(&b);
+        assert!(t.idle_check(&b));
+        assert!(!t.idle_check(&b));
+        assert!(!b.is_active());
         assert_eq!(t.active_queues(), 1);
         assert!(t.get_nowait(&a, false).is_some());
     }

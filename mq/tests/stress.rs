@@ -7,7 +7,7 @@
 
 use blkstack_core::{Bio, EndIo, IoBuf, Op, Status};
 use blkstack_mq::queue::{CompletionMode, Driver, EngineOptions, Queue, QueueRq, Rq};
-use blkstack_mq::sbitmap::{SbitmapQueue, WaitIndex, WakeupAlgo};
+use blkstack_mq::sbitmap::{SbitmapQueue, SbqStats, WaitIndex, WakeupAlgo};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
@@ -32,7 +32,7 @@ fn with_watchdog(secs: u64, name: &str, f: impl FnOnce() + Send + 'static) {
     }
 }
 
-fn sbitmap_stress(algo: WakeupAlgo, depth: u32, threads: u32, rounds: u32) {
+fn sbitmap_stress(algo: WakeupAlgo, depth: u32, threads: u32, rounds: u32) -> SbqStats {
     // A rescue after 2 s: a lost wakeup shows up as `rescued > 0`.
     let q = Arc::new(SbitmapQueue::new(depth, false, algo).with_rescue_timeout_ns(2_000_000_000));
     let owners: Arc<Vec<AtomicU32>> = Arc::new((0..depth).map(|_| AtomicU32::new(0)).collect());
@@ -82,14 +82,21 @@ fn sbitmap_stress(algo: WakeupAlgo, depth: u32, threads: u32, rounds: u32) {
     let s = q.stats();
     assert_eq!(s.rescued, 0, "{algo:?} depth {depth}: lost wakeups: {s:?}");
     assert!(s.woken >= s.waits, "a sleep ended without a wakeup: {s:?}");
+    s
 }
 
 #[test]
 fn sbitmap_counter_stress_small_depths() {
     with_watchdog(60, "sbitmap counter stress", || {
-        for depth in [1, 2, 3, 4, 8, 16, 33] {
-            sbitmap_stress(WakeupAlgo::Counter, depth, 6, 3000);
+        let mut waits = 0;
+        // More threads than bits, so that sleeping is the common case.
+        for depth in [1, 2, 3, 4, 8, 16] {
+            let s = sbitmap_stress(WakeupAlgo::Counter, depth, depth + 4, 2000);
+            eprintln!("depth {depth}: {s:?}");
+            waits += s.waits;
         }
+        // The point is the sleeping path: it must have been taken.
+        assert!(waits > 0, "no thread ever slept");
     });
 }
 
@@ -139,7 +146,13 @@ impl Driver for LimitDriver {
     }
 }
 
-fn engine_stress(opts: EngineOptions, limit: u32, threads: u32, per_thread: u32, qd: u32) {
+fn engine_stress(
+    opts: EngineOptions,
+    limit: u32,
+    threads: u32,
+    per_thread: u32,
+    qd: u32,
+) -> blkstack_mq::QueueStats {
     let nr_hw = opts.hw_queues as usize;
     let q = Arc::new(
         Queue::new(
@@ -208,6 +221,8 @@ fn engine_stress(opts: EngineOptions, limit: u32, threads: u32, per_thread: u32,
             q.status()
         );
     }
+    eprintln!("{}", q.status());
+    s
 }
 
 fn opts(depth: u32, hw: u32, completion: CompletionMode) -> EngineOptions {
@@ -224,7 +239,8 @@ fn opts(depth: u32, hw: u32, completion: CompletionMode) -> EngineOptions {
 fn engine_stress_softirq_tag_waits() {
     with_watchdog(60, "engine softirq", || {
         // 4 threads x QD 16 against 8 tags: submitters sleep for tags.
-        engine_stress(opts(8, 1, CompletionMode::Softirq), 0, 4, 3000, 16);
+        let s = engine_stress(opts(8, 1, CompletionMode::Softirq), 0, 4, 3000, 16);
+        assert!(s.tags.waits > 0, "no submitter ever slept for a tag");
     });
 }
 
@@ -262,10 +278,13 @@ fn engine_stress_timer_mode() {
 }
 
 #[test]
-fn engine_stress_inline_wait_cnt() {
-    with_watchdog(60, "engine inline", || {
-        let mut o = opts(16, 1, CompletionMode::Inline);
+fn engine_stress_softirq_wait_cnt() {
+    with_watchdog(60, "engine wait_cnt", || {
+        // The old algorithm must still free every tag and complete every
+        // bio; its lost wakeups (if any) are rescued and counted, not hung.
+        let mut o = opts(4, 1, CompletionMode::Softirq);
         o.tag_wakeup = WakeupAlgo::WaitCnt;
-        engine_stress(o, 0, 3, 3000, 8);
+        let s = engine_stress(o, 0, 3, 3000, 8);
+        assert!(s.tags.waits > 0, "no submitter ever slept for a tag");
     });
 }
