@@ -517,7 +517,9 @@ pub struct SbqStats {
     /// Wakeup batches issued (calls that woke or tried to wake a queue).
     pub wake_batches: u64,
     /// `WaitCnt`: completions whose wakeup credit found no queue to go to
-    /// while someone was waiting.
+    /// while a thread slept on one whose countdown was mid-reset (the
+    /// seed's lost wakeup; each may or may not be made up by later
+    /// completions).
     pub dropped_credits: u64,
     /// Sleeps ended by the rescue timeout instead of a wakeup.
     pub rescued: u64,
@@ -811,9 +813,12 @@ impl SbitmapQueue {
     /// Old `sbitmap_queue_wake_up`: `while (__sbq_wake_up(sbq, &nr));`.
     fn wake_up_wait_cnt(&self, nr: u32) {
         let mut nr = nr as i32;
-        while self.sbq_wake_up_old(&mut nr) {}
-        if nr > 0 && self.ws_active.load(Relaxed) != 0 {
-            self.stats.dropped_credits.fetch_add(nr as u64, Relaxed);
+        let mut dropped = false;
+        while self.sbq_wake_up_old(&mut nr, &mut dropped) {}
+        if dropped {
+            self.stats
+                .dropped_credits
+                .fetch_add(nr.max(0) as u64, Relaxed);
         }
     }
 
@@ -839,13 +844,19 @@ impl SbitmapQueue {
 
     /// Old `__sbq_wake_up`, step for step (v6.1-rc2). Returns whether the
     /// caller should try again.
-    fn sbq_wake_up_old(&self, nr: &mut i32) -> bool {
+    /// `dropped` (not in the kernel, for the counters) is set when the
+    /// credit finds no queue to go to although a thread sleeps on one.
+    fn sbq_wake_up_old(&self, nr: &mut i32, dropped: &mut bool) -> bool {
         if *nr <= 0 {
             return false;
         }
         let Some(i) = self.sbq_wake_ptr_old() else {
+            // Someone sleeps on a queue, but every queue with sleepers has
+            // its countdown at zero (mid-reset by another completion).
+            *dropped = (0..SBQ_WAIT_QUEUES).any(|q| self.waitqueue_active(q));
             return false;
         };
+        *dropped = false;
         let ws = &self.ws[i];
         let mut cur = ws.wait_cnt.load(SeqCst);
         let (wait_cnt, sub) = loop {
