@@ -58,19 +58,22 @@
 //!   HZ=1000 it could release a bio up to a tick early; here it compares
 //!   the nanosecond deadline.)
 //! * `hybrid` (default) is the maintainer's suggestion carried to its end,
-//!   chosen per bio: the worker sleeps on an absolute CLOCK_MONOTONIC
-//!   deadline (a futex wait, so a new bio with an earlier deadline wakes it)
-//!   until a margin before the earliest deadline, then spins, yielding on
-//!   every round, for at most `spin_us` to reach it exactly. The margin is
-//!   learnt from how late this thread's recent sleeps actually woke (their
-//!   75th percentile), so it fits the machine's timer latency; if a wake
-//!   comes so early that more than `spin_us` would remain it sleeps again,
-//!   so a long delay never spins and the spin never monopolises a CPU.
+//!   chosen per bio: the worker sleeps on a CLOCK_MONOTONIC timerfd armed
+//!   for an absolute time a margin before the earliest deadline, then
+//!   spins, yielding on every round, for at most `spin_us` to reach it
+//!   exactly. The submitter of a bio that needs an earlier wake re-arms the
+//!   timer itself, so the worker wakes once per deadline and never just to
+//!   learn of a bio. The margin is learnt from how late this thread's
+//!   recent wakes actually were (their 75th percentile), so it fits the
+//!   machine's timer latency; a wake so early that more than `spin_us`
+//!   would remain sleeps again (short by the 10th percentile), so a long
+//!   delay never spins and the spin never monopolises a CPU.
 //!
 //! One worker per device and a deadline-ordered heap keep the per-bio cost
-//! to a lock, a heap push and pop, and a futex wake only when the worker
-//! sleeps towards a later deadline than the new bio's. Submitters never
-//! block beyond that lock. Workers set their timer slack to 1 ns and ask
+//! to a lock, a heap push and pop, and (hybrid) a timer re-arm only when
+//! the new bio must be looked at earlier than the armed time, or (kthread)
+//! a futex wake only when the worker is idle. Submitters never block
+//! beyond that lock. Workers set their timer slack to 1 ns and ask
 //! the scheduler for a short slice (EEVDF `sched_runtime`) so that a busy
 //! CPU does not hold their wake-up for a whole default slice.
 
@@ -82,6 +85,7 @@ use parking_lot::Mutex;
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 use std::fmt;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -310,6 +314,8 @@ struct State {
     /// `timer` mode: the work item's pending bit (`queue_work` is a no-op
     /// while it is set).
     work_pending: bool,
+    /// `hybrid` mode: when the timerfd is armed to fire (`u64::MAX`: not).
+    armed_ns: u64,
 }
 
 impl State {
@@ -437,6 +443,12 @@ struct Shared {
     stop: AtomicBool,
     /// I/Os accepted and not completed, counted while a load model is on.
     inflight: AtomicU64,
+    /// `hybrid` mode's sleep, armed by submitters and the worker.
+    timerfd: Option<DeadlineTimer>,
+    /// `hybrid` mode: how far short of a deadline to sleep (learnt).
+    margin_hi_ns: AtomicU64,
+    /// `hybrid` mode: the same after a wake that came too early.
+    margin_lo_ns: AtomicU64,
 }
 
 impl Shared {
@@ -615,11 +627,21 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
             seq: 0,
             timer: None,
             work_pending: false,
+            armed_ns: u64::MAX,
         }),
         worker: Parker::new(),
         timer: Parker::new(),
         stop: AtomicBool::new(false),
         inflight: AtomicU64::new(0),
+        timerfd: match o.mode {
+            Mode::Hybrid => Some(
+                DeadlineTimer::new()
+                    .map_err(|e| format!("cannot create the delay timer (timerfd): {e}"))?,
+            ),
+            _ => None,
+        },
+        margin_hi_ns: AtomicU64::new(INITIAL_MARGIN_NS),
+        margin_lo_ns: AtomicU64::new(INITIAL_MARGIN_NS / 2),
     });
     let mut target = DelayTarget {
         shared,
@@ -733,12 +755,13 @@ fn prepare_worker_thread() {
     }
 }
 
-/// Learns how late this thread's timed sleeps wake: the margin to sleep
-/// short of a deadline by.
+/// Learns how late this thread's timed sleeps wake, to choose how far
+/// short of a deadline to sleep: the 75th percentile for the first sleep
+/// (most wakes then land before the deadline, in the spin window), the
+/// 10th for a second, short one after a wake that came too early.
 struct WakeLatency {
     samples: [u32; 32],
     n: usize,
-    margin_ns: u64,
 }
 
 impl WakeLatency {
@@ -746,20 +769,87 @@ impl WakeLatency {
         WakeLatency {
             samples: [0; 32],
             n: 0,
-            margin_ns: INITIAL_MARGIN_NS,
         }
     }
 
-    fn record(&mut self, late_ns: u64) {
+    /// Record one wake `late_ns` after its timer; returns the new (10th,
+    /// 75th) percentiles when they are recomputed.
+    fn record(&mut self, late_ns: u64) -> Option<(u64, u64)> {
         let len = self.samples.len();
         self.samples[self.n % len] = late_ns.min(u32::MAX as u64) as u32;
         self.n += 1;
-        if self.n >= 8 && self.n.is_multiple_of(4) {
-            let k = self.n.min(len);
-            let mut s = self.samples;
-            let s = &mut s[..k];
-            s.sort_unstable();
-            self.margin_ns = (s[k * 3 / 4] as u64).min(MAX_MARGIN_NS);
+        if self.n < 8 || !self.n.is_multiple_of(4) {
+            return None;
+        }
+        let k = self.n.min(len);
+        let mut s = self.samples;
+        let s = &mut s[..k];
+        s.sort_unstable();
+        let pick = |q: usize| (s[(k * q / 100).min(k - 1)] as u64).min(MAX_MARGIN_NS);
+        Some((pick(10), pick(75)))
+    }
+}
+
+/// A CLOCK_MONOTONIC timerfd, `hybrid` mode's sleep. Submitters arm it
+/// for a new bio's wake time, so the worker sleeps once per deadline and
+/// is never woken merely to be told about a bio.
+struct DeadlineTimer {
+    fd: OwnedFd,
+}
+
+impl DeadlineTimer {
+    fn new() -> std::io::Result<DeadlineTimer> {
+        // SAFETY: plain syscall; the result is checked.
+        let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor we own.
+        Ok(DeadlineTimer {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Fire at the absolute CLOCK_MONOTONIC time `at_ns` (at least 1: 0
+    /// would disarm); a time already past fires at once.
+    fn arm(&self, at_ns: u64) {
+        let at_ns = at_ns.max(1);
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: (at_ns / 1_000_000_000) as libc::time_t,
+                tv_nsec: (at_ns % 1_000_000_000) as libc::c_long,
+            },
+        };
+        // SAFETY: valid descriptor and itimerspec.
+        unsafe {
+            libc::timerfd_settime(
+                self.fd.as_raw_fd(),
+                libc::TFD_TIMER_ABSTIME,
+                &spec,
+                std::ptr::null_mut(),
+            );
+        }
+    }
+
+    /// Block until the timer fires (or has fired since the last wait).
+    fn wait(&self) {
+        let mut ticks = 0u64;
+        loop {
+            // SAFETY: reading 8 bytes into a u64 we own.
+            let r = unsafe {
+                libc::read(
+                    self.fd.as_raw_fd(),
+                    &mut ticks as *mut u64 as *mut libc::c_void,
+                    8,
+                )
+            };
+            if r >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                return;
+            }
         }
     }
 }
@@ -767,54 +857,71 @@ impl WakeLatency {
 /// `hybrid` mode: see the module documentation.
 fn hybrid_worker(sh: Arc<Shared>) {
     prepare_worker_thread();
+    let Some(timer) = sh.timerfd.as_ref() else {
+        return;
+    };
     let mut lat = WakeLatency::new();
     let mut batch: Vec<Held> = Vec::with_capacity(64);
+    let mut slept = false;
     while !sh.stop.load(Ordering::Acquire) {
-        let (seen, next) = {
-            let mut st = sh.state.lock();
-            sh.pop_expired(&mut st, clock::now_ns(), &mut batch);
-            let next = st.queue.peek().map(|h| h.key);
-            sh.worker
-                .target
-                .store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
-            (sh.worker.seen(), next)
-        };
+        let mut st = sh.state.lock();
+        let now = clock::now_ns();
+        if st.armed_ns <= now {
+            // The timer fired (a one-shot is disarmed by then); if this
+            // thread was asleep on it, that is a wake-latency sample.
+            if slept {
+                if let Some((lo, hi)) = lat.record(now - st.armed_ns) {
+                    sh.margin_lo_ns.store(lo, Ordering::Relaxed);
+                    sh.margin_hi_ns.store(hi, Ordering::Relaxed);
+                }
+            }
+            st.armed_ns = u64::MAX;
+        }
+        slept = false;
+        sh.pop_expired(&mut st, now, &mut batch);
         if !batch.is_empty() {
+            drop(st);
             for h in batch.drain(..) {
                 sh.send_on(h);
             }
             continue;
         }
-        let Some(deadline) = next else {
-            sh.worker.park(seen, None);
+        let Some(deadline) = st.queue.peek().map(|h| h.key) else {
+            drop(st);
+            timer.wait();
             continue;
         };
-        let now = clock::now_ns();
-        if deadline <= now {
-            continue;
-        }
-        let left = deadline - now;
+        let left = deadline.saturating_sub(clock::now_ns());
         if left <= sh.spin_max_ns {
+            drop(st);
             // The last stretch: spin to the deadline, yielding every round
-            // so a thread sharing this CPU still runs; leave early if a new
-            // bio changed the plan.
-            while clock::now_ns() < deadline && sh.worker.seen() == seen {
+            // so a thread sharing this CPU still runs.
+            while clock::now_ns() < deadline && !sh.stop.load(Ordering::Relaxed) {
                 // SAFETY: plain syscall.
                 unsafe { libc::sched_yield() };
             }
             continue;
         }
-        // Sleep short of the deadline by the learnt wake latency, so the
-        // wake lands in the spin window; if even that would leave too
-        // little room, sleep to the deadline itself (never spin long).
-        let wake_at = if left > lat.margin_ns + sh.spin_max_ns / 2 {
-            deadline - lat.margin_ns
+        // Sleep short of the deadline so the wake lands in the spin
+        // window; after a wake that came too early, a second sleep short
+        // by the usual minimum latency; within that, to the deadline
+        // itself. Never a long spin.
+        let hi = sh.margin_hi_ns.load(Ordering::Relaxed);
+        let lo = sh.margin_lo_ns.load(Ordering::Relaxed);
+        let wake_at = if left > hi + sh.spin_max_ns / 2 {
+            deadline - hi
+        } else if left > lo + sh.spin_max_ns / 2 {
+            deadline - lo
         } else {
             deadline
         };
-        if sh.worker.park(seen, Some(wake_at)) {
-            lat.record(clock::now_ns().saturating_sub(wake_at));
+        if wake_at < st.armed_ns {
+            timer.arm(wake_at);
+            st.armed_ns = wake_at;
         }
+        drop(st);
+        timer.wait();
+        slept = true;
     }
 }
 
@@ -953,7 +1060,19 @@ impl Target for DelayTarget {
         });
         let (wake_worker, wake_timer) = match sh.mode {
             Mode::Timer => (false, sh.queue_timeout(&mut st, key)),
-            Mode::Hybrid | Mode::Kthread => (key < sh.worker.target.load(Ordering::Relaxed), false),
+            Mode::Kthread => (key < sh.worker.target.load(Ordering::Relaxed), false),
+            Mode::Hybrid => {
+                // Arm the worker's timer for this bio if it would wake
+                // later; the worker itself need not wake now.
+                let wake_at = deadline_ns.saturating_sub(sh.margin_hi_ns.load(Ordering::Relaxed));
+                if wake_at < st.armed_ns {
+                    if let Some(t) = &sh.timerfd {
+                        t.arm(wake_at);
+                    }
+                    st.armed_ns = wake_at;
+                }
+                (false, false)
+            }
         };
         drop(st);
         if wake_worker {
@@ -1135,6 +1254,9 @@ impl Drop for DelayTarget {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.worker.unpark();
         self.shared.timer.unpark();
+        if let Some(t) = &self.shared.timerfd {
+            t.arm(1);
+        }
         let me = std::thread::current().id();
         for h in self.threads.drain(..) {
             // A table dropped from a completion running on its own worker
@@ -1204,6 +1326,7 @@ mod tests {
             seq: 0,
             timer: None,
             work_pending: false,
+            armed_ns: u64::MAX,
         };
         assert_eq!(st.delay_for(READ, 0), 1_000_000);
         assert_eq!(st.delay_for(READ, 4), 2_000_000);
@@ -1226,6 +1349,7 @@ mod tests {
             seq: 0,
             timer: None,
             work_pending: false,
+            armed_ns: u64::MAX,
         };
         let slow = (0..100_000).filter(|_| st.delay_for(READ, 0) == 2).count();
         assert!((700..1300).contains(&slow), "{slow} of 100000 took p99");
