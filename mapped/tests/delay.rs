@@ -454,3 +454,25 @@ fn message_changes_delay_and_held_bios_keep_their_deadline() {
         assert!(e.contains(want), "{msg:?}: {e:?} lacks {want:?}");
     }
 }
+
+#[test]
+fn example_stacks_build_and_delay() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    for (file, dev, min) in [
+        ("delay.stack", "delay0", MS),
+        ("delay-classes.stack", "slow", MS / 2),
+    ] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        let reg = Registry::new();
+        reg.create_stack(&text)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let dev = reg.device(dev).unwrap();
+        let mem = AlignedBuf::new(4096);
+        let rec = Arc::new(Recorder::default());
+        let t0 = now_ns();
+        dev.submit(bio(Op::Read, BioFlags::NONE, 0, &mem, &rec));
+        let done = rec.wait(1, Duration::from_secs(5));
+        assert_eq!(done[0].2, Status::Ok);
+        assert!(done[0].1 - t0 >= min, "{file}: read not delayed");
+    }
+}
