@@ -723,3 +723,179 @@ fn now_ns_if_timer(mode: CompletionMode) -> u64 {
         _ => 0,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkstack_core::{EndIo, IoBuf, Op};
+    use std::sync::atomic::AtomicU64;
+
+    /// Busy while `refuse` is set; counts completions.
+    #[derive(Default)]
+    struct Gate {
+        refuse: AtomicBool,
+    }
+
+    impl Driver for Gate {
+        fn queue_rq(&self, _rq: Rq<'_>) -> QueueRq {
+            if self.refuse.load(SeqCst) {
+                QueueRq::Busy
+            } else {
+                QueueRq::Done(Status::Ok)
+            }
+        }
+    }
+
+    #[derive(Default)]
+    struct Done(AtomicU64);
+
+    impl EndIo for Done {
+        fn end_io(&self, bio: Bio, _status: Status, _private: u64) {
+            self.0.fetch_add(1, SeqCst);
+            drop(bio);
+        }
+    }
+
+    fn write_bio(owner: &Arc<Done>) -> Bio {
+        Bio::new(Op::Write, 0, 0, IoBuf::empty(), owner.clone(), 0)
+    }
+
+    fn wait_done(d: &Done, n: u64, within_ns: u64) {
+        let deadline = now_ns() + within_ns;
+        while d.0.load(SeqCst) < n {
+            assert!(now_ns() < deadline, "not completed in time");
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
+    /// A pool whose only worker is held until `release`, so posted runs
+    /// stay pending while the test looks at them.
+    fn held_pool() -> (Arc<Kblockd>, Arc<AtomicBool>) {
+        let pool = Kblockd::new(1);
+        let go = Arc::new(AtomicBool::new(false));
+        let go2 = go.clone();
+        let blocker = DelayedWork::new(move || {
+            while !go2.load(SeqCst) {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+        });
+        pool.post(&blocker, 0);
+        (pool, go)
+    }
+
+    fn release(go: &AtomicBool) {
+        go.store(true, SeqCst);
+    }
+
+    #[test]
+    fn queued_bit_dedups_immediate_runs_and_delayed_runs_never_stand_in() {
+        let (pool, gate) = held_pool();
+        let q =
+            Queue::with_kblockd(Gate::default(), EngineOptions::default(), pool.clone()).unwrap();
+        q.driver().refuse.store(true, SeqCst);
+        let done = Arc::new(Done::default());
+        q.submit(write_bio(&done));
+        let h = &q.hw_queues()[0];
+        assert_eq!(h.dispatch_len(), 1);
+        // Busy with nothing in flight: a delayed (3 ms) run was posted and
+        // the queued bit is clear.
+        assert_eq!(h.stats().runs_posted, 1);
+        assert!(!h.work_queued());
+        q.run_hw_queue(0, true);
+        assert!(h.work_queued());
+        q.run_hw_queue(0, true);
+        q.run_hw_queue(0, true);
+        assert_eq!(h.stats().runs_posted, 2);
+        assert_eq!(h.stats().runs_deduped, 2);
+        // A delayed run clears the bit, so the next immediate one posts.
+        q.delay_run_hw_queue(0, 5_000_000_000);
+        assert!(!h.work_queued());
+        q.run_hw_queue(0, true);
+        assert_eq!(h.stats().runs_posted, 4);
+        // ...and the pending work is not postponed by the 5 s delay.
+        q.driver().refuse.store(false, SeqCst);
+        let t0 = now_ns();
+        release(&gate);
+        wait_done(&done, 1, 2_000_000_000);
+        assert!(now_ns() - t0 < 2_000_000_000);
+        assert_eq!(q.stats().tags_in_use, 0);
+        drop(q);
+        pool.shutdown();
+    }
+
+    #[test]
+    fn without_dedup_every_async_run_is_posted() {
+        let (pool, gate) = held_pool();
+        let opts = EngineOptions {
+            run_dedup: false,
+            ..EngineOptions::default()
+        };
+        let q = Queue::with_kblockd(Gate::default(), opts, pool.clone()).unwrap();
+        q.driver().refuse.store(true, SeqCst);
+        let done = Arc::new(Done::default());
+        q.submit(write_bio(&done));
+        for _ in 0..5 {
+            q.run_hw_queue(0, true);
+        }
+        let s = q.hw_queues()[0].stats();
+        assert_eq!(s.runs_posted, 6);
+        assert_eq!(s.runs_deduped, 0);
+        q.driver().refuse.store(false, SeqCst);
+        release(&gate);
+        wait_done(&done, 1, 2_000_000_000);
+        drop(q);
+        pool.shutdown();
+    }
+
+    #[test]
+    fn stopped_queue_holds_requests_until_started() {
+        let q = Queue::new(Gate::default(), EngineOptions::default()).unwrap();
+        let done = Arc::new(Done::default());
+        q.stop_hw_queue(0);
+        q.submit(write_bio(&done));
+        q.submit(write_bio(&done));
+        assert_eq!(done.0.load(SeqCst), 0);
+        assert_eq!(q.hw_queues()[0].dispatch_len(), 2);
+        q.start_hw_queue(0, false);
+        assert_eq!(done.0.load(SeqCst), 2);
+        assert_eq!(q.stats().tags_in_use, 0);
+    }
+
+    #[test]
+    fn blocking_driver_runs_only_from_kblockd() {
+        let opts = EngineOptions {
+            blocking: true,
+            ..EngineOptions::default()
+        };
+        let q = Queue::new(Gate::default(), opts).unwrap();
+        let done = Arc::new(Done::default());
+        q.stop_hw_queue(0);
+        q.submit(write_bio(&done));
+        q.start_hw_queue(0, false);
+        wait_done(&done, 1, 2_000_000_000);
+        let s = q.hw_queues()[0].stats();
+        assert_eq!(s.runs_inline, 0);
+        assert!(s.runs_from_work >= 1);
+    }
+
+    #[test]
+    fn options_are_validated() {
+        let bad = [
+            EngineOptions {
+                hw_queues: 0,
+                ..EngineOptions::default()
+            },
+            EngineOptions {
+                queue_depth: MAX_DEPTH + 1,
+                ..EngineOptions::default()
+            },
+            EngineOptions {
+                reserved_tags: 64,
+                ..EngineOptions::default()
+            },
+        ];
+        for o in bad {
+            assert!(Queue::new(Gate::default(), o).is_err());
+        }
+    }
+}
