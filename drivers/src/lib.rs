@@ -6,6 +6,29 @@
 //! the mapped layer shows for `dmsetup table` / `dmsetup status`. Both go
 //! through the blk-mq engine (`blkstack_mq`), whose knobs they take as
 //! table args ([`engine_args`]).
+//!
+//! Experiments build them from Rust with the engine options they vary and
+//! read the engine's counters back:
+//!
+//! ```
+//! use blkstack_core::{submit_and_wait, Op, Status};
+//! use blkstack_drivers::NullDevice;
+//! use blkstack_mq::{CompletionMode, EngineOptions, WakeupAlgo};
+//!
+//! let opts = EngineOptions {
+//!     queue_depth: 8,
+//!     completion: CompletionMode::Timer { nsec: 20_000 },
+//!     tag_wakeup: WakeupAlgo::WaitCnt,
+//!     run_dedup: false,
+//!     ..EngineOptions::default()
+//! };
+//! let dev = NullDevice::with_options(1 << 30, 4096, 0, opts).unwrap();
+//! let mut buf = vec![0u8; 4096];
+//! assert_eq!(submit_and_wait(&dev, Op::Read, 0, 4096, &mut buf), Status::Ok);
+//! let stats = dev.engine_stats();
+//! assert_eq!(stats.tags_in_use, 0);
+//! println!("{} / runs posted {}", dev.status(), stats.hctx.runs_posted);
+//! ```
 
 pub mod args;
 pub mod engine_args;
