@@ -490,8 +490,13 @@ impl<D: Driver> Drop for Queue<D> {
             c.shutdown.store(true, SeqCst);
             c.wake();
         }
+        let me = std::thread::current().id();
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            // The last owner may drop the device from a completion callback
+            // running on one of these threads: that one exits by itself.
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -876,6 +881,38 @@ mod tests {
         let s = q.hw_queues()[0].stats();
         assert_eq!(s.runs_inline, 0);
         assert!(s.runs_from_work >= 1);
+    }
+
+    #[test]
+    fn queue_dropped_from_its_own_completion_thread() {
+        struct DropOnEnd {
+            q: Mutex<Option<Arc<Queue<Gate>>>>,
+            done: AtomicBool,
+        }
+        impl EndIo for DropOnEnd {
+            fn end_io(&self, bio: Bio, _status: Status, _private: u64) {
+                drop(bio);
+                let last = self.q.lock().take();
+                drop(last);
+                self.done.store(true, SeqCst);
+            }
+        }
+        let opts = EngineOptions {
+            completion: CompletionMode::Softirq,
+            ..EngineOptions::default()
+        };
+        let q = Arc::new(Queue::new(Gate::default(), opts).unwrap());
+        let owner = Arc::new(DropOnEnd {
+            q: Mutex::new(Some(q.clone())),
+            done: AtomicBool::new(false),
+        });
+        q.submit(Bio::new(Op::Write, 0, 0, IoBuf::empty(), owner.clone(), 0));
+        drop(q);
+        let deadline = now_ns() + 2_000_000_000;
+        while !owner.done.load(SeqCst) {
+            assert!(now_ns() < deadline, "completion never ran");
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 
     #[test]
