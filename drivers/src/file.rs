@@ -994,7 +994,7 @@ impl Drop for Ring {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             t.thread().unpark();
-            let _ = t.join();
+            join_unless_self(t);
         }
     }
 }
@@ -1071,8 +1071,19 @@ impl Drop for Pool {
             self.shared.cv.notify_all();
         }
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            join_unless_self(t);
         }
+    }
+}
+
+/// Join an I/O thread, unless this is that thread: the last reference to a
+/// device can be dropped by the thread completing its last bio (an upper
+/// layer's completion frame held it), and joining oneself fails. That
+/// thread then exits on its own once it returns to its loop (`stop` is
+/// set and nothing is in flight).
+fn join_unless_self(t: JoinHandle<()>) {
+    if t.thread().id() != std::thread::current().id() {
+        let _ = t.join();
     }
 }
 

@@ -486,3 +486,58 @@ fn file_size_rules_and_bad_args() {
         Status::Invalid
     );
 }
+
+/// The last reference to a device may be dropped by the thread that
+/// completes its last bio (an upper layer's completion frame held it).
+/// That thread must not try to join itself; the device must go away
+/// cleanly and the completion must still be delivered.
+#[test]
+fn device_dropped_from_its_own_completion_thread() {
+    use blkstack_core::{Bio, EndIo};
+    use blkstack_drivers::file::FileDevice;
+    use parking_lot::Mutex;
+    use std::sync::mpsc;
+
+    struct DropsDevice {
+        dev: Mutex<Option<Arc<FileDevice>>>,
+        done: Mutex<mpsc::Sender<Status>>,
+    }
+    impl EndIo for DropsDevice {
+        fn end_io(&self, _bio: Bio, status: Status, _private: u64) {
+            drop(self.dev.lock().take());
+            let _ = self.done.lock().send(status);
+        }
+    }
+
+    let dir = scratch();
+    for extra in ["", "direct", "engine=psync"] {
+        let p = backing(dir.path(), "drop.img", MIB);
+        let args: Vec<String> = std::iter::once(p.display().to_string())
+            .chain(extra.split_whitespace().map(String::from))
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let dev = Arc::new(FileDevice::from_args(MIB, &args).expect("open"));
+        let (tx, rx) = mpsc::channel();
+        let owner = Arc::new(DropsDevice {
+            dev: Mutex::new(Some(dev.clone())),
+            done: Mutex::new(tx),
+        });
+        let buf = AlignedBuf::new(4096);
+        // SAFETY: `buf` outlives the request: we wait for its completion.
+        let io = unsafe { buf.io_buf(0, 4096) };
+        let bio = Bio::new(Op::Read, 0, 4096, io, owner.clone(), 0);
+        let weak = Arc::downgrade(&dev);
+        dev.submit(bio);
+        drop(dev);
+        let st = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("{extra:?}: completion never delivered"));
+        assert_eq!(st, Status::Ok, "{extra:?}");
+        // The device is gone once the completing thread let go of it.
+        let t0 = std::time::Instant::now();
+        while weak.strong_count() > 0 && t0.elapsed().as_secs() < 10 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(weak.strong_count(), 0, "{extra:?}: device leaked");
+    }
+}
