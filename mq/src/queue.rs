@@ -35,7 +35,7 @@ use blkstack_core::{Bio, Status};
 use parking_lot::Mutex;
 use std::cell::Cell;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 
@@ -210,10 +210,18 @@ pub struct QueueStats {
     pub dispatch_waiting: u32,
     /// Requests accepted by the driver and not completed.
     pub in_driver: u32,
+    /// Timer mode (irqmode=2): completions, and their summed lateness past
+    /// the asked `completion_nsec`.
+    pub timer_completions: u64,
+    pub timer_late_ns: u64,
 }
 
 /// Per-hardware-queue completion thread state (irqmode 1 and 2).
 struct Completer {
+    /// Timer mode: completions done, and their total lateness past the
+    /// deadline (how precise the timer is, wakeup latency included).
+    timer_done: AtomicU64,
+    timer_late_ns: AtomicU64,
     queue: Mutex<Vec<(u64, u32, Status)>>,
     sleeping: AtomicBool,
     shutdown: AtomicBool,
@@ -223,6 +231,8 @@ struct Completer {
 impl Completer {
     fn new(depth: usize) -> Completer {
         Completer {
+            timer_done: AtomicU64::new(0),
+            timer_late_ns: AtomicU64::new(0),
             queue: Mutex::new(Vec::with_capacity(depth)),
             sleeping: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
@@ -444,6 +454,9 @@ impl<D: Driver> Queue<D> {
             s.hctx.dispatched_from_list += c.dispatched_from_list;
             s.hctx.restarts += c.restarts;
             s.hctx.runs_skipped_restart += c.runs_skipped_restart;
+            let c = &self.inner.completers[h.index as usize];
+            s.timer_completions += c.timer_done.load(Relaxed);
+            s.timer_late_ns += c.timer_late_ns.load(Relaxed);
             s.dispatch_waiting += h.dispatch_len();
             s.in_driver += h.in_driver();
         }
@@ -711,8 +724,13 @@ impl<D: Driver> QueueInner<D> {
                 continue;
             }
             for &(deadline, tag, status) in local.iter() {
-                if deadline != 0 && now_ns() < deadline {
-                    sleep_until_ns(deadline);
+                if deadline != 0 {
+                    if now_ns() < deadline {
+                        sleep_until_ns(deadline);
+                    }
+                    let late = now_ns().saturating_sub(deadline);
+                    c.timer_done.fetch_add(1, Relaxed);
+                    c.timer_late_ns.fetch_add(late, Relaxed);
                 }
                 self.end_request(h, tag, status);
             }
@@ -733,7 +751,6 @@ fn now_ns_if_timer(mode: CompletionMode) -> u64 {
 mod tests {
     use super::*;
     use blkstack_core::{EndIo, IoBuf, Op};
-    use std::sync::atomic::AtomicU64;
 
     /// Busy while `refuse` is set; counts completions.
     #[derive(Default)]
