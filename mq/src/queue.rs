@@ -484,7 +484,7 @@ impl<D: Driver> Queue<D> {
             s.hctx.restarts,
             s.dispatch_waiting,
             s.in_driver
-        )
+        ) + &timer_status(&s)
     }
 }
 
@@ -737,6 +737,16 @@ impl<D: Driver> QueueInner<D> {
             local.clear();
         }
     }
+}
+
+fn timer_status(s: &QueueStats) -> String {
+    if s.timer_completions == 0 {
+        return String::new();
+    }
+    format!(
+        " timer_late_avg_ns={}",
+        s.timer_late_ns / s.timer_completions
+    )
 }
 
 #[inline]
