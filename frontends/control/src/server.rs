@@ -13,10 +13,10 @@ use crate::proto::{
 };
 use serde_json::Value;
 use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -35,8 +35,20 @@ pub fn default_socket_path() -> PathBuf {
 /// the request they are in.
 pub struct ControlServer {
     path: PathBuf,
-    stopping: Arc<AtomicBool>,
+    /// Write end of the pipe the accept thread polls beside the socket: a
+    /// byte (or its closing) stops it, whatever became of the socket file.
+    wake: Option<OwnedFd>,
     accept: Option<JoinHandle<()>>,
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: fds is a valid array of two ints.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two fresh fds that we now own.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
 /// Is someone listening on `path`?
@@ -91,14 +103,13 @@ impl ControlServer {
             )
         })?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-        let stopping = Arc::new(AtomicBool::new(false));
-        let stop2 = stopping.clone();
+        let (wake_r, wake_w) = pipe()?;
         let accept = std::thread::Builder::new()
             .name("control-accept".into())
-            .spawn(move || accept_loop(listener, control, stop2))?;
+            .spawn(move || accept_loop(listener, control, wake_r))?;
         Ok(ControlServer {
             path: path.to_path_buf(),
-            stopping,
+            wake: Some(wake_w),
             accept: Some(accept),
         })
     }
@@ -115,9 +126,8 @@ impl ControlServer {
         let Some(t) = self.accept.take() else {
             return;
         };
-        self.stopping.store(true, Ordering::SeqCst);
-        // Wake the blocking accept with a connection of our own.
-        let _ = UnixStream::connect(&self.path);
+        // Closing the write end makes the pipe readable (EOF).
+        drop(self.wake.take());
         let _ = t.join();
         let _ = std::fs::remove_file(&self.path);
     }
@@ -129,14 +139,39 @@ impl Drop for ControlServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, control: Arc<Control>, stopping: Arc<AtomicBool>) {
+fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd) {
     let mut n = 0u64;
-    for conn in listener.incoming() {
-        if stopping.load(Ordering::SeqCst) {
+    loop {
+        let mut pfds = [
+            libc::pollfd {
+                fd: listener.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: pfds is a valid array of two pollfd.
+        let r = unsafe { libc::poll(pfds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            eprintln!("blkstack-control: poll: {e}");
             return;
         }
-        let stream = match conn {
-            Ok(s) => s,
+        if pfds[1].revents != 0 {
+            return;
+        }
+        if pfds[0].revents == 0 {
+            continue;
+        }
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
             Err(e) => {
                 eprintln!("blkstack-control: accept: {e}");
                 continue;
