@@ -5,7 +5,7 @@
 
 use blkstack_control::{Control, ControlServer};
 use blkstack_core::sync::submit_and_wait;
-use blkstack_core::{Device, Op};
+use blkstack_core::Op;
 use blkstack_mapped::Registry;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
