@@ -18,7 +18,14 @@
 //! Each request in flight owns a slot (its index is the bio's cookie, as a
 //! blk-mq tag is a request's index): a reusable, page-aligned data buffer
 //! and the few fields needed to write the reply. Slots are preallocated up
-//! to [`MAX_INFLIGHT`] per connection, so in steady state no I/O allocates.
+//! to [`MAX_INFLIGHT`] per connection, so in steady state no I/O allocates
+//! in this file (the one exception: a structured READ on a device that
+//! knows its holes asks for the device's extent map, a `Vec`, to answer
+//! with OFFSET_HOLE chunks instead of zeroes). Slot accounting has its own
+//! lock, apart from the writer lock, so the reader keeps starting requests
+//! while a completer is busy sending a large reply. The reader never spins
+//! waiting for input: measured here, polling the socket for 10-20 µs before
+//! blocking lowered the median IOPS at QD1 and QD64 and raised CPU per I/O.
 //! When every slot is busy, or the requests in flight already hold
 //! [`INFLIGHT_BYTES`] of data, the reader stops reading: that is the
 //! connection's queue depth limit and the client's backpressure, and it
