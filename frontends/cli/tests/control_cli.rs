@@ -23,7 +23,10 @@ fn nbd_client(srv: &Serve) -> RawClient<UnixStream> {
 fn verbs_print_dmsetup_text() {
     let srv = Serve::start(STACK, "d0");
     assert_eq!(srv.ok("ls", &[]), "d0\t(253:1)\nmem\t(253:0)\n");
-    assert_eq!(srv.ok("create", &["top", "--table", "0 2048 linear d0 0"]), "");
+    assert_eq!(
+        srv.ok("create", &["top", "--table", "0 2048 linear d0 0"]),
+        ""
+    );
     assert_eq!(
         srv.ok("ls", &["--tree"]),
         "top (253:2)\n └─d0 (253:1)\n    └─mem (253:0)\n"
@@ -58,12 +61,24 @@ fn verbs_print_dmsetup_text() {
     srv.ok("create", &["f", file.to_str().unwrap()]);
     let o = srv.run_stdin("create", &["s", "-u", "UUID-s", "-r"], Some("0 16 zero\n"));
     assert!(o.status.success(), "{}", o.stderr);
-    srv.ok("create", &["--concise", "a,,,rw,0 8 zero;b,,,rw,0 8 linear a 0"]);
+    srv.ok(
+        "create",
+        &["--concise", "a,,,rw,0 8 zero;b,,,rw,0 8 linear a 0"],
+    );
     let info = srv.ok("info", &["s", "f"]);
-    assert!(info.contains("Name:              s\nState:             ACTIVE (READ-ONLY)\n"), "{info}");
-    assert!(info.contains("Number of targets: 1\nUUID: UUID-s\n\nName:              f\n"), "{info}");
+    assert!(
+        info.contains("Name:              s\nState:             ACTIVE (READ-ONLY)\n"),
+        "{info}"
+    );
+    assert!(
+        info.contains("Number of targets: 1\nUUID: UUID-s\n\nName:              f\n"),
+        "{info}"
+    );
     assert!(info.contains("Number of targets: 2\n\n"), "{info}");
-    assert_eq!(srv.ok("table", &["f"]), "0 1024 zero\n1024 1024 linear 253:0 0\n");
+    assert_eq!(
+        srv.ok("table", &["f"]),
+        "0 1024 zero\n1024 1024 linear 253:0 0\n"
+    );
     let tree = srv.ok("ls", &["--tree"]);
     assert!(tree.contains("b (253:"), "{tree}");
     assert!(tree.contains(" └─a (253:"), "{tree}");
@@ -93,12 +108,17 @@ fn reload_is_staged_until_resume() {
 
     srv.ok("reload", &["d0", "--table", "0 1024 zero"]);
     let info = srv.ok("info", &["d0"]);
-    assert!(info.contains("Tables present:    LIVE & INACTIVE\n"), "{info}");
+    assert!(
+        info.contains("Tables present:    LIVE & INACTIVE\n"),
+        "{info}"
+    );
     assert_eq!(srv.ok("table", &["d0"]), "0 2048 linear 253:0 0\n");
     assert_eq!(srv.ok("table", &["--inactive", "d0"]), "0 1024 zero\n");
 
     srv.ok("suspend", &["d0"]);
-    assert!(srv.ok("info", &["d0"]).contains("State:             SUSPENDED\n"));
+    assert!(srv
+        .ok("info", &["d0"])
+        .contains("State:             SUSPENDED\n"));
     srv.ok("resume", &["d0"]);
     let info = srv.ok("info", &["d0"]);
     assert!(info.contains("State:             ACTIVE\n"), "{info}");
@@ -112,7 +132,9 @@ fn reload_is_staged_until_resume() {
     srv.ok("load", &["d0", "--table", "0 8 error"]);
     srv.ok("clear", &["d0"]);
     assert_eq!(srv.ok("table", &["--inactive", "d0"]), "");
-    assert!(srv.ok("info", &["d0"]).contains("Tables present:    LIVE\n"));
+    assert!(srv
+        .ok("info", &["d0"])
+        .contains("Tables present:    LIVE\n"));
 }
 
 #[test]
@@ -142,7 +164,10 @@ fn export_and_unexport_at_run_time() {
     drop(c);
     let mut fresh = nbd_client(&srv);
     fresh.start().unwrap();
-    assert!(fresh.go("mem").is_err(), "an unexported device is not offered");
+    assert!(
+        fresh.go("mem").is_err(),
+        "an unexported device is not offered"
+    );
 
     let e = srv.fails("unexport", &["mem"]);
     assert!(e.contains("not exported"), "{e}");
@@ -209,7 +234,10 @@ fn errors_are_clear_and_change_nothing() {
     ];
     for (verb, args, want) in cases {
         let e = srv.fails(verb, args);
-        assert!(e.contains(want), "blkstack {verb} {args:?}: expected {want:?} in {e:?}");
+        assert!(
+            e.contains(want),
+            "blkstack {verb} {args:?}: expected {want:?} in {e:?}"
+        );
         assert!(e.starts_with("blkstack: error: "), "{e}");
         assert_eq!(e.lines().count(), 1, "one line: {e:?}");
     }
@@ -218,7 +246,11 @@ fn errors_are_clear_and_change_nothing() {
     // Usage errors: clap's message, exit 2.
     let o = srv.run("frobnicate", &[]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(o.stderr.contains("unrecognized subcommand 'frobnicate'"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("unrecognized subcommand 'frobnicate'"),
+        "{}",
+        o.stderr
+    );
     let o = srv.run("message", &["d0", "notasector", "x"]);
     assert_eq!(o.status.code(), Some(2));
     let o = srv.run("create", &[]);
@@ -232,7 +264,11 @@ fn errors_are_clear_and_change_nothing() {
         "ls without server",
     );
     assert_eq!(o.status.code(), Some(1));
-    assert!(o.stderr.contains("is `blkstack serve` running?"), "{}", o.stderr);
+    assert!(
+        o.stderr.contains("is `blkstack serve` running?"),
+        "{}",
+        o.stderr
+    );
     assert_eq!(srv.snapshot(), before);
 }
 
@@ -240,6 +276,10 @@ fn errors_are_clear_and_change_nothing() {
 fn control_socket_is_private() {
     use std::os::unix::fs::PermissionsExt;
     let srv = Serve::start(STACK, "d0");
-    let mode = std::fs::metadata(&srv.control).unwrap().permissions().mode() & 0o777;
+    let mode = std::fs::metadata(&srv.control)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
     assert_eq!(mode, 0o600);
 }

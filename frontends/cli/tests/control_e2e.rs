@@ -92,7 +92,13 @@ fn delay_reload_under_fio_verify() {
         "d0",
     );
     let uri = srv.uri("d0");
-    let read_probe = ["--rw=randread", "--bs=4k", "--iodepth=1", "--time_based", "--runtime=1"];
+    let read_probe = [
+        "--rw=randread",
+        "--bs=4k",
+        "--iodepth=1",
+        "--time_based",
+        "--runtime=1",
+    ];
 
     let out = srv.dir.join("before.json");
     let before = finish_fio(spawn_fio(&uri, &out, &read_probe), &out, "fio before");
@@ -123,7 +129,8 @@ fn delay_reload_under_fio_verify() {
     srv.ok("resume", &["d0"]);
     let during = finish_fio(during, &out, "fio during the reload");
     assert_eq!(
-        during["read"]["io_bytes"], 2 << 20,
+        during["read"]["io_bytes"],
+        2 << 20,
         "verify read back everything written"
     );
     let held_ms = clat_ms(&during, "write", "max");
@@ -135,7 +142,10 @@ fn delay_reload_under_fio_verify() {
 
     let out = srv.dir.join("after.json");
     let after = finish_fio(spawn_fio(&uri, &out, &read_probe), &out, "fio after");
-    let (b, a) = (clat_ms(&before, "read", "mean"), clat_ms(&after, "read", "mean"));
+    let (b, a) = (
+        clat_ms(&before, "read", "mean"),
+        clat_ms(&after, "read", "mean"),
+    );
     eprintln!(
         "delay 10 ms -> 1 ms: read clat mean {b:.2} ms -> {a:.2} ms; \
          during: write clat mean {:.2} ms, max {held_ms:.1} ms (suspended {} ms), verify ok",
@@ -143,7 +153,10 @@ fn delay_reload_under_fio_verify() {
         hold.as_millis()
     );
     assert!(b >= 9.0, "a 10 ms delay served reads in {b:.2} ms");
-    assert!(a * 2.0 < b, "latency did not drop after the reload: {b:.2} -> {a:.2} ms");
+    assert!(
+        a * 2.0 < b,
+        "latency did not drop after the reload: {b:.2} -> {a:.2} ms"
+    );
 }
 
 #[test]
@@ -191,7 +204,11 @@ fn multipath_fail_and_reinstate_under_fio_verify() {
     assert!(st.contains("253:1 A") && st.contains("253:2 A"), "{st}");
 
     let job = finish_fio(fio, &out, "fio over multipath");
-    assert_eq!(job["read"]["io_bytes"], 4 << 20, "verify read back everything");
+    assert_eq!(
+        job["read"]["io_bytes"],
+        4 << 20,
+        "verify read back everything"
+    );
     let held_ms = clat_ms(&job, "write", "max").max(clat_ms(&job, "read", "max"));
     eprintln!(
         "multipath: fail p0, fail p1 ({} ms without paths), reinstate both: \

@@ -150,7 +150,12 @@ impl Serve {
     pub fn run_stdin(&self, verb: &str, args: &[&str], stdin: Option<&str>) -> Out {
         let mut cmd = Command::new(BIN);
         cmd.arg(verb).arg("--control").arg(&self.control).args(args);
-        run_bounded(&mut cmd, stdin, VERB_DEADLINE, &format!("blkstack {verb} {args:?}"))
+        run_bounded(
+            &mut cmd,
+            stdin,
+            VERB_DEADLINE,
+            &format!("blkstack {verb} {args:?}"),
+        )
     }
 
     /// Run a verb that must succeed; its stdout.
