@@ -60,8 +60,9 @@
 //! * `hybrid` (default) is the maintainer's suggestion carried to its end,
 //!   chosen per bio: the worker sleeps on a CLOCK_MONOTONIC timerfd armed
 //!   for an absolute time a margin before the earliest deadline, then
-//!   spins, yielding on every round, for at most `spin_us` to reach it
-//!   exactly. The submitter of a bio that needs an earlier wake re-arms the
+//!   spins for at most `spin_us` to reach it exactly (no yield in that
+//!   spin: a yield hands the CPU to any runnable task for a whole slice,
+//!   and the bound already keeps a co-runner's wait that short). The submitter of a bio that needs an earlier wake re-arms the
 //!   timer itself, so the worker wakes once per deadline and never just to
 //!   learn of a bio. The margin is learnt from how late this thread's
 //!   recent wakes actually were (their 75th percentile), so it fits the
@@ -888,17 +889,21 @@ fn hybrid_worker(sh: Arc<Shared>) {
         }
         let Some(deadline) = st.queue.peek().map(|h| h.key) else {
             drop(st);
+            // Idle until a submitter arms the timer for its bio: that wake
+            // is the one sleep most bios cost, so it is measured too.
             timer.wait();
+            slept = true;
             continue;
         };
         let left = deadline.saturating_sub(clock::now_ns());
         if left <= sh.spin_max_ns {
             drop(st);
-            // The last stretch: spin to the deadline, yielding every round
-            // so a thread sharing this CPU still runs.
+            // The last stretch: spin to the deadline. It is bounded by
+            // `spin_us`, so nothing sharing this CPU waits longer than
+            // that; yielding instead would hand the CPU to any runnable
+            // task for a whole slice and miss the deadline by far more.
             while clock::now_ns() < deadline && !sh.stop.load(Ordering::Relaxed) {
-                // SAFETY: plain syscall.
-                unsafe { libc::sched_yield() };
+                std::hint::spin_loop();
             }
             continue;
         }
