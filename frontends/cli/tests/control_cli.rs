@@ -283,3 +283,24 @@ fn control_socket_is_private() {
         & 0o777;
     assert_eq!(mode, 0o600);
 }
+
+#[test]
+fn default_socket_is_under_xdg_runtime_dir() {
+    use std::os::unix::fs::PermissionsExt;
+    let srv = Serve::start_with(STACK, "d0", true);
+    let dir = srv.dir.join("blkstack");
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&srv.control), 0o600);
+    // A verb without --control finds it through the same variable.
+    let o = run_bounded(
+        std::process::Command::new(BIN)
+            .arg("ls")
+            .env("XDG_RUNTIME_DIR", &srv.dir),
+        None,
+        VERB_DEADLINE,
+        "ls on the default socket",
+    );
+    assert!(o.status.success(), "{}", o.stderr);
+    assert_eq!(o.stdout, "d0\t(253:1)\nmem\t(253:0)\n");
+}

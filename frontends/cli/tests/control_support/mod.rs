@@ -88,6 +88,13 @@ impl Serve {
     /// `blkstack serve --concise STACK --export EXPORTS` on a unix NBD
     /// socket and a control socket, both in a fresh directory.
     pub fn start(stack: &str, exports: &str) -> Serve {
+        Serve::start_with(stack, exports, false)
+    }
+
+    /// With `default_control`, serve gets no `--control` and
+    /// `XDG_RUNTIME_DIR` is the test directory, so the socket is the
+    /// default one, `DIR/blkstack/control.sock`.
+    pub fn start_with(stack: &str, exports: &str, default_control: bool) -> Serve {
         let dir = std::env::temp_dir().join(format!(
             "blkstack-ctl-{}-{}",
             std::process::id(),
@@ -95,13 +102,19 @@ impl Serve {
         ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("test dir");
-        let control = dir.join("control.sock");
         let nbd_socket = dir.join("nbd.sock");
-        let mut child = Command::new(BIN)
-            .args(["serve", "--concise", stack, "--export", exports, "--listen"])
-            .arg(format!("nbd+unix:///?socket={}", nbd_socket.display()))
-            .arg("--control")
-            .arg(&control)
+        let mut cmd = Command::new(BIN);
+        cmd.args(["serve", "--concise", stack, "--export", exports, "--listen"])
+            .arg(format!("nbd+unix:///?socket={}", nbd_socket.display()));
+        let control = if default_control {
+            cmd.env("XDG_RUNTIME_DIR", &dir);
+            dir.join("blkstack").join("control.sock")
+        } else {
+            let c = dir.join("control.sock");
+            cmd.arg("--control").arg(&c);
+            c
+        };
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
