@@ -31,6 +31,11 @@ fn verbs_print_dmsetup_text() {
         srv.ok("ls", &["--tree"]),
         "top (253:2)\n └─d0 (253:1)\n    └─mem (253:0)\n"
     );
+    assert_eq!(srv.ok("deps", &["top"]), "1 dependencies\t: (253, 1)\n");
+    assert_eq!(
+        srv.ok("deps", &[]),
+        "d0: 1 dependencies\t: (253, 0)\nmem: 0 dependencies\t:\ntop: 1 dependencies\t: (253, 1)\n"
+    );
     // The exported device is open once.
     assert_eq!(
         srv.ok("info", &["d0"]),
@@ -228,6 +233,7 @@ fn errors_are_clear_and_change_nothing() {
         ("reload", &["nosuch", "--table", "0 8 zero"], "No such device or address"),
         ("message", &["d0", "0", "hello"], "device-mapper: message ioctl on d0 failed: Invalid argument"),
         ("message", &["d0", "99999", "hello"], "beyond the end"),
+        ("deps", &["nosuch"], "device-mapper: deps ioctl on nosuch failed"),
         ("export", &["nosuch"], "No such device or address"),
         ("export", &["d0"], "already exported"),
         ("unexport", &["mem"], "mem is not exported"),

@@ -190,6 +190,8 @@ pub enum Verb {
     Status(QueryArgs),
     /// Print device information (dmsetup info).
     Info(QueryArgs),
+    /// Print the devices each device uses (dmsetup deps).
+    Deps(QueryArgs),
     /// List devices, or draw them as a tree (dmsetup ls [--tree]).
     Ls(LsArgs),
     /// Send a message to a target (dmsetup message).
@@ -327,6 +329,16 @@ pub fn run_cli(verb: Verb) -> anyhow::Result<()> {
                 json!({ "names": a.names }),
             )?;
             print(&format::info(&r))
+        }
+        Verb::Deps(a) => {
+            let mut c = connect(&a.control)?;
+            let r = call(
+                &mut c,
+                "deps",
+                &subjects(&a.names),
+                json!({ "names": a.names }),
+            )?;
+            print(&format::deps(&r, a.names.len() != 1))
         }
         Verb::Ls(a) => {
             let mut c = connect(&a.control)?;

@@ -115,6 +115,33 @@ pub fn lines(result: &Value, key: &str, prefix: bool) -> String {
     out
 }
 
+/// `dmsetup deps`: `N dependencies\t: (MAJOR, MINOR)...`, prefixed with
+/// `name: ` when several devices are shown.
+pub fn deps(result: &Value, prefix: bool) -> String {
+    let devs = devices(result);
+    if devs.is_empty() {
+        return NO_DEVICES.into();
+    }
+    let mut out = String::new();
+    for d in devs {
+        if prefix {
+            out.push_str(s(d, "name"));
+            out.push_str(": ");
+        }
+        let list = d
+            .get("deps")
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        out.push_str(&format!("{} dependencies\t:", list.len()));
+        for x in list {
+            out.push_str(&format!(" ({}, {})", n(x, "major"), n(x, "minor")));
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// `dmsetup ls`.
 pub fn ls(result: &Value) -> String {
     let devs = devices(result);
@@ -269,6 +296,15 @@ mod tests {
         ]});
         assert_eq!(lines(&r, "table", true), "a: 0 8 zero\na: 8 8 error\n");
         assert_eq!(lines(&r, "table", false), "0 8 zero\n8 8 error\n");
+    }
+
+    #[test]
+    fn deps_lists_major_minor_pairs() {
+        let r = json!({"devices": [dev("a", 0, &[]), dev("b", 1, &[("a", 0), ("c", 2)])]});
+        assert_eq!(
+            deps(&r, true),
+            "a: 0 dependencies\t:\nb: 2 dependencies\t: (253, 0) (253, 2)\n"
+        );
     }
 
     #[test]

@@ -42,6 +42,9 @@ pub struct ExportInfo {
     pub connections: u64,
     /// Addresses a client can use (`nbd://…/NAME`, `nbd+unix:///NAME?socket=…`).
     pub uris: Vec<String>,
+    /// Registry name of the device behind the export (the export may be
+    /// named otherwise, e.g. `serve --export /dev/mapper/NAME`).
+    pub device: String,
 }
 
 /// What the control server needs from the frontend that owns the
@@ -136,7 +139,7 @@ struct ExportParams {
 /// Every method, for `METHOD_NOT_FOUND` messages and the docs test.
 pub const METHODS: &[&str] = &[
     "version", "create", "reload", "clear", "suspend", "resume", "remove", "table", "status",
-    "info", "ls", "message", "export", "unexport", "exports",
+    "info", "deps", "ls", "message", "export", "unexport", "exports",
 ];
 
 impl Control {
@@ -269,6 +272,19 @@ impl Control {
                     }))
                 })
             }
+            "deps" => {
+                let p: OptNamesParams = params(p)?;
+                if p.inactive {
+                    return Err(RpcError::invalid_params("deps has no inactive form"));
+                }
+                self.per_device(p.names, |name| {
+                    let dev = self
+                        .reg
+                        .get(name)
+                        .ok_or_else(|| blkstack_mapped::DmError::NoSuchDevice(name.into()))?;
+                    Ok(json!({ "name": dev.name, "deps": self.dep_list(&dev.name)? }))
+                })
+            }
             "ls" => {
                 let _: HashMap<String, Value> = params(p)?;
                 self.ls()
@@ -338,9 +354,14 @@ impl Control {
     fn remove(&self, p: RemoveParams) -> Result<Value, RpcError> {
         let (name, lock) = self.device_lock(&p.name)?;
         let _g = lock.lock();
-        let exported = match &self.host {
-            Some(h) => h.exports().into_iter().any(|e| e.name == name),
-            None => false,
+        let exported: Vec<String> = match &self.host {
+            Some(h) => h
+                .exports()
+                .into_iter()
+                .filter(|e| e.device == name)
+                .map(|e| e.name)
+                .collect(),
+            None => Vec::new(),
         };
         // Check what the registry would refuse before withdrawing the
         // export, so a refused remove leaves the export in place.
@@ -352,14 +373,19 @@ impl Control {
             }
             .into());
         }
-        if exported {
+        if !exported.is_empty() {
             if !p.force {
                 return Err(RpcError::new(
                     EBUSY,
-                    format!("device {name} is busy: exported over NBD; unexport it or use force"),
+                    format!(
+                        "device {name} is busy: exported over NBD as {}; unexport it or use force",
+                        exported.join(", ")
+                    ),
                 ));
             }
-            self.host()?.unexport(&name, true)?;
+            for e in &exported {
+                self.host()?.unexport(e, true)?;
+            }
         }
         self.reg.remove(&name, p.force)?;
         self.device_locks.lock().remove(&name);
@@ -391,17 +417,23 @@ impl Control {
         Ok(json!({ "devices": out }))
     }
 
+    /// The devices `name`'s live table uses, with their numbers.
+    fn dep_list(&self, name: &str) -> Result<Vec<Value>, blkstack_mapped::DmError> {
+        Ok(self
+            .reg
+            .deps(name)?
+            .iter()
+            .filter_map(|dn| self.reg.get(dn))
+            .map(|x| json!({ "name": x.name, "major": blkstack_mapped::target::DM_MAJOR, "minor": x.minor }))
+            .collect())
+    }
+
     fn ls(&self) -> Result<Value, RpcError> {
         let mut out = Vec::new();
         for n in self.reg.names() {
-            let (Some(d), Ok(deps)) = (self.reg.get(&n), self.reg.deps(&n)) else {
+            let (Some(d), Ok(deps)) = (self.reg.get(&n), self.dep_list(&n)) else {
                 continue;
             };
-            let deps: Vec<Value> = deps
-                .iter()
-                .filter_map(|dn| self.reg.get(dn))
-                .map(|x| json!({ "name": x.name, "major": blkstack_mapped::target::DM_MAJOR, "minor": x.minor }))
-                .collect();
             out.push(json!({
                 "name": d.name,
                 "major": blkstack_mapped::target::DM_MAJOR,
@@ -419,6 +451,7 @@ fn export_json(e: &ExportInfo) -> Value {
         "read_only": e.read_only,
         "connections": e.connections,
         "uris": e.uris,
+        "device": e.device,
     })
 }
 

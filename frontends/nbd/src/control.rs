@@ -42,8 +42,9 @@ impl NbdExportHost {
         }
     }
 
-    fn info(&self, e: &Export) -> ExportInfo {
+    fn info(&self, e: &Export, device: &str) -> ExportInfo {
         ExportInfo {
+            device: device.to_string(),
             name: e.name.clone(),
             read_only: e.read_only,
             connections: e.clients.lock().len() as u64,
@@ -79,9 +80,10 @@ impl ExportHost for NbdExportHost {
             Ok(next)
         })?;
         dev.open();
+        let device = dev.name.clone();
         held.insert(name.to_string(), dev);
         let e = added.ok_or_else(|| RpcError::new(EINVAL, "export vanished"))?;
-        Ok(self.info(&e))
+        Ok(self.info(&e, &device))
     }
 
     fn unexport(&self, name: &str, force: bool) -> Result<(), RpcError> {
@@ -118,6 +120,14 @@ impl ExportHost for NbdExportHost {
     }
 
     fn exports(&self) -> Vec<ExportInfo> {
-        self.table.snapshot().iter().map(|e| self.info(e)).collect()
+        let held = self.held.lock();
+        self.table
+            .snapshot()
+            .iter()
+            .map(|e| {
+                let device = held.get(&e.name).map(|d| d.name.as_str()).unwrap_or("");
+                self.info(e, device)
+            })
+            .collect()
     }
 }
