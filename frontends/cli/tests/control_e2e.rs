@@ -30,6 +30,8 @@ fn fio(uri: &str, out: &Path, args: &[&str]) -> Command {
         .arg("--ioengine=nbd")
         .arg(format!("--uri={uri}"))
         .arg("--output-format=json")
+        // No verify state file left in the working directory.
+        .arg("--verify_state_save=0")
         .arg(format!("--output={}", out.display()))
         .args(args)
         .stdin(Stdio::null())
