@@ -590,3 +590,32 @@ fn paths_fail_and_return_under_load_without_errors_or_lost_io() {
         assert!(fails >= 1, "{dev} in {st}");
     }
 }
+
+/// HST's history after one I/O with base weight 0 is exactly the measured
+/// service time: with `start_time ns` it is at most the I/O's duration,
+/// with `start_time jiffies:1` it reaches back to the start of the second.
+#[test]
+fn hst_is_given_ns_or_jiffy_start_times_as_the_table_says() {
+    use blkstack_core::clock::now_ns;
+    let reg = paths();
+    for (name, features) in [("ns", "0"), ("jf", "2 start_time jiffies:1")] {
+        reg.create(
+            name,
+            &format!("0 8192 multipath {features} 0 1 1 historical-service-time 1 0 1 0 p0"),
+        )
+        .unwrap();
+        let dev = reg.device(name).unwrap();
+        let t0 = now_ns();
+        assert_eq!(write(&*dev, 0, 1), Status::Ok);
+        let t1 = now_ns();
+        let st = status_args(&reg, name);
+        let words: Vec<&str> = st.split_whitespace().collect();
+        let i = words.iter().position(|&w| w == "253:1").unwrap();
+        let hst_ns: u64 = words[i + 3].parse::<u64>().unwrap() >> 10;
+        if name == "ns" {
+            assert!(hst_ns <= t1 - t0, "{hst_ns} > {} ({st})", t1 - t0);
+        } else {
+            assert!(hst_ns >= t0 % 1_000_000_000, "{hst_ns} ({st})");
+        }
+    }
+}

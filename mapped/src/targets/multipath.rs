@@ -89,6 +89,15 @@ pub enum StartTime {
 }
 
 impl StartTime {
+    /// The start time a selector is given for an I/O mapped at `now`:
+    /// `now` itself, or the start of the jiffy containing it.
+    fn at(self, now: u64) -> u64 {
+        match self {
+            StartTime::Ns => now,
+            StartTime::Jiffies(j) => j.truncate_ns(now),
+        }
+    }
+
     fn parse(s: &str) -> Result<StartTime, String> {
         if s.eq_ignore_ascii_case("ns") {
             return Ok(StartTime::Ns);
@@ -511,10 +520,7 @@ impl Multipath {
             let p = &self.paths[path];
             let g = &self.groups[p.pg];
             let start = if g.ps.needs_start_time() {
-                match self.cfg.start_time {
-                    StartTime::Ns => now_ns(),
-                    StartTime::Jiffies(j) => j.truncate_ns(now_ns()),
-                }
+                self.cfg.start_time.at(now_ns())
             } else {
                 0
             };
@@ -930,6 +936,21 @@ mod tests {
             let w = pack(path, start);
             assert_eq!(unpack(w, now), (path, start));
         }
+    }
+
+    #[test]
+    fn jiffies_start_times_fall_back_to_the_tick() {
+        let now = 7_123_456_789u64;
+        assert_eq!(StartTime::Ns.at(now), now);
+        // HZ=250: 4 ms ticks; HZ=1: whole seconds.
+        assert_eq!(
+            StartTime::parse("jiffies:250").unwrap().at(now),
+            7_120_000_000
+        );
+        assert_eq!(
+            StartTime::parse("jiffies:1").unwrap().at(now),
+            7_000_000_000
+        );
     }
 
     #[test]
