@@ -84,6 +84,21 @@ fn measure(
     Ok(m)
 }
 
+/// What one timed 1 ms sleep and its wake-up cost this thread in CPU, the
+/// floor under any design that sleeps per I/O (hybrid at QD1 needs two:
+/// the delay worker's and the submitter's). Median of `n` sleeps, ns.
+fn sleep_wake_cpu_ns(n: usize) -> f64 {
+    blkstack_core::clock::set_thread_timer_slack_ns(1);
+    let costs: Vec<f64> = (0..n)
+        .map(|_| {
+            let c0 = blkstack_core::cpu::thread_cpu();
+            blkstack_core::clock::sleep_ns(1_000_000);
+            blkstack_core::cpu::thread_cpu().since(c0).total_ns() as f64
+        })
+        .collect();
+    median(&costs)
+}
+
 fn rw_name(rw: RwMode) -> &'static str {
     if rw == RwMode::RandRead {
         "randread"
@@ -137,6 +152,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         &columns,
     );
 
+    let sleep_cpu_ns = sleep_wake_cpu_ns(200);
     // (rw, delay) -> [iops per mode], [cpu ns per I/O per mode]
     let mut results: Vec<(RwMode, f64, [f64; 4], [f64; 4])> = Vec::new();
     let mut hybrid_1ms_cpu: Vec<f64> = Vec::new();
@@ -265,6 +281,11 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             .iter()
             .map(|c| round(c / 1000.0, 2))
             .collect::<Vec<_>>()
+    ));
+    r.note(format!(
+        "on this machine one 1 ms sleep and its wake-up cost {:.1} µs of thread CPU (median of 200); \
+         hybrid at QD1 sleeps twice per I/O (delay worker and bench job), so that is its floor",
+        sleep_cpu_ns / 1000.0
     ));
     r.note(
         "CPU per I/O is process CPU (bench job thread + delay workers) over completed I/Os; \
