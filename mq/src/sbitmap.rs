@@ -655,6 +655,7 @@ impl SbitmapQueue {
     }
 
     #[cfg(test)]
+    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn set_nested_hook(&self, f: NestedHook) {
         *self.nested_hook.lock() = Some(f);
     }
