@@ -549,7 +549,9 @@ pub struct SbitmapQueue {
     min_shallow_depth: AtomicU32,
     ws: Box<[CachePadded<WaitState>]>,
     rescue_timeout_ns: u64,
-    stats: StatCounters,
+    /// Written on slow paths only; padded so it never shares a line with
+    /// the fields every wakeup reads.
+    stats: CachePadded<StatCounters>,
     /// Test-only: run once between a waker's first atomic step and its
     /// wakeup, to model a nested completion.
     #[cfg(test)]
@@ -580,7 +582,7 @@ impl SbitmapQueue {
             min_shallow_depth: AtomicU32::new(u32::MAX),
             ws: Box::new([]),
             rescue_timeout_ns: 0,
-            stats: StatCounters::default(),
+            stats: CachePadded::new(StatCounters::default()),
             #[cfg(test)]
             nested_hook: Lock::new(None),
         };
