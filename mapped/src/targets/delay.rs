@@ -68,10 +68,7 @@
 //!   recent wakes actually were (their 75th percentile), so it fits the
 //!   machine's timer latency; a wake so early that more than `spin_us`
 //!   would remain sleeps again (short by the 10th percentile), so a long
-//!   delay never spins and the spin never monopolises a CPU. A gap to the
-//!   next deadline shorter than the shortest recent wake latency (back to
-//!   back deadlines at QD32) is spun too, up to 100 µs: no sleep could end
-//!   in time, and on this kind of machine a sleep costs more CPU than that.
+//!   delay never spins and the spin never monopolises a CPU.
 //!
 //! One worker per device and a deadline-ordered heap keep the per-bio cost
 //! to a lock, a heap push and pop, and (hybrid) a timer re-arm only when
@@ -112,8 +109,6 @@ pub const DEFAULT_SPIN_US: u64 = 25;
 const MAX_DELAY_NS: u64 = u32::MAX as u64 * 1_000_000;
 /// Before the first sleeps have been measured, assume this wake latency.
 const INITIAL_MARGIN_NS: u64 = 50_000;
-/// Hybrid spins a gap shorter than the shortest wake latency, up to this.
-const MAX_GAP_SPIN_NS: u64 = 100_000;
 /// No margin beyond this: a machine that late is better served by sleeping.
 const MAX_MARGIN_NS: u64 = 500_000;
 /// The scheduler slice the workers ask for (EEVDF's minimum).
@@ -900,20 +895,13 @@ fn hybrid_worker(sh: Arc<Shared>) {
             slept = true;
             continue;
         };
-        let hi = sh.margin_hi_ns.load(Ordering::Relaxed);
-        let lo = sh.margin_lo_ns.load(Ordering::Relaxed);
-        // Spin the last stretch: up to `spin_us`, or up to the shortest
-        // recent wake latency (at most MAX_GAP_SPIN_NS), because no sleep
-        // that short could end in time and a sleep costs more CPU than
-        // such a spin (this is what keeps QD32's back-to-back deadlines
-        // accurate).
-        let spin_limit = sh.spin_max_ns.max(lo.min(MAX_GAP_SPIN_NS));
         let left = deadline.saturating_sub(clock::now_ns());
-        if left <= spin_limit {
+        if left <= sh.spin_max_ns {
             drop(st);
-            // No yield: it would hand the CPU to any runnable task for a
-            // whole slice and miss the deadline by far more, and the bound
-            // already keeps a co-runner's wait short.
+            // The last stretch: spin to the deadline. It is bounded by
+            // `spin_us`, so nothing sharing this CPU waits longer than
+            // that; yielding instead would hand the CPU to any runnable
+            // task for a whole slice and miss the deadline by far more.
             while clock::now_ns() < deadline && !sh.stop.load(Ordering::Relaxed) {
                 std::hint::spin_loop();
             }
@@ -923,6 +911,8 @@ fn hybrid_worker(sh: Arc<Shared>) {
         // window; after a wake that came too early, a second sleep short
         // by the usual minimum latency; within that, to the deadline
         // itself. Never a long spin.
+        let hi = sh.margin_hi_ns.load(Ordering::Relaxed);
+        let lo = sh.margin_lo_ns.load(Ordering::Relaxed);
         let wake_at = if left > hi + sh.spin_max_ns / 2 {
             deadline - hi
         } else if left > lo + sh.spin_max_ns / 2 {
