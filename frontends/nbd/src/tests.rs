@@ -21,12 +21,12 @@ use std::time::Duration;
 const BLOCK: u64 = 4096;
 
 /// A RAM device: all-zero 4 KiB blocks are reported as holes; bios whose
-/// offset is `slow_offset` complete 100 ms later on another thread.
+/// offset is `slow_offset` complete 300 ms later on another thread.
 struct VecDev {
     data: Mutex<Vec<u8>>,
     feats: Features,
     slow_offset: Option<u64>,
-    /// Every bio completes 1 s late on another thread.
+    /// Every bio completes 2 s late on another thread.
     slow_all: bool,
     /// Bios submitted and not yet completed, and the most ever seen.
     outstanding: Arc<AtomicU64>,
@@ -91,13 +91,13 @@ impl Device for VecDev {
             let outstanding = self.outstanding.clone();
             std::thread::spawn(move || {
                 // Long enough for the server to submit everything it may.
-                std::thread::sleep(Duration::from_millis(1000));
+                std::thread::sleep(Duration::from_millis(2000));
                 outstanding.fetch_sub(1, Ordering::SeqCst);
                 bio.complete(Status::Ok);
             });
         } else if self.slow_offset == Some(bio.offset) && bio.op != Op::Flush {
             std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::sleep(Duration::from_millis(300));
                 bio.complete(Status::Ok);
             });
         } else {
@@ -647,8 +647,15 @@ fn graceful_stop_answers_in_flight_requests_then_flushes() {
     let (mut c, _, _) = run.client("a", false);
     c.request(&req(CMD_WRITE, 0, 1, 0, 4096), &[9u8; 4096])
         .unwrap();
-    // Let the request reach the device before stopping.
-    std::thread::sleep(Duration::from_millis(20));
+    // Stop only once the request has reached the device (bounded wait).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while dev.ops.lock().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "write never reached the device"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let path = run.path.clone();
     let summary = run.stop();
     assert_eq!(summary.connections, 1);
