@@ -171,8 +171,9 @@ fn latency_models_never_go_below_the_base_delay() {
 #[test]
 fn load_model_grows_delay_with_inflight() {
     // load_k=1: the i-th of 6 reads submitted together sees i others in
-    // flight and is held (1 + i) ms.
-    let (_reg, dev) = setup("0 8192 delay z 0 1 load_k=1");
+    // flight and is held (1 + i) * 20 ms (20 ms so that a submitter stalled
+    // by a busy machine still finds the earlier reads in flight).
+    let (_reg, dev) = setup("0 8192 delay z 0 20 load_k=1");
     let mem = AlignedBuf::new(6 * 4096);
     let rec = Arc::new(Recorder::default());
     let mut at = Vec::new();
@@ -185,10 +186,10 @@ fn load_model_grows_delay_with_inflight() {
     for (i, t0) in at.iter().enumerate() {
         let end = done.iter().find(|d| d.0 == i as u64).unwrap().1;
         assert!(
-            end - t0 >= (1 + i as u64) * MS,
+            end - t0 >= (1 + i as u64) * 20 * MS,
             "read {i} took {} ns, wanted at least {} ms",
             end - t0,
-            1 + i
+            (1 + i) * 20
         );
     }
 }
@@ -215,10 +216,9 @@ fn p99_model_slows_about_one_in_a_hundred() {
         .enumerate()
         .filter(|(i, t0)| done.iter().find(|d| d.0 == *i as u64).unwrap().1 - *t0 >= 5 * MS)
         .count();
-    assert!(
-        (1..=20).contains(&slow),
-        "{slow} of 600 reads took the p99 delay"
-    );
+    // At least one drew p99; far fewer than 10% did (scheduling stalls on
+    // a busy machine can push a few plain reads past 5 ms too).
+    assert!((1..=60).contains(&slow), "{slow} of 600 reads took >= 5 ms");
 }
 
 fn create_err(table: &str) -> String {
