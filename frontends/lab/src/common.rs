@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// The figures one run yields.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Measured {
     pub iops: f64,
     pub bw_bytes: f64,
@@ -24,6 +24,20 @@ pub struct Measured {
     /// Process CPU time over wall time, in CPUs (1.0 = one CPU busy).
     pub cpus: f64,
     pub errors: u64,
+    /// `dmsetup status` of the device under test at the end of the run
+    /// (engine counters: tag waits, rescued wakeups, runs posted...).
+    pub status: String,
+}
+
+impl Measured {
+    /// A `key=value` counter from the status text, summed over lines.
+    pub fn counter(&self, key: &str) -> u64 {
+        self.status
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+            .filter_map(|v| v.parse::<u64>().ok())
+            .sum()
+    }
 }
 
 /// A job as the seeds describe them: `rw`, block size, depth, job count,
@@ -56,6 +70,7 @@ pub fn run_stack(stack: &str, job: &JobSpec) -> Result<Measured> {
     let report = run_jobs(&reg, std::slice::from_ref(job), &RunOptions::default())?;
     let wall = t0.elapsed();
     let cpu = process_cpu().since(before);
+    let status = reg.status_text("dev").unwrap_or_default();
     reg.remove_all();
     let j = report.jobs.first().context("bench returned no job")?;
     let mut d = j.read.clone();
@@ -70,6 +85,7 @@ pub fn run_stack(stack: &str, job: &JobSpec) -> Result<Measured> {
         cpu_ns_per_io: cpu.total_ns() as f64 / ios as f64,
         cpus: cpu.total_ns() as f64 / wall.as_nanos().max(1) as f64,
         errors: d.errors + j.error.unsigned_abs() as u64,
+        status,
     })
 }
 
@@ -131,5 +147,17 @@ mod tests {
         assert!(m.ios > 0 && m.iops > 0.0, "{m:?}");
         assert_eq!(m.errors, 0);
         assert!(m.cpu_ns_per_io > 0.0);
+        assert_eq!(m.status.trim(), "0 8192 zero");
+    }
+
+    #[test]
+    fn counters_from_status() {
+        let m = Measured {
+            status: "0 8 null tags=0/2 rescued=3 runs_posted=10\n8 8 null rescued=1".into(),
+            ..Default::default()
+        };
+        assert_eq!(m.counter("rescued"), 4);
+        assert_eq!(m.counter("runs_posted"), 10);
+        assert_eq!(m.counter("missing"), 0);
     }
 }
