@@ -516,7 +516,12 @@ impl<D: Driver> Drop for Queue<D> {
 
 impl<D: Driver> EndRequest for QueueInner<D> {
     fn finish(&self, hctx: u32, tag: u32, status: Status) {
-        self.finish_request(&self.hctxs[hctx as usize], tag, status, now_ns());
+        self.finish_request(
+            &self.hctxs[hctx as usize],
+            tag,
+            status,
+            now_ns_if_timer(self.opts.completion),
+        );
     }
 }
 
