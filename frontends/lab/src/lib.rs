@@ -149,6 +149,9 @@ pub struct LabArgs {
     /// List the experiments and exit.
     #[arg(long)]
     pub list: bool,
+    /// Exit non-zero when a check does not reproduce (errors always do).
+    #[arg(long)]
+    pub strict: bool,
 }
 
 fn list() -> String {
@@ -217,7 +220,8 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
     if selected.is_empty() {
         bail!("no experiments are built yet");
     }
-    let mut failed = Vec::new();
+    let mut errors = Vec::new();
+    let mut unreproduced = Vec::new();
     for e in selected {
         eprintln!(
             "lab {}: running{}...",
@@ -227,20 +231,33 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
         match run_one(e, &opts, &args.out) {
             Ok(r) => {
                 println!("{}", r.to_text());
-                if !r.all_checks_pass() {
-                    failed.push(format!("{} (a check failed)", e.name));
+                for c in r.checks.iter().filter(|c| !c.pass) {
+                    unreproduced.push(format!("{}: {}", e.name, c.name));
                 }
             }
             Err(err) => {
                 eprintln!("lab {}: error: {err:#}", e.name);
-                failed.push(format!("{} (error)", e.name));
+                errors.push(e.name);
             }
         }
     }
     println!("outputs in {}", args.out.display());
-    if failed.is_empty() {
-        Ok(())
+    if unreproduced.is_empty() {
+        println!("every check reproduced");
     } else {
-        bail!("not reproduced: {}", failed.join(", "))
+        println!(
+            "{} check(s) not reproduced on this run:",
+            unreproduced.len()
+        );
+        for u in &unreproduced {
+            println!("  {u}");
+        }
     }
+    if !errors.is_empty() {
+        bail!("experiment(s) failed to run: {}", errors.join(", "));
+    }
+    if args.strict && !unreproduced.is_empty() {
+        bail!("--strict: {} check(s) not reproduced", unreproduced.len());
+    }
+    Ok(())
 }
