@@ -3,7 +3,7 @@
 
 SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd
 
-.PHONY: test deps check lab
+.PHONY: test deps check lab loom
 
 # Install the real peers the interop tests start, if any is missing.
 deps:
@@ -17,6 +17,11 @@ deps:
 # Every test: unit, integration, loom models, interop with the real clients.
 test: deps
 	cargo test --workspace
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_sbitmap -- counter_two_threads_depth1
+
+# Every loom model of the tag allocator (about 11 minutes on 2 vCPUs).
+loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_sbitmap
 
 check:
 	cargo fmt --all -- --check
