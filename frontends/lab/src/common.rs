@@ -21,6 +21,9 @@ pub struct Measured {
     pub p99_ns: u64,
     /// Process CPU time (user + system) per completed I/O.
     pub cpu_ns_per_io: f64,
+    /// The bench job threads' own CPU per I/O (submitting, waiting for and
+    /// reaping completions): the load generator's share of the above.
+    pub job_cpu_ns_per_io: f64,
     /// Process CPU time over wall time, in CPUs (1.0 = one CPU busy).
     pub cpus: f64,
     pub errors: u64,
@@ -30,6 +33,12 @@ pub struct Measured {
 }
 
 impl Measured {
+    /// CPU per I/O spent by everything but the bench's job threads: the
+    /// mechanism under test (delay workers, completion threads, kblockd).
+    pub fn mech_cpu_ns_per_io(&self) -> f64 {
+        (self.cpu_ns_per_io - self.job_cpu_ns_per_io).max(0.0)
+    }
+
     /// A `key=value` counter from the status text, summed over lines.
     pub fn counter(&self, key: &str) -> u64 {
         self.status
@@ -83,6 +92,7 @@ pub fn run_stack(stack: &str, job: &JobSpec) -> Result<Measured> {
         mean_lat_ns: d.clat.mean(),
         p99_ns: d.clat.percentile(99.0),
         cpu_ns_per_io: cpu.total_ns() as f64 / ios as f64,
+        job_cpu_ns_per_io: (j.usr_cpu_ns + j.sys_cpu_ns) as f64 / ios as f64,
         cpus: cpu.total_ns() as f64 / wall.as_nanos().max(1) as f64,
         errors: d.errors + j.error.unsigned_abs() as u64,
         status,
@@ -147,6 +157,10 @@ mod tests {
         assert!(m.ios > 0 && m.iops > 0.0, "{m:?}");
         assert_eq!(m.errors, 0);
         assert!(m.cpu_ns_per_io > 0.0);
+        assert!(
+            m.job_cpu_ns_per_io > 0.0 && m.job_cpu_ns_per_io <= m.cpu_ns_per_io * 1.05,
+            "{m:?}"
+        );
         assert_eq!(m.status.trim(), "0 8192 zero");
     }
 
