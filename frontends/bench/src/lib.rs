@@ -49,5 +49,5 @@ pub use engine::{request_stop, Geometry, JobProgress};
 pub use jobfile::{parse_job_file, JobFileError};
 pub use output::{write_json, write_normal, write_normal_header};
 pub use run::{run_jobs, run_jobs_with, run_on_device, RunOptions};
-pub use spec::{BlockSizes, JobSpec, RwMode, SizeSpec, VerifyMode, WaitMode};
+pub use spec::{BlockSizes, HybridEstimator, JobSpec, RwMode, SizeSpec, VerifyMode, WaitMode};
 pub use stats::{BenchReport, DirStats, GroupStats, JobResult, LatStats};
