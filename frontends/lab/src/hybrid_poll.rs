@@ -25,7 +25,9 @@ use crate::common::{median, round};
 use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, Context, Result};
-use blkstack_bench::{run_jobs, BlockSizes, JobSpec, RunOptions, RwMode, WaitMode};
+use blkstack_bench::{
+    run_jobs, BlockSizes, HybridEstimator, JobSpec, RunOptions, RwMode, WaitMode,
+};
 use blkstack_core::cpu::process_cpu;
 use blkstack_mapped::Registry;
 use serde_json::json;
@@ -200,6 +202,16 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         "hw_queue_depth",
         iodepth.saturating_mul(many_jobs).max(iodepth),
     )?;
+    // Hybrid's knobs (bench job keys), parsed by the bench so the errors
+    // and the defaults are the bench's own.
+    let mut hybrid = JobSpec::default();
+    for key in ["hybrid_sleep_pct", "hybrid_estimator"] {
+        if let Some(v) = opts.params.get(key) {
+            hybrid
+                .apply(key, Some(v))
+                .map_err(|e| anyhow::anyhow!("--set {key}={v}: {e}"))?;
+        }
+    }
     let names: Vec<String> = opts.param_list(
         "workloads",
         &WORKLOADS
@@ -282,6 +294,8 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                         group_reporting: true,
                         norandommap: true,
                         wait,
+                        hybrid_sleep_pct: hybrid.hybrid_sleep_pct,
+                        hybrid_estimator: hybrid.hybrid_estimator,
                         ..JobSpec::default()
                     };
                     runs[i].push(measure(&text, &job, w)?);
@@ -385,6 +399,14 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         runtime.as_millis()
     ));
     r.note(format!(
+        "hybrid sleeps {}% of the {} completion time seen, counted from the oldest in-flight submission, then polls (--set hybrid_sleep_pct=, hybrid_estimator=min|ewma); upstream IORING_SETUP_HYBRID_IOPOLL sleeps 50% of the minimum, counted from each request's first poll",
+        hybrid.hybrid_sleep_pct,
+        match hybrid.hybrid_estimator {
+            HybridEstimator::Min => "shortest",
+            HybridEstimator::Ewma => "moving-average",
+        }
+    ));
+    r.note(format!(
         "load average (1/5/15 min) before the run: {}; anything above the CPU count means other processes competed with the jobs for CPU",
         load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     ));
@@ -437,6 +459,10 @@ mod tests {
         opts.params.insert("workloads".into(), "sideways".into());
         let e = run(&opts).unwrap_err().to_string();
         assert!(e.contains("sideways"), "{e}");
+        let mut opts = LabOpts::default();
+        opts.params.insert("hybrid_sleep_pct".into(), "0".into());
+        let e = format!("{:#}", run(&opts).unwrap_err());
+        assert!(e.contains("hybrid_sleep_pct"), "{e}");
         let mut opts = LabOpts::default();
         opts.params.insert("backend".into(), "floppy".into());
         let e = format!("{:#}", run(&opts).unwrap_err());
