@@ -7,7 +7,11 @@ use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "blkstack", version, about = "A userspace block I/O stack: dm-style targets, blk-mq engine, NBD server, fio-compatible bench, and the lab")]
+#[command(
+    name = "blkstack",
+    version,
+    about = "A userspace block I/O stack: dm-style targets, blk-mq engine, NBD server, fio-compatible bench, and the lab"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
