@@ -411,6 +411,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     ));
     r.note("perf columns are MB/s (10^6 B/s) for read/write and kIOPS for randread/randwrite; *_cpu_pct is process CPU over wall time divided by the job count; *_thread_cpu_pct is the job threads' own CPU");
+    r.note("read rows: null zero-fills every read buffer in its queue_rq, on the submitting job thread, so at several GB/s of 128 KiB reads the job thread is busy copying in every wait mode (see interrupt_thread_cpu_pct); a real disk's DMA costs the seed's host no CPU, so hybrid cannot show the seed's read saving here");
     r.note("hybrid can only save CPU when the job thread has time to wait: when the service time is shorter than the CPU cost of keeping iodepth I/Os moving, every mode is CPU-bound and all three spend about the same CPU (the seed's randread row shows the same: 100% for both)");
     Ok(r)
 }
