@@ -108,12 +108,18 @@ pub type DeviceRef = Arc<dyn Device>;
 /// ops must carry a buffer of exactly `len` bytes. Devices call this first
 /// and complete with the returned status on failure.
 pub fn check_bio(dev: &dyn Device, bio: &Bio) -> Result<(), Status> {
-    let lbs = dev.logical_block_size() as u64;
+    check_bio_geometry(dev.size(), dev.logical_block_size(), bio)
+}
+
+/// [`check_bio`] against a size and logical block size the caller already
+/// has (a mapped device checks against the table it is about to map with).
+pub fn check_bio_geometry(size: u64, logical_block_size: u32, bio: &Bio) -> Result<(), Status> {
+    let lbs = logical_block_size as u64;
     if bio.op == crate::Op::Flush {
         return Ok(());
     }
     let end = bio.offset.checked_add(bio.len).ok_or(Status::Invalid)?;
-    if end > dev.size() {
+    if end > size {
         return Err(Status::Invalid);
     }
     if !bio.offset.is_multiple_of(lbs) || !bio.len.is_multiple_of(lbs) {

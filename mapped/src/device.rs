@@ -16,7 +16,7 @@ use crate::split::Split;
 use crate::table::{render_table, TableLine};
 use crate::target::TargetRef;
 use arc_swap::ArcSwap;
-use blkstack_core::device::{check_bio, Extent};
+use blkstack_core::device::{check_bio_geometry, Extent};
 use blkstack_core::{Bio, Device, EndIo, Features, Op, Status, SECTOR_SIZE};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -364,7 +364,10 @@ impl Device for MappedDevice {
                 return;
             }
         }
-        if let Err(s) = check_bio(self, &bio) {
+        // One table load serves both the range check and the mapping: the
+        // table cannot change under us while this bio is counted in flight.
+        let table = core.live.load();
+        if let Err(s) = check_bio_geometry(table.size_bytes(), self.logical_block_size(), &bio) {
             core.put_inflight();
             bio.complete(s);
             return;
@@ -375,7 +378,6 @@ impl Device for MappedDevice {
             return;
         }
         bio.push_end(core.clone(), 0);
-        let table = core.live.load();
         table.map(bio);
     }
 
