@@ -23,7 +23,7 @@
 //! path arg: `[<repeat_count>]` (kept for table syntax; HST does not use
 //! it and its table view prints 0, as the kernel does).
 
-use super::{parse_u32, PathSelector, SelectorType, StatusType, ValidList};
+use super::{parse_u32, repeat_count_arg, PathSelector, SelectorType, StatusType, ValidList};
 use blkstack_core::clock::now_ns;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -213,16 +213,7 @@ impl HistoricalServiceTime {
 
 impl PathSelector for HistoricalServiceTime {
     fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
-        if args.len() > 1 {
-            return Err(format!(
-                "{NAME} ps: incorrect number of arguments: expected at most 1 '[<repeat_count>]', got {}",
-                args.len()
-            ));
-        }
-        let repeat_count = match args.first() {
-            Some(a) => parse_u32(NAME, "repeat count", a)?,
-            None => 1,
-        };
+        let repeat_count = repeat_count_arg(NAME, args)?;
         let index = self.paths.len();
         self.paths.push(PathInfo {
             repeat_count,

@@ -112,6 +112,34 @@ pub(crate) fn parse_u32(selector: &str, what: &str, s: &str) -> Result<u32, Stri
         .map_err(|_| format!("{selector} ps: invalid {what} '{s}'"))
 }
 
+/// Refuse selector arguments for a selector that takes none.
+pub(crate) fn no_selector_args(selector: &str, args: &[&str]) -> Result<(), String> {
+    if args.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{selector} takes no selector arguments, got {}",
+            args.len()
+        ))
+    }
+}
+
+/// The optional `[<repeat_count>]` per-path argument (1 when absent), as
+/// written; selectors that cap it, as the kernel's round-robin and
+/// queue-length do, cap it themselves.
+pub(crate) fn repeat_count_arg(selector: &str, args: &[&str]) -> Result<u32, String> {
+    if args.len() > 1 {
+        return Err(format!(
+            "{selector} ps: incorrect number of arguments: expected at most 1 '[<repeat_count>]', got {}",
+            args.len()
+        ));
+    }
+    match args.first() {
+        Some(a) => parse_u32(selector, "repeat count", a),
+        None => Ok(1),
+    }
+}
+
 /// The ordered list of usable paths that every kernel selector keeps
 /// (`valid_paths`); failed paths are simply absent from it.
 #[derive(Debug, Default)]

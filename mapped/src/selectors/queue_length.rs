@@ -4,7 +4,9 @@
 //! `[<repeat_count>]` (values above 1 become 1). Status shows each path's
 //! in-flight count.
 
-use super::{parse_u32, PathSelector, SelectorType, StatusType, ValidList};
+use super::{
+    no_selector_args, repeat_count_arg, PathSelector, SelectorType, StatusType, ValidList,
+};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 
@@ -29,12 +31,7 @@ pub struct QueueLength {
 }
 
 fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
-    if !args.is_empty() {
-        return Err(format!(
-            "{NAME} takes no selector arguments, got {}",
-            args.len()
-        ));
-    }
+    no_selector_args(NAME, args)?;
     Ok(Box::new(QueueLength {
         valid: Mutex::new(ValidList::default()),
         paths: Vec::new(),
@@ -43,16 +40,7 @@ fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
 
 impl PathSelector for QueueLength {
     fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
-        if args.len() > 1 {
-            return Err(format!(
-                "{NAME} ps: incorrect number of arguments: expected at most 1 '[<repeat_count>]', got {}",
-                args.len()
-            ));
-        }
-        let repeat_count = match args.first() {
-            Some(a) => parse_u32(NAME, "repeat count", a)?.min(1),
-            None => 1,
-        };
+        let repeat_count = repeat_count_arg(NAME, args)?.min(1);
         let index = self.paths.len();
         self.paths.push(PathInfo {
             repeat_count,

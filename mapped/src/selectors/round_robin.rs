@@ -4,7 +4,9 @@
 //! deprecated request repetition. A reinstated path goes to the head of
 //! the rotation (the kernel's `list_move`, not `list_move_tail`).
 
-use super::{parse_u32, PathSelector, SelectorType, StatusType, ValidList};
+use super::{
+    no_selector_args, repeat_count_arg, PathSelector, SelectorType, StatusType, ValidList,
+};
 use parking_lot::Mutex;
 
 pub const TYPE: SelectorType = SelectorType {
@@ -22,12 +24,7 @@ pub struct RoundRobin {
 }
 
 fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
-    if !args.is_empty() {
-        return Err(format!(
-            "{NAME} takes no selector arguments, got {}",
-            args.len()
-        ));
-    }
+    no_selector_args(NAME, args)?;
     Ok(Box::new(RoundRobin {
         valid: Mutex::new(ValidList::default()),
         repeat_count: Vec::new(),
@@ -36,16 +33,7 @@ fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
 
 impl PathSelector for RoundRobin {
     fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
-        if args.len() > 1 {
-            return Err(format!(
-                "{NAME} ps: incorrect number of arguments: expected at most 1 '[<repeat_count>]', got {}",
-                args.len()
-            ));
-        }
-        let repeat = match args.first() {
-            Some(a) => parse_u32(NAME, "repeat count", a)?.min(1),
-            None => 1,
-        };
+        let repeat = repeat_count_arg(NAME, args)?.min(1);
         let index = self.repeat_count.len();
         self.repeat_count.push(repeat);
         self.valid.get_mut().push_back(index);

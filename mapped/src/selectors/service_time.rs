@@ -6,7 +6,7 @@
 //! `compare_load` keeps the kernel's integer arithmetic, including its
 //! casts of differences to `int`, so ties and near-ties resolve the same.
 
-use super::{parse_u32, PathSelector, SelectorType, StatusType, ValidList};
+use super::{no_selector_args, parse_u32, PathSelector, SelectorType, StatusType, ValidList};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -34,12 +34,7 @@ pub struct ServiceTime {
 }
 
 fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
-    if !args.is_empty() {
-        return Err(format!(
-            "{NAME} takes no selector arguments, got {}",
-            args.len()
-        ));
-    }
+    no_selector_args(NAME, args)?;
     Ok(Box::new(ServiceTime {
         valid: Mutex::new(ValidList::default()),
         paths: Vec::new(),
