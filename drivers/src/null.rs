@@ -11,7 +11,16 @@
 //! `tag_rescue_ms`), and `max_inflight=` (per hardware queue; above it the
 //! driver answers busy, like a SCSI device whose queue is full: the
 //! dispatch-list and queue-run paths of seed 001 need a driver that
-//! pushes back; 0 = never busy, the default).
+//! pushes back; 0 = never busy, the default), and `zero_reads=0|1`.
+//!
+//! `zero_reads=1` (the default) fills read buffers with zeroes, so what a
+//! client reads agrees with the hole the device reports and never shows it
+//! bytes from an earlier request (nbdkit's `null` plugin does the same).
+//! `zero_reads=0` is null_blk's own behaviour without `memory_backed`: the
+//! buffer is not touched, as a DMA device costs the CPU nothing per byte.
+//! That is the right model when the CPU cost of the I/O path is what is
+//! measured (fio's `null` engine does not touch buffers either); extents
+//! then report data, since the contents are unknown.
 
 use crate::args::{check_size, KvArgs};
 use crate::engine_args::EngineArgs;
@@ -26,6 +35,7 @@ use std::sync::atomic::Ordering::Relaxed;
 /// The null driver under the engine.
 pub struct NullDriver {
     max_inflight: u32,
+    zero_reads: bool,
     inflight: Box<[CachePadded<AtomicU32>]>,
 }
 
@@ -39,7 +49,7 @@ impl Driver for NullDriver {
             }
             n.fetch_add(1, Relaxed);
         }
-        if rq.bio.op == Op::Read {
+        if self.zero_reads && rq.bio.op == Op::Read {
             rq.bio.data_mut().fill(0);
         }
         QueueRq::Done(Status::Ok)
@@ -58,6 +68,7 @@ pub struct NullDevice {
     size: u64,
     block_size: u32,
     max_inflight: u32,
+    zero_reads: bool,
     engine: EngineArgs,
     queue: Queue<NullDriver>,
 }
@@ -69,9 +80,10 @@ impl NullDevice {
         let mut kv = KvArgs::parse("null", args)?;
         let block_size = kv.take_block_size("bs")?;
         let max_inflight = kv.take_u64("max_inflight", 0, 0, u32::MAX as u64)? as u32;
+        let zero_reads = kv.take_bool("zero_reads", true)?;
         let engine = EngineArgs::parse(&mut kv)?;
         kv.finish()?;
-        Self::build(size_bytes, block_size, max_inflight, engine)
+        Self::build(size_bytes, block_size, max_inflight, zero_reads, engine)
     }
 
     /// Build with engine options set from Rust (experiments, benches).
@@ -90,6 +102,7 @@ impl NullDevice {
             size_bytes,
             block_size,
             max_inflight,
+            true,
             EngineArgs::from_options(opts),
         )
     }
@@ -98,11 +111,13 @@ impl NullDevice {
         size_bytes: u64,
         block_size: u32,
         max_inflight: u32,
+        zero_reads: bool,
         engine: EngineArgs,
     ) -> Result<Self, String> {
         check_size("null", size_bytes, block_size)?;
         let driver = NullDriver {
             max_inflight,
+            zero_reads,
             inflight: (0..engine.opts.hw_queues)
                 .map(|_| CachePadded::new(AtomicU32::new(0)))
                 .collect(),
@@ -112,6 +127,7 @@ impl NullDevice {
             size: size_bytes,
             block_size,
             max_inflight,
+            zero_reads,
             engine,
             queue,
         })
@@ -127,6 +143,9 @@ impl NullDevice {
         if self.max_inflight != 0 {
             let _ = write!(s, " max_inflight={}", self.max_inflight);
         }
+        if !self.zero_reads {
+            s.push_str(" zero_reads=0");
+        }
         self.engine.write_table_args(&mut s);
         s.trim_start().to_string()
     }
@@ -135,9 +154,10 @@ impl NullDevice {
     /// wakeups, queue runs posted vs deduplicated, requeues).
     pub fn status(&self) -> String {
         format!(
-            "bs={} max_inflight={} {} {}",
+            "bs={} max_inflight={} zero_reads={} {} {}",
             self.block_size,
             self.max_inflight,
+            u8::from(self.zero_reads),
             self.engine.describe(),
             self.queue.status()
         )
@@ -177,12 +197,13 @@ impl Device for NullDevice {
             discard: true,
             write_zeroes: true,
             fast_zero: true,
-            knows_holes: true,
+            knows_holes: self.zero_reads,
             ..Features::default()
         }
     }
 
-    /// Everything reads as zeroes and nothing is stored: one hole.
+    /// Nothing is stored: one hole if reads give zeroes, else one run of
+    /// data whose contents are unknown.
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
         let end = offset.saturating_add(len).min(self.size);
         if offset >= end {
@@ -191,7 +212,7 @@ impl Device for NullDevice {
         Some(vec![Extent {
             offset,
             len: end - offset,
-            hole: true,
+            hole: self.zero_reads,
         }])
     }
 }
@@ -220,6 +241,20 @@ mod tests {
             );
             assert_eq!(d.engine_stats().tags_in_use, 0);
         }
+    }
+
+    #[test]
+    fn zero_reads_0_leaves_the_buffer_alone_and_reports_data() {
+        let d = NullDevice::from_args(1 << 20, &["zero_reads=0"]).unwrap();
+        let mut buf = vec![0xabu8; 4096];
+        assert_eq!(submit_and_wait(&d, Op::Read, 0, 4096, &mut buf), Status::Ok);
+        assert!(buf.iter().all(|&b| b == 0xab));
+        assert_eq!(d.table_args(), "zero_reads=0");
+        let e = d.extents(0, 8192).unwrap();
+        assert_eq!(e.len(), 1);
+        assert!(!e[0].hole);
+        assert!(!d.features().knows_holes);
+        assert!(NullDevice::from_args(1 << 20, &["zero_reads=2"]).is_err());
     }
 
     #[test]
