@@ -593,12 +593,12 @@ fn paths_fail_and_return_under_load_without_errors_or_lost_io() {
 
 /// HST's history after one I/O with base weight 0 is exactly the measured
 /// service time: with `start_time ns` it is at most the I/O's duration,
-/// with `start_time jiffies:1` it reaches back to the start of the second.
+/// with `start_time tick:1` it reaches back to the start of the second.
 #[test]
 fn hst_is_given_ns_or_jiffy_start_times_as_the_table_says() {
     use blkstack_core::clock::now_ns;
     let reg = paths();
-    for (name, features) in [("ns", "0"), ("jf", "2 start_time jiffies:1")] {
+    for (name, features) in [("ns", "0"), ("jf", "2 start_time tick:1")] {
         reg.create(
             name,
             &format!("0 8192 multipath {features} 0 1 1 historical-service-time 1 0 1 0 p0"),

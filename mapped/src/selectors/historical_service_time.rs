@@ -12,11 +12,22 @@
 //!
 //! The service time of an I/O is measured from its start time, or from
 //! the path's previous completion if that is later (serial submission is
-//! assumed). That start time is what the seed is about: truncated to a
-//! jiffy (dm's bio start time before the fix) it makes short I/Os look up
-//! to a tick slower, and the slow paths starve; with nanosecond start
-//! times the estimate follows the real cost. The `multipath` target's
-//! `start_time` feature picks which one this selector is given.
+//! assumed), to the clock at completion (`ktime_get_ns()`). That start
+//! time is what the seed is about. Before the fix, bio-based dm passed
+//! `jiffies_to_nsecs(jiffies)`, which is not on the end time's base: with
+//! the kernel's jiffies origin and 32-bit microseconds it lies 300 s (plus
+//! multiples of 71.6 min) in the past once the machine has been up five
+//! minutes. Then a path's first completion measures "300 s" (weight 0:
+//! the history becomes 300 s), and every later one measures the time since
+//! the path's previous completion. Busy paths work that history down by
+//! 5 % per completion; a slow path completes too few I/Os to catch up,
+//! stops being chosen once its in-flight I/Os drain, and its stale window
+//! (`valid paths * hst`, here hours) never lets it be probed: it starves
+//! completely, as the seed's "HST (orig)" column shows. The precision loss
+//! alone (start truncated to its tick) only adds up to a tick to I/Os that
+//! found their path idle. The `multipath` target's `start_time` feature
+//! picks which start time this selector is given (`ns`, `jiffies:HZ`,
+//! `tick:HZ`).
 //!
 //! Selector args: `[<base_weight> [<threshold_multiplier>]]`, base weight
 //! in 0..1024 (default 972, ~0.95), threshold 0 or 1 for no effect. Per-
@@ -367,6 +378,43 @@ mod tests {
         assert_eq!(s.status(Some(1), StatusType::Table), "0 ");
         let info = s.status(Some(0), StatusType::Info);
         assert_eq!(info.split_whitespace().nth(1), Some("1"));
+    }
+
+    /// The arithmetic behind seed 004's starvation: a start time far
+    /// before the clock (the kernel's jiffies base) makes the first sample
+    /// huge, with weight 0, and every later one the gap since the path's
+    /// previous completion, which moves the history by only 5 %.
+    #[test]
+    fn a_start_time_far_behind_the_clock_sticks_to_the_history() {
+        let mut s = HistoricalServiceTime::new(FIXED_95, 0);
+        s.add_path(&[]).unwrap();
+        s.add_path(&[]).unwrap();
+        let far_ns = 2_000_000_000;
+        let hst =
+            |s: &HistoricalServiceTime, p| s.snapshot(p).historical_service_time >> FIXED_SHIFT;
+        s.start_io(0, 4096);
+        s.end_io(0, 4096, now_ns() - far_ns);
+        let first = hst(&s, 0);
+        assert!(first >= far_ns, "{first}");
+        // Same far start again: measured from the last completion instead.
+        s.start_io(0, 4096);
+        s.end_io(0, 4096, now_ns() - far_ns);
+        let second = hst(&s, 0);
+        assert!(
+            second < first && second > first * 9 / 10,
+            "{first} -> {second}"
+        );
+        // A path with a short history and 60 in flight still looks better,
+        // and path 0's stale window (2 paths x ~2 s) keeps it from being
+        // probed.
+        let now = now_ns();
+        s.start_io(1, 4096);
+        s.end_io(1, 4096, now - 1_000_000);
+        for _ in 0..60 {
+            s.start_io(1, 4096);
+        }
+        assert!(s.snapshot(0).stale_after > now + far_ns);
+        assert_eq!(s.select_path(4096), Some(1));
     }
 
     #[test]

@@ -15,13 +15,22 @@
 //! `pg_init_delay_msecs N` (0..=60000), `retain_attached_hw_handler`,
 //! `queue_mode bio|rq|mq` (rq and mq are one mode, as in current kernels;
 //! `bio` implies `retain_attached_hw_handler`), and blkstack's own
-//! `start_time ns|jiffies:HZ`: the start time path selectors are given in
-//! `end_io`. `ns` (default) is the seed's fix (Krisman, 2022: HST gets
-//! `ktime_get_ns()` start times in bio mode); `jiffies:250` reproduces
-//! the bug by truncating the start to a jiffy of an emulated HZ=250 clock.
-//! Only non-default values are printed back by `table`, so tables without
-//! it are dmsetup-identical. There are no SCSI device handlers here, so a
-//! hardware handler is refused and `pg_init_*` are kept only for the table.
+//! `start_time ns|jiffies:HZ|tick:HZ`: the start time path selectors are
+//! given in `end_io`. `ns` (default) is the seed's fix (Krisman, 2022: HST
+//! gets `ktime_get_ns()` start times in bio mode). `jiffies:250` is what
+//! bio-based dm gave HST before it, `dm_start_time_ns_from_clone()` =
+//! `jiffies_to_nsecs(jiffies at submission)` at HZ=250, emulated exactly:
+//! the jiffies counter starts at `INITIAL_JIFFIES` (300 s before wrapping
+//! 32 bits) and `jiffies_to_usecs` returns an `unsigned int`, so that
+//! "start time" is not on the `ktime_get_ns()` base the selector's end time
+//! uses: it is the tick's start minus 300 s, minus a multiple of 2^32 µs
+//! (71.6 min), once the machine has been up for 5 minutes, and in the
+//! future before that. `tick:250` keeps only the precision loss (the start
+//! truncated to its 4 ms tick on the right base), to tell the two effects
+//! apart. Only non-default values are printed back by `table`, so tables
+//! without it are dmsetup-identical. There are no SCSI device handlers
+//! here, so a hardware handler is refused and `pg_init_*` are kept only
+//! for the table.
 //!
 //! I/O: choose a group and path as `choose_pgpath` does (a switch request
 //! first, then the current group, then every group in order, bypassed
@@ -35,8 +44,10 @@
 //! selector's own lock.
 //!
 //! Per-I/O state fits the frame's one word: the path index in the top 16
-//! bits, the start time's low 48 bits of nanoseconds (78 hours) below;
-//! the full start time is rebuilt at completion relative to the clock.
+//! bits, the submission time's low 48 bits of nanoseconds (78 hours)
+//! below; the full time is rebuilt at completion relative to the clock,
+//! and only then turned into the start time the selector is given (which,
+//! for `jiffies`, may lie far from the clock or even after it).
 //!
 //! Messages: `queue_if_no_path`, `fail_if_no_path`, `disable_group N`,
 //! `enable_group N`, `switch_group N`, `fail_path DEV`,
@@ -84,17 +95,44 @@ enum QueueMode {
 /// Which start time selectors get (see the module documentation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StartTime {
+    /// The clock itself (`ktime_get_ns()`), the seed's fix.
     Ns,
+    /// Bio-based dm before the fix: `jiffies_to_nsecs(jiffies)`, with the
+    /// kernel's jiffies origin and 32-bit microsecond conversion.
     Jiffies(Jiffies),
+    /// The clock truncated to the start of its jiffy: the precision loss
+    /// alone, without the kernel's change of time base.
+    Tick(Jiffies),
+}
+
+/// Kernel `INITIAL_JIFFIES`: `(unsigned long)(unsigned int)(-300*HZ)`, so
+/// that the 32-bit jiffies value wraps five minutes after boot.
+fn initial_jiffies(hz: u32) -> u64 {
+    (300u64 * hz as u64).wrapping_neg() as u32 as u64
+}
+
+/// Kernel `jiffies_to_nsecs(j)` = `(u64)jiffies_to_usecs(j) * 1000`, where
+/// `jiffies_to_usecs` returns an `unsigned int`: the microseconds wrap at
+/// 2^32 (71.6 minutes). Exact for every HZ that divides 10^6 (100, 250,
+/// 1000, ...); other HZ round down as the kernel's 64-bit path does.
+fn kernel_jiffies_to_nsecs(j: u64, hz: u32) -> u64 {
+    let usecs = (j as u128 * 1_000_000 / hz as u128) as u32;
+    usecs as u64 * 1_000
 }
 
 impl StartTime {
-    /// The start time a selector is given for an I/O mapped at `now`:
-    /// `now` itself, or the start of the jiffy containing it.
-    fn at(self, now: u64) -> u64 {
+    /// The start time a selector is given for an I/O submitted at `now`
+    /// (a [`now_ns`] reading, i.e. nanoseconds since boot like
+    /// `ktime_get_ns()`): `now` itself, `jiffies_to_nsecs` of the emulated
+    /// jiffies counter at `now`, or the start of the tick containing `now`.
+    pub fn at(self, now: u64) -> u64 {
         match self {
             StartTime::Ns => now,
-            StartTime::Jiffies(j) => j.truncate_ns(now),
+            StartTime::Jiffies(j) => {
+                let jiffies = initial_jiffies(j.hz).wrapping_add(j.from_ns(now));
+                kernel_jiffies_to_nsecs(jiffies, j.hz)
+            }
+            StartTime::Tick(j) => j.truncate_ns(now),
         }
     }
 
@@ -102,18 +140,33 @@ impl StartTime {
         if s.eq_ignore_ascii_case("ns") {
             return Ok(StartTime::Ns);
         }
-        if let Some(hz) = s.strip_prefix("jiffies:") {
+        let hz_of = |hz: &str| -> Result<Jiffies, String> {
             let hz: u32 = hz
                 .parse()
                 .map_err(|_| format!("start_time: invalid HZ '{hz}' in '{s}'"))?;
             if !(1..=100_000).contains(&hz) {
                 return Err(format!("start_time: HZ {hz} must be in 1..=100000"));
             }
-            return Ok(StartTime::Jiffies(Jiffies::new(hz)));
+            Ok(Jiffies::new(hz))
+        };
+        if let Some(hz) = s.strip_prefix("jiffies:") {
+            return Ok(StartTime::Jiffies(hz_of(hz)?));
+        }
+        if let Some(hz) = s.strip_prefix("tick:") {
+            return Ok(StartTime::Tick(hz_of(hz)?));
         }
         Err(format!(
-            "start_time: unknown value '{s}': expected 'ns' or 'jiffies:HZ' (e.g. jiffies:250)"
+            "start_time: unknown value '{s}': expected 'ns', 'jiffies:HZ' or 'tick:HZ' (e.g. jiffies:250)"
         ))
+    }
+
+    /// The feature's value as `table` prints it.
+    fn table_word(self) -> String {
+        match self {
+            StartTime::Ns => "ns".to_string(),
+            StartTime::Jiffies(j) => format!("jiffies:{}", j.hz),
+            StartTime::Tick(j) => format!("tick:{}", j.hz),
+        }
     }
 }
 
@@ -251,7 +304,7 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
             || is("start_time");
         if !takes_value {
             return Err(format!(
-                "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ)"
+                "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ|tick:HZ)"
             ));
         }
         if argc == 0 {
@@ -410,11 +463,11 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
     }))
 }
 
-fn pack(path: usize, start_ns: u64) -> u64 {
-    ((path as u64) << START_BITS) | (start_ns & START_MASK)
+fn pack(path: usize, submitted_ns: u64) -> u64 {
+    ((path as u64) << START_BITS) | (submitted_ns & START_MASK)
 }
 
-/// The path index and the full start time from a frame's word.
+/// The path index and the full submission time from a frame's word.
 fn unpack(private: u64, now: u64) -> (usize, u64) {
     let path = (private >> START_BITS) as usize;
     let low = private & START_MASK;
@@ -519,14 +572,12 @@ impl Multipath {
             };
             let p = &self.paths[path];
             let g = &self.groups[p.pg];
-            let start = if g.ps.needs_start_time() {
-                self.cfg.start_time.at(now_ns())
-            } else {
-                0
-            };
+            // The submission time; the selector's view of it is derived at
+            // completion (StartTime::at), like dm reading io->start_time.
+            let submitted = if g.ps.needs_start_time() { now_ns() } else { 0 };
             g.ps.start_io(p.index, nr_bytes);
             bio.flags.insert(BioFlags::FAILFAST);
-            bio.push_end(self.clone(), pack(path, start));
+            bio.push_end(self.clone(), pack(path, submitted));
             p.dev.dev.submit(bio);
             return;
         }
@@ -711,8 +762,8 @@ impl Multipath {
                 if c.queue_mode == QueueMode::Bio {
                     s.push_str("queue_mode bio ");
                 }
-                if let StartTime::Jiffies(j) = c.start_time {
-                    let _ = write!(s, "start_time jiffies:{} ", j.hz);
+                if c.start_time != StartTime::Ns {
+                    let _ = write!(s, "start_time {} ", c.start_time.table_word());
                 }
             }
         }
@@ -790,7 +841,7 @@ impl EndIo for Multipath {
         }
         let ps = &self.groups[p.pg].ps;
         let start = if ps.needs_start_time() {
-            unpack(private, now_ns()).1
+            self.cfg.start_time.at(unpack(private, now_ns()).1)
         } else {
             0
         };
@@ -939,18 +990,28 @@ mod tests {
     }
 
     #[test]
-    fn jiffies_start_times_fall_back_to_the_tick() {
+    fn tick_start_times_fall_back_to_the_tick() {
         let now = 7_123_456_789u64;
         assert_eq!(StartTime::Ns.at(now), now);
         // HZ=250: 4 ms ticks; HZ=1: whole seconds.
-        assert_eq!(
-            StartTime::parse("jiffies:250").unwrap().at(now),
-            7_120_000_000
-        );
-        assert_eq!(
-            StartTime::parse("jiffies:1").unwrap().at(now),
-            7_000_000_000
-        );
+        assert_eq!(StartTime::parse("tick:250").unwrap().at(now), 7_120_000_000);
+        assert_eq!(StartTime::parse("tick:1").unwrap().at(now), 7_000_000_000);
+    }
+
+    #[test]
+    fn jiffies_start_times_are_the_kernels_jiffies_to_nsecs() {
+        let j = StartTime::parse("jiffies:250").unwrap();
+        assert_eq!(initial_jiffies(250), (1u64 << 32) - 75_000);
+        // Up 1000.001 s: jiffies = INITIAL_JIFFIES + 250000 wraps 32 bits
+        // to 175000, i.e. 700 s: the tick's start minus 300 s.
+        assert_eq!(j.at(1_000_001_000_007), 700_000_000_000);
+        // Up 5000 s: 4000 * (1250000 - 75000) µs wraps at 2^32 µs.
+        assert_eq!(j.at(5_000_000_000_000), 405_032_704_000);
+        // In the first 5 minutes the "start" lies after the clock.
+        assert_eq!(j.at(0), 3_994_967_296_000);
+        // HZ=1000 has the same 300 s origin.
+        let k = StartTime::parse("jiffies:1000").unwrap();
+        assert_eq!(k.at(1_000_001_000_007), 700_001_000_000);
     }
 
     #[test]
@@ -960,6 +1021,11 @@ mod tests {
             StartTime::parse("jiffies:250"),
             Ok(StartTime::Jiffies(Jiffies::new(250)))
         );
+        assert_eq!(
+            StartTime::parse("tick:1000"),
+            Ok(StartTime::Tick(Jiffies::new(1000)))
+        );
+        assert!(StartTime::parse("tick:").is_err());
         assert!(StartTime::parse("jiffies:0").is_err());
         assert!(StartTime::parse("ms").is_err());
     }
