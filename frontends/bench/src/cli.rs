@@ -25,7 +25,7 @@ Job options (job file keys or --key=value): name filename rw(read write randread
 randwrite rw readwrite randrw) bs bssplit iodepth numjobs runtime time_based size
 io_size offset offset_increment loops ramp_time rwmixread rwmixwrite norandommap randrepeat randseed
 verify(crc32c) do_verify verify_fatal continue_on_error group_reporting stonewall
-new_group percentile_list wait(interrupt poll hybrid). Sizes take k/m/g/t (x1024) and %; times take
+new_group percentile_list wait(interrupt poll hybrid) cpus_allowed. Sizes take k/m/g/t (x1024) and %; times take
 us/ms/s/m/h. Options before the first --name apply to every job (and to job files);
 each --name starts a new job.
 

@@ -148,7 +148,14 @@ fn run_segment(threads: Vec<Planned>, opts: &RunOptions) -> anyhow::Result<Vec<J
             let name = format!("bench-{}-{}", p.setup.spec.name, k);
             let h = std::thread::Builder::new()
                 .name(name)
-                .spawn_scoped(scope, move || run_thread(p.setup))
+                .spawn_scoped(scope, move || {
+                    if let Some(cpus) = &p.setup.spec.cpus_allowed {
+                        pin_thread(cpus).with_context(|| {
+                            format!("job '{}': cpus_allowed", p.setup.spec.name)
+                        })?;
+                    }
+                    run_thread(p.setup)
+                })
                 .context("spawning a job thread")?;
             handles.push(h);
         }
@@ -164,6 +171,27 @@ fn run_segment(threads: Vec<Planned>, opts: &RunOptions) -> anyhow::Result<Vec<J
         }
         Ok(out)
     })
+}
+
+/// Restrict the calling thread to `cpus` (fio's `cpus_allowed` applied
+/// with `sched_setaffinity`, as fio does for each job thread).
+fn pin_thread(cpus: &[usize]) -> anyhow::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is empty; every CPU number was checked
+    // to be below CPU_SETSIZE when the option was parsed.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        bail!(
+            "sched_setaffinity({cpus:?}) failed: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
 }
 
 /// What the progress bar measures against.

@@ -251,6 +251,10 @@ pub struct JobSpec {
     pub stonewall: bool,
     /// Start a new reporting group without waiting (fio `new_group`).
     pub new_group: bool,
+    /// CPUs the job's threads may run on (fio `cpus_allowed`, with fio's
+    /// default `cpus_allowed_policy=shared`: every thread gets the whole
+    /// set); `None` leaves the scheduler free.
+    pub cpus_allowed: Option<Vec<usize>>,
 }
 
 impl Default for JobSpec {
@@ -286,6 +290,7 @@ impl Default for JobSpec {
             group_reporting: false,
             stonewall: false,
             new_group: false,
+            cpus_allowed: None,
         }
     }
 }
@@ -555,6 +560,10 @@ impl JobSpec {
             "group_reporting" => self.group_reporting = bool_of(value)?,
             "stonewall" | "wait_for_previous" => self.stonewall = bool_of(value)?,
             "new_group" => self.new_group = bool_of(value)?,
+            "cpus_allowed" => {
+                let v = need(value)?;
+                self.cpus_allowed = Some(parse_cpu_list(&v).map_err(|m| key_err(key, m))?);
+            }
             k if IGNORED_KEYS.contains(&k) => {}
             k if UNSUPPORTED_KEYS.contains(&k) => {
                 return Err(key_err(
@@ -691,6 +700,43 @@ pub fn parse_time(s: &str, bare: TimeUnit) -> Result<Duration, String> {
         return Err(format!("'{s}' is out of range"));
     }
     Ok(Duration::from_nanos(ns as u64))
+}
+
+/// The most CPUs a `cpus_allowed` list may name (glibc's `CPU_SETSIZE`).
+pub const MAX_CPU: usize = 1024;
+
+/// fio's `cpus_allowed=0-3,6`: CPU numbers and inclusive ranges, comma
+/// separated; returned sorted, without duplicates.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
+    let num = |t: &str| -> Result<usize, String> {
+        let n: usize = t
+            .trim()
+            .parse()
+            .map_err(|_| format!("'{t}' is not a CPU number"))?;
+        if n >= MAX_CPU {
+            return Err(format!("CPU {n} is out of range (at most {})", MAX_CPU - 1));
+        }
+        Ok(n)
+    };
+    let mut cpus = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        if part.is_empty() {
+            return Err(format!("'{s}': empty entry in the CPU list"));
+        }
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b) = (num(a)?, num(b)?);
+                if a > b {
+                    return Err(format!("'{part}': a range must go up"));
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(num(part)?),
+        }
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Ok(cpus)
 }
 
 /// fio's `percentile_list=50:99:99.9`: at most 20 values in (0, 100],
@@ -891,5 +937,28 @@ mod hybrid_option_tests {
         let e = j.apply("hybrid_estimator", Some("median")).unwrap_err();
         assert!(e.to_string().contains("min, ewma"), "{e}");
         assert_eq!(j.hybrid_sleep_pct, 90, "a refused value changes nothing");
+    }
+
+    #[test]
+    fn cpus_allowed_takes_fio_cpu_lists() {
+        let mut j = JobSpec::default();
+        assert_eq!(j.cpus_allowed, None);
+        j.apply("cpus_allowed", Some("3,0-1,1")).unwrap();
+        assert_eq!(j.cpus_allowed, Some(vec![0, 1, 3]));
+        for (bad, why) in [
+            ("", "needs a value"),
+            ("1,,2", "empty entry"),
+            ("2-1", "must go up"),
+            ("x", "not a CPU number"),
+            ("1024", "out of range"),
+        ] {
+            let e = j.apply("cpus_allowed", Some(bad)).unwrap_err();
+            assert!(e.to_string().contains(why), "{bad}: {e}");
+        }
+        assert_eq!(
+            j.cpus_allowed,
+            Some(vec![0, 1, 3]),
+            "a refused list changes nothing"
+        );
     }
 }
