@@ -482,7 +482,11 @@ mod tests {
     fn bio_fits_the_inline_move_size() {
         // See INLINE_FRAMES: above 128 bytes every hand-off becomes a
         // memcpy call.
-        assert!(std::mem::size_of::<Bio>() <= 128, "{}", std::mem::size_of::<Bio>());
+        assert!(
+            std::mem::size_of::<Bio>() <= 128,
+            "{}",
+            std::mem::size_of::<Bio>()
+        );
     }
 
     #[test]
