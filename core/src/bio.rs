@@ -349,6 +349,20 @@ impl Bio {
 
     /// Re-arm a bio the owner got back, for reuse without reallocation.
     pub fn rearm(&mut self, owner: Arc<dyn EndIo>, op: Op, offset: u64, len: u64, buf: IoBuf) {
+        self.rearm_at(owner, op, offset, len, buf, crate::clock::now_ns());
+    }
+
+    /// [`Bio::rearm`] with an issue time the owner already read (a
+    /// benchmark stamping from [`crate::clock::CycleClock`]).
+    pub fn rearm_at(
+        &mut self,
+        owner: Arc<dyn EndIo>,
+        op: Op,
+        offset: u64,
+        len: u64,
+        buf: IoBuf,
+        start_ns: u64,
+    ) {
         debug_assert!(self.frames.is_empty(), "rearming an in-flight bio");
         self.frames.clear();
         self.frames.push(EndFrame {
@@ -361,7 +375,7 @@ impl Bio {
         self.offset = offset;
         self.len = len;
         self.buf = buf;
-        self.start_ns = crate::clock::now_ns();
+        self.start_ns = start_ns;
     }
 
     /// Ask to see this bio's completion before the layers above do. The
