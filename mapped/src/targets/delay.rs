@@ -88,7 +88,7 @@ use std::collections::BinaryHeap;
 use std::fmt;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 pub const TYPE: TargetType = TargetType {
@@ -99,18 +99,27 @@ pub const TYPE: TargetType = TargetType {
 
 const SYNTAX: &str = "<dev> <offset> <delay_ms> [<wdev> <woffset> <wdelay_ms> \
                       [<fdev> <foffset> <fdelay_ms>]] [mode=timer|kthread|hybrid] [hz=N] \
-                      [spin_us=N] [p99=MS] [<class>_p99=MS] [load_k=K] [<class>_load_k=K]";
+                      [spin_us=N] [affinity=cpu|none] [wake_pct=P] [p99=MS] [<class>_p99=MS] \
+                      [load_k=K] [<class>_load_k=K]";
 
 /// The default HZ of the emulated timer (x86 distribution kernels).
 pub const DEFAULT_HZ: u32 = 250;
-/// Hybrid mode's default spin bound, in microseconds.
-pub const DEFAULT_SPIN_US: u64 = 25;
+/// Hybrid mode's default spin bound, in microseconds: the most a worker
+/// spins towards a deadline, and so the most its sleep margin can be.
+pub const DEFAULT_SPIN_US: u64 = 150;
+/// Hybrid mode's default: sleep short of a deadline by the 95th percentile
+/// of the worker's recent wake lateness.
+pub const DEFAULT_WAKE_PCT: u32 = 95;
+/// Per-CPU hybrid workers exist for CPUs below this number; submitters on
+/// higher-numbered CPUs share the unpinned worker.
+const MAX_CPUS: usize = 1024;
 /// dm-delay takes an unsigned int of milliseconds.
 const MAX_DELAY_NS: u64 = u32::MAX as u64 * 1_000_000;
+/// `stats` counts a bio as late when it went out this long after its
+/// deadline.
+const LATE_NS: u64 = 10_000;
 /// Before the first sleeps have been measured, assume this wake latency.
 const INITIAL_MARGIN_NS: u64 = 50_000;
-/// No margin beyond this: a machine that late is better served by sleeping.
-const MAX_MARGIN_NS: u64 = 500_000;
 /// The scheduler slice the workers ask for (EEVDF's minimum).
 const WORKER_SLICE_NS: u64 = 100_000;
 
@@ -300,7 +309,11 @@ fn wheel_bucket_expiry(expires: u64, clk: u64, hz: u32) -> u64 {
 }
 
 struct State {
+    /// `timer` and `kthread` mode: every held bio, earliest first.
     queue: BinaryHeap<Held>,
+    /// `hybrid` mode: the held bios of each per-CPU worker (see [`Shard`]),
+    /// indexed like [`Shared::shards`].
+    lanes: Vec<Lane>,
     /// dm-delay's `may_delay`: cleared by presuspend, set by resume.
     may_delay: bool,
     /// Held bios per class, dm-delay's `class->ops`.
@@ -315,8 +328,29 @@ struct State {
     /// `timer` mode: the work item's pending bit (`queue_work` is a no-op
     /// while it is set).
     work_pending: bool,
-    /// `hybrid` mode: when the timerfd is armed to fire (`u64::MAX`: not).
+}
+
+/// One hybrid worker's queue.
+struct Lane {
+    heap: BinaryHeap<Held>,
+    /// When its timerfd is armed to fire (`u64::MAX`: not).
     armed_ns: u64,
+    /// The worker is running (not blocked on its timer) and will look at
+    /// the heap again before it sleeps, so a submitter need not arm the
+    /// timer: at QD32 that saves a timer reprogramming per bio.
+    awake: bool,
+}
+
+impl Lane {
+    fn new() -> Lane {
+        // An empty heap allocates nothing, so a lane per possible CPU
+        // costs nothing until that CPU submits.
+        Lane {
+            heap: BinaryHeap::new(),
+            armed_ns: u64::MAX,
+            awake: true,
+        }
+    }
 }
 
 impl State {
@@ -444,17 +478,77 @@ struct Shared {
     stop: AtomicBool,
     /// I/Os accepted and not completed, counted while a load model is on.
     inflight: AtomicU64,
-    /// `hybrid` mode's sleep, armed by submitters and the worker.
-    timerfd: Option<DeadlineTimer>,
-    /// `hybrid` mode: how far short of a deadline to sleep (learnt).
-    margin_hi_ns: AtomicU64,
-    /// `hybrid` mode: the same after a wake that came too early.
-    margin_lo_ns: AtomicU64,
+    /// `hybrid` mode: the workers, one per CPU that has submitted (slot
+    /// `cpu`), started on first use, plus the unpinned one (last slot)
+    /// that serves `affinity=none` and any CPU whose worker cannot start.
+    shards: Box<[OnceLock<Arc<Shard>>]>,
+    /// `hybrid` mode: queue a bio to the worker of the CPU it was
+    /// submitted on (`affinity=cpu`), else to the unpinned one.
+    affinity: bool,
+    /// `hybrid` mode: the percentile of observed wake lateness that the
+    /// sleep margin covers.
+    wake_pct: u32,
+    /// Serialises starting a CPU's worker.
+    spawn_lock: Mutex<()>,
+    /// The device name (first 8 characters), for thread names.
+    name: String,
+    /// Every worker thread, joined on drop.
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    stats: Stats,
+}
+
+/// What `message <dev> 0 stats` reports: how far past their deadlines
+/// bios went out, and what the hybrid workers' sleeps and spins cost.
+#[derive(Default)]
+struct Stats {
+    /// Bios sent on at or after their deadline by a worker.
+    sent: AtomicU64,
+    /// The sum of how long after its deadline each was sent on.
+    late_ns: AtomicU64,
+    /// How many of them were more than [`LATE_NS`] late.
+    late: AtomicU64,
+    /// Hybrid: timed wakes, and the sum of their lateness.
+    wakes: AtomicU64,
+    wake_late_ns: AtomicU64,
+    /// Hybrid: time spent spinning towards deadlines.
+    spin_ns: AtomicU64,
+}
+
+/// A `hybrid` mode worker: the blk-mq `rq_affinity`/`QUEUE_FLAG_SAME_COMP`
+/// idea applied to the delay. The worker is pinned to the CPU its bios
+/// were submitted on, so when it completes one, the submitter it wakes
+/// (usually blocked on that CPU, as the CPU was idle until the deadline)
+/// gets a local wake-up: no cross-CPU interrupt to a halted CPU, which on
+/// a virtual machine costs tens of microseconds for both sides.
+struct Shard {
+    /// Its index in [`Shared::shards`] and [`State::lanes`].
+    idx: usize,
+    /// The CPU it runs on, `None` for the unpinned worker.
+    cpu: Option<usize>,
+    /// Its sleep, armed by submitters and by the worker itself.
+    timer: DeadlineTimer,
+    /// How far short of a deadline to sleep: learnt from the worker's
+    /// own wake lateness.
+    margin_ns: AtomicU64,
+    /// The earliest deadline queued, so that a spinning worker sees a bio
+    /// that arrived during its spin with an even earlier deadline.
+    head_ns: AtomicU64,
 }
 
 impl Shared {
     fn send_on(&self, h: Held) {
         self.devs[h.class as usize].dev.dev.submit(h.bio);
+    }
+
+    /// Send on a bio whose deadline has passed, counting how late it is.
+    fn send_expired(&self, h: Held) {
+        let late = clock::now_ns().saturating_sub(h.deadline_ns);
+        self.stats.sent.fetch_add(1, Ordering::Relaxed);
+        self.stats.late_ns.fetch_add(late, Ordering::Relaxed);
+        if late > LATE_NS {
+            self.stats.late.fetch_add(1, Ordering::Relaxed);
+        }
+        self.send_on(h);
     }
 
     /// Take every held bio (presuspend, teardown): dm-delay's
@@ -463,6 +557,9 @@ impl Shared {
         st.ops = [0; 3];
         st.timer = None;
         let mut all = std::mem::take(&mut st.queue).into_vec();
+        for lane in &mut st.lanes {
+            all.extend(std::mem::take(&mut lane.heap).into_vec());
+        }
         // In arrival order, as dm-delay walks its list.
         all.sort_unstable_by_key(|h| h.seq);
         all
@@ -476,19 +573,84 @@ impl Shared {
     /// tick early when another bio's timer runs the work. Here it waits
     /// for the tick after its deadline, as if armed for that jiffy.
     fn pop_expired(&self, st: &mut State, now_key: u64, batch: &mut Vec<Held>) {
+        let State { queue, ops, .. } = st;
+        self.pop_expired_from(queue, ops, now_key, batch);
+    }
+
+    fn pop_expired_from(
+        &self,
+        queue: &mut BinaryHeap<Held>,
+        ops: &mut [u32; 3],
+        now_key: u64,
+        batch: &mut Vec<Held>,
+    ) {
         let now = clock::now_ns();
         let mut deferred: Vec<Held> = Vec::new();
-        while st.queue.peek().is_some_and(|h| h.key <= now_key) {
-            let Some(mut h) = st.queue.pop() else { break };
+        while queue.peek().is_some_and(|h| h.key <= now_key) {
+            let Some(mut h) = queue.pop() else { break };
             if h.deadline_ns > now {
                 h.key = h.key.max(self.jiffies.from_ns(h.deadline_ns));
                 deferred.push(h);
                 continue;
             }
-            st.ops[h.class as usize] -= 1;
+            ops[h.class as usize] -= 1;
             batch.push(h);
         }
-        st.queue.extend(deferred);
+        queue.extend(deferred);
+    }
+
+    /// The hybrid worker that takes a bio submitted now: the one pinned
+    /// to this CPU (started on first use), else the unpinned one.
+    fn shard_for_submitter(self: &Arc<Shared>) -> Option<Arc<Shard>> {
+        let unpinned = self.shards.len().checked_sub(1)?;
+        if self.affinity {
+            // SAFETY: plain call; -1 when the CPU cannot be told.
+            let cpu = unsafe { libc::sched_getcpu() };
+            if let Ok(cpu) = usize::try_from(cpu) {
+                if cpu < unpinned {
+                    if let Some(s) = self.shards[cpu].get() {
+                        return Some(s.clone());
+                    }
+                    if let Some(s) = self.start_shard(cpu) {
+                        return Some(s);
+                    }
+                }
+            }
+        }
+        self.shards[unpinned].get().cloned()
+    }
+
+    /// Start the worker of slot `idx` (pinned to CPU `idx` unless it is
+    /// the unpinned slot). `None` if its timer or thread cannot be made;
+    /// the caller then uses the unpinned worker.
+    fn start_shard(self: &Arc<Shared>, idx: usize) -> Option<Arc<Shard>> {
+        let _g = self.spawn_lock.lock();
+        if let Some(s) = self.shards[idx].get() {
+            return Some(s.clone());
+        }
+        if self.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        let cpu = (idx + 1 < self.shards.len()).then_some(idx);
+        let shard = Arc::new(Shard {
+            idx,
+            cpu,
+            timer: DeadlineTimer::new().ok()?,
+            margin_ns: AtomicU64::new(INITIAL_MARGIN_NS.min(self.spin_max_ns)),
+            head_ns: AtomicU64::new(u64::MAX),
+        });
+        let name = match cpu {
+            Some(c) => format!("dly{c}-{}", self.name),
+            None => format!("dly-{}", self.name),
+        };
+        let (sh, sd) = (self.clone(), shard.clone());
+        let h = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || hybrid_worker(sh, sd))
+            .ok()?;
+        self.threads.lock().push(h);
+        let _ = self.shards[idx].set(shard.clone());
+        Some(shard)
     }
 
     /// dm's `queue_timeout` (`timer_reduce`): arm the timer for `expires`
@@ -525,7 +687,6 @@ impl EndIo for Shared {
 
 pub struct DelayTarget {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
 }
 
 /// Positional arguments and `key=value` options of a table line.
@@ -560,6 +721,8 @@ struct Options {
     mode: Mode,
     hz: u32,
     spin_us: u64,
+    affinity: bool,
+    wake_pct: u32,
 }
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
@@ -605,6 +768,8 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
         mode: Mode::Hybrid,
         hz: DEFAULT_HZ,
         spin_us: DEFAULT_SPIN_US,
+        affinity: true,
+        wake_pct: DEFAULT_WAKE_PCT,
     };
     for (k, v) in &opts {
         apply_option(&mut o, &mut timing, k, v)?;
@@ -613,6 +778,17 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
     let Ok(devs) = <[ClassDev; 3]>::try_from(devs) else {
         return Err("internal error: delay classes not built".into());
     };
+    let slots = match o.mode {
+        // One slot per CPU the machine can have, plus the unpinned one.
+        // SAFETY: plain call.
+        Mode::Hybrid => {
+            usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) })
+                .unwrap_or(1)
+                .clamp(1, MAX_CPUS)
+                + 1
+        }
+        Mode::Kthread | Mode::Timer => 0,
+    };
     let shared = Arc::new(Shared {
         mode: o.mode,
         jiffies: Jiffies::new(o.hz),
@@ -620,6 +796,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
         devs,
         state: Mutex::new(State {
             queue: BinaryHeap::with_capacity(64),
+            lanes: (0..slots).map(|_| Lane::new()).collect(),
             may_delay: true,
             ops: [0; 3],
             timing,
@@ -628,31 +805,32 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
             seq: 0,
             timer: None,
             work_pending: false,
-            armed_ns: u64::MAX,
         }),
         worker: Parker::new(),
         timer: Parker::new(),
         stop: AtomicBool::new(false),
         inflight: AtomicU64::new(0),
-        timerfd: match o.mode {
-            Mode::Hybrid => Some(
-                DeadlineTimer::new()
-                    .map_err(|e| format!("cannot create the delay timer (timerfd): {e}"))?,
-            ),
-            _ => None,
-        },
-        margin_hi_ns: AtomicU64::new(INITIAL_MARGIN_NS),
-        margin_lo_ns: AtomicU64::new(INITIAL_MARGIN_NS / 2),
+        name: ctx.device_name.chars().take(8).collect(),
+        shards: (0..slots).map(|_| OnceLock::new()).collect(),
+        affinity: o.affinity,
+        wake_pct: o.wake_pct,
+        spawn_lock: Mutex::new(()),
+        threads: Mutex::new(Vec::new()),
+        stats: Stats::default(),
     });
-    let mut target = DelayTarget {
-        shared,
-        threads: Vec::new(),
+    let target = DelayTarget {
+        shared: shared.clone(),
     };
-    let short = |s: &str| s.chars().take(8).collect::<String>();
-    let name = short(ctx.device_name);
+    let name = &shared.name;
     type WorkerFn = fn(Arc<Shared>);
     let spawns: Vec<(String, WorkerFn)> = match o.mode {
-        Mode::Hybrid => vec![(format!("dly-{name}"), hybrid_worker)],
+        // The per-CPU workers start when their CPU first submits.
+        Mode::Hybrid => {
+            shared
+                .start_shard(slots - 1)
+                .ok_or("cannot start the delay worker or create its timer (timerfd)")?;
+            vec![]
+        }
         Mode::Kthread => vec![(format!("dlyk-{name}"), kthread_worker)],
         Mode::Timer => vec![
             (format!("dlyt-{name}"), timer_thread),
@@ -660,12 +838,12 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
         ],
     };
     for (thread_name, f) in spawns {
-        let sh = target.shared.clone();
+        let sh = shared.clone();
         let h = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || f(sh))
             .map_err(|e| format!("cannot start the delay worker: {e}"))?;
-        target.threads.push(h);
+        shared.threads.lock().push(h);
     }
     Ok(Arc::new(target))
 }
@@ -702,6 +880,20 @@ fn apply_option(o: &mut Options, timing: &mut [Timing; 3], k: &str, v: &str) -> 
             }
             o.spin_us = us;
         }
+        "affinity" => {
+            o.affinity = match v {
+                "cpu" => true,
+                "none" => false,
+                _ => return Err(format!("invalid affinity '{v}' (cpu or none)")),
+            }
+        }
+        "wake_pct" => {
+            let p: u32 = parse_arg("wake_pct", v)?;
+            if !(1..=100).contains(&p) {
+                return Err(format!("invalid wake_pct '{v}': must be 1..100"));
+            }
+            o.wake_pct = p;
+        }
         _ => {
             if let Some(classes) = option_classes(k, "p99") {
                 let ns = parse_ms(v).map_err(|e| format!("invalid {k} '{v}': {e}"))?;
@@ -715,7 +907,7 @@ fn apply_option(o: &mut Options, timing: &mut [Timing; 3], k: &str, v: &str) -> 
                 }
             } else {
                 return Err(format!(
-                    "unknown option '{k}={v}' (known: mode, hz, spin_us, p99, \
+                    "unknown option '{k}={v}' (known: mode, hz, spin_us, affinity, wake_pct, p99, \
                      read_p99, write_p99, flush_p99, load_k, read_load_k, write_load_k, flush_load_k)"
                 ));
             }
@@ -756,38 +948,53 @@ fn prepare_worker_thread() {
     }
 }
 
-/// Learns how late this thread's timed sleeps wake, to choose how far
-/// short of a deadline to sleep: the 75th percentile for the first sleep
-/// (most wakes then land before the deadline, in the spin window), the
-/// 10th for a second, short one after a wake that came too early.
+/// Learns how late a worker's timed sleeps wake, to choose how far short
+/// of a deadline to sleep: the `pct`-th percentile of its last 64 wakes
+/// (a sliding-window quantile, recomputed every 8 wakes), so the margin
+/// follows the machine's timer latency as it changes with load.
 struct WakeLatency {
-    samples: [u32; 32],
+    samples: [u32; 64],
     n: usize,
+    pct: usize,
 }
 
 impl WakeLatency {
-    fn new() -> WakeLatency {
+    fn new(pct: u32) -> WakeLatency {
         WakeLatency {
-            samples: [0; 32],
+            samples: [0; 64],
             n: 0,
+            pct: pct as usize,
         }
     }
 
-    /// Record one wake `late_ns` after its timer; returns the new (10th,
-    /// 75th) percentiles when they are recomputed.
-    fn record(&mut self, late_ns: u64) -> Option<(u64, u64)> {
+    /// Record one wake `late_ns` after its timer; returns the new margin
+    /// when it is recomputed.
+    fn record(&mut self, late_ns: u64) -> Option<u64> {
         let len = self.samples.len();
         self.samples[self.n % len] = late_ns.min(u32::MAX as u64) as u32;
         self.n += 1;
-        if self.n < 8 || !self.n.is_multiple_of(4) {
+        if self.n < 8 || !self.n.is_multiple_of(8) {
             return None;
         }
         let k = self.n.min(len);
         let mut s = self.samples;
         let s = &mut s[..k];
         s.sort_unstable();
-        let pick = |q: usize| (s[(k * q / 100).min(k - 1)] as u64).min(MAX_MARGIN_NS);
-        Some((pick(10), pick(75)))
+        // The smallest sample with at least pct % of them at or below it.
+        let rank = (k * self.pct).div_ceil(100).clamp(1, k);
+        Some(s[rank - 1] as u64)
+    }
+}
+
+/// Pin the calling thread to `cpu`. Failure (a cpuset without it) leaves
+/// the thread unpinned, which costs only the locality.
+fn pin_to_cpu(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it for
+    // cpu < CPU_SETSIZE, which `MAX_CPUS` guarantees.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
@@ -855,77 +1062,104 @@ impl DeadlineTimer {
     }
 }
 
-/// `hybrid` mode: see the module documentation.
-fn hybrid_worker(sh: Arc<Shared>) {
+/// `hybrid` mode: one worker, serving the bios of one lane. See the
+/// module documentation.
+fn hybrid_worker(sh: Arc<Shared>, shard: Arc<Shard>) {
     prepare_worker_thread();
-    let Some(timer) = sh.timerfd.as_ref() else {
-        return;
-    };
-    let mut lat = WakeLatency::new();
+    if let Some(cpu) = shard.cpu {
+        pin_to_cpu(cpu);
+    }
+    let mut lat = WakeLatency::new(sh.wake_pct);
     let mut batch: Vec<Held> = Vec::with_capacity(64);
     let mut slept = false;
+    // Bios went out since the last spin: their submitters may be runnable.
+    let mut sent = false;
     while !sh.stop.load(Ordering::Acquire) {
         let mut st = sh.state.lock();
+        let State { lanes, ops, .. } = &mut *st;
+        let lane = &mut lanes[shard.idx];
+        lane.awake = true;
         let now = clock::now_ns();
-        if st.armed_ns <= now {
+        if lane.armed_ns <= now {
             // The timer fired (a one-shot is disarmed by then); if this
             // thread was asleep on it, that is a wake-latency sample.
             if slept {
-                if let Some((lo, hi)) = lat.record(now - st.armed_ns) {
-                    sh.margin_lo_ns.store(lo, Ordering::Relaxed);
-                    sh.margin_hi_ns.store(hi, Ordering::Relaxed);
+                sh.stats.wakes.fetch_add(1, Ordering::Relaxed);
+                sh.stats
+                    .wake_late_ns
+                    .fetch_add(now - lane.armed_ns, Ordering::Relaxed);
+                if let Some(m) = lat.record(now - lane.armed_ns) {
+                    shard
+                        .margin_ns
+                        .store(m.min(sh.spin_max_ns), Ordering::Relaxed);
                 }
             }
-            st.armed_ns = u64::MAX;
+            lane.armed_ns = u64::MAX;
         }
         slept = false;
-        sh.pop_expired(&mut st, now, &mut batch);
+        sh.pop_expired_from(&mut lane.heap, ops, now, &mut batch);
+        let head = lane.heap.peek().map(|h| h.key);
+        shard
+            .head_ns
+            .store(head.unwrap_or(u64::MAX), Ordering::Release);
         if !batch.is_empty() {
             drop(st);
             for h in batch.drain(..) {
-                sh.send_on(h);
+                sh.send_expired(h);
             }
+            sent = true;
             continue;
         }
-        let Some(deadline) = st.queue.peek().map(|h| h.key) else {
+        let Some(deadline) = head else {
+            lane.awake = false;
             drop(st);
             // Idle until a submitter arms the timer for its bio: that wake
             // is the one sleep most bios cost, so it is measured too.
-            timer.wait();
+            shard.timer.wait();
             slept = true;
             continue;
         };
         let left = deadline.saturating_sub(clock::now_ns());
         if left <= sh.spin_max_ns {
             drop(st);
-            // The last stretch: spin to the deadline. It is bounded by
-            // `spin_us`, so nothing sharing this CPU waits longer than
-            // that; yielding instead would hand the CPU to any runnable
-            // task for a whole slice and miss the deadline by far more.
-            while clock::now_ns() < deadline && !sh.stop.load(Ordering::Relaxed) {
-                std::hint::spin_loop();
+            // The submitters just woken are most likely on this CPU (that
+            // is what the pinning is for): let them take their completions
+            // and resubmit before spinning, rather than after.
+            if std::mem::take(&mut sent) {
+                // SAFETY: plain syscall.
+                unsafe { libc::sched_yield() };
             }
+            // The last stretch: spin to the earliest deadline (a bio that
+            // arrives meanwhile with an earlier one lowers `head_ns`), then
+            // send on everything due, and keep spinning while the next
+            // deadline is this close: bios due within one spin window go
+            // out in one pass, with no sleep, and no wake-up, between
+            // them. A spin lasts at most `spin_us`, so nothing sharing
+            // this CPU waits longer than that; yielding instead would hand
+            // the CPU to any runnable task for a whole slice and miss the
+            // deadline by far more.
+            let spin_start = clock::now_ns();
+            let mut t = spin_start;
+            while t < shard.head_ns.load(Ordering::Acquire) && !sh.stop.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+                t = clock::now_ns();
+            }
+            sh.stats
+                .spin_ns
+                .fetch_add(t - spin_start, Ordering::Relaxed);
             continue;
         }
-        // Sleep short of the deadline so the wake lands in the spin
-        // window; after a wake that came too early, a second sleep short
-        // by the usual minimum latency; within that, to the deadline
-        // itself. Never a long spin.
-        let hi = sh.margin_hi_ns.load(Ordering::Relaxed);
-        let lo = sh.margin_lo_ns.load(Ordering::Relaxed);
-        let wake_at = if left > hi + sh.spin_max_ns / 2 {
-            deadline - hi
-        } else if left > lo + sh.spin_max_ns / 2 {
-            deadline - lo
-        } else {
-            deadline
-        };
-        if wake_at < st.armed_ns {
-            timer.arm(wake_at);
-            st.armed_ns = wake_at;
+        // Sleep short of the deadline by the learnt margin, so that the
+        // wake lands in the spin window ahead of it.
+        let wake_at = deadline - shard.margin_ns.load(Ordering::Relaxed);
+        if wake_at < lane.armed_ns {
+            shard.timer.arm(wake_at);
+            lane.armed_ns = wake_at;
         }
+        lane.awake = false;
+        sent = false;
         drop(st);
-        timer.wait();
+        shard.timer.wait();
         slept = true;
     }
 }
@@ -946,7 +1180,7 @@ fn kthread_worker(sh: Arc<Shared>) {
             (sh.worker.seen(), empty)
         };
         for h in batch.drain(..) {
-            sh.send_on(h);
+            sh.send_expired(h);
         }
         if empty {
             sh.worker.park(seen, None);
@@ -1016,7 +1250,7 @@ fn workqueue_thread(sh: Arc<Shared>) {
             sh.timer.unpark();
         }
         for h in batch.drain(..) {
-            sh.send_on(h);
+            sh.send_expired(h);
         }
     }
 }
@@ -1025,6 +1259,12 @@ impl Target for DelayTarget {
     fn map(&self, mut bio: Bio) {
         let sh = &self.shared;
         let class = class_of(&bio);
+        // The hybrid worker for this CPU (started outside the lock on its
+        // first bio).
+        let shard = match sh.mode {
+            Mode::Hybrid => sh.shard_for_submitter(),
+            Mode::Timer | Mode::Kthread => None,
+        };
         let now = clock::now_ns();
         let mut st = sh.state.lock();
         let counted = st.load_model_on();
@@ -1056,27 +1296,37 @@ impl Target for DelayTarget {
         let seq = st.seq;
         st.seq += 1;
         st.ops[class] += 1;
-        st.queue.push(Held {
+        let held = Held {
             key,
             deadline_ns,
             seq,
             class: class as u8,
             bio,
-        });
-        let (wake_worker, wake_timer) = match sh.mode {
-            Mode::Timer => (false, sh.queue_timeout(&mut st, key)),
-            Mode::Kthread => (key < sh.worker.target.load(Ordering::Relaxed), false),
-            Mode::Hybrid => {
-                // Arm the worker's timer for this bio if it would wake
-                // later; the worker itself need not wake now.
-                let wake_at = deadline_ns.saturating_sub(sh.margin_hi_ns.load(Ordering::Relaxed));
-                if wake_at < st.armed_ns {
-                    if let Some(t) = &sh.timerfd {
-                        t.arm(wake_at);
-                    }
-                    st.armed_ns = wake_at;
+        };
+        let (wake_worker, wake_timer) = match (sh.mode, &shard) {
+            (Mode::Hybrid, Some(shard)) => {
+                let lane = &mut st.lanes[shard.idx];
+                lane.heap.push(held);
+                shard.head_ns.fetch_min(deadline_ns, Ordering::AcqRel);
+                // Arm the worker's timer for this bio if it sleeps and
+                // would wake later; the worker itself need not wake now.
+                let wake_at = deadline_ns.saturating_sub(shard.margin_ns.load(Ordering::Relaxed));
+                if !lane.awake && wake_at < lane.armed_ns {
+                    shard.timer.arm(wake_at);
+                    lane.armed_ns = wake_at;
                 }
                 (false, false)
+            }
+            (Mode::Timer, _) => {
+                st.queue.push(held);
+                (false, sh.queue_timeout(&mut st, key))
+            }
+            // Kthread; and a hybrid device without a worker, which cannot
+            // happen (the constructor starts the unpinned one), is given
+            // to the queue nobody but teardown empties rather than lost.
+            _ => {
+                st.queue.push(held);
+                (key < sh.worker.target.load(Ordering::Relaxed), false)
             }
         };
         drop(st);
@@ -1130,6 +1380,12 @@ impl Target for DelayTarget {
         if sh.spin_max_ns != DEFAULT_SPIN_US * 1000 {
             parts.push(format!("spin_us={}", sh.spin_max_ns / 1000));
         }
+        if sh.mode == Mode::Hybrid && !sh.affinity {
+            parts.push("affinity=none".into());
+        }
+        if sh.mode == Mode::Hybrid && sh.wake_pct != DEFAULT_WAKE_PCT {
+            parts.push(format!("wake_pct={}", sh.wake_pct));
+        }
         let per_class = |parts: &mut Vec<String>, key: &str, vals: [Option<String>; 3]| {
             if vals[0].is_some() && vals.iter().all(|v| *v == vals[0]) {
                 parts.push(format!("{key}={}", vals[0].clone().unwrap_or_default()));
@@ -1152,7 +1408,10 @@ impl Target for DelayTarget {
 
     /// `set <read|write|flush|all>[_p99|_load_k] <value|off>`.
     fn message(&self, args: &[&str]) -> Result<String, String> {
-        const USAGE: &str = "usage: set <read|write|flush|all>[_p99|_load_k] <value|off>";
+        const USAGE: &str = "usage: set <read|write|flush|all>[_p99|_load_k] <value|off>, or stats";
+        if args == ["stats"] {
+            return Ok(self.stats_text());
+        }
         let [verb, key, value] = args else {
             return Err(format!("delay: {USAGE}"));
         };
@@ -1252,6 +1511,47 @@ impl DelayTarget {
     pub fn mode(&self) -> Mode {
         self.shared.mode
     }
+
+    /// `message <dev> 0 stats`: `sent=` bios sent on after their delay,
+    /// `late_mean_ns=` how long after the deadline on average,
+    /// `late_10us=` how many more than 10 µs after it; hybrid adds
+    /// `wakes=` timed wakes, `wake_late_mean_ns=` how late they were,
+    /// `spin_ns_per_io=`, and `margins_ns=` each worker's current sleep
+    /// margin (`cpuN:NS`, `any:NS` for the unpinned one).
+    fn stats_text(&self) -> String {
+        let sh = &self.shared;
+        let st = &sh.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let sent = get(&st.sent);
+        let per = |x: u64, n: u64| x.checked_div(n).unwrap_or(0);
+        let mut out = format!(
+            "sent={sent} late_mean_ns={} late_10us={}",
+            per(get(&st.late_ns), sent),
+            get(&st.late)
+        );
+        if sh.mode == Mode::Hybrid {
+            let wakes = get(&st.wakes);
+            let margins: Vec<String> = sh
+                .shards
+                .iter()
+                .filter_map(OnceLock::get)
+                .map(|s| {
+                    let m = s.margin_ns.load(Ordering::Relaxed);
+                    match s.cpu {
+                        Some(c) => format!("cpu{c}:{m}"),
+                        None => format!("any:{m}"),
+                    }
+                })
+                .collect();
+            out.push_str(&format!(
+                " wakes={wakes} wake_late_mean_ns={} spin_ns_per_io={} margins_ns={}",
+                per(get(&st.wake_late_ns), wakes),
+                per(get(&st.spin_ns), sent),
+                margins.join(",")
+            ));
+        }
+        out
+    }
 }
 
 impl Drop for DelayTarget {
@@ -1259,11 +1559,12 @@ impl Drop for DelayTarget {
         self.shared.stop.store(true, Ordering::Release);
         self.shared.worker.unpark();
         self.shared.timer.unpark();
-        if let Some(t) = &self.shared.timerfd {
-            t.arm(1);
+        for s in self.shared.shards.iter().filter_map(OnceLock::get) {
+            s.timer.arm(1);
         }
         let me = std::thread::current().id();
-        for h in self.threads.drain(..) {
+        let threads = std::mem::take(&mut *self.shared.threads.lock());
+        for h in threads {
             // A table dropped from a completion running on its own worker
             // cannot wait for that worker; it exits on `stop` by itself.
             if h.thread().id() != me {
@@ -1331,7 +1632,7 @@ mod tests {
             seq: 0,
             timer: None,
             work_pending: false,
-            armed_ns: u64::MAX,
+            lanes: Vec::new(),
         };
         assert_eq!(st.delay_for(READ, 0), 1_000_000);
         assert_eq!(st.delay_for(READ, 4), 2_000_000);
@@ -1354,7 +1655,7 @@ mod tests {
             seq: 0,
             timer: None,
             work_pending: false,
-            armed_ns: u64::MAX,
+            lanes: Vec::new(),
         };
         let slow = (0..100_000).filter(|_| st.delay_for(READ, 0) == 2).count();
         assert!((700..1300).contains(&slow), "{slow} of 100000 took p99");
