@@ -137,6 +137,56 @@ fn hybrid_never_completes_early() {
 }
 
 #[test]
+fn hybrid_never_completes_early_with_one_unpinned_worker_or_tiny_margins() {
+    assert_never_early(
+        "0 8192 delay z 0 2 z 0 1 z 0 0.25 affinity=none",
+        40,
+        class_delays,
+    );
+    // A 1 % margin percentile makes most wakes late and a 0 spin bound
+    // turns every wait into a sleep to the deadline: still never early.
+    assert_never_early(
+        "0 8192 delay z 0 2 z 0 1 z 0 0.25 wake_pct=1 spin_us=0",
+        40,
+        class_delays,
+    );
+}
+
+#[test]
+fn stats_message_counts_what_went_out_and_how_late() {
+    let (reg, dev) = setup("0 8192 delay z 0 0.5");
+    let mem = AlignedBuf::new(8 * 4096);
+    let rec = Arc::new(Recorder::default());
+    for i in 0..8 {
+        dev.submit(bio(Op::Read, BioFlags::NONE, i, &mem, &rec));
+    }
+    rec.wait(8, Duration::from_secs(10));
+    let text = reg.message("d", 0, &["stats"]).unwrap();
+    let field = |k: &str| -> u64 {
+        text.split_whitespace()
+            .find_map(|w| w.strip_prefix(k)?.strip_prefix('=')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {k} in {text:?}"))
+    };
+    assert_eq!(field("sent"), 8, "{text}");
+    assert!(field("late_10us") <= 8, "{text}");
+    assert!(field("wakes") >= 1, "{text}");
+    assert!(text.contains("margins_ns="), "{text}");
+    let kt = Registry::new();
+    kt.create("z", "0 8192 zero").unwrap();
+    kt.create("k", "0 8192 delay z 0 0.5 mode=kthread").unwrap();
+    let text = kt.message("k", 0, &["stats"]).unwrap();
+    assert!(
+        text.starts_with("sent=0 ") && !text.contains("wakes"),
+        "{text}"
+    );
+    let e = reg
+        .message("d", 0, &["stats", "now"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("usage"), "{e}");
+}
+
+#[test]
 fn kthread_never_completes_early() {
     assert_never_early(
         "0 8192 delay z 0 2 z 0 1 z 0 0.25 mode=kthread",
@@ -288,6 +338,15 @@ fn argument_errors_name_the_problem() {
         ("0 100 delay z 0 1 load_k=0", &["invalid load_k '0'"]),
         ("0 100 delay z 0 1 bogus=1", &["unknown option 'bogus=1'"]),
         (
+            "0 100 delay z 0 1 affinity=numa",
+            &["invalid affinity 'numa'"],
+        ),
+        ("0 100 delay z 0 1 wake_pct=0", &["invalid wake_pct '0'"]),
+        (
+            "0 100 delay z 0 1 wake_pct=101",
+            &["invalid wake_pct '101'"],
+        ),
+        (
             "0 100 delay z 0 1 mode=timer mode=kthread",
             &["option 'mode' given twice"],
         ),
@@ -331,6 +390,14 @@ fn status_and_table_text_match_dmsetup() {
         (
             "0 4096 delay z 0 1 z 0 2 write_p99=9 load_k=16 spin_us=5".to_string(),
             format!("0 4096 delay 253:{z} 0 1 253:{z} 0 2 spin_us=5 write_p99=9 load_k=16"),
+        ),
+        (
+            "0 4096 delay z 0 1 wake_pct=90 affinity=none".to_string(),
+            format!("0 4096 delay 253:{z} 0 1 affinity=none wake_pct=90"),
+        ),
+        (
+            "0 4096 delay z 0 1 affinity=cpu wake_pct=95".to_string(),
+            format!("0 4096 delay 253:{z} 0 1"),
         ),
     ];
     for (i, (table, want)) in cases.iter().enumerate() {

@@ -1617,6 +1617,26 @@ mod tests {
     }
 
     #[test]
+    fn wake_margin_is_the_chosen_percentile_of_recent_wakes() {
+        let mut w = WakeLatency::new(95);
+        // Nothing until 8 samples, then every 8th.
+        for late in 1..=7 {
+            assert_eq!(w.record(late * 1000), None);
+        }
+        assert_eq!(w.record(8000), Some(8000), "95th of 1..8 µs is the top");
+        // 64 samples 1..=64 µs: the 95th percentile is the 61st.
+        let mut w = WakeLatency::new(95);
+        let got: Vec<u64> = (1..=64).filter_map(|l| w.record(l * 1000)).collect();
+        assert_eq!(got.last(), Some(&61_000));
+        // The window slides: 64 more wakes of 5 µs replace them all.
+        let got: Vec<u64> = (0..64).filter_map(|_| w.record(5000)).collect();
+        assert_eq!(got.last(), Some(&5000));
+        let mut w = WakeLatency::new(50);
+        let got: Vec<u64> = (1..=64).filter_map(|l| w.record(l * 1000)).collect();
+        assert_eq!(got.last(), Some(&32_000));
+    }
+
+    #[test]
     fn load_model_scales_base_delay() {
         let mut st = State {
             queue: BinaryHeap::new(),
