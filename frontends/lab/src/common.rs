@@ -71,6 +71,16 @@ pub fn job(rw: RwMode, bs: u64, iodepth: u32, numjobs: u32, runtime: Duration) -
 /// under test is called `dev`) in a fresh registry, run `job` on it,
 /// tear the stack down.
 pub fn run_stack(stack: &str, job: &JobSpec) -> Result<Measured> {
+    run_stack_inspect(stack, job, |_| ())
+}
+
+/// [`run_stack`], letting `inspect` look at the devices after the run and
+/// before the teardown (a target's counters, through `message`).
+pub fn run_stack_inspect(
+    stack: &str,
+    job: &JobSpec,
+    inspect: impl FnOnce(&Registry),
+) -> Result<Measured> {
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack)
         .with_context(|| format!("building stack:\n{stack}"))?;
@@ -80,6 +90,7 @@ pub fn run_stack(stack: &str, job: &JobSpec) -> Result<Measured> {
     let wall = t0.elapsed();
     let cpu = process_cpu().since(before);
     let status = reg.status_text("dev").unwrap_or_default();
+    inspect(&reg);
     reg.remove_all();
     let j = report.jobs.first().context("bench returned no job")?;
     let mut d = j.read.clone();
