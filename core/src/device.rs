@@ -74,6 +74,20 @@ pub trait Device: Send + Sync {
     /// Hand a bio to the device. It will be completed exactly once.
     fn submit(&self, bio: Bio);
 
+    /// Hand several bios to the device at once (the kernel's plugging:
+    /// `blk_start_plug` .. `blk_finish_plug`, then `queue_rqs`). Every bio
+    /// in `bios` is taken, in order, and completed exactly once, as if each
+    /// had been passed to [`Device::submit`]; completions may run before
+    /// this returns. `bios` is left empty with its capacity, so a caller
+    /// that keeps the vector allocates nothing per batch. Devices override
+    /// this to pay their per-submission costs (table loads, tag
+    /// allocation, counters) once per batch.
+    fn submit_batch(&self, bios: &mut Vec<Bio>) {
+        for bio in bios.drain(..) {
+            self.submit(bio);
+        }
+    }
+
     /// Size in bytes.
     fn size(&self) -> u64;
 
