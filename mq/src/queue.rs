@@ -34,6 +34,7 @@ use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns};
 use blkstack_core::{Bio, Status};
 use parking_lot::Mutex;
 use std::cell::Cell;
+use std::mem::MaybeUninit;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, OnceLock, Weak};
@@ -395,6 +396,16 @@ impl<D: Driver> Queue<D> {
         self.inner.submit(bio)
     }
 
+    /// Submit several validated bios at once (a plug being flushed): tags
+    /// are taken a word at a time, and requests the driver finishes
+    /// inline are ended together, their tags freed with one atomic per
+    /// bitmap word (kernel `blk_mq_get_tags`, `blk_mq_end_request_batch`).
+    /// `bios` is left empty with its capacity.
+    #[inline]
+    pub fn submit_batch(&self, bios: &mut Vec<Bio>) {
+        self.inner.submit_batch(bios)
+    }
+
     /// Run hardware queue `i` (kernel `blk_mq_run_hw_queue`).
     pub fn run_hw_queue(&self, i: usize, async_run: bool) {
         self.inner.run_hw_queue(&self.inner.hctxs[i], async_run)
@@ -545,10 +556,65 @@ impl<D: Driver> QueueInner<D> {
         self.issue(h, tag);
     }
 
+    /// Kernel `blk_mq_submit_bio` for a plugged list, with batched tag
+    /// allocation and completion. Shared tag sets take the one-by-one path
+    /// (each tag must pass the fair-share check, and the kernel does not
+    /// batch them either); so does a bio for which no word has free tags,
+    /// after ending what this batch finished (its tags may be the ones the
+    /// allocation would wait for).
+    fn submit_batch(&self, bios: &mut Vec<Bio>) {
+        let h = &self.hctxs[thread_hctx(self.hctxs.len())];
+        if h.tags.is_shared() {
+            for bio in bios.drain(..) {
+                self.submit(bio);
+            }
+            return;
+        }
+        let mut finished = Finished::new();
+        let mut left = bios.len();
+        let (mut mask, mut offset) = (0u64, 0u32);
+        for bio in bios.drain(..) {
+            if mask == 0 {
+                match h.tags.get_batch(left.min(Tags::MAX_BATCH) as u32) {
+                    Some((m, o)) => (mask, offset) = (m, o),
+                    None => {
+                        self.end_requests(h, &mut finished);
+                        left -= 1;
+                        self.submit(bio);
+                        continue;
+                    }
+                }
+            }
+            let tag = offset + mask.trailing_zeros();
+            mask &= mask - 1;
+            left -= 1;
+            h.tags.slot(tag).fill(bio, h.index);
+            if h.has_pending() || h.is_stopped() {
+                h.push_tail(tag);
+                self.run_hw_queue(h, self.opts.blocking);
+                continue;
+            }
+            self.issue_to(h, tag, Some(&mut finished));
+            if finished.len == Tags::MAX_BATCH {
+                self.end_requests(h, &mut finished);
+            }
+        }
+        debug_assert_eq!(mask, 0, "more tags taken than bios");
+        self.end_requests(h, &mut finished);
+    }
+
     /// Hand one request to the driver. Returns false if it was busy (the
     /// request is then back on the dispatch list's head).
     #[inline]
     fn issue(&self, h: &HwQueue, tag: u32) -> bool {
+        self.issue_to(h, tag, None)
+    }
+
+    /// [`Self::issue`]; with `finished`, a request the driver ends inline in
+    /// inline completion mode is collected there to be ended with the
+    /// rest of its batch.
+    #[inline]
+    fn issue_to(&self, h: &HwQueue, tag: u32, finished: Option<&mut Finished>) -> bool {
         let issue_ns = now_ns_if_timer(self.opts.completion);
         h.in_driver.fetch_add(1, SeqCst);
         let rq = Rq {
@@ -558,7 +624,12 @@ impl<D: Driver> QueueInner<D> {
         };
         match self.driver.queue_rq(rq) {
             QueueRq::Done(status) => {
-                self.finish_request(h, tag, status, issue_ns);
+                match finished {
+                    Some(f) if self.opts.completion == CompletionMode::Inline => {
+                        f.push(tag, status)
+                    }
+                    _ => self.finish_request(h, tag, status, issue_ns),
+                }
                 true
             }
             QueueRq::Issued => true,
@@ -617,6 +688,53 @@ impl<D: Driver> QueueInner<D> {
             self.run_hw_queues(true);
         }
         bio.complete(status);
+    }
+
+    /// [`Self::end_request`] for every request in `f`, all of hardware
+    /// queue `h`'s own (unshared) tags (kernel `blk_mq_end_request_batch`):
+    /// bios out of their slots, the in-driver count dropped and the tags
+    /// freed once for all, then the bios completed in issue order.
+    fn end_requests(&self, h: &HwQueue, f: &mut Finished) {
+        let n = f.len;
+        if n == 0 {
+            return;
+        }
+        f.len = 0;
+        let mut bios: [MaybeUninit<Bio>; Tags::MAX_BATCH] =
+            [const { MaybeUninit::uninit() }; Tags::MAX_BATCH];
+        for (i, out) in bios.iter_mut().enumerate().take(n) {
+            let tag = f.tags[i];
+            let slot = h.tags.slot(tag);
+            debug_assert_eq!(slot.hctx(), h.index, "batched tag of another queue");
+            let bio = slot.take();
+            f.status[i] = self.driver.complete(
+                Rq {
+                    tag,
+                    hctx: h.index,
+                    bio: &bio,
+                },
+                f.status[i],
+            );
+            out.write(bio);
+        }
+        h.in_driver.fetch_sub(n as u32, SeqCst);
+        h.tags.put_batch(&h.tag_state, &f.tags[..n]);
+        if h.state.load(SeqCst) & S_RESTART != 0
+            && h.state.fetch_and(!S_RESTART, SeqCst) & S_RESTART != 0
+        {
+            h.counters.restarts.fetch_add(1, Relaxed);
+            self.run_hw_queue(h, true);
+        }
+        if self.opts.run_on_completion {
+            for _ in 0..n {
+                self.run_hw_queues(true);
+            }
+        }
+        for (bio, &status) in bios.iter().take(n).zip(&f.status[..n]) {
+            // SAFETY: the first `n` entries were written above and each is
+            // read out exactly once here.
+            unsafe { bio.assume_init_read() }.complete(status);
+        }
     }
 
     fn arm_idle_check(&self) {
@@ -741,6 +859,31 @@ impl<D: Driver> QueueInner<D> {
             }
             local.clear();
         }
+    }
+}
+
+/// Requests of one batch that the driver finished inline, waiting to be
+/// ended together.
+struct Finished {
+    tags: [u32; Tags::MAX_BATCH],
+    status: [Status; Tags::MAX_BATCH],
+    len: usize,
+}
+
+impl Finished {
+    fn new() -> Finished {
+        Finished {
+            tags: [0; Tags::MAX_BATCH],
+            status: [Status::Ok; Tags::MAX_BATCH],
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn push(&mut self, tag: u32, status: Status) {
+        self.tags[self.len] = tag;
+        self.status[self.len] = status;
+        self.len += 1;
     }
 }
 

@@ -352,6 +352,61 @@ impl Sbitmap {
         nr
     }
 
+    /// Allocate up to `nr` bits from one word in one atomic operation
+    /// (kernel `__sbitmap_queue_get_batch`): the run of `nr` bits from the
+    /// first free one of the first word (from the hint) that has room;
+    /// bits in that run already taken are skipped. Returns the mask of the
+    /// bits won, relative to `offset`, or `None` (round-robin maps never
+    /// batch, as in the kernel). `nr` is at most the bits per word.
+    pub fn get_batch(&self, nr: u32) -> Option<(u64, u32)> {
+        if self.round_robin || nr == 0 || nr > 1 << self.shift {
+            return None;
+        }
+        let slot = thread_slot();
+        let depth = self.depth.load(Relaxed);
+        let map_nr = self.map_nr.load(Relaxed);
+        if depth == 0 {
+            return None;
+        }
+        let hint = self.hint_before_get(slot, depth);
+        let mut index = (hint >> self.shift).min(map_nr - 1);
+        for _ in 0..map_nr {
+            let w = &self.map[index as usize];
+            let map_depth = self.map_depth(index, depth, map_nr);
+            Self::deferred_clear(w);
+            let val = w.word.load(Relaxed);
+            let first_free = (!val).trailing_zeros();
+            if first_free + nr <= map_depth {
+                let want = (u64::MAX >> (64 - nr)) << first_free;
+                let prev = w.word.fetch_or(want, AcqRel);
+                let won = (want & !prev) >> first_free;
+                if won != 0 {
+                    let offset = first_free + (index << self.shift);
+                    self.hint_after_get(slot, depth, hint, Some(offset + nr - 1));
+                    return Some((won, offset));
+                }
+            }
+            index += 1;
+            if index >= map_nr {
+                index = 0;
+            }
+        }
+        None
+    }
+
+    /// Free every bit of `mask` in word `index` at once, bypassing the
+    /// deferred-clear mask (kernel `sbitmap_queue_clear_batch`). SeqCst for
+    /// the same pairing with waiters as [`Sbitmap::clear_bit`].
+    #[inline]
+    fn clear_word_mask(&self, index: u32, mask: u64) {
+        let w = &self.map[index as usize];
+        debug_assert!(
+            w.word.load(Relaxed) & mask == mask,
+            "sbitmap bits {mask:#x} of word {index} freed but not all set"
+        );
+        w.word.fetch_and(!mask, SeqCst);
+    }
+
     /// Free a bit through the deferred-clear mask (kernel
     /// `sbitmap_deferred_clear_bit`). Release: whatever the holder wrote to
     /// the slot this bit names is visible to the next allocator.
@@ -733,6 +788,35 @@ impl SbitmapQueue {
     /// Kernel `sbitmap_queue_get_shallow`.
     pub fn get_shallow(&self, shallow_depth: u32) -> Option<u32> {
         self.sb.get_shallow(shallow_depth)
+    }
+
+    /// Kernel `__sbitmap_queue_get_batch`: see [`Sbitmap::get_batch`].
+    #[inline]
+    pub fn get_batch(&self, nr: u32) -> Option<(u64, u32)> {
+        self.sb.get_batch(nr)
+    }
+
+    /// Free several bits and wake waiters once for all of them (kernel
+    /// `sbitmap_queue_clear_batch`): one atomic per bitmap word touched
+    /// instead of one per bit.
+    pub fn clear_batch(&self, nrs: &[u32]) {
+        let Some(&last) = nrs.last() else { return };
+        let shift = self.sb.shift;
+        let mut index = nrs[0] >> shift;
+        let mut mask = 0u64;
+        for &nr in nrs {
+            if nr >> shift != index {
+                self.sb.clear_word_mask(index, mask);
+                index = nr >> shift;
+                mask = 0;
+            }
+            mask |= 1u64 << (nr & ((1 << shift) - 1));
+        }
+        self.sb.clear_word_mask(index, mask);
+        #[cfg(loom)]
+        fence(SeqCst);
+        self.wake_up(nrs.len() as u32);
+        self.sb.update_hint_after_clear(last);
     }
 
     /// Free bit `nr` and wake waiters if a batch is due (kernel

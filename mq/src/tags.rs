@@ -69,10 +69,10 @@ impl RequestSlot {
     /// Take the bio out to complete it. The caller holds the tag.
     #[inline]
     pub(crate) fn take(&self) -> Bio {
-        assert!(
-            self.occupied.swap(false, Relaxed),
-            "request slot emptied twice"
-        );
+        // Only the tag holder touches the flag, so a load and a store do
+        // what a swap would, without a locked instruction per request.
+        assert!(self.occupied.load(Relaxed), "request slot emptied twice");
+        self.occupied.store(false, Relaxed);
         // SAFETY: it was filled (asserted above) and is now marked empty, so
         // the value is read out exactly once.
         unsafe { (*self.bio.get()).assume_init_read() }
@@ -397,6 +397,40 @@ impl Tags {
         } else {
             self.breserved_tags.clear(tag);
         }
+    }
+
+    /// Most tags one [`Tags::get_batch`] or [`Tags::put_batch`] handles.
+    pub const MAX_BATCH: usize = 64;
+
+    /// Allocate up to `nr` normal tags at once without waiting (kernel
+    /// `blk_mq_get_tags`): a mask of tags relative to `offset`. Like the
+    /// kernel, never for a shared set (each tag must pass the fair-share
+    /// check) and never round-robin; `None` then, or when no word has room,
+    /// and the caller allocates one by one.
+    #[inline]
+    pub fn get_batch(&self, nr: u32) -> Option<(u64, u32)> {
+        if self.cfg.shared {
+            return None;
+        }
+        let nr = nr.min(1 << self.bitmap_tags.sbitmap().shift());
+        let (mask, offset) = self.bitmap_tags.get_batch(nr)?;
+        Some((mask, offset + self.cfg.reserved))
+    }
+
+    /// Free several normal tags at once (kernel `blk_mq_put_tags`): one
+    /// atomic per bitmap word and one wakeup decision for all of them.
+    /// At most [`Tags::MAX_BATCH`] tags, none of them reserved.
+    pub fn put_batch(&self, hs: &HctxTagState, tags: &[u32]) {
+        assert!(tags.len() <= Self::MAX_BATCH, "tag batch too large");
+        if self.cfg.shared {
+            hs.nr_active.fetch_sub(tags.len() as u32, Relaxed);
+        }
+        let mut rel = [0u32; Self::MAX_BATCH];
+        for (r, &t) in rel.iter_mut().zip(tags) {
+            debug_assert!(t >= self.cfg.reserved, "reserved tag {t} in a batch");
+            *r = t - self.cfg.reserved;
+        }
+        self.bitmap_tags.clear_batch(&rel[..tags.len()]);
     }
 
     /// Wake every waiter on both bitmaps (teardown, depth change).

@@ -55,8 +55,18 @@ impl EndIo for Recycle {
     }
 }
 
-fn run(q: &Queue<ZeroReads>, owner: &Arc<Recycle>, dyn_owner: &Arc<dyn EndIo>, n: u64) {
-    for i in 0..n {
+/// `batch` > 1: bios go through `submit_batch` in groups of up to that
+/// many (whatever is free when the group is built), with one reused vector.
+fn run(
+    q: &Queue<ZeroReads>,
+    owner: &Arc<Recycle>,
+    dyn_owner: &Arc<dyn EndIo>,
+    n: u64,
+    batch: &mut Vec<Bio>,
+    batch_max: usize,
+) {
+    let mut i = 0;
+    while i < n {
         let mut bio = {
             let mut f = owner.free.lock();
             while f.is_empty() {
@@ -66,11 +76,20 @@ fn run(q: &Queue<ZeroReads>, owner: &Arc<Recycle>, dyn_owner: &Arc<dyn EndIo>, n
         };
         let buf = bio.buf;
         bio.rearm(dyn_owner.clone(), Op::Read, (i % 1024) * 4096, 4096, buf);
-        q.submit(bio);
+        i += 1;
+        if batch_max <= 1 {
+            q.submit(bio);
+            continue;
+        }
+        batch.push(bio);
+        let more = !owner.free.lock().is_empty();
+        if batch.len() >= batch_max || !more || i == n {
+            q.submit_batch(batch);
+        }
     }
 }
 
-fn allocations_per_io(completion: CompletionMode) -> u64 {
+fn allocations_per_io(completion: CompletionMode, batch_max: usize) -> u64 {
     const QD: usize = 64;
     let q = Queue::new(
         ZeroReads,
@@ -92,9 +111,10 @@ fn allocations_per_io(completion: CompletionMode) -> u64 {
         let io = unsafe { mem.io_buf(i * 4096, 4096) };
         Bio::new(Op::Read, 0, 4096, io, dyn_owner.clone(), i as u64).complete(Status::Ok);
     }
-    run(&q, &owner, &dyn_owner, 5_000);
+    let mut batch = Vec::with_capacity(QD);
+    run(&q, &owner, &dyn_owner, 5_000, &mut batch, batch_max);
     let before = ALLOCS.load(Relaxed);
-    run(&q, &owner, &dyn_owner, 20_000);
+    run(&q, &owner, &dyn_owner, 20_000, &mut batch, batch_max);
     let after = ALLOCS.load(Relaxed);
     // Let the last completions come home before the buffers go away.
     let mut f = owner.free.lock();
@@ -108,6 +128,16 @@ fn allocations_per_io(completion: CompletionMode) -> u64 {
 /// not run in parallel test threads.
 #[test]
 fn hot_path_allocates_nothing() {
-    assert_eq!(allocations_per_io(CompletionMode::Inline), 0, "inline");
-    assert_eq!(allocations_per_io(CompletionMode::Softirq), 0, "softirq");
+    assert_eq!(allocations_per_io(CompletionMode::Inline, 1), 0, "inline");
+    assert_eq!(allocations_per_io(CompletionMode::Softirq, 1), 0, "softirq");
+    assert_eq!(
+        allocations_per_io(CompletionMode::Inline, 32),
+        0,
+        "inline, batches"
+    );
+    assert_eq!(
+        allocations_per_io(CompletionMode::Softirq, 32),
+        0,
+        "softirq, batches"
+    );
 }
