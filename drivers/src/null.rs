@@ -24,7 +24,7 @@
 
 use crate::args::{check_size, KvArgs};
 use crate::engine_args::EngineArgs;
-use blkstack_core::device::{check_bio, Extent};
+use blkstack_core::device::{check_bio, check_bio_geometry, Extent};
 use blkstack_core::{Bio, Device, Features, Op, Status};
 use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
 use crossbeam_utils::CachePadded;
@@ -182,6 +182,19 @@ impl Device for NullDevice {
             return;
         }
         self.queue.submit(bio);
+    }
+
+    /// Bios that fail the admission check are completed at once; the rest
+    /// go to the engine as one batch.
+    fn submit_batch(&self, bios: &mut Vec<Bio>) {
+        let (size, lbs) = (self.size, self.block_size);
+        for bio in bios.extract_if(.., |b| check_bio_geometry(size, lbs, b).is_err()) {
+            let st = check_bio_geometry(size, lbs, &bio)
+                .err()
+                .unwrap_or(Status::Invalid);
+            bio.complete(st);
+        }
+        self.queue.submit_batch(bios);
     }
 
     fn size(&self) -> u64 {
