@@ -110,6 +110,31 @@ impl Table {
         f.unwrap_or_default()
     }
 
+    /// Map device-relative bios that passed the admission check: a
+    /// one-line table hands the whole batch to its target when no bio
+    /// needs splitting (the common leaf device), anything else is mapped
+    /// one by one.
+    fn map_batch(&self, bios: &mut Vec<Bio>) {
+        if let [e] = &self.entries[..] {
+            let fits = |b: &Bio| {
+                b.op == Op::Flush || {
+                    let rel = b.offset - e.start_bytes();
+                    b.len <= (e.end_bytes() - b.offset).min(e.target.max_io_len(rel))
+                }
+            };
+            if bios.iter().all(fits) {
+                // One line tiles the whole device, so it starts at 0 and
+                // device offsets are already line-relative.
+                debug_assert_eq!(e.start_bytes(), 0);
+                e.target.map_batch(bios);
+                return;
+            }
+        }
+        for bio in bios.drain(..) {
+            self.map(bio);
+        }
+    }
+
     /// Map a device-relative bio onto the table.
     fn map(&self, bio: Bio) {
         if bio.op == Op::Flush {
@@ -167,12 +192,27 @@ struct Core {
 
 impl Core {
     fn put_inflight(&self) {
-        if self.inflight.fetch_sub(1, Ordering::SeqCst) == 1
+        self.put_inflight_n(1);
+    }
+
+    fn put_inflight_n(&self, n: u64) {
+        if self.inflight.fetch_sub(n, Ordering::SeqCst) == n
             && self.suspended.load(Ordering::SeqCst)
         {
             let _g = self.drain_lock.lock();
             self.drained.notify_all();
         }
+    }
+
+    /// Why the live table refuses `bio`, if it does (what `submit` checks
+    /// before mapping).
+    #[inline]
+    fn admission(&self, table: &Table, lbs: u32, read_only: bool, bio: &Bio) -> Result<(), Status> {
+        check_bio_geometry(table.size_bytes(), lbs, bio)?;
+        if read_only && bio.op.is_write() && bio.op != Op::Flush {
+            return Err(Status::Permission);
+        }
+        Ok(())
     }
 }
 
@@ -367,18 +407,48 @@ impl Device for MappedDevice {
         // One table load serves both the range check and the mapping: the
         // table cannot change under us while this bio is counted in flight.
         let table = core.live.load();
-        if let Err(s) = check_bio_geometry(table.size_bytes(), self.logical_block_size(), &bio) {
+        let (lbs, ro) = (self.logical_block_size(), self.is_read_only());
+        if let Err(s) = core.admission(&table, lbs, ro, &bio) {
             core.put_inflight();
             bio.complete(s);
             return;
         }
-        if bio.op.is_write() && bio.op != Op::Flush && self.is_read_only() {
-            core.put_inflight();
-            bio.complete(Status::Permission);
-            return;
-        }
         bio.push_end(core.clone(), 0);
         table.map(bio);
+    }
+
+    /// The batch is counted in flight with one atomic and mapped with one
+    /// table load. If the device is suspended, the count is undone and
+    /// every bio takes `submit`'s path, which holds it (or, if a resume
+    /// came in between, maps it).
+    fn submit_batch(&self, bios: &mut Vec<Bio>) {
+        let n = bios.len() as u64;
+        if n == 0 {
+            return;
+        }
+        let core = &self.core;
+        core.inflight.fetch_add(n, Ordering::SeqCst);
+        if core.suspended.load(Ordering::SeqCst) {
+            core.put_inflight_n(n);
+            for bio in bios.drain(..) {
+                self.submit(bio);
+            }
+            return;
+        }
+        let table = core.live.load();
+        let (lbs, ro) = (self.logical_block_size(), self.is_read_only());
+        for bio in bios.extract_if(.., |b| core.admission(&table, lbs, ro, b).is_err()) {
+            let status = core
+                .admission(&table, lbs, ro, &bio)
+                .err()
+                .unwrap_or(Status::Invalid);
+            core.put_inflight();
+            bio.complete(status);
+        }
+        for bio in bios.iter_mut() {
+            bio.push_end(core.clone(), 0);
+        }
+        table.map_batch(bios);
     }
 
     fn size(&self) -> u64 {

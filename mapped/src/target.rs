@@ -26,6 +26,15 @@ pub trait Target: Send + Sync {
     /// complete it.
     fn map(&self, bio: Bio);
 
+    /// Map several bios at once (a plugged batch handed down by the mapped
+    /// device); `bios` is left empty. One by one unless the target can
+    /// pass the batch on.
+    fn map_batch(&self, bios: &mut Vec<Bio>) {
+        for bio in bios.drain(..) {
+            self.map(bio);
+        }
+    }
+
     /// `dmsetup status` text after `start length name ` (may be empty).
     fn status(&self) -> String {
         String::new()

@@ -25,6 +25,10 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
         self.driver.submit(bio);
     }
 
+    fn map_batch(&self, bios: &mut Vec<Bio>) {
+        self.driver.submit_batch(bios);
+    }
+
     fn status(&self) -> String {
         self.driver.status()
     }
