@@ -393,6 +393,8 @@ struct Engine {
     sink: Arc<dyn EndIo>,
     slots: Vec<Slot>,
     free: Vec<usize>,
+    /// Bios issued since the last flush (the kernel's plug).
+    plug: Vec<Bio>,
     drained: DoneList,
     clock: &'static CycleClock,
     inflight: u32,
@@ -459,6 +461,7 @@ impl Engine {
             sink,
             slots,
             free: (0..depth as usize).rev().collect(),
+            plug: Vec::with_capacity(depth as usize),
             drained: DoneList::with_capacity(depth as usize),
             clock,
             inflight: 0,
@@ -561,8 +564,26 @@ impl Engine {
         slot.start_ns = bio.start_ns;
         self.inflight += 1;
         self.depths.depth[DepthStats::depth_bucket(self.inflight)] += 1;
-        self.depths.submit[1] += 1;
-        self.dev.submit(bio);
+        self.plug.push(bio);
+    }
+
+    /// Submit what the refill loop issued: one bio alone, several with one
+    /// `submit_batch` (the kernel's `blk_finish_plug`), so each layer pays
+    /// its per-submission costs once per refill.
+    fn flush_plug(&mut self) {
+        let n = self.plug.len();
+        if n == 0 {
+            return;
+        }
+        self.depths.submit[DepthStats::batch_bucket(n as u32)] += 1;
+        if n == 1 {
+            if let Some(bio) = self.plug.pop() {
+                self.dev.submit(bio);
+            }
+        } else {
+            self.dev.submit_batch(&mut self.plug);
+        }
+        debug_assert!(self.plug.is_empty());
     }
 
     /// Wait for at least one completion according to the wait mode.
@@ -780,6 +801,7 @@ impl Engine {
                 let slot = self.free.pop().expect("a free slot below iodepth");
                 self.issue(slot, req);
             }
+            self.flush_plug();
             if self.inflight == 0 {
                 break;
             }
@@ -828,6 +850,7 @@ impl Engine {
                     },
                 );
             }
+            self.flush_plug();
             if self.inflight == 0 {
                 break;
             }
