@@ -50,6 +50,11 @@ fn stack(depth: u32, algo: &str, queues: u32) -> String {
     )
 }
 
+/// Events per thousand I/Os.
+fn per_kio(events: u64, ios: u64) -> f64 {
+    events as f64 * 1000.0 / ios.max(1) as f64
+}
+
 pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let jobs = opts.jobs.unwrap_or(4) as u32;
     let shared_queues: u32 = opts.param("shared_queues", 4)?;
@@ -57,6 +62,11 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let runtime =
         Duration::from_millis(opts.param("runtime_ms", if opts.quick { 700 } else { 3000 })?);
     let depths: Vec<u32> = opts.param_list("depths", &DEPTHS)?;
+    let tables: Vec<String> =
+        opts.param_list("tables", &["single".to_string(), "shared".to_string()])?;
+    // `--set trace=1`: each run's figures and engine counters on stderr
+    // (tag waits, threads woken, wake batches), to see where time goes.
+    let trace: u8 = opts.param("trace", 0)?;
 
     let mut r = LabReport::new(
         "sbitmap",
@@ -72,6 +82,10 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             "counter/wait_cnt",
             "wait_cnt_rescued",
             "counter_rescued",
+            "wait_cnt_sleeps_per_kio",
+            "counter_sleeps_per_kio",
+            "wait_cnt_woken_per_batch",
+            "counter_woken_per_batch",
             "seed_wait_cnt_kiops",
             "seed_counter_kiops",
         ],
@@ -80,13 +94,27 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         ("single", 1u32, jobs, &SEED_SINGLE),
         ("shared", shared_queues, jobs * 2, &SEED_SHARED),
     ] {
+        if !tables.iter().any(|t| t == table) {
+            continue;
+        }
         for &depth in &depths {
             let mut figures = [Vec::new(), Vec::new()];
             let mut rescued = [0u64; 2];
+            // Engine counters summed over the runs: I/Os, sleeps on a tag,
+            // threads woken, wake batches. They show the mechanism behind
+            // the IOPS: how often a submitter sleeps per I/O, and how many
+            // sleepers one batch of completions wakes.
+            let mut ios = [0u64; 2];
+            let mut sleeps = [0u64; 2];
+            let mut woken = [0u64; 2];
+            let mut batches = [0u64; 2];
             // Interleave the two algorithms so drift on a shared machine
-            // hits both alike.
-            for _ in 0..repeats {
-                for (i, algo) in ["wait_cnt", "counter"].iter().enumerate() {
+            // hits both alike, and alternate which goes first, so neither
+            // always runs right after a fresh start of the other.
+            for repeat in 0..repeats {
+                let order: [usize; 2] = if repeat % 2 == 0 { [0, 1] } else { [1, 0] };
+                for i in order {
+                    let algo = ["wait_cnt", "counter"][i];
                     let m = run_stack(
                         &stack(depth, algo, queues),
                         &job(RwMode::RandWrite, 4096, 64, njobs, runtime),
@@ -96,8 +124,22 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                         "{table} depth {depth} {algo}: {} I/O errors",
                         m.errors
                     );
+                    if trace != 0 {
+                        eprintln!(
+                            "{table} depth {depth} {algo}: {:.1}k IOPS, {:.0} ns CPU/IO ({:.0} in jobs), {:.2} CPUs | {}",
+                            m.iops / 1000.0,
+                            m.cpu_ns_per_io,
+                            m.job_cpu_ns_per_io,
+                            m.cpus,
+                            m.status.trim()
+                        );
+                    }
                     figures[i].push(m.iops / 1000.0);
                     rescued[i] += m.counter("rescued");
+                    ios[i] += m.ios;
+                    sleeps[i] += m.counter("tag_waits");
+                    woken[i] += m.counter("tag_wakeups");
+                    batches[i] += m.counter("wake_batches");
                 }
             }
             let (wm, ws) = mean_sd(&figures[0]);
@@ -114,6 +156,22 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 ("counter/wait_cnt", json!(round(cm / wm.max(1e-9), 3))),
                 ("wait_cnt_rescued", json!(rescued[0])),
                 ("counter_rescued", json!(rescued[1])),
+                (
+                    "wait_cnt_sleeps_per_kio",
+                    json!(round(per_kio(sleeps[0], ios[0]), 1)),
+                ),
+                (
+                    "counter_sleeps_per_kio",
+                    json!(round(per_kio(sleeps[1], ios[1]), 1)),
+                ),
+                (
+                    "wait_cnt_woken_per_batch",
+                    json!(round(woken[0] as f64 / batches[0].max(1) as f64, 2)),
+                ),
+                (
+                    "counter_woken_per_batch",
+                    json!(round(woken[1] as f64 / batches[1].max(1) as f64, 2)),
+                ),
                 ("seed_wait_cnt_kiops", json!(seed_row.map(|s| s.0))),
                 ("seed_counter_kiops", json!(seed_row.map(|s| s.1))),
             ]);
