@@ -286,6 +286,64 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_refuses_bad_bios_and_completes_every_bio_once() {
+        use blkstack_core::{EndIo, IoBuf};
+        use parking_lot::Mutex;
+        use std::sync::Arc;
+        #[derive(Default)]
+        struct Rec(Mutex<Vec<(u64, Status)>>);
+        impl EndIo for Rec {
+            fn end_io(&self, bio: Bio, status: Status, p: u64) {
+                self.0.lock().push((p, status));
+                drop(bio);
+            }
+        }
+        for irq in ["irqmode=0", "irqmode=1"] {
+            let d = NullDevice::from_args(1 << 20, &["bs=4096", "zero_reads=0", irq]).unwrap();
+            let rec = Arc::new(Rec::default());
+            let mut mem = vec![0xabu8; 100 * 4096];
+            let mut bios: Vec<Bio> = (0..100u64)
+                .map(|i| {
+                    // Every 7th bio is misaligned for bs=4096, every 11th
+                    // past the end.
+                    let off = match i {
+                        _ if i % 7 == 3 => 512,
+                        _ if i % 11 == 5 => 1 << 20,
+                        _ => (i % 256) * 4096,
+                    };
+                    // SAFETY: `mem` outlives the bios (all waited for).
+                    let buf =
+                        unsafe { IoBuf::from_raw(mem.as_mut_ptr().add(i as usize * 4096), 4096) };
+                    Bio::new(Op::Read, off, 4096, buf, rec.clone(), i)
+                })
+                .collect();
+            d.submit_batch(&mut bios);
+            assert!(bios.is_empty());
+            let deadline = now_ns() + 10_000_000_000;
+            while rec.0.lock().len() < 100 {
+                assert!(now_ns() < deadline, "stuck: {}", d.status());
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            let mut got = rec.0.lock().clone();
+            got.sort_by_key(|&(i, _)| i);
+            assert_eq!(got.len(), 100, "a bio completed twice");
+            for (i, st) in got {
+                let bad = i % 7 == 3 || i % 11 == 5;
+                assert_eq!(
+                    st,
+                    if bad { Status::Invalid } else { Status::Ok },
+                    "bio {i}"
+                );
+            }
+            assert_eq!(d.engine_stats().tags_in_use, 0);
+            assert!(
+                mem.iter().all(|&b| b == 0xab),
+                "zero_reads=0 touched a buffer"
+            );
+        }
+    }
+
+    #[test]
     fn timer_mode_is_never_early() {
         let d = NullDevice::from_args(1 << 20, &["irqmode=2", "completion_nsec=200000"]).unwrap();
         let mut buf = vec![0u8; 4096];
