@@ -411,7 +411,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                     &format!("{} {}us: hybrid >= 97% of poll's {unit} at <= 30% of poll's CPU", w.name, svc_us),
                     pass,
                     format!(
-                        "hybrid {:.1} {unit} at {:.1}% CPU/job vs poll {:.1} {unit} at {:.1}% CPU/job (medians): {:.1}% of poll's {unit} (need >= 97%), {:.1}% of poll's CPU (need <= 30%) (medians of {} paired rounds, ranges {perf_lo:.0}-{perf_hi:.0}% and {cpu_lo:.0}-{cpu_hi:.0}%); interrupt {:.1} {unit} at {:.1}% CPU/job",
+                        "hybrid {:.1} {unit} at {:.1}% CPU/job vs poll {:.1} {unit} at {:.1}% CPU/job (medians): {:.1}% of poll's {unit} (need >= 97%), {:.1}% of poll's CPU (need <= 30%) (medians of {} paired rounds, ranges {perf_lo:.0}-{perf_hi:.0}% and {cpu_lo:.0}-{cpu_hi:.0}%); interrupt {:.1} {unit} at {:.1}% CPU/job; poll's job threads ran {:.0}% of the time (a spinner given the whole CPU runs ~100%: less means other processes took it, which shrinks poll's CPU and so raises hybrid's share of it)",
                         hyb.perf,
                         hyb.cpu_per_job_pct,
                         poll.perf,
@@ -420,7 +420,8 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                         cpu_ratio * 100.0,
                         pairs.len(),
                         int.perf,
-                        int.cpu_per_job_pct
+                        int.cpu_per_job_pct,
+                        poll.job_thread_cpu_pct
                     ),
                 );
             }
