@@ -22,6 +22,7 @@ pub mod export;
 pub mod proto;
 pub mod server;
 pub mod sock;
+pub mod spin;
 pub mod uri;
 
 #[cfg(test)]
@@ -83,6 +84,13 @@ pub struct NbdArgs {
     /// if that default is taken by another server, serve runs without one].
     #[arg(long, value_name = "PATH")]
     pub control: Option<PathBuf>,
+
+    /// Longest busy-poll of a connection's socket before its reader blocks,
+    /// in microseconds (0: never poll). Polling is adaptive: it stops after
+    /// polls that find nothing or lose the CPU to another thread, and
+    /// resumes when it pays again.
+    #[arg(long, value_name = "US", default_value_t = server::DEFAULT_POLL_NS / 1000)]
+    pub poll_us: u64,
 }
 
 /// Parse `--export`/`--readonly` into (name, read_only) pairs.
@@ -146,7 +154,8 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
         held.push((name.clone(), dev.clone()));
         list.push(Export::new(name, dev, ro));
     }
-    let server = Server::bind(list, &listen)?;
+    let mut server = Server::bind(list, &listen)?;
+    server.set_poll_ns(args.poll_us.saturating_mul(1000));
     // Live control (blkstack-control): the control socket lives as long
     // as the server runs.
     let host = control::NbdExportHost::new(server.export_table(), server.addresses(), held);

@@ -26,6 +26,9 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+/// Default bound of a reader's busy-poll (see `spin.rs`).
+pub const DEFAULT_POLL_NS: u64 = 50_000;
+
 enum Listener {
     Tcp(TcpListener),
     Unix(UnixListener, PathBuf),
@@ -78,6 +81,9 @@ pub struct Server {
     listeners: Vec<(ListenUri, Listener)>,
     stop_r: OwnedFd,
     stop_w: Arc<OwnedFd>,
+    /// Bound of each connection reader's busy-poll before it blocks
+    /// (see `spin.rs`); 0 disables polling.
+    poll_ns: u64,
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -135,6 +141,7 @@ impl Server {
             listeners,
             stop_r,
             stop_w: Arc::new(stop_w),
+            poll_ns: DEFAULT_POLL_NS,
         })
     }
 
@@ -151,6 +158,12 @@ impl Server {
     /// Live control: the handle `export`/`unexport` change.
     pub fn export_table(&self) -> ExportTable {
         self.exports.clone()
+    }
+
+    /// Bound each connection reader's busy-poll of its socket (0: never
+    /// poll, always block).
+    pub fn set_poll_ns(&mut self, ns: u64) {
+        self.poll_ns = ns;
     }
 
     pub fn stopper(&self) -> Stopper {
@@ -208,10 +221,11 @@ impl Server {
                 live.lock().insert(id, sock.clone());
                 let exports = self.exports.snapshot();
                 let live2 = live.clone();
+                let poll_ns = self.poll_ns;
                 let t = std::thread::Builder::new()
                     .name(format!("nbd-conn-{id}"))
                     .spawn(move || {
-                        if let Err(e) = conn::serve(sock, &exports) {
+                        if let Err(e) = conn::serve(sock, &exports, poll_ns) {
                             if !matches!(
                                 e.kind(),
                                 io::ErrorKind::UnexpectedEof

@@ -40,6 +40,31 @@ impl Sock {
         }
     }
 
+    /// One non-blocking `recv`: `Ok(None)` when nothing is queued yet,
+    /// `Ok(Some(0))` at end of stream. Used by the reader's bounded poll.
+    pub fn recv_nowait(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        loop {
+            // SAFETY: buf is valid writable memory of buf.len() bytes.
+            let n = unsafe {
+                libc::recv(
+                    self.raw(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n >= 0 {
+                return Ok(Some(n as usize));
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return Ok(None),
+                _ => return Err(e),
+            }
+        }
+    }
+
     /// Receive exactly `buf.len()` bytes or fail (EOF is `UnexpectedEof`).
     pub fn recv_exact(&self, mut buf: &mut [u8]) -> io::Result<()> {
         while !buf.is_empty() {
