@@ -20,6 +20,16 @@
 //! it. The claim checked, on every workload whose service time is at least
 //! 20 µs: hybrid keeps at least 97 % of poll's IOPS/bandwidth at no more
 //! than 30 % of poll's CPU.
+//!
+//! Measurement: the machine is shared, and a spinning poller only gets its
+//! fair share of a CPU, so poll's figures move with other processes' load
+//! far more than hybrid's. Each point is therefore several short rounds of
+//! the three modes back to back, the order rotated each round, and the
+//! check judges the median of the per-round hybrid/poll ratios (a pair ran
+//! seconds apart under the same load); the rows also carry each ratio's
+//! range, each mode's spread between rounds, and how much CPU poll's job
+//! threads got (well under 100 % means poll's CPU, the check's
+//! denominator, was cut by other processes).
 
 use crate::common::{median, round};
 use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
@@ -457,7 +467,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         filter: Vec::new(),
     });
     r.note(format!(
-        "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (the seed used 16 on 8 cores; this machine has {} CPUs); {repeats} run(s) of {} ms per point, median shown",
+        "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (the seed used 16 on 8 cores; this machine has {} CPUs); {repeats} round(s) of {} ms per point (modes interleaved, order rotated), medians shown, checks on the median of per-round hybrid/poll ratios",
         stack(&backend, services[0], tags)?.trim().replace('\n', " | "),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         runtime.as_millis()
