@@ -58,9 +58,9 @@ fn per_kio(events: u64, ios: u64) -> f64 {
 pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let jobs = opts.jobs.unwrap_or(4) as u32;
     let shared_queues: u32 = opts.param("shared_queues", 4)?;
-    let repeats = opts.repeats.unwrap_or(if opts.quick { 2 } else { 5 });
+    let repeats = opts.repeats.unwrap_or(if opts.quick { 3 } else { 5 });
     let runtime =
-        Duration::from_millis(opts.param("runtime_ms", if opts.quick { 700 } else { 3000 })?);
+        Duration::from_millis(opts.param("runtime_ms", if opts.quick { 600 } else { 3000 })?);
     let depths: Vec<u32> = opts.param_list("depths", &DEPTHS)?;
     let tables: Vec<String> =
         opts.param_list("tables", &["single".to_string(), "shared".to_string()])?;
