@@ -3,13 +3,14 @@
 //! null-like driver through the whole queue with inline completion (the
 //! in-process `irqmode=0` case of issue 3), keeping 64 requests' bios in
 //! circulation as a QD64 job would. Per-iteration time is per I/O; its
-//! inverse is the IOPS one submitting thread can reach.
+//! inverse is the IOPS one submitting thread can reach. The batch variant
+//! submits the 64 bios with one `submit_batch` per iteration.
 
 use blkstack_core::{AlignedBuf, Bio, EndIo, IoBuf, Op, Status};
 use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, Rq};
 use blkstack_mq::sbitmap::{SbitmapQueue, WakeupAlgo};
 use blkstack_mq::tags::{HctxTagState, Tags, TagsConfig};
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use parking_lot::Mutex;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -108,5 +109,52 @@ fn bench_null_submit(c: &mut Criterion) {
     println!("engine after bench: {}", q.status());
 }
 
-criterion_group!(benches, bench_sbitmap, bench_tags, bench_null_submit);
+/// The same I/O, submitted as the bench's plug does: all 64 free bios in
+/// one `submit_batch` (tags a word at a time, inline completions ended
+/// together). One iteration is 64 I/Os (criterion's throughput line gives
+/// the per-I/O rate).
+fn bench_null_submit_batch(c: &mut Criterion) {
+    const QD: usize = 64;
+    const BS: usize = 4096;
+    let q = Queue::new(NullLike, EngineOptions::default()).expect("queue");
+    let buf = AlignedBuf::new(QD * BS);
+    let owner = Arc::new(Recycle {
+        free: Mutex::new(Vec::with_capacity(QD)),
+    });
+    let dyn_owner: Arc<dyn EndIo> = owner.clone();
+    for i in 0..QD {
+        // SAFETY: as in `bench_null_submit`.
+        let io = unsafe { buf.io_buf(i * BS, BS) };
+        Bio::new(Op::Read, 0, BS as u64, io, dyn_owner.clone(), i as u64).complete(Status::Ok);
+    }
+    let size_blocks: u64 = 1 << 18;
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut plug: Vec<Bio> = Vec::with_capacity(QD);
+    let mut g = c.benchmark_group("null_submit_batch");
+    g.throughput(Throughput::Elements(QD as u64));
+    g.bench_function("4k_randread_qd64_inline_batch64", |b| {
+        b.iter(|| {
+            std::mem::swap(&mut *owner.free.lock(), &mut plug);
+            for bio in plug.iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let off = (x % size_blocks) * BS as u64;
+                let io: IoBuf = bio.buf;
+                bio.rearm(dyn_owner.clone(), Op::Read, off, BS as u64, io);
+            }
+            q.submit_batch(&mut plug);
+        })
+    });
+    g.finish();
+    println!("engine after batch bench: {}", q.status());
+}
+
+criterion_group!(
+    benches,
+    bench_sbitmap,
+    bench_tags,
+    bench_null_submit,
+    bench_null_submit_batch
+);
 criterion_main!(benches);
