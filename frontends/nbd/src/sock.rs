@@ -65,6 +65,34 @@ impl Sock {
         }
     }
 
+    /// Sleep until this socket or `other` is readable (or hung up);
+    /// `Ok(true)` when the socket is. Retries on EINTR.
+    pub fn wait_readable(&self, other: RawFd) -> io::Result<bool> {
+        let mut fds = [
+            libc::pollfd {
+                fd: self.raw(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: other,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        loop {
+            // SAFETY: fds is a valid array of two pollfd.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if n >= 0 {
+                return Ok(fds[0].revents != 0);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
     /// Receive exactly `buf.len()` bytes or fail (EOF is `UnexpectedEof`).
     pub fn recv_exact(&self, mut buf: &mut [u8]) -> io::Result<()> {
         while !buf.is_empty() {
