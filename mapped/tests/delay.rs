@@ -396,7 +396,7 @@ fn status_and_table_text_match_dmsetup() {
             format!("0 4096 delay 253:{z} 0 1 affinity=none wake_pct=90"),
         ),
         (
-            "0 4096 delay z 0 1 affinity=cpu wake_pct=95".to_string(),
+            "0 4096 delay z 0 1 affinity=cpu wake_pct=80".to_string(),
             format!("0 4096 delay 253:{z} 0 1"),
         ),
     ];
