@@ -960,3 +960,73 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     debug_assert_eq!(eng.inflight, 0);
     Ok(result)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkstack_core::IoBuf;
+
+    fn bio(owner: &Arc<CompletionQueue>, cookie: u64) -> Bio {
+        let owner: Arc<dyn EndIo> = owner.clone();
+        Bio::new(Op::Flush, 0, 0, IoBuf::empty(), owner, cookie)
+    }
+
+    /// Completions on the job thread (lock-free list) and on other threads
+    /// (locked list) both arrive, each once, with their status, and taking
+    /// them never grows a list past the depth.
+    #[test]
+    fn completion_queue_takes_job_thread_and_foreign_completions() {
+        const DEPTH: usize = 8;
+        let cq = Arc::new(CompletionQueue::new(DEPTH, CycleClock::get()));
+        let mut out = DoneList::with_capacity(DEPTH);
+        // Three inline, then three from another thread.
+        for i in 0..3 {
+            bio(&cq, i).complete(Status::Ok);
+        }
+        let foreign: Vec<Bio> = (3..6).map(|i| bio(&cq, i)).collect();
+        std::thread::spawn(move || {
+            for b in foreign {
+                b.complete(Status::IoError);
+            }
+        })
+        .join()
+        .unwrap();
+        assert!(cq.has_ready(), "foreign completions signal pollers");
+        assert_eq!(cq.try_take(&mut out), 6);
+        let mut seen: Vec<(u64, Status)> = out
+            .bios
+            .iter()
+            .zip(&out.meta)
+            .map(|(b, &(s, _))| (b.cookie, s))
+            .collect();
+        seen.sort_by_key(|x| x.0);
+        let want: Vec<(u64, Status)> = (0..6)
+            .map(|i| (i, if i < 3 { Status::Ok } else { Status::IoError }))
+            .collect();
+        assert_eq!(seen, want);
+        assert!(out.bios.capacity() <= DEPTH && out.meta.capacity() <= DEPTH);
+        out.bios.clear();
+        out.meta.clear();
+        assert_eq!(cq.try_take(&mut out), 0);
+        // Blocking take returns at once when the job thread's own list has
+        // something.
+        bio(&cq, 9).complete(Status::Ok);
+        assert_eq!(cq.wait_take(&mut out), 1);
+        assert_eq!(out.bios[0].cookie, 9);
+    }
+
+    #[test]
+    #[should_panic(expected = "not the job thread")]
+    fn only_the_job_thread_takes() {
+        let cq = Arc::new(CompletionQueue::new(4, CycleClock::get()));
+        let cq2 = cq.clone();
+        let r = std::thread::spawn(move || {
+            let mut out = DoneList::with_capacity(4);
+            cq2.try_take(&mut out);
+        })
+        .join();
+        if let Err(e) = r {
+            std::panic::resume_unwind(e);
+        }
+    }
+}
