@@ -22,7 +22,7 @@
 //! the path's previous completion. Busy paths work that history down by
 //! 5 % per completion; a slow path completes too few I/Os to catch up,
 //! stops being chosen once its in-flight I/Os drain, and its stale window
-//! (`valid paths * hst`, here hours) never lets it be probed: it starves
+//! (`valid paths * hst`: tens of minutes) never lets it be probed: it starves
 //! completely, as the seed's "HST (orig)" column shows. The precision loss
 //! alone (start truncated to its tick) only adds up to a tick to I/Os that
 //! found their path idle. The `multipath` target's `start_time` feature
