@@ -74,6 +74,7 @@ impl EngineArgs {
             &[
                 ("counter", WakeupAlgo::Counter),
                 ("wait_cnt", WakeupAlgo::WaitCnt),
+                ("counter_first_queue", WakeupAlgo::CounterFirstQueue),
             ],
         )?;
         let run_dedup = kv.take_bool("run_dedup", d.run_dedup)?;

@@ -31,6 +31,15 @@
 //!   kernel, a preempted thread here) finds the count at zero, skips that
 //!   queue, and its credit is lost. That weakness is reproduced on purpose
 //!   (see the `nested_completion` tests).
+//! - [`WakeupAlgo::CounterFirstQueue`], a measurement aid: the counters as
+//!   they were before upstream's "sbitmap: fix batching wakeup" (Ming Lei /
+//!   David Jeffery, 2023), where a batch wakes the sleepers of the first
+//!   wait queue that has any and stops there. With one sleeper per queue
+//!   (few submitters, depth 64, batch 8) a batch then wakes one thread, as
+//!   `wait_cnt` does; that fix wakes up to a whole batch across queues,
+//!   because a sleeper that joins a queue right after its wakeup can be
+//!   left behind for good. On 2 vCPUs the extra wakeups cost: `lab
+//!   sbitmap --set algos=...` shows both.
 //!
 //! Both include the fix b5fcf7871acb ("sbitmap: correct wake_batch
 //! recalculation to avoid potential IO hung"): the shared-tags
@@ -66,6 +75,9 @@ pub enum WakeupAlgo {
     Counter,
     /// Per-wait-queue `wait_cnt` countdown (before seed 003).
     WaitCnt,
+    /// `Counter` with a batch waking one wait queue only (before upstream's
+    /// 2023 "fix batching wakeup"); may leave sleepers behind.
+    CounterFirstQueue,
 }
 
 impl WakeupAlgo {
@@ -73,6 +85,7 @@ impl WakeupAlgo {
         match self {
             WakeupAlgo::Counter => "counter",
             WakeupAlgo::WaitCnt => "wait_cnt",
+            WakeupAlgo::CounterFirstQueue => "counter_first_queue",
         }
     }
 
@@ -80,6 +93,7 @@ impl WakeupAlgo {
         match s {
             "counter" => Some(WakeupAlgo::Counter),
             "wait_cnt" => Some(WakeupAlgo::WaitCnt),
+            "counter_first_queue" => Some(WakeupAlgo::CounterFirstQueue),
             _ => None,
         }
     }
@@ -844,7 +858,7 @@ impl SbitmapQueue {
             return;
         }
         match self.algo {
-            WakeupAlgo::Counter => self.wake_up_counter(nr),
+            WakeupAlgo::Counter | WakeupAlgo::CounterFirstQueue => self.wake_up_counter(nr),
             WakeupAlgo::WaitCnt => self.wake_up_wait_cnt(nr),
         }
     }
@@ -886,7 +900,9 @@ impl SbitmapQueue {
             wake_index = sbq_index_inc(wake_index);
             if self.waitqueue_active(i) {
                 let woken = self.wake_up_nr(i, nr);
-                if woken == nr {
+                // Before the 2023 fix: "it is sufficient to wake up at
+                // least one waiter to guarantee forward progress".
+                if woken == nr || (woken > 0 && self.algo == WakeupAlgo::CounterFirstQueue) {
                     break;
                 }
                 nr -= woken;
@@ -1325,6 +1341,27 @@ mod tests {
         q.finish_wait(&mut w0);
         q.finish_wait(&mut w1);
         assert_eq!(q.ws_active(), 0);
+    }
+
+    #[test]
+    fn counter_first_queue_stops_after_one_queue() {
+        // The same two completions, one sleeper on each of two queues:
+        // before upstream's 2023 fix the batch stops at the first queue
+        // that woke anyone, and the second sleeper is left behind.
+        let q = SbitmapQueue::new(16, false, WakeupAlgo::CounterFirstQueue);
+        assert_eq!(WakeupAlgo::parse("counter_first_queue"), Some(q.algo()));
+        let tags: Vec<u32> = std::iter::from_fn(|| q.get()).collect();
+        let mut w0 = SbqWait::new_detached();
+        let mut w1 = SbqWait::new_detached();
+        q.prepare_to_wait(0, &mut w0);
+        q.prepare_to_wait(1, &mut w1);
+        q.clear(tags[0]);
+        q.clear(tags[1]);
+        assert!(w0.is_woken());
+        assert!(!w1.is_woken());
+        assert_eq!(q.stats().woken, 1);
+        q.finish_wait(&mut w0);
+        q.finish_wait(&mut w1);
     }
 
     #[test]
