@@ -67,6 +67,15 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // `--set trace=1`: each run's figures and engine counters on stderr
     // (tag waits, threads woken, wake batches), to see where time goes.
     let trace: u8 = opts.param("trace", 0)?;
+    // `--set also=counter_first_queue`: a third wakeup variant run beside
+    // the two in every repeat and reported in a note per depth (not in
+    // the table, whose columns are the issue's two algorithms).
+    let also: String = opts.param("also", String::new())?;
+    let mut algos = vec!["wait_cnt", "counter"];
+    // An unknown name is refused by the null driver's table parser.
+    if !also.is_empty() {
+        algos.push(also.as_str());
+    }
 
     let mut r = LabReport::new(
         "sbitmap",
@@ -98,23 +107,23 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             continue;
         }
         for &depth in &depths {
-            let mut figures = [Vec::new(), Vec::new()];
-            let mut rescued = [0u64; 2];
+            let mut figures = vec![Vec::new(); algos.len()];
+            let mut rescued = vec![0u64; algos.len()];
             // Engine counters summed over the runs: I/Os, sleeps on a tag,
             // threads woken, wake batches. They show the mechanism behind
             // the IOPS: how often a submitter sleeps per I/O, and how many
             // sleepers one batch of completions wakes.
-            let mut ios = [0u64; 2];
-            let mut sleeps = [0u64; 2];
-            let mut woken = [0u64; 2];
-            let mut batches = [0u64; 2];
-            // Interleave the two algorithms so drift on a shared machine
-            // hits both alike, and alternate which goes first, so neither
-            // always runs right after a fresh start of the other.
+            let mut ios = vec![0u64; algos.len()];
+            let mut sleeps = vec![0u64; algos.len()];
+            let mut woken = vec![0u64; algos.len()];
+            let mut batches = vec![0u64; algos.len()];
+            // Interleave the algorithms so drift on a shared machine hits
+            // them alike, and rotate which goes first, so none always runs
+            // right after a fresh start of another.
             for repeat in 0..repeats {
-                let order: [usize; 2] = if repeat % 2 == 0 { [0, 1] } else { [1, 0] };
-                for i in order {
-                    let algo = ["wait_cnt", "counter"][i];
+                let n = algos.len();
+                for i in (0..n).map(|k| (k + repeat) % n) {
+                    let algo = algos[i];
                     let m = run_stack(
                         &stack(depth, algo, queues),
                         &job(RwMode::RandWrite, 4096, 64, njobs, runtime),
@@ -183,6 +192,17 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 ok,
                 format!("counter {cm:.1}k (sd {cs:.1}) vs wait_cnt {wm:.1}k (sd {ws:.1})"),
             );
+            if let Some(extra) = algos.get(2) {
+                let (em, es) = mean_sd(&figures[2]);
+                r.note(format!(
+                    "{table} depth {depth}: {extra} {em:.1}k (sd {es:.1}), {:.2}x wait_cnt; \
+                     {:.1} sleeps/kIO, {:.2} woken per batch, {} rescued",
+                    em / wm.max(1e-9),
+                    per_kio(sleeps[2], ios[2]),
+                    woken[2] as f64 / batches[2].max(1) as f64,
+                    rescued[2]
+                ));
+            }
         }
     }
     r.seed = Some(SeedTable {
