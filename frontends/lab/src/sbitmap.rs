@@ -9,6 +9,14 @@
 //! repeated; mean (stddev) as the seed reports. The seed ran 20 jobs on 20
 //! CPUs; this machine has 2, so the job counts default lower and are
 //! flags (`--jobs`, `--set shared_queues=N`).
+//!
+//! The table also gives tag sleeps per 1000 I/Os and sleepers woken per
+//! wake batch, because they explain the IOPS here: with few submitters
+//! spread over the 8 wait queues, `wait_cnt` wakes one queue's sleeper per
+//! batch while today's `counter` wakes up to a batch across queues
+//! (upstream's 2023 "fix batching wakeup", against a hang), and on 2 vCPUs
+//! each extra sleep costs more than the I/O. `--set
+//! also=counter_first_queue` adds the counter algorithm before that fix.
 
 use crate::common::{job, mean_sd, round, run_stack};
 use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
