@@ -112,15 +112,25 @@ impl Kblockd {
             posts: CachePadded::new(AtomicU64::new(0)),
             runs: CachePadded::new(AtomicU64::new(0)),
         });
-        let handles = (0..workers.max(1))
+        let n = workers.max(1);
+        // Return only once every worker runs: a thread's start-up (its
+        // name, its signal stack) allocates, and that belongs to pool
+        // creation, not to whichever I/O happens to overlap it.
+        let started = Arc::new(std::sync::Barrier::new(n + 1));
+        let handles = (0..n)
             .map(|i| {
                 let shared = shared.clone();
+                let started = started.clone();
                 std::thread::Builder::new()
                     .name(format!("kblockd/{i}"))
-                    .spawn(move || worker(shared))
+                    .spawn(move || {
+                        started.wait();
+                        worker(shared)
+                    })
                     .expect("spawn kblockd worker")
             })
             .collect();
+        started.wait();
         Arc::new(Kblockd {
             shared,
             workers: Mutex::new(handles),
