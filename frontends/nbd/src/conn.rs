@@ -27,10 +27,12 @@
 //! input the reader may poll the socket for a bounded time, yielding the
 //! CPU between polls, and only while such polls keep finding requests
 //! ([`crate::spin`]); it also asks the scheduler for a short slice so that
-//! its wake-up is not queued behind a CPU-bound thread. A fixed 10-20 µs
-//! poll without those rules lowered the median IOPS at QD1 and QD64 here
-//! under load and raised CPU per I/O. When every slot is busy, or the requests in flight already hold
-//! [`INFLIGHT_BYTES`] of data, the reader stops reading: that is the
+//! its wake-up is not queued behind a CPU-bound thread. While requests are
+//! in flight it sleeps on the socket and an eventfd that the completer of
+//! the last of them signals ([`IdleWake`]). A fixed 10-20 µs poll without
+//! those rules lowered the median IOPS at QD1 and QD64 here under load and
+//! raised CPU per I/O. When every slot is busy, or the requests in flight
+//! already hold [`INFLIGHT_BYTES`] of data, the reader stops reading: that is the
 //! connection's queue depth limit and the client's backpressure, and it
 //! bounds the memory one client can make the server hold.
 
