@@ -169,7 +169,10 @@ fn stats_message_counts_what_went_out_and_how_late() {
     };
     assert_eq!(field("sent"), 8, "{text}");
     assert!(field("late_10us") <= 8, "{text}");
-    assert!(field("wakes") >= 1, "{text}");
+    // A worker started late (a loaded machine) finds every bio already
+    // due and never sleeps, so `wakes` may be 0; it must still be there.
+    let wakes = field("wakes");
+    assert!(wakes == 0 || field("wake_late_mean_ns") > 0, "{text}");
     assert!(text.contains("margins_ns="), "{text}");
     let kt = Registry::new();
     kt.create("z", "0 8192 zero").unwrap();
