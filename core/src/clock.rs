@@ -75,6 +75,40 @@ pub fn set_thread_timer_slack_ns(ns: u64) {
     }
 }
 
+/// Ask EEVDF for a slice of `ns` (`sched_attr.sched_runtime`, Linux 6.12+)
+/// for the calling thread: its virtual deadline then comes early, so its
+/// wake-up preempts a CPU-bound thread instead of queueing behind that
+/// thread's whole slice. Meant for threads that run briefly per wake-up
+/// (delay workers, NBD readers). Kernels without custom slices ignore the
+/// field; a refusal only costs latency, so it is not an error.
+pub fn set_thread_sched_slice_ns(ns: u64) {
+    #[repr(C)]
+    struct SchedAttr {
+        size: u32,
+        policy: u32,
+        flags: u64,
+        nice: i32,
+        priority: u32,
+        runtime: u64,
+        deadline: u64,
+        period: u64,
+    }
+    let attr = SchedAttr {
+        size: std::mem::size_of::<SchedAttr>() as u32,
+        policy: libc::SCHED_OTHER as u32,
+        flags: 0,
+        nice: 0,
+        priority: 0,
+        runtime: ns,
+        deadline: 0,
+        period: 0,
+    };
+    // SAFETY: a valid sched_attr for the calling thread (pid 0).
+    unsafe {
+        libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0);
+    }
+}
+
 /// Sleep until `deadline_ns` on the [`now_ns`] clock (absolute
 /// clock_nanosleep, so no drift from computing a relative interval).
 pub fn sleep_until_ns(deadline_ns: u64) {

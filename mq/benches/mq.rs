@@ -75,9 +75,14 @@ impl EndIo for Recycle {
     }
 }
 
-fn bench_null_submit(c: &mut Criterion) {
-    const QD: usize = 64;
-    const BS: usize = 4096;
+const QD: usize = 64;
+const BS: usize = 4096;
+/// 1 GiB of 4 KiB blocks.
+const SIZE_BLOCKS: u64 = 1 << 18;
+
+/// A null-like queue and `QD` bios on the owner's free list, each with its
+/// own `BS` range of the returned buffer.
+fn null_queue_with_free_bios() -> (Queue<NullLike>, AlignedBuf, Arc<Recycle>, Arc<dyn EndIo>) {
     let q = Queue::new(NullLike, EngineOptions::default()).expect("queue");
     let buf = AlignedBuf::new(QD * BS);
     let owner = Arc::new(Recycle {
@@ -85,22 +90,31 @@ fn bench_null_submit(c: &mut Criterion) {
     });
     let dyn_owner: Arc<dyn EndIo> = owner.clone();
     for i in 0..QD {
-        // SAFETY: `buf` outlives every request (it lives to the end of this
-        // function, after the queue is idle) and each bio owns its range.
+        // SAFETY: the caller holds `buf` (returned beside the queue) for as
+        // long as it submits; `NullLike` completes inline, so no bio is in
+        // flight when the caller's locals go; each bio owns its range.
         let io = unsafe { buf.io_buf(i * BS, BS) };
-        let bio = Bio::new(Op::Read, 0, BS as u64, io, dyn_owner.clone(), i as u64);
         // Completing it at once puts it on the free list, ready for reuse.
-        bio.complete(Status::Ok);
+        Bio::new(Op::Read, 0, BS as u64, io, dyn_owner.clone(), i as u64).complete(Status::Ok);
     }
-    let size_blocks: u64 = 1 << 18; // 1 GiB of 4 KiB blocks
+    (q, buf, owner, dyn_owner)
+}
+
+/// xorshift64: the next random 4 KiB-aligned offset.
+fn next_offset(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    (*x % SIZE_BLOCKS) * BS as u64
+}
+
+fn bench_null_submit(c: &mut Criterion) {
+    let (q, _buf, owner, dyn_owner) = null_queue_with_free_bios();
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
     c.bench_function("null_submit_4k_randread_qd64_inline", |b| {
         b.iter(|| {
             let mut bio = owner.free.lock().pop().expect("a free bio");
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let off = (x % size_blocks) * BS as u64;
+            let off = next_offset(&mut x);
             let io: IoBuf = bio.buf;
             bio.rearm(dyn_owner.clone(), Op::Read, off, BS as u64, io);
             q.submit(bio);
@@ -114,20 +128,7 @@ fn bench_null_submit(c: &mut Criterion) {
 /// together). One iteration is 64 I/Os (criterion's throughput line gives
 /// the per-I/O rate).
 fn bench_null_submit_batch(c: &mut Criterion) {
-    const QD: usize = 64;
-    const BS: usize = 4096;
-    let q = Queue::new(NullLike, EngineOptions::default()).expect("queue");
-    let buf = AlignedBuf::new(QD * BS);
-    let owner = Arc::new(Recycle {
-        free: Mutex::new(Vec::with_capacity(QD)),
-    });
-    let dyn_owner: Arc<dyn EndIo> = owner.clone();
-    for i in 0..QD {
-        // SAFETY: as in `bench_null_submit`.
-        let io = unsafe { buf.io_buf(i * BS, BS) };
-        Bio::new(Op::Read, 0, BS as u64, io, dyn_owner.clone(), i as u64).complete(Status::Ok);
-    }
-    let size_blocks: u64 = 1 << 18;
+    let (q, _buf, owner, dyn_owner) = null_queue_with_free_bios();
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
     let mut plug: Vec<Bio> = Vec::with_capacity(QD);
     let mut g = c.benchmark_group("null_submit_batch");
@@ -136,10 +137,7 @@ fn bench_null_submit_batch(c: &mut Criterion) {
         b.iter(|| {
             std::mem::swap(&mut *owner.free.lock(), &mut plug);
             for bio in plug.iter_mut() {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let off = (x % size_blocks) * BS as u64;
+                let off = next_offset(&mut x);
                 let io: IoBuf = bio.buf;
                 bio.rearm(dyn_owner.clone(), Op::Read, off, BS as u64, io);
             }

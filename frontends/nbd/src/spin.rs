@@ -105,38 +105,11 @@ impl SpinPolicy {
 /// Slice asked of the scheduler for a connection's reader.
 pub const READER_SLICE_NS: u64 = 100_000;
 
-/// Ask EEVDF for a short slice (`sched_attr.sched_runtime`, Linux 6.12+)
-/// for the calling thread: its virtual deadline then comes early, so its
-/// wake-up preempts a CPU-bound thread instead of queueing behind that
-/// thread's whole slice. The reader runs a few microseconds per request,
-/// so a short slice costs it nothing. Kernels without custom slices
-/// ignore the field; a refusal only costs latency, so it is not an error.
+/// Ask the scheduler for a short slice for the calling reader (see
+/// [`blkstack_core::clock::set_thread_sched_slice_ns`]): the reader runs a
+/// few microseconds per request, so a short slice costs it nothing.
 pub fn ask_short_slice() {
-    #[repr(C)]
-    struct SchedAttr {
-        size: u32,
-        policy: u32,
-        flags: u64,
-        nice: i32,
-        priority: u32,
-        runtime: u64,
-        deadline: u64,
-        period: u64,
-    }
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        policy: libc::SCHED_OTHER as u32,
-        flags: 0,
-        nice: 0,
-        priority: 0,
-        runtime: READER_SLICE_NS,
-        deadline: 0,
-        period: 0,
-    };
-    // SAFETY: a valid sched_attr for the calling thread (pid 0).
-    unsafe {
-        libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0);
-    }
+    blkstack_core::clock::set_thread_sched_slice_ns(READER_SLICE_NS);
 }
 
 #[cfg(test)]

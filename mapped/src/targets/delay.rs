@@ -943,32 +943,7 @@ fn apply_option(o: &mut Options, timing: &mut [Timing; 3], k: &str, v: &str) -> 
 /// EEVDF slice so a wake-up preempts a CPU hog instead of waiting for it.
 fn prepare_worker_thread() {
     clock::set_thread_timer_slack_ns(1);
-    #[repr(C)]
-    struct SchedAttr {
-        size: u32,
-        policy: u32,
-        flags: u64,
-        nice: i32,
-        priority: u32,
-        runtime: u64,
-        deadline: u64,
-        period: u64,
-    }
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        policy: libc::SCHED_OTHER as u32,
-        flags: 0,
-        nice: 0,
-        priority: 0,
-        runtime: WORKER_SLICE_NS,
-        deadline: 0,
-        period: 0,
-    };
-    // SAFETY: a valid sched_attr for this thread (pid 0). Kernels without
-    // custom slices ignore `runtime`; failure only costs latency.
-    unsafe {
-        libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0);
-    }
+    clock::set_thread_sched_slice_ns(WORKER_SLICE_NS);
 }
 
 /// Learns how late a worker's timed sleeps wake, to choose how far short
