@@ -114,8 +114,9 @@ impl Kblockd {
         });
         let n = workers.max(1);
         // Return only once every worker runs: a thread's start-up (its
-        // name, its signal stack) allocates, and that belongs to pool
-        // creation, not to whichever I/O happens to overlap it.
+        // name, its signal stack, parking_lot's per-thread data on its
+        // first sleep) allocates, and that belongs to pool creation, not
+        // to whichever I/O happens to overlap it.
         let started = Arc::new(std::sync::Barrier::new(n + 1));
         let handles = (0..n)
             .map(|i| {
@@ -124,6 +125,11 @@ impl Kblockd {
                 std::thread::Builder::new()
                     .name(format!("kblockd/{i}"))
                     .spawn(move || {
+                        // One 1 ns timed sleep sets up this thread's
+                        // parking_lot data now rather than on its first
+                        // real wait.
+                        let m = Mutex::new(());
+                        Condvar::new().wait_for(&mut m.lock(), std::time::Duration::from_nanos(1));
                         started.wait();
                         worker(shared)
                     })
