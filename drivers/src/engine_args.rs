@@ -6,13 +6,13 @@
 //! Names follow null_blk's module parameters where one exists (`irqmode`,
 //! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `blocking`); the rest select the mechanisms of seeds 001 and 003
-//! (`run_dedup`, `run_on_completion`, `tag_wakeup`). `shared_tags=1`
+//! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`). `shared_tags=1`
 //! shares one tag set among this device's hardware queues (null_blk's
 //! `shared_tag_bitmap`), which is the sharing seed 003 measures.
 
 use crate::args::KvArgs;
 use blkstack_mq::queue::{CompletionMode, EngineOptions};
-use blkstack_mq::sbitmap::{WakeupAlgo, MAX_DEPTH};
+use blkstack_mq::sbitmap::{WakeWeight, WakeupAlgo, MAX_DEPTH};
 use std::fmt::Write;
 
 /// null_blk's default `completion_nsec`.
@@ -77,6 +77,11 @@ impl EngineArgs {
                 ("counter_first_queue", WakeupAlgo::CounterFirstQueue),
             ],
         )?;
+        let tag_wake_weight = kv.take_choice(
+            "tag_wake_weight",
+            d.tag_wake_weight,
+            &[("plug", WakeWeight::Plug), ("one", WakeWeight::One)],
+        )?;
         let run_dedup = kv.take_bool("run_dedup", d.run_dedup)?;
         let run_on_completion = kv.take_bool("run_on_completion", d.run_on_completion)?;
         let rescue_ms = kv.take_u64("tag_rescue_ms", 0, 0, 3_600_000)?;
@@ -94,6 +99,7 @@ impl EngineArgs {
             blocking,
             completion,
             tag_wakeup,
+            tag_wake_weight,
             run_dedup,
             run_on_completion,
             rescue_timeout_ns: rescue_ms * 1_000_000,
@@ -132,6 +138,9 @@ impl EngineArgs {
         if o.tag_wakeup != d.tag_wakeup {
             let _ = write!(out, " tag_wakeup={}", o.tag_wakeup.name());
         }
+        if o.tag_wake_weight != d.tag_wake_weight {
+            let _ = write!(out, " tag_wake_weight={}", o.tag_wake_weight.name());
+        }
         if !o.run_dedup {
             out.push_str(" run_dedup=off");
         }
@@ -147,12 +156,13 @@ impl EngineArgs {
     pub fn describe(&self) -> String {
         let o = &self.opts;
         let mut s = format!(
-            "irqmode={} hw_queue_depth={} submit_queues={} shared_tags={} tag_wakeup={} run_dedup={} run_on_completion={}",
+            "irqmode={} hw_queue_depth={} submit_queues={} shared_tags={} tag_wakeup={} tag_wake_weight={} run_dedup={} run_on_completion={}",
             o.completion.irqmode(),
             o.queue_depth,
             o.hw_queues,
             o.shared_tags as u8,
             o.tag_wakeup.name(),
+            o.tag_wake_weight.name(),
             if o.run_dedup { "on" } else { "off" },
             o.run_on_completion as u8,
         );
@@ -184,6 +194,7 @@ mod tests {
             "shared_tags=1",
             "blocking=1",
             "tag_wakeup=wait_cnt",
+            "tag_wake_weight=one",
             "run_dedup=off",
             "run_on_completion=1",
             "tag_rescue_ms=500",
@@ -192,6 +203,7 @@ mod tests {
         assert_eq!(e.opts.completion, CompletionMode::Timer { nsec: 20000 });
         assert_eq!(e.opts.queue_depth, 1024);
         assert_eq!(e.opts.tag_wakeup, WakeupAlgo::WaitCnt);
+        assert_eq!(e.opts.tag_wake_weight, WakeWeight::One);
         assert!(!e.opts.run_dedup && e.opts.run_on_completion && e.opts.shared_tags);
         let mut printed = String::new();
         e.write_table_args(&mut printed);
@@ -211,6 +223,7 @@ mod tests {
             ("hw_queue_depth=10241", "hw_queue_depth"),
             ("submit_queues=0", "submit_queues"),
             ("tag_wakeup=fast", "tag_wakeup"),
+            ("tag_wake_weight=2", "tag_wake_weight"),
             ("run_dedup=maybe", "run_dedup"),
         ] {
             let e = parse(&[arg]).unwrap_err();

@@ -28,7 +28,7 @@
 
 use crate::hwqueue::{HctxStats, HwQueue, S_RESTART, S_STOPPED, S_WORK_QUEUED};
 use crate::kblockd::{DelayedWork, Kblockd};
-use crate::sbitmap::{SbqStats, WakeupAlgo, MAX_DEPTH};
+use crate::sbitmap::{SbqStats, WakeWeight, WakeupAlgo, MAX_DEPTH};
 use crate::tags::{Tags, TagsConfig};
 use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns};
 use blkstack_core::{Bio, Status};
@@ -90,6 +90,8 @@ pub struct EngineOptions {
     pub blocking: bool,
     pub completion: CompletionMode,
     pub tag_wakeup: WakeupAlgo,
+    /// What a woken tag sleeper counts for (`WakeWeight`).
+    pub tag_wake_weight: WakeWeight,
     /// Seed 001's queued bit (true) or post every time (false).
     pub run_dedup: bool,
     /// Run all hardware queues asynchronously on every completion.
@@ -110,6 +112,7 @@ impl Default for EngineOptions {
             blocking: false,
             completion: CompletionMode::Inline,
             tag_wakeup: WakeupAlgo::Counter,
+            tag_wake_weight: WakeWeight::Plug,
             run_dedup: true,
             run_on_completion: false,
             round_robin_tags: false,
@@ -312,6 +315,7 @@ impl<D: Driver> Queue<D> {
             depth: opts.queue_depth,
             reserved: opts.reserved_tags,
             wakeup: opts.tag_wakeup,
+            wake_weight: opts.tag_wake_weight,
             round_robin: opts.round_robin_tags,
             shared: opts.shared_tags && opts.hw_queues > 1,
             rescue_timeout_ns: opts.rescue_timeout_ns,
@@ -539,9 +543,16 @@ impl<D: Driver> EndRequest for QueueInner<D> {
 impl<D: Driver> QueueInner<D> {
     #[inline]
     fn submit(&self, bio: Bio) {
+        self.submit_want(bio, 1)
+    }
+
+    /// [`Self::submit`] for the first of `want` bios the caller submits in
+    /// a row (its plug): what a tag sleep declares to the wakeup.
+    #[inline]
+    fn submit_want(&self, bio: Bio, want: u32) {
         let h = &self.hctxs[thread_hctx(self.hctxs.len())];
         let was_inactive = h.tags.is_shared() && !h.tag_state.is_active();
-        let tag = h.tags.get(&h.tag_state, false, &h.wait_index, || {
+        let tag = h.tags.get(&h.tag_state, false, &h.wait_index, want, || {
             self.run_hw_queue(h, false)
         });
         if was_inactive {
@@ -565,8 +576,10 @@ impl<D: Driver> QueueInner<D> {
     fn submit_batch(&self, bios: &mut Vec<Bio>) {
         let h = &self.hctxs[thread_hctx(self.hctxs.len())];
         if h.tags.is_shared() {
+            let mut left = bios.len() as u32;
             for bio in bios.drain(..) {
-                self.submit(bio);
+                self.submit_want(bio, left);
+                left -= 1;
             }
             return;
         }
@@ -579,8 +592,8 @@ impl<D: Driver> QueueInner<D> {
                     Some((m, o)) => (mask, offset) = (m, o),
                     None => {
                         self.end_requests(h, &mut finished);
+                        self.submit_want(bio, left as u32);
                         left -= 1;
-                        self.submit(bio);
                         continue;
                     }
                 }

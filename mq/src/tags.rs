@@ -15,7 +15,7 @@
 //! starve the others; the wake batch is recalculated for the number of
 //! active users (`blk_mq_update_wake_batch`).
 
-use crate::sbitmap::{SbitmapQueue, SbqStats, WaitIndex, WakeupAlgo, MAX_DEPTH};
+use crate::sbitmap::{SbitmapQueue, SbqStats, WaitIndex, WakeWeight, WakeupAlgo, MAX_DEPTH};
 use blkstack_core::Bio;
 use parking_lot::Mutex;
 use std::cell::UnsafeCell;
@@ -125,6 +125,8 @@ pub struct TagsConfig {
     /// Tags kept for reserved requests (< depth).
     pub reserved: u32,
     pub wakeup: WakeupAlgo,
+    /// What a woken sleeper counts for (see [`WakeWeight`]).
+    pub wake_weight: WakeWeight,
     /// Hand out tags in order rather than by per-thread hint
     /// (`BLK_MQ_F_TAG_RR`).
     pub round_robin: bool,
@@ -140,6 +142,7 @@ impl Default for TagsConfig {
             depth: 64,
             reserved: 0,
             wakeup: WakeupAlgo::Counter,
+            wake_weight: WakeWeight::Plug,
             round_robin: false,
             shared: false,
             rescue_timeout_ns: 0,
@@ -174,6 +177,7 @@ impl Tags {
         let mk = |depth| {
             SbitmapQueue::new(depth, cfg.round_robin, cfg.wakeup)
                 .with_rescue_timeout_ns(cfg.rescue_timeout_ns)
+                .with_wake_weight(cfg.wake_weight)
         };
         Ok(Tags {
             cfg,
@@ -341,11 +345,15 @@ impl Tags {
     /// Allocate a tag, sleeping on the set's wait queues until one is free
     /// (kernel `blk_mq_get_tag`). `before_sleep` is the kernel's
     /// `blk_mq_run_hw_queue(hctx, false)` before each possible sleep.
+    /// `want` is how many tags the caller is about to take in a row (its
+    /// plug, this one included), which a sleep declares to the wakeup
+    /// ([`WakeWeight::Plug`]).
     pub fn get(
         &self,
         hs: &HctxTagState,
         reserved: bool,
         wait_index: &WaitIndex,
+        want: u32,
         mut before_sleep: impl FnMut(),
     ) -> u32 {
         self.tag_busy(hs);
@@ -359,6 +367,7 @@ impl Tags {
             &self.bitmap_tags
         };
         let mut wait = crate::sbitmap::SbqWait::new();
+        wait.set_want(want);
         let mut ws = bt.wait_ptr(wait_index);
         let tag = loop {
             before_sleep();

@@ -278,7 +278,7 @@ fn a_batched_free_wakes_a_sleeping_waiter() {
         let waiter = {
             let (tags, hs, got) = (tags.clone(), hs.clone(), got.clone());
             std::thread::spawn(move || {
-                let t = tags.get(&hs, false, &WaitIndex::new(), || {});
+                let t = tags.get(&hs, false, &WaitIndex::new(), 1, || {});
                 got.store(true, SeqCst);
                 tags.put(&hs, t);
             })

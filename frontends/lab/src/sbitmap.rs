@@ -15,8 +15,13 @@
 //! spread over the 8 wait queues, `wait_cnt` wakes one queue's sleeper per
 //! batch while today's `counter` wakes up to a batch across queues
 //! (upstream's 2023 "fix batching wakeup", against a hang), and on 2 vCPUs
-//! each extra sleep costs more than the I/O. `--set
-//! also=counter_first_queue` adds the counter algorithm before that fix.
+//! each extra sleep costs more than the I/O. Both algorithms run with our
+//! plug-weighted wakeups (`tag_wake_weight=plug`, see `mq::sbitmap`): a
+//! sleeper about to take a plug of tags counts for that many wakeups, so
+//! a batch wakes one such sleeper, not eight. `--set
+//! also=counter_first_queue` adds the counter algorithm before that fix,
+//! `--set also=counter/one` the kernel's one wakeup per sleeper, and
+//! `--set wake_weight=one` runs the two main columns that way.
 
 use crate::common::{job, mean_sd, round, run_stack};
 use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
@@ -51,10 +56,13 @@ const SEED_SHARED: [(f64, f64); 6] = [
 /// table instead of hanging the run.
 const RESCUE_MS: u32 = 20;
 
-fn stack(depth: u32, algo: &str, queues: u32) -> String {
+/// `algo` is a wakeup algorithm, optionally `/WEIGHT` (`plug` or `one`,
+/// the `tag_wake_weight` arg); without one, `weight` applies.
+fn stack(depth: u32, algo: &str, weight: &str, queues: u32) -> String {
     let shared = if queues > 1 { " shared_tags=1" } else { "" };
+    let (algo, weight) = algo.split_once('/').unwrap_or((algo, weight));
     format!(
-        "dev: 0 2097152 null irqmode=1 hw_queue_depth={depth} submit_queues={queues}{shared} tag_wakeup={algo} tag_rescue_ms={RESCUE_MS}\n"
+        "dev: 0 2097152 null irqmode=1 hw_queue_depth={depth} submit_queues={queues}{shared} tag_wakeup={algo} tag_wake_weight={weight} tag_rescue_ms={RESCUE_MS}\n"
     )
 }
 
@@ -78,7 +86,10 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // `--set also=counter_first_queue`: a third wakeup variant run beside
     // the two in every repeat and reported in a note per depth (not in
     // the table, whose columns are the two algorithms).
+    // `--set also=counter/one`: the same with the kernel's one wakeup per
+    // sleeper; `--set wake_weight=one` applies that to the two main ones.
     let also: String = opts.param("also", String::new())?;
+    let weight: String = opts.param("wake_weight", "plug".to_string())?;
     let mut algos = vec!["wait_cnt", "counter"];
     // An unknown name is refused by the null driver's table parser.
     if !also.is_empty() {
@@ -133,7 +144,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 for i in (0..n).map(|k| (k + repeat) % n) {
                     let algo = algos[i];
                     let m = run_stack(
-                        &stack(depth, algo, queues),
+                        &stack(depth, algo, &weight, queues),
                         &job(RwMode::RandWrite, 4096, 64, njobs, runtime),
                     )?;
                     anyhow::ensure!(
