@@ -6,9 +6,13 @@
 //! Names follow null_blk's module parameters where one exists (`irqmode`,
 //! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `blocking`); the rest select the mechanisms of seeds 001 and 003
-//! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`). `shared_tags=1`
-//! shares one tag set among this device's hardware queues (null_blk's
-//! `shared_tag_bitmap`), which is the sharing seed 003 measures.
+//! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`).
+//! `shared_tags=1` shares one tag set among this device's hardware queues
+//! (null_blk's `shared_tag_bitmap`), which is the sharing seed 003
+//! measures: as in the kernel for one device, without a fair share.
+//! `tag_fair_share=1` adds blk-mq's fair share per active user, treating
+//! each hardware queue as the kernel treats each request queue of a tag
+//! set shared by several (`BLK_MQ_F_TAG_QUEUE_SHARED`).
 
 use crate::args::KvArgs;
 use blkstack_mq::queue::{CompletionMode, EngineOptions};
@@ -67,6 +71,7 @@ impl EngineArgs {
             blkstack_mq::queue::MAX_HW_QUEUES as u64,
         )? as u32;
         let shared_tags = kv.take_bool("shared_tags", d.shared_tags)?;
+        let tag_fair_share = kv.take_bool("tag_fair_share", d.tag_fair_share)?;
         let blocking = kv.take_bool("blocking", d.blocking)?;
         let tag_wakeup = kv.take_choice(
             "tag_wakeup",
@@ -96,6 +101,7 @@ impl EngineArgs {
             hw_queues,
             queue_depth,
             shared_tags,
+            tag_fair_share,
             blocking,
             completion,
             tag_wakeup,
@@ -132,6 +138,9 @@ impl EngineArgs {
         if o.shared_tags {
             out.push_str(" shared_tags=1");
         }
+        if o.tag_fair_share {
+            out.push_str(" tag_fair_share=1");
+        }
         if o.blocking {
             out.push_str(" blocking=1");
         }
@@ -156,11 +165,12 @@ impl EngineArgs {
     pub fn describe(&self) -> String {
         let o = &self.opts;
         let mut s = format!(
-            "irqmode={} hw_queue_depth={} submit_queues={} shared_tags={} tag_wakeup={} tag_wake_weight={} run_dedup={} run_on_completion={}",
+            "irqmode={} hw_queue_depth={} submit_queues={} shared_tags={} tag_fair_share={} tag_wakeup={} tag_wake_weight={} run_dedup={} run_on_completion={}",
             o.completion.irqmode(),
             o.queue_depth,
             o.hw_queues,
             o.shared_tags as u8,
+            o.tag_fair_share as u8,
             o.tag_wakeup.name(),
             o.tag_wake_weight.name(),
             if o.run_dedup { "on" } else { "off" },
@@ -192,6 +202,7 @@ mod tests {
             "hw_queue_depth=1024",
             "submit_queues=4",
             "shared_tags=1",
+            "tag_fair_share=1",
             "blocking=1",
             "tag_wakeup=wait_cnt",
             "tag_wake_weight=one",

@@ -122,8 +122,8 @@ impl HwQueue {
         self.in_driver.load(Relaxed)
     }
 
-    /// Tags this queue holds (counted for shared tag sets only, as in the
-    /// kernel).
+    /// Tags this queue holds (counted only for tag sets with a fair share,
+    /// where the share needs it, as in the kernel).
     pub fn nr_active(&self) -> u32 {
         self.tag_state.nr_active()
     }

@@ -86,6 +86,9 @@ pub struct EngineOptions {
     pub reserved_tags: u32,
     /// One tag set shared by all hardware queues.
     pub shared_tags: bool,
+    /// With `shared_tags`: a fair share of it per active hardware queue
+    /// (see `tags`).
+    pub tag_fair_share: bool,
     /// The driver may sleep in `queue_rq`: queue runs always go to kblockd.
     pub blocking: bool,
     pub completion: CompletionMode,
@@ -109,6 +112,7 @@ impl Default for EngineOptions {
             queue_depth: 64,
             reserved_tags: 0,
             shared_tags: false,
+            tag_fair_share: false,
             blocking: false,
             completion: CompletionMode::Inline,
             tag_wakeup: WakeupAlgo::Counter,
@@ -318,6 +322,7 @@ impl<D: Driver> Queue<D> {
             wake_weight: opts.tag_wake_weight,
             round_robin: opts.round_robin_tags,
             shared: opts.shared_tags && opts.hw_queues > 1,
+            fair_share: opts.tag_fair_share,
             rescue_timeout_ns: opts.rescue_timeout_ns,
         };
         let shared = if tags_cfg.shared {
@@ -344,7 +349,7 @@ impl<D: Driver> Queue<D> {
             kblockd,
             idle_work: OnceLock::new(),
         });
-        if tags_cfg.shared {
+        if tags_cfg.shared && tags_cfg.fair_share {
             let weak = Arc::downgrade(&inner);
             let work = DelayedWork::new(move || {
                 if let Some(q) = weak.upgrade() {
@@ -551,7 +556,7 @@ impl<D: Driver> QueueInner<D> {
     #[inline]
     fn submit_want(&self, bio: Bio, want: u32) {
         let h = &self.hctxs[thread_hctx(self.hctxs.len())];
-        let was_inactive = h.tags.is_shared() && !h.tag_state.is_active();
+        let was_inactive = h.tags.has_fair_share() && !h.tag_state.is_active();
         let tag = h.tags.get(&h.tag_state, false, &h.wait_index, want, || {
             self.run_hw_queue(h, false)
         });
@@ -568,14 +573,14 @@ impl<D: Driver> QueueInner<D> {
     }
 
     /// Kernel `blk_mq_submit_bio` for a plugged list, with batched tag
-    /// allocation and completion. Shared tag sets take the one-by-one path
-    /// (each tag must pass the fair-share check, and the kernel does not
-    /// batch them either); so does a bio for which no word has free tags,
+    /// allocation and completion. Tag sets with a fair share take the
+    /// one-by-one path (each tag must pass the fair-share check, and the
+    /// kernel does not batch them either); so does a bio for which no word has free tags,
     /// after ending what this batch finished (its tags may be the ones the
     /// allocation would wait for).
     fn submit_batch(&self, bios: &mut Vec<Bio>) {
         let h = &self.hctxs[thread_hctx(self.hctxs.len())];
-        if h.tags.is_shared() {
+        if h.tags.has_fair_share() {
             let mut left = bios.len() as u32;
             for bio in bios.drain(..) {
                 self.submit_want(bio, left);

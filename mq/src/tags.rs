@@ -9,11 +9,21 @@
 //!
 //! A tag set may be shared by several hardware queues (the kernel's
 //! `BLK_MQ_F_TAG_HCTX_SHARED`, null_blk `shared_tag_bitmap`, seed 003's
-//! "single bitmap shared by 20 hctx"). Then each hardware queue that is
-//! issuing I/O marks itself active, and `hctx_may_queue` limits it to a fair
-//! share of the depth (`max(depth / active, 4)`), so one busy queue cannot
-//! starve the others; the wake batch is recalculated for the number of
-//! active users (`blk_mq_update_wake_batch`).
+//! "single bitmap shared by 20 hctx"): one bitmap, one set of wait queues,
+//! every hardware queue allocating from it freely, as the kernel does for
+//! the hardware queues of one request queue.
+//!
+//! With a fair share on top (`fair_share`; the kernel's
+//! `BLK_MQ_F_TAG_QUEUE_SHARED`, which it sets when several request queues
+//! share a tag set, as the LUNs of one SCSI host do) each hardware queue
+//! counts as a user: one that is issuing I/O marks itself active,
+//! `hctx_may_queue` limits it to a fair share of the depth (`max(depth /
+//! active, 4)`) so one busy user cannot starve the others, the wake batch
+//! is recalculated for the number of active users
+//! (`blk_mq_update_wake_batch`), and tags are taken one by one
+//! (`blk_mq_get_tags` refuses batches for such sets). The kernel does
+//! none of this for hardware queues of one device, so neither does a
+//! shared set without `fair_share`.
 
 use crate::sbitmap::{SbitmapQueue, SbqStats, WaitIndex, WakeWeight, WakeupAlgo, MAX_DEPTH};
 use blkstack_core::Bio;
@@ -130,8 +140,11 @@ pub struct TagsConfig {
     /// Hand out tags in order rather than by per-thread hint
     /// (`BLK_MQ_F_TAG_RR`).
     pub round_robin: bool,
-    /// Shared by several hardware queues (fair share per active queue).
+    /// Shared by several hardware queues (one bitmap for all).
     pub shared: bool,
+    /// With `shared`: each hardware queue is a user with a fair share of
+    /// the depth (kernel `BLK_MQ_F_TAG_QUEUE_SHARED`). See the module doc.
+    pub fair_share: bool,
     /// See [`SbitmapQueue::with_rescue_timeout_ns`]; 0 = never.
     pub rescue_timeout_ns: u64,
 }
@@ -145,6 +158,7 @@ impl Default for TagsConfig {
             wake_weight: WakeWeight::Plug,
             round_robin: false,
             shared: false,
+            fair_share: false,
             rescue_timeout_ns: 0,
         }
     }
@@ -201,6 +215,12 @@ impl Tags {
         self.cfg.shared
     }
 
+    /// Shared with a fair share per hardware queue (see the module doc).
+    #[inline]
+    pub fn has_fair_share(&self) -> bool {
+        self.cfg.shared && self.cfg.fair_share
+    }
+
     pub fn bitmap(&self) -> &SbitmapQueue {
         &self.bitmap_tags
     }
@@ -241,7 +261,7 @@ impl Tags {
     /// `__blk_mq_tag_busy`).
     #[inline]
     pub fn tag_busy(&self, hs: &HctxTagState) {
-        if !self.cfg.shared {
+        if !self.has_fair_share() {
             return;
         }
         if !hs.recent.load(Relaxed) {
@@ -262,7 +282,7 @@ impl Tags {
     /// `__blk_mq_tag_idle`); waiters are woken so they re-evaluate their
     /// share.
     pub fn tag_idle(&self, hs: &HctxTagState) {
-        if !self.cfg.shared || !hs.active.load(Relaxed) {
+        if !self.has_fair_share() || !hs.active.load(Relaxed) {
             return;
         }
         {
@@ -282,7 +302,7 @@ impl Tags {
     /// since the previous check stops counting as a user, so the others get
     /// their share back. Returns whether `hs` is still active.
     pub fn idle_check(&self, hs: &HctxTagState) -> bool {
-        if !self.cfg.shared || !hs.active.load(Relaxed) {
+        if !self.has_fair_share() || !hs.active.load(Relaxed) {
             return false;
         }
         let recent = hs.recent.swap(false, Relaxed);
@@ -305,7 +325,7 @@ impl Tags {
     /// from a shared set?
     #[inline]
     pub fn hctx_may_queue(&self, hs: &HctxTagState, bt: &SbitmapQueue) -> bool {
-        if !self.cfg.shared {
+        if !self.has_fair_share() {
             return true;
         }
         let depth = bt.depth();
@@ -389,7 +409,7 @@ impl Tags {
 
     #[inline]
     fn account_get(&self, hs: &HctxTagState) {
-        if self.cfg.shared {
+        if self.has_fair_share() {
             hs.nr_active.fetch_add(1, Relaxed);
         }
     }
@@ -398,7 +418,7 @@ impl Tags {
     /// wakeup algorithm decides.
     #[inline]
     pub fn put(&self, hs: &HctxTagState, tag: u32) {
-        if self.cfg.shared {
+        if self.has_fair_share() {
             hs.nr_active.fetch_sub(1, Relaxed);
         }
         if tag >= self.cfg.reserved {
@@ -413,12 +433,12 @@ impl Tags {
 
     /// Allocate up to `nr` normal tags at once without waiting (kernel
     /// `blk_mq_get_tags`): a mask of tags relative to `offset`. Like the
-    /// kernel, never for a shared set (each tag must pass the fair-share
-    /// check) and never round-robin; `None` then, or when no word has room,
-    /// and the caller allocates one by one.
+    /// kernel, never for a set with a fair share (each tag must pass the
+    /// fair-share check) and never round-robin; `None` then, or when no
+    /// word has room, and the caller allocates one by one.
     #[inline]
     pub fn get_batch(&self, nr: u32) -> Option<(u64, u32)> {
-        if self.cfg.shared {
+        if self.has_fair_share() {
             return None;
         }
         let nr = nr.min(1 << self.bitmap_tags.sbitmap().shift());
@@ -431,7 +451,7 @@ impl Tags {
     /// At most [`Tags::MAX_BATCH`] tags, none of them reserved.
     pub fn put_batch(&self, hs: &HctxTagState, tags: &[u32]) {
         assert!(tags.len() <= Self::MAX_BATCH, "tag batch too large");
-        if self.cfg.shared {
+        if self.has_fair_share() {
             hs.nr_active.fetch_sub(tags.len() as u32, Relaxed);
         }
         let mut rel = [0u32; Self::MAX_BATCH];
@@ -472,6 +492,7 @@ mod tests {
         Tags::new(TagsConfig {
             depth,
             shared: true,
+            fair_share: true,
             ..TagsConfig::default()
         })
         .unwrap()

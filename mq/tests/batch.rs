@@ -197,6 +197,35 @@ fn shared_tags_take_the_fair_one_by_one_path() {
     let opts = EngineOptions {
         hw_queues: 2,
         shared_tags: true,
+        tag_fair_share: true,
+        queue_depth: 16,
+        ..EngineOptions::default()
+    };
+    let q = Arc::new(Queue::new(Finisher::default(), opts).unwrap());
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let q = q.clone();
+            std::thread::spawn(move || {
+                for _ in 0..20 {
+                    submit_and_check(&q, 40);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(q.stats().tags_in_use, 0);
+}
+
+/// One device's hardware queues sharing a tag set without a fair share
+/// (null_blk `shared_tag_bitmap`): batches are allowed, as in the kernel,
+/// and every bio still completes once with every tag back.
+#[test]
+fn shared_tags_without_fair_share_take_batches() {
+    let opts = EngineOptions {
+        hw_queues: 2,
+        shared_tags: true,
         queue_depth: 16,
         ..EngineOptions::default()
     };

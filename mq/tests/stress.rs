@@ -255,6 +255,17 @@ fn engine_stress_shared_tags_busy_driver() {
 }
 
 #[test]
+fn engine_stress_shared_tags_with_fair_share_busy_driver() {
+    with_watchdog(60, "engine shared fair busy", || {
+        let mut o = opts(16, 2, CompletionMode::Softirq);
+        o.shared_tags = true;
+        o.tag_fair_share = true;
+        o.run_on_completion = true;
+        engine_stress(o, 3, 4, 2000, 8);
+    });
+}
+
+#[test]
 fn engine_stress_busy_without_dedup() {
     with_watchdog(60, "engine busy no dedup", || {
         let mut o = opts(32, 1, CompletionMode::Softirq);

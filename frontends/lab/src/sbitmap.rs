@@ -5,7 +5,11 @@
 //! device whose completions arrive on another thread (`irqmode=1`, so
 //! submitters really wait for tags), varying only the hardware queue
 //! depth, 2..64; first with one hardware queue, then with one tag set
-//! shared by several hardware queues and twice as many jobs. Each point is
+//! shared by several hardware queues and twice as many jobs (the seed's
+//! "single bitmap shared by 20 hctx" of one nullb: `shared_tags=1`, which
+//! like the kernel for one device applies no fair share and keeps the
+//! depth's wake batch; `--set fair_share=1` adds blk-mq's per-user fair
+//! share and the recalculated batch instead). Each point is
 //! repeated; mean (stddev) as the seed reports. The seed ran 20 jobs on 20
 //! CPUs; this machine has 2, so the job counts default lower and are
 //! flags (`--jobs`, `--set shared_queues=N`).
@@ -58,8 +62,12 @@ const RESCUE_MS: u32 = 20;
 
 /// `algo` is a wakeup algorithm, optionally `/WEIGHT` (`plug` or `one`,
 /// the `tag_wake_weight` arg); without one, `weight` applies.
-fn stack(depth: u32, algo: &str, weight: &str, queues: u32) -> String {
-    let shared = if queues > 1 { " shared_tags=1" } else { "" };
+fn stack(depth: u32, algo: &str, weight: &str, queues: u32, fair_share: bool) -> String {
+    let shared = match (queues > 1, fair_share) {
+        (false, _) => "",
+        (true, false) => " shared_tags=1",
+        (true, true) => " shared_tags=1 tag_fair_share=1",
+    };
     let (algo, weight) = algo.split_once('/').unwrap_or((algo, weight));
     format!(
         "dev: 0 2097152 null irqmode=1 hw_queue_depth={depth} submit_queues={queues}{shared} tag_wakeup={algo} tag_wake_weight={weight} tag_rescue_ms={RESCUE_MS}\n"
@@ -90,6 +98,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // sleeper; `--set wake_weight=one` applies that to the two main ones.
     let also: String = opts.param("also", String::new())?;
     let weight: String = opts.param("wake_weight", "plug".to_string())?;
+    let fair_share = opts.param::<u8>("fair_share", 0)? != 0;
     let mut algos = vec!["wait_cnt", "counter"];
     // An unknown name is refused by the null driver's table parser.
     if !also.is_empty() {
@@ -144,7 +153,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 for i in (0..n).map(|k| (k + repeat) % n) {
                     let algo = algos[i];
                     let m = run_stack(
-                        &stack(depth, algo, &weight, queues),
+                        &stack(depth, algo, &weight, queues, fair_share),
                         &job(RwMode::RandWrite, 4096, 64, njobs, runtime),
                     )?;
                     anyhow::ensure!(
