@@ -19,7 +19,7 @@ test: deps
 	cargo test --workspace
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_sbitmap -- counter_two_threads_depth1
 
-# Every loom model of the tag allocator (about 16 minutes on 2 vCPUs).
+# Every loom model of the tag allocator (about 12 minutes on 2 vCPUs).
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_sbitmap
 
