@@ -151,7 +151,7 @@ struct Figures {
     mean_lat_us: f64,
 }
 
-fn measure(stack_text: &str, job: &JobSpec, w: &Workload) -> Result<Figures> {
+fn measure(stack_text: &str, job: &JobSpec, w: &Workload, trace: bool) -> Result<Figures> {
     let reg = Registry::new();
     reg.create_stack(stack_text)
         .with_context(|| format!("building the device:\n{stack_text}"))?;
@@ -160,6 +160,11 @@ fn measure(stack_text: &str, job: &JobSpec, w: &Workload) -> Result<Figures> {
     let result = run_jobs(&reg, std::slice::from_ref(job), &RunOptions::default());
     let wall = t0.elapsed();
     let cpu = process_cpu().since(before);
+    let status = if trace {
+        reg.status_text("dev").unwrap_or_default()
+    } else {
+        String::new()
+    };
     reg.remove_all();
     let report = result?;
     let j = report.jobs.first().context("the bench returned no job")?;
@@ -185,6 +190,17 @@ fn measure(stack_text: &str, job: &JobSpec, w: &Workload) -> Result<Figures> {
         .collect();
     let mut lat = j.read.clone();
     lat.merge(&j.write);
+    if trace {
+        eprintln!(
+            "{} wait={}: {perf:.1} {}, process CPU {:.1}% of wall, mean clat {:.1} us | {}",
+            w.name,
+            job.wait.name(),
+            if w.bandwidth { "MB/s" } else { "kIOPS" },
+            cpu.total_ns() as f64 * 100.0 / wall.as_nanos().max(1) as f64,
+            lat.clat.mean() / 1e3,
+            status.trim()
+        );
+    }
     Ok(Figures {
         perf,
         cpu_per_job_pct: cpu.total_ns() as f64 * 100.0 / wall.as_nanos().max(1) as f64 / jobs,
@@ -214,6 +230,9 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let runtime =
         Duration::from_millis(opts.param("runtime_ms", if opts.quick { 400 } else { 2000 })?);
     let iodepth: u32 = opts.param("iodepth", 64)?;
+    // `--set trace=1`: each run's figures and the device's status (for
+    // `null`, how late the emulated disk completed: timer_late_avg_ns).
+    let trace = opts.param::<u8>("trace", 0)? != 0;
     let services: Vec<u64> = opts.param_list("service_ns", &SERVICE_NS)?;
     let backend: String = opts.param("backend", "null".to_string())?;
     let tags: u32 = opts.param(
@@ -328,7 +347,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                         hybrid_estimator: hybrid.hybrid_estimator,
                         ..JobSpec::default()
                     };
-                    runs[i].push(measure(&text, &job, w)?);
+                    runs[i].push(measure(&text, &job, w, trace)?);
                 }
             }
             let [int, poll, hyb] = [
