@@ -404,13 +404,16 @@ mod tests {
             second < first && second > first * 9 / 10,
             "{first} -> {second}"
         );
-        // A path with a short history and 60 in flight still looks better,
+        // A path with a short history and 10 in flight still looks better,
         // and path 0's stale window (2 paths x ~2 s) keeps it from being
-        // probed.
+        // probed. Path 1's one 200 ms sample leaves it a ~92 ms history
+        // (weight 0.95^12), so its own stale window is ~184 ms: a test
+        // thread descheduled for a while (a loaded CI machine) does not
+        // make it stale, which would rightly send the I/O to path 0.
         let now = now_ns();
         s.start_io(1, 4096);
-        s.end_io(1, 4096, now - 1_000_000);
-        for _ in 0..60 {
+        s.end_io(1, 4096, now - 200_000_000);
+        for _ in 0..10 {
             s.start_io(1, 4096);
         }
         assert!(s.snapshot(0).stale_after > now + far_ns);
