@@ -6,7 +6,8 @@
 //! Names follow null_blk's module parameters where one exists (`irqmode`,
 //! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `blocking`); the rest select the mechanisms of seeds 001 and 003
-//! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`).
+//! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`),
+//! and `kblockd=percpu|unbound` picks the pool queue runs are posted to.
 //! `shared_tags=1` shares one tag set among this device's hardware queues
 //! (null_blk's `shared_tag_bitmap`), which is the sharing seed 003
 //! measures: as in the kernel for one device, without a fair share.
@@ -15,7 +16,7 @@
 //! set shared by several (`BLK_MQ_F_TAG_QUEUE_SHARED`).
 
 use crate::args::KvArgs;
-use blkstack_mq::queue::{CompletionMode, EngineOptions};
+use blkstack_mq::queue::{CompletionMode, EngineOptions, KblockdKind};
 use blkstack_mq::sbitmap::{WakeWeight, WakeupAlgo, MAX_DEPTH};
 use std::fmt::Write;
 
@@ -90,6 +91,14 @@ impl EngineArgs {
         let run_dedup = kv.take_bool("run_dedup", d.run_dedup)?;
         let run_on_completion = kv.take_bool("run_on_completion", d.run_on_completion)?;
         let rescue_ms = kv.take_u64("tag_rescue_ms", 0, 0, 3_600_000)?;
+        let kblockd = kv.take_choice(
+            "kblockd",
+            d.kblockd,
+            &[
+                ("percpu", KblockdKind::PerCpu),
+                ("unbound", KblockdKind::Unbound),
+            ],
+        )?;
         let completion = match irqmode {
             0 => CompletionMode::Inline,
             1 => CompletionMode::Softirq,
@@ -109,6 +118,7 @@ impl EngineArgs {
             run_dedup,
             run_on_completion,
             rescue_timeout_ns: rescue_ms * 1_000_000,
+            kblockd,
             ..d
         };
         opts.validate()
@@ -159,13 +169,16 @@ impl EngineArgs {
         if o.rescue_timeout_ns != 0 {
             let _ = write!(out, " tag_rescue_ms={}", o.rescue_timeout_ns / 1_000_000);
         }
+        if o.kblockd != d.kblockd {
+            let _ = write!(out, " kblockd={}", o.kblockd.name());
+        }
     }
 
     /// The engine configuration as `status` shows it.
     pub fn describe(&self) -> String {
         let o = &self.opts;
         let mut s = format!(
-            "irqmode={} hw_queue_depth={} submit_queues={} shared_tags={} tag_fair_share={} tag_wakeup={} tag_wake_weight={} run_dedup={} run_on_completion={}",
+            "irqmode={} hw_queue_depth={} submit_queues={} shared_tags={} tag_fair_share={} tag_wakeup={} tag_wake_weight={} run_dedup={} run_on_completion={} kblockd={}",
             o.completion.irqmode(),
             o.queue_depth,
             o.hw_queues,
@@ -175,6 +188,7 @@ impl EngineArgs {
             o.tag_wake_weight.name(),
             if o.run_dedup { "on" } else { "off" },
             o.run_on_completion as u8,
+            o.kblockd.name(),
         );
         if let CompletionMode::Timer { nsec } = o.completion {
             let _ = write!(s, " completion_nsec={nsec}");
@@ -209,6 +223,7 @@ mod tests {
             "run_dedup=off",
             "run_on_completion=1",
             "tag_rescue_ms=500",
+            "kblockd=unbound",
         ];
         let e = parse(&args).unwrap();
         assert_eq!(e.opts.completion, CompletionMode::Timer { nsec: 20000 });
@@ -216,6 +231,7 @@ mod tests {
         assert_eq!(e.opts.tag_wakeup, WakeupAlgo::WaitCnt);
         assert_eq!(e.opts.tag_wake_weight, WakeWeight::One);
         assert!(!e.opts.run_dedup && e.opts.run_on_completion && e.opts.shared_tags);
+        assert_eq!(e.opts.kblockd, KblockdKind::Unbound);
         let mut printed = String::new();
         e.write_table_args(&mut printed);
         assert_eq!(printed.trim(), args.join(" "));
@@ -236,6 +252,7 @@ mod tests {
             ("tag_wakeup=fast", "tag_wakeup"),
             ("tag_wake_weight=2", "tag_wake_weight"),
             ("run_dedup=maybe", "run_dedup"),
+            ("kblockd=global", "kblockd"),
         ] {
             let e = parse(&[arg]).unwrap_err();
             assert!(e.contains(key), "{arg}: {e}");

@@ -103,6 +103,28 @@ pub struct EngineOptions {
     pub round_robin_tags: bool,
     /// See `SbitmapQueue::with_rescue_timeout_ns` (0: never).
     pub rescue_timeout_ns: u64,
+    /// Which process-wide kblockd pool posted queue runs go to.
+    pub kblockd: KblockdKind,
+}
+
+/// The kblockd pool a queue posts its runs to (see `kblockd`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KblockdKind {
+    /// One worker bound to each CPU; a run goes to the poster's CPU, as
+    /// the kernel's kblockd (a per-CPU workqueue) does.
+    #[default]
+    PerCpu,
+    /// Two unbound workers, any of them woken for any post.
+    Unbound,
+}
+
+impl KblockdKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            KblockdKind::PerCpu => "percpu",
+            KblockdKind::Unbound => "unbound",
+        }
+    }
 }
 
 impl Default for EngineOptions {
@@ -121,6 +143,7 @@ impl Default for EngineOptions {
             run_on_completion: false,
             round_robin_tags: false,
             rescue_timeout_ns: 0,
+            kblockd: KblockdKind::PerCpu,
         }
     }
 }
@@ -306,7 +329,11 @@ impl<D: Driver> Queue<D> {
     /// Build a queue (and its completion threads) on the process-wide
     /// kblockd pool.
     pub fn new(driver: D, opts: EngineOptions) -> Result<Queue<D>, String> {
-        Self::with_kblockd(driver, opts, Kblockd::global())
+        let pool = match opts.kblockd {
+            KblockdKind::PerCpu => Kblockd::global(),
+            KblockdKind::Unbound => Kblockd::global_unbound(),
+        };
+        Self::with_kblockd(driver, opts, pool)
     }
 
     pub fn with_kblockd(

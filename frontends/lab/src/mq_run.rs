@@ -54,13 +54,13 @@ const DEVICES: [(&str, &str); 2] = [
     ),
 ];
 
-fn stack(device: &str, dedup: &str, null_zero_reads: u8) -> String {
+fn stack(device: &str, dedup: &str, null_zero_reads: u8, kblockd: &str) -> String {
     let zero_reads = if device.starts_with("null ") {
         format!(" zero_reads={null_zero_reads}")
     } else {
         String::new()
     };
-    format!("dev: 0 2097152 {device} run_dedup={dedup}{zero_reads}\n")
+    format!("dev: 0 2097152 {device} run_dedup={dedup} kblockd={kblockd}{zero_reads}\n")
 }
 
 pub fn run(opts: &LabOpts) -> Result<LabReport> {
@@ -85,6 +85,9 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // to see where the time goes (tag waits, runs posted, requeues).
     let trace: u8 = opts.param("trace", 0)?;
     let null_zero_reads: u8 = opts.param("null_zero_reads", 0)?;
+    // `--set kblockd=unbound`: queue runs to a shared pool instead of the
+    // poster's CPU's worker (an unknown name is refused by the driver).
+    let kblockd: String = opts.param("kblockd", "percpu".to_string())?;
     anyhow::ensure!(
         null_zero_reads <= 1,
         "--set null_zero_reads={null_zero_reads}: must be 0 or 1"
@@ -130,7 +133,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             let (label, device, qd) = points[p];
             let dedup = ["off", "on"][i];
             let m = run_stack(
-                &stack(device, dedup, null_zero_reads),
+                &stack(device, dedup, null_zero_reads, &kblockd),
                 &job(RwMode::RandRead, 4096, qd, jobs, runtime),
             )?;
             anyhow::ensure!(
