@@ -503,7 +503,9 @@ mod tests {
         let (w, n) = counter_work();
         // Pending for 10 s on the first CPU's worker...
         let (p, w2) = (pool.clone(), w.clone());
-        on_cpu(first, move || p.post(&w2, 10_000_000_000));
+        on_cpu(first, move || p.post(&w2, 10_000_000_000)).unwrap_or_else(|| {
+            panic!("cannot run a thread on CPU {first}, in this process's mask")
+        });
         assert!(w.is_pending());
         // ...re-posted from another CPU: a later deadline changes nothing,
         // an immediate one brings it forward where it is pending.
@@ -513,7 +515,8 @@ mod tests {
             p.post(&w2, 20_000_000_000);
             p.post(&w2, 0);
             p.post(&w2, 0);
-        });
+        })
+        .unwrap_or_else(|| panic!("cannot run a thread on CPU {other}, in this process's mask"));
         wait_for(&n, 1);
         assert!(now_ns() - t0 < 2_000_000_000, "immediate run was postponed");
         std::thread::sleep(std::time::Duration::from_millis(50));
