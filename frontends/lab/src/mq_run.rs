@@ -65,11 +65,12 @@ fn stack(device: &str, dedup: &str, null_zero_reads: u8, kblockd: &str) -> Strin
 
 pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let jobs = opts.jobs.unwrap_or(8) as u32;
-    // The checked device has two modes from run to run at any depth (see
-    // docs/BENCHMARKS.md: when its kblockd worker keeps falling asleep,
-    // posted runs per I/O rise 4-5x and the machine idles), so its
-    // medians need five runs even in quick mode. `memory` carries no
-    // check and keeps three there, which holds the whole under 60 s.
+    // The checked device's runs spread widely at any depth (see
+    // docs/BENCHMARKS.md: slow runs when the host takes CPU away, and with
+    // `kblockd=unbound` a slow mode in which the worker keeps falling
+    // asleep and posted runs per I/O rise 4-5x), so its medians need five
+    // runs even in quick mode. `memory` carries no check and keeps three
+    // there, which holds the whole under 60 s.
     let repeats = opts.repeats.unwrap_or(5);
     let info_repeats = if opts.quick && opts.repeats.is_none() {
         3
