@@ -79,6 +79,14 @@ impl BioFlags {
     pub const FAST_ZERO: BioFlags = BioFlags(8);
     /// Do not retry below this layer (kernel `REQ_FAILFAST_TRANSPORT`).
     pub const FAILFAST: BioFlags = BioFlags(16);
+    /// The submitter polls for this bio's completion (kernel `REQ_POLLED`):
+    /// it calls [`crate::Device::poll`] on the device it submitted to until
+    /// the bio completes, so a device that supports polling
+    /// ([`crate::Device::polls`]) may leave the completion to that call, on
+    /// the submitter's thread, instead of waking it from another. Devices
+    /// that do not poll ignore it (the stacked layer clears it, as the
+    /// kernel's `bio_clear_polled`).
+    pub const POLLED: BioFlags = BioFlags(32);
 
     pub fn contains(self, other: BioFlags) -> bool {
         self.0 & other.0 == other.0 && other.0 != 0

@@ -108,6 +108,22 @@ pub trait Device: Send + Sync {
         Features::default()
     }
 
+    /// Whether this device may leave a [`crate::BioFlags::POLLED`] bio's
+    /// completion to [`Device::poll`] (kernel: `QUEUE_FLAG_POLL` /
+    /// `BLK_FEAT_POLL`). A submitter that sets the flag on a device that
+    /// says no still gets an ordinary completion.
+    fn polls(&self) -> bool {
+        false
+    }
+
+    /// Complete, on the calling thread, the polled bios this device holds
+    /// that are ready (kernel `bio_poll` / `->iopoll`). Returns how many it
+    /// completed (or sent on). Cheap when nothing is ready: pollers call it
+    /// in a loop.
+    fn poll(&self) -> usize {
+        0
+    }
+
     /// Data/hole map of `offset..offset+len`, if the device knows one
     /// (`features().knows_holes`). `None` means "all data, as far as I know".
     fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {

@@ -7,7 +7,8 @@
 //! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
 //! `blocking`); the rest select the mechanisms of seeds 001 and 003
 //! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`),
-//! and `kblockd=percpu|unbound` picks the pool queue runs are posted to.
+//! `kblockd=percpu|unbound` picks the pool queue runs are posted to, and
+//! `iopoll=1` (with `irqmode=2`) lets submitters reap polled bios.
 //! `shared_tags=1` shares one tag set among this device's hardware queues
 //! (null_blk's `shared_tag_bitmap`), which is the sharing seed 003
 //! measures: as in the kernel for one device, without a fair share.
@@ -91,6 +92,7 @@ impl EngineArgs {
         let run_dedup = kv.take_bool("run_dedup", d.run_dedup)?;
         let run_on_completion = kv.take_bool("run_on_completion", d.run_on_completion)?;
         let rescue_ms = kv.take_u64("tag_rescue_ms", 0, 0, 3_600_000)?;
+        let iopoll = kv.take_bool("iopoll", d.iopoll)?;
         let kblockd = kv.take_choice(
             "kblockd",
             d.kblockd,
@@ -119,6 +121,7 @@ impl EngineArgs {
             run_on_completion,
             rescue_timeout_ns: rescue_ms * 1_000_000,
             kblockd,
+            iopoll,
             ..d
         };
         opts.validate()
@@ -172,6 +175,9 @@ impl EngineArgs {
         if o.kblockd != d.kblockd {
             let _ = write!(out, " kblockd={}", o.kblockd.name());
         }
+        if o.iopoll {
+            out.push_str(" iopoll=1");
+        }
     }
 
     /// The engine configuration as `status` shows it.
@@ -191,7 +197,7 @@ impl EngineArgs {
             o.kblockd.name(),
         );
         if let CompletionMode::Timer { nsec } = o.completion {
-            let _ = write!(s, " completion_nsec={nsec}");
+            let _ = write!(s, " completion_nsec={nsec} iopoll={}", o.iopoll as u8);
         }
         s
     }
@@ -224,6 +230,7 @@ mod tests {
             "run_on_completion=1",
             "tag_rescue_ms=500",
             "kblockd=unbound",
+            "iopoll=1",
         ];
         let e = parse(&args).unwrap();
         assert_eq!(e.opts.completion, CompletionMode::Timer { nsec: 20000 });
@@ -232,6 +239,7 @@ mod tests {
         assert_eq!(e.opts.tag_wake_weight, WakeWeight::One);
         assert!(!e.opts.run_dedup && e.opts.run_on_completion && e.opts.shared_tags);
         assert_eq!(e.opts.kblockd, KblockdKind::Unbound);
+        assert!(e.opts.iopoll);
         let mut printed = String::new();
         e.write_table_args(&mut printed);
         assert_eq!(printed.trim(), args.join(" "));
@@ -253,6 +261,8 @@ mod tests {
             ("tag_wake_weight=2", "tag_wake_weight"),
             ("run_dedup=maybe", "run_dedup"),
             ("kblockd=global", "kblockd"),
+            ("iopoll=yes", "iopoll"),
+            ("iopoll=1", "irqmode=2"),
         ] {
             let e = parse(&[arg]).unwrap_err();
             assert!(e.contains(key), "{arg}: {e}");

@@ -175,6 +175,15 @@ impl NullDevice {
 }
 
 impl Device for NullDevice {
+    /// In timer mode (irqmode=2): see `Queue::polls`.
+    fn polls(&self) -> bool {
+        self.queue.polls()
+    }
+
+    fn poll(&self) -> usize {
+        self.queue.poll()
+    }
+
     #[inline]
     fn submit(&self, bio: Bio) {
         if let Err(st) = check_bio(self, &bio) {

@@ -17,7 +17,7 @@ use crate::table::{render_table, TableLine};
 use crate::target::TargetRef;
 use arc_swap::ArcSwap;
 use blkstack_core::device::{check_bio_geometry, Extent};
-use blkstack_core::{Bio, Device, EndIo, Features, Op, Status, SECTOR_SIZE};
+use blkstack_core::{Bio, BioFlags, Device, EndIo, Features, Op, Status, SECTOR_SIZE};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -108,6 +108,11 @@ impl Table {
             });
         }
         f.unwrap_or_default()
+    }
+
+    /// Every target polls (see [`Target::polls`]).
+    fn polls(&self) -> bool {
+        self.entries.iter().all(|e| e.target.polls())
     }
 
     /// Map device-relative bios that passed the admission check: a
@@ -413,6 +418,9 @@ impl Device for MappedDevice {
             bio.complete(s);
             return;
         }
+        if bio.flags.contains(BioFlags::POLLED) && !table.polls() {
+            bio.flags.remove(BioFlags::POLLED);
+        }
         bio.push_end(core.clone(), 0);
         table.map(bio);
     }
@@ -445,10 +453,34 @@ impl Device for MappedDevice {
             core.put_inflight();
             bio.complete(status);
         }
+        // Asked of the table only when a bio is polled: most batches are not.
+        let mut polls = None;
         for bio in bios.iter_mut() {
+            if bio.flags.contains(BioFlags::POLLED) && !*polls.get_or_insert_with(|| table.polls())
+            {
+                bio.flags.remove(BioFlags::POLLED);
+            }
             bio.push_end(core.clone(), 0);
         }
         table.map_batch(bios);
+    }
+
+    fn polls(&self) -> bool {
+        self.core.live.load().polls()
+    }
+
+    /// Polled bios wait in the live table's targets. One that nobody polls
+    /// is completed by its target's own backstop (`null`: its completion
+    /// thread, 1 ms past the deadline), so a suspend or a table swap never
+    /// waits for a poller.
+    fn poll(&self) -> usize {
+        self.core
+            .live
+            .load()
+            .entries
+            .iter()
+            .map(|e| e.target.poll())
+            .sum()
     }
 
     fn size(&self) -> u64 {

@@ -76,6 +76,21 @@ pub trait Target: Send + Sync {
     fn max_io_len(&self, _offset: u64) -> u64 {
         u64::MAX
     }
+
+    /// Whether `map` may see [`blkstack_core::BioFlags::POLLED`] bios: a
+    /// target that says yes must reach every such bio it holds, or passes
+    /// down, from [`Target::poll`]. For the others the mapped device
+    /// clears the flag (kernel `bio_clear_polled`), so a polled bio never
+    /// waits below a layer that would not poll it.
+    fn polls(&self) -> bool {
+        false
+    }
+
+    /// Complete or send on the polled bios that are ready, on the caller's
+    /// thread (see [`blkstack_core::Device::poll`]).
+    fn poll(&self) -> usize {
+        0
+    }
 }
 
 pub type TargetRef = Arc<dyn Target>;

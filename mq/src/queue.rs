@@ -20,7 +20,10 @@
 //! Completion follows null_blk's `irqmode`: inline in whoever issued the
 //! request (0), on a per-hardware-queue completion thread (1, "softirq"),
 //! or on that thread after `completion_nsec` measured from issue with a
-//! precise absolute sleep (2, "timer").
+//! precise absolute sleep (2, "timer"). With `iopoll`, timer-mode requests
+//! whose bio is `POLLED` wait on a poll list instead, for the submitter's
+//! own [`Queue::poll`] to end them once due (kernel poll queues and
+//! io_uring IOPOLL), with the completion thread as a backstop.
 //!
 //! The hot path allocates nothing: tags index preallocated slots, the
 //! dispatch list and completion queues keep their capacity, and every lock
@@ -31,9 +34,10 @@ use crate::kblockd::{DelayedWork, Kblockd};
 use crate::sbitmap::{SbqStats, WakeWeight, WakeupAlgo, MAX_DEPTH};
 use crate::tags::{Tags, TagsConfig};
 use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns};
-use blkstack_core::{Bio, Status};
+use blkstack_core::{Bio, BioFlags, Status};
 use parking_lot::Mutex;
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::mem::MaybeUninit;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
@@ -67,6 +71,13 @@ pub const MAX_HW_QUEUES: u32 = 256;
 /// Kernel `BLK_MQ_RESOURCE_DELAY`: retry a busy queue with nothing in
 /// flight after 3 ms.
 pub const RESOURCE_DELAY_NS: u64 = 3_000_000;
+
+/// A polled request (timer mode) nobody has polled for this long past its
+/// deadline is completed by the completion thread instead, so a submitter
+/// that stops polling never leaves it behind.
+pub const POLL_BACKSTOP_NS: u64 = 1_000_000;
+/// How often an idle completion thread looks for such requests.
+const POLL_BACKSTOP_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// How often a shared tag set checks for hardware queues gone idle (the
 /// kernel's check rides on its request timeout work; what matters is that
@@ -105,6 +116,9 @@ pub struct EngineOptions {
     pub rescue_timeout_ns: u64,
     /// Which process-wide kblockd pool posted queue runs go to.
     pub kblockd: KblockdKind,
+    /// Timer mode only: submitters may poll for `POLLED` bios (see
+    /// [`Queue::polls`]).
+    pub iopoll: bool,
 }
 
 /// The kblockd pool a queue posts its runs to (see `kblockd`).
@@ -144,6 +158,7 @@ impl Default for EngineOptions {
             round_robin_tags: false,
             rescue_timeout_ns: 0,
             kblockd: KblockdKind::PerCpu,
+            iopoll: false,
         }
     }
 }
@@ -161,6 +176,11 @@ impl EngineOptions {
                 "hw_queue_depth={} is out of range 1..={MAX_DEPTH}",
                 self.queue_depth
             ));
+        }
+        if self.iopoll && !matches!(self.completion, CompletionMode::Timer { .. }) {
+            return Err(
+                "iopoll=1 needs irqmode=2 (a timer completion the poller can reap)".to_string(),
+            );
         }
         if self.reserved_tags >= self.queue_depth {
             return Err(format!(
@@ -254,6 +274,9 @@ struct Completer {
     timer_done: AtomicU64,
     timer_late_ns: AtomicU64,
     queue: Mutex<Vec<(u64, u32, Status)>>,
+    /// Timer mode: requests whose bio is `POLLED`, in deadline order, for
+    /// the submitter's poll to complete (see [`Queue::poll`]).
+    polled: Mutex<VecDeque<(u64, u32, Status)>>,
     sleeping: AtomicBool,
     shutdown: AtomicBool,
     thread: OnceLock<std::thread::Thread>,
@@ -265,6 +288,7 @@ impl Completer {
             timer_done: AtomicU64::new(0),
             timer_late_ns: AtomicU64::new(0),
             queue: Mutex::new(Vec::with_capacity(depth)),
+            polled: Mutex::new(VecDeque::with_capacity(depth)),
             sleeping: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             thread: OnceLock::new(),
@@ -416,6 +440,23 @@ impl<D: Driver> Queue<D> {
 
     pub fn options(&self) -> &EngineOptions {
         &self.inner.opts
+    }
+
+    /// Whether submitters may poll for their completions (kernel
+    /// `BLK_FEAT_POLL`; option `iopoll`, timer mode only): a `POLLED` bio
+    /// is then completed not by the timer thread but by [`Self::poll`] once
+    /// its time has come, like a request on a poll queue that the
+    /// submitter reaps itself (io_uring IOPOLL). Unlike null_blk's poll
+    /// queues, which complete on the first poll, the service time is kept.
+    pub fn polls(&self) -> bool {
+        self.inner.opts.iopoll
+    }
+
+    /// Complete, on the calling thread, the polled requests whose deadline
+    /// has passed (kernel `blk_mq_poll`). Returns how many. A queue
+    /// another thread is polling at the moment is skipped.
+    pub fn poll(&self) -> usize {
+        self.inner.poll_due(0)
     }
 
     pub fn driver(&self) -> &D {
@@ -700,7 +741,12 @@ impl<D: Driver> QueueInner<D> {
             CompletionMode::Inline => self.end_request(h, tag, status),
             CompletionMode::Softirq => self.completers[h.index as usize].push(0, tag, status),
             CompletionMode::Timer { nsec } => {
-                self.completers[h.index as usize].push(issue_ns + nsec, tag, status)
+                let c = &self.completers[h.index as usize];
+                if self.opts.iopoll && h.tags.slot(tag).bio().flags.contains(BioFlags::POLLED) {
+                    c.polled.lock().push_back((issue_ns + nsec, tag, status));
+                } else {
+                    c.push(issue_ns + nsec, tag, status)
+                }
             }
         }
     }
@@ -873,22 +919,90 @@ impl<D: Driver> QueueInner<D> {
         }
     }
 
+    /// End the polled requests due at least `grace_ns` ago, a few at a
+    /// time so the list's lock is not held while requests end.
+    fn poll_due(&self, grace_ns: u64) -> usize {
+        const CHUNK: usize = 32;
+        let mut done = 0;
+        for (c, h) in self.completers.iter().zip(self.hctxs.iter()) {
+            loop {
+                let mut due = [(0u32, Status::Ok); CHUNK];
+                let (mut n, mut late) = (0, 0u64);
+                let now = now_ns();
+                {
+                    let Some(mut list) = c.polled.try_lock() else {
+                        break;
+                    };
+                    while n < CHUNK {
+                        match list.front() {
+                            Some(&(deadline, tag, status))
+                                if deadline.saturating_add(grace_ns) <= now =>
+                            {
+                                list.pop_front();
+                                due[n] = (tag, status);
+                                late += now - deadline;
+                                n += 1;
+                            }
+                            _ => break,
+                        }
+                    }
+                }
+                if n > 0 {
+                    c.timer_done.fetch_add(n as u64, Relaxed);
+                    c.timer_late_ns.fetch_add(late, Relaxed);
+                }
+                for &(tag, status) in &due[..n] {
+                    self.end_request(h, tag, status);
+                }
+                done += n;
+                if n < CHUNK {
+                    break;
+                }
+            }
+        }
+        done
+    }
+
+    /// At teardown: end every polled request of completer `i`, each no
+    /// earlier than its deadline.
+    fn drain_polled(&self, i: usize) {
+        let (c, h) = (&self.completers[i], &self.hctxs[i]);
+        loop {
+            let Some((deadline, tag, status)) = c.polled.lock().pop_front() else {
+                return;
+            };
+            if now_ns() < deadline {
+                sleep_until_ns(deadline);
+            }
+            self.end_request(h, tag, status);
+        }
+    }
+
     fn completion_thread(&self, i: usize) {
         set_thread_timer_slack_ns(1);
         let c = &self.completers[i];
         let h = &self.hctxs[i];
+        let polls = self.opts.iopoll;
         let mut local: Vec<(u64, u32, Status)> = Vec::with_capacity(self.opts.queue_depth as usize);
         loop {
             std::mem::swap(&mut *c.queue.lock(), &mut local);
             if local.is_empty() {
                 if c.shutdown.load(SeqCst) {
+                    self.drain_polled(i);
                     return;
                 }
                 c.sleeping.store(true, SeqCst);
                 if c.queue.lock().is_empty() && !c.shutdown.load(SeqCst) {
-                    std::thread::park();
+                    if polls {
+                        std::thread::park_timeout(POLL_BACKSTOP_CHECK);
+                    } else {
+                        std::thread::park();
+                    }
                 }
                 c.sleeping.store(false, SeqCst);
+                if polls {
+                    self.poll_due(POLL_BACKSTOP_NS);
+                }
                 continue;
             }
             for &(deadline, tag, status) in local.iter() {
@@ -1154,5 +1268,83 @@ mod tests {
         for o in bad {
             assert!(Queue::new(Gate::default(), o).is_err());
         }
+    }
+
+    fn timer_queue(nsec: u64, iopoll: bool) -> Queue<Gate> {
+        let opts = EngineOptions {
+            completion: CompletionMode::Timer { nsec },
+            iopoll,
+            ..EngineOptions::default()
+        };
+        Queue::new(Gate::default(), opts).unwrap()
+    }
+
+    fn polled_bio(owner: &Arc<Done>) -> Bio {
+        let mut b = write_bio(owner);
+        b.flags.insert(BioFlags::POLLED);
+        b
+    }
+
+    #[test]
+    fn polled_bios_complete_from_poll_on_time_and_never_early() {
+        let q = timer_queue(20_000_000, true);
+        assert!(q.polls());
+        let d = Arc::new(Done::default());
+        let t0 = now_ns();
+        for _ in 0..4 {
+            q.submit(polled_bio(&d));
+        }
+        // Not due: polling completes nothing, and the timer thread does
+        // not complete them either.
+        assert_eq!(q.poll(), 0);
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        assert_eq!(d.0.load(SeqCst), 0);
+        let mut done = 0;
+        while done < 4 {
+            done += q.poll();
+            assert!(now_ns() - t0 < 5_000_000_000, "never became due");
+        }
+        assert!(now_ns() - t0 >= 20_000_000, "completed early");
+        assert_eq!(d.0.load(SeqCst), 4, "completed on this thread, by poll");
+        assert_eq!(q.stats().timer_completions, 4);
+    }
+
+    #[test]
+    fn a_polled_bio_nobody_polls_is_completed_by_the_backstop() {
+        let q = timer_queue(1_000_000, true);
+        let d = Arc::new(Done::default());
+        q.submit(polled_bio(&d));
+        // Due after 1 ms, left to the completion thread 1 ms later, which
+        // looks every 10 ms when idle.
+        wait_done(&d, 1, 2_000_000_000);
+    }
+
+    #[test]
+    fn dropping_the_queue_ends_its_polled_bios() {
+        let d = Arc::new(Done::default());
+        {
+            let q = timer_queue(5_000_000, true);
+            q.submit(polled_bio(&d));
+            q.submit(polled_bio(&d));
+        }
+        assert_eq!(d.0.load(SeqCst), 2);
+    }
+
+    #[test]
+    fn without_iopoll_a_polled_bio_completes_on_the_timer_thread() {
+        let q = timer_queue(1_000_000, false);
+        assert!(!q.polls());
+        let d = Arc::new(Done::default());
+        q.submit(polled_bio(&d));
+        assert_eq!(q.poll(), 0);
+        wait_done(&d, 1, 2_000_000_000);
+        assert_eq!(q.poll(), 0);
+        let inline = EngineOptions {
+            iopoll: true,
+            ..EngineOptions::default()
+        };
+        assert!(Queue::new(Gate::default(), inline)
+            .err()
+            .is_some_and(|e| e.contains("irqmode=2")));
     }
 }

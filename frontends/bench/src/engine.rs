@@ -27,7 +27,7 @@ use crate::spec::{HybridEstimator, JobSpec, VerifyMode, WaitMode};
 use crate::stats::{DepthStats, DirStats, JobResult};
 use crate::verify::{check_unit, fill_unit, WriteLog};
 use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns, CycleClock};
-use blkstack_core::{AlignedBuf, Bio, DeviceRef, EndIo, Op, Status};
+use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, Op, Status};
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -418,6 +418,11 @@ struct Engine {
     min_lat_ns: u64,
     /// Moving average of completion times (`hybrid_estimator=ewma`).
     ewma_lat_ns: u64,
+    /// `wait=poll|hybrid` on a device that polls (`Device::polls`): bios
+    /// go out `POLLED`, and the wait loop calls `Device::poll`, which
+    /// completes them once due (io_uring IOPOLL: the submitter reaps its
+    /// own I/O; nothing wakes it from another thread).
+    dev_polls: bool,
     hybrid_sleep_pct: u64,
     hybrid_estimator: HybridEstimator,
     progress: Arc<JobProgress>,
@@ -484,6 +489,7 @@ impl Engine {
             verify_failures: Vec::new(),
             min_lat_ns: u64::MAX,
             ewma_lat_ns: 0,
+            dev_polls: spec.wait != WaitMode::Interrupt && setup.device.polls(),
             hybrid_sleep_pct: spec.hybrid_sleep_pct.clamp(1, 100) as u64,
             hybrid_estimator: spec.hybrid_estimator,
             progress: setup.progress.clone(),
@@ -556,6 +562,10 @@ impl Engine {
                 b
             }
         };
+        let mut bio = bio;
+        if self.dev_polls {
+            bio.flags.insert(BioFlags::POLLED);
+        }
         slot.busy = true;
         slot.write = req.write;
         slot.offset = req.offset;
@@ -622,10 +632,20 @@ impl Engine {
     }
 
     /// Spin on the queue, yielding the CPU after a bounded number of spins
-    /// (on a small machine the completing thread may need this CPU).
+    /// (on a small machine the completing thread may need this CPU). On a
+    /// polling device each round first polls it.
     fn poll_take(&mut self) -> usize {
         let mut spins = 0u32;
         loop {
+            // What the poll completes for this job lands on this thread's
+            // local list, which `has_ready` (other threads' list) does not
+            // show.
+            if self.dev_polls && self.dev.poll() > 0 {
+                let n = self.cq.try_take(&mut self.drained);
+                if n > 0 {
+                    return n;
+                }
+            }
             if self.cq.has_ready() {
                 let n = self.cq.try_take(&mut self.drained);
                 if n > 0 {

@@ -608,3 +608,41 @@ fn odd_block_size_mixes_end_exactly_at_the_io_limit() {
     let j = &r.jobs[0];
     assert_eq!(j.read.io_bytes + j.write.io_bytes, 300 << 10);
 }
+
+/// `null irqmode=2 iopoll=1`: with `wait=poll|hybrid` the jobs reap their
+/// own completions from the device's poll list (io_uring IOPOLL); with
+/// `interrupt`, and below a target that does not poll (striped), the
+/// timer thread completes them. Every mode finishes its I/O, none early.
+#[test]
+fn iopoll_null_device_completes_in_every_wait_mode() {
+    let reg = blkstack_mapped::Registry::new();
+    reg.create_stack(
+        "pl: 0 8192 null irqmode=2 completion_nsec=50000 iopoll=1 zero_reads=0\n\
+         p0: 0 8192 null irqmode=2 completion_nsec=50000 iopoll=1 zero_reads=0\n\
+         p1: 0 8192 null irqmode=2 completion_nsec=50000 iopoll=1 zero_reads=0\n\
+         st: 0 16384 striped 2 8 p0 0 p1 0\n",
+    )
+    .unwrap();
+    for dev in ["pl", "st"] {
+        for wait in [WaitMode::Interrupt, WaitMode::Poll, WaitMode::Hybrid] {
+            let job = JobSpec {
+                name: format!("{dev}-{}", wait.name()),
+                filename: Some(dev.into()),
+                rw: RwMode::RandRead,
+                iodepth: 8,
+                numjobs: 2,
+                wait,
+                io_size: Some(SizeSpec::Bytes(256 << 10)),
+                ..JobSpec::default()
+            };
+            let r = run_jobs(&reg, &[job], &quiet()).unwrap();
+            for j in &r.jobs {
+                assert_eq!(j.read.total_ios, 64, "{dev} {wait:?}");
+                assert_eq!(j.read.errors, 0, "{dev} {wait:?}");
+                assert!(j.read.clat.min() >= 50_000, "{dev} {wait:?}: early");
+            }
+        }
+    }
+    let status = reg.status_text("pl").unwrap();
+    assert!(status.contains("iopoll=1"), "{status}");
+}

@@ -13,6 +13,13 @@
 //! (spin) or `hybrid` (sleep part of the shortest completion time seen,
 //! then spin; see `blkstack_bench::WaitMode`).
 //!
+//! That is the seed's case: io_uring polling on a disk without poll queues,
+//! where the poller spins on completions that arrive as interrupts (here:
+//! from the disk's timer thread). `--set iopoll=1` runs the other case,
+//! a disk with poll queues (`null ... iopoll=1`): poll and hybrid then
+//! reap their own requests from the disk's poll list once due, and nothing
+//! wakes them from another thread.
+//!
 //! CPU utilisation per job is the whole process's CPU time (job threads,
 //! the null device's completion thread, everything) over wall time,
 //! divided by the number of jobs, as the issue asks; the job threads' own
@@ -120,14 +127,15 @@ const SEED: [(&str, &str, &str, &str, &str, &str); 4] = [
 /// in flight gets a tag, so no submitter ever sleeps waiting for one and
 /// only the completion wait differs between the modes; a smaller value
 /// models a disk with that much internal parallelism.
-fn stack(backend: &str, service_ns: u64, tags: u32) -> Result<String> {
+fn stack(backend: &str, service_ns: u64, tags: u32, iopoll: bool) -> Result<String> {
     Ok(match backend {
         // zero_reads=0: null_blk's untouched buffer. A real NVMe disk DMAs
         // the data and the CPU never touches it; zero-filling 128 KiB per
         // read on the job thread would charge every wait mode for a copy
         // the seed's host never made.
         "null" => format!(
-            "dev: 0 {DEV_SECTORS} null irqmode=2 completion_nsec={service_ns} hw_queue_depth={tags} zero_reads=0\n"
+            "dev: 0 {DEV_SECTORS} null irqmode=2 completion_nsec={service_ns} hw_queue_depth={tags} zero_reads=0 iopoll={}\n",
+            iopoll as u8
         ),
         // Cross-check: dm-delay (seed 000's accurate delays) over an
         // inline null device.
@@ -235,6 +243,10 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let trace = opts.param::<u8>("trace", 0)? != 0;
     let services: Vec<u64> = opts.param_list("service_ns", &SERVICE_NS)?;
     let backend: String = opts.param("backend", "null".to_string())?;
+    // `--set iopoll=0`: poll and hybrid spin on the job's completion queue,
+    // filled by the disk's timer thread, instead of reaping the disk's
+    // poll list themselves (io_uring IOPOLL, as the seed ran).
+    let iopoll = opts.param::<u8>("iopoll", 1)? != 0;
     let tags: u32 = opts.param(
         "hw_queue_depth",
         iodepth.saturating_mul(many_jobs).max(iodepth),
@@ -274,7 +286,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // Fail early and clearly if the backend lacks what the experiment needs.
     {
         let probe = Registry::new();
-        let text = stack(&backend, services[0], tags)?;
+        let text = stack(&backend, services[0], tags, iopoll)?;
         if let Err(e) = probe.create_stack(&text) {
             bail!(
                 "the device under test cannot be built ({e}); `null irqmode=2 completion_nsec=N` needs the mq null driver, `--set backend=delay` uses dm-delay instead"
@@ -321,7 +333,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     for w in &workloads {
         let jobs = if w.many_jobs { many_jobs } else { 1 };
         for &svc in &services {
-            let text = stack(&backend, svc, tags)?;
+            let text = stack(&backend, svc, tags, iopoll)?;
             let mut runs: [Vec<Figures>; 3] = Default::default();
             for round in 0..repeats {
                 // Modes interleaved, so slow drift of the machine (other
@@ -497,7 +509,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     });
     r.note(format!(
         "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (the seed used 16 on 8 cores; this machine has {} CPUs); {repeats} round(s) of {} ms per point (modes interleaved, order rotated), medians shown, checks on the median of per-round hybrid/poll ratios",
-        stack(&backend, services[0], tags)?.trim().replace('\n', " | "),
+        stack(&backend, services[0], tags, iopoll)?.trim().replace('\n', " | "),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         runtime.as_millis()
     ));

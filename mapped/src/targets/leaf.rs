@@ -48,6 +48,14 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
         self.driver.extents(offset, len)
     }
+
+    fn polls(&self) -> bool {
+        self.driver.polls()
+    }
+
+    fn poll(&self) -> usize {
+        self.driver.poll()
+    }
 }
 
 /// Shorthand to declare a leaf target type.
