@@ -1301,13 +1301,21 @@ mod tests {
         assert_eq!(q.poll(), 0);
         std::thread::sleep(std::time::Duration::from_millis(10));
         assert_eq!(d.0.load(SeqCst), 0);
-        let mut done = 0;
-        while done < 4 {
-            done += q.poll();
+        // Poll until all are done. They are all due at once, so one poll
+        // normally ends them all; if this thread is descheduled for more
+        // than the backstop's 1 ms past the deadline (a loaded machine),
+        // the completion thread may end some instead.
+        let mut by_poll = 0;
+        while d.0.load(SeqCst) < 4 {
+            let n = q.poll();
+            if n > 0 {
+                assert!(now_ns() - t0 >= 200_000_000, "completed early");
+            }
+            by_poll += n;
             assert!(now_ns() - t0 < 5_000_000_000, "never became due");
         }
         assert!(now_ns() - t0 >= 200_000_000, "completed early");
-        assert_eq!(d.0.load(SeqCst), 4, "completed on this thread, by poll");
+        assert!(by_poll <= 4);
         assert_eq!(q.stats().timer_completions, 4);
     }
 
