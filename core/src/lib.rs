@@ -9,6 +9,7 @@
 //! Nothing here knows about queues, tables or frontends: imports only point
 //! down, and this is the floor.
 
+pub mod affinity;
 pub mod bio;
 pub mod clock;
 pub mod cpu;

@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
+use blkstack_core::affinity::{allowed_cpus, current_cpu, pin_current_thread};
 use blkstack_core::clock::now_ns;
 
 const NOT_PENDING: u64 = u64::MAX;
@@ -187,7 +188,7 @@ impl Kblockd {
                     .name(format!("kblockd/{i}"))
                     .spawn(move || {
                         if let Some(cpu) = cpu {
-                            pin_to_cpu(cpu);
+                            pin_current_thread(cpu);
                         }
                         // One 1 ns timed sleep sets up this thread's
                         // parking_lot data now rather than on its first
@@ -227,12 +228,7 @@ impl Kblockd {
         if map.is_empty() {
             return 0;
         }
-        // SAFETY: plain vDSO call without arguments.
-        let cpu = unsafe { libc::sched_getcpu() };
-        usize::try_from(cpu)
-            .ok()
-            .and_then(|c| map.get(c).copied())
-            .unwrap_or(0)
+        current_cpu().and_then(|c| map.get(c).copied()).unwrap_or(0)
     }
 
     /// Post `work` to run after `delay_ns` (kernel `mod_delayed_work_on`,
@@ -296,37 +292,6 @@ impl Kblockd {
         for h in handles {
             let _ = h.join();
         }
-    }
-}
-
-/// The CPUs this process may run on (all of 0..available_parallelism if
-/// the mask cannot be read).
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set for the kernel to
-    // fill; CPU_ISSET reads within it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
-            let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
-                .filter(|&c| libc::CPU_ISSET(c, &set))
-                .collect();
-            if !cpus.is_empty() {
-                return cpus;
-            }
-        }
-    }
-    (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect()
-}
-
-/// Pin the calling thread to `cpu`. Failure leaves it unpinned, which
-/// costs only the locality.
-fn pin_to_cpu(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is empty; `cpu` came from the process's
-    // own mask, so it is below CPU_SETSIZE.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
     }
 }
 
@@ -463,9 +428,8 @@ mod tests {
     /// pinned there.
     fn on_cpu<T: Send + 'static>(cpu: usize, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
         std::thread::spawn(move || {
-            pin_to_cpu(cpu);
-            // SAFETY: plain vDSO call.
-            (unsafe { libc::sched_getcpu() } == cpu as i32).then(f)
+            pin_current_thread(cpu);
+            (current_cpu() == Some(cpu)).then(f)
         })
         .join()
         .expect("pinned thread panicked")
@@ -477,9 +441,11 @@ mod tests {
         for cpu in allowed_cpus() {
             let ran_on = Arc::new(AtomicU32::new(u32::MAX));
             let r = ran_on.clone();
-            // SAFETY: plain vDSO call.
-            let w =
-                DelayedWork::new(move || r.store(unsafe { libc::sched_getcpu() } as u32, Relaxed));
+            // An unknown CPU is stored as u32::MAX - 1: not `cpu`, so the
+            // assertion below fails rather than the wait.
+            let w = DelayedWork::new(move || {
+                r.store(current_cpu().map_or(u32::MAX - 1, |c| c as u32), Relaxed)
+            });
             let p = pool.clone();
             let w2 = w.clone();
             if on_cpu(cpu, move || p.post(&w2, 0)).is_none() {

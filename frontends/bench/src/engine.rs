@@ -544,7 +544,7 @@ impl Engine {
         let buf = unsafe { slot.buf.io_buf(0, req.len as usize) };
         let op = if req.write { Op::Write } else { Op::Read };
         let start_ns = self.clock.now_ns();
-        let bio = match slot.bio.take() {
+        let mut bio = match slot.bio.take() {
             Some(mut b) => {
                 b.rearm_at(self.sink.clone(), op, req.offset, req.len, buf, start_ns);
                 b
@@ -562,7 +562,6 @@ impl Engine {
                 b
             }
         };
-        let mut bio = bio;
         if self.dev_polls {
             bio.flags.insert(BioFlags::POLLED);
         }

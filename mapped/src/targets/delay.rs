@@ -627,9 +627,7 @@ impl Shared {
     fn shard_for_submitter(self: &Arc<Shared>) -> Option<Arc<Shard>> {
         let unpinned = self.shards.len().checked_sub(1)?;
         if self.affinity {
-            // SAFETY: plain call; -1 when the CPU cannot be told.
-            let cpu = unsafe { libc::sched_getcpu() };
-            if let Ok(cpu) = usize::try_from(cpu) {
+            if let Some(cpu) = blkstack_core::affinity::current_cpu() {
                 if cpu < unpinned {
                     if let Some(s) = self.shards[cpu].get() {
                         return Some(s.clone());
@@ -992,18 +990,6 @@ impl WakeLatency {
     }
 }
 
-/// Pin the calling thread to `cpu`. Failure (a cpuset without it) leaves
-/// the thread unpinned, which costs only the locality.
-fn pin_to_cpu(cpu: usize) {
-    // SAFETY: a zeroed cpu_set_t is empty; CPU_SET stays within it for
-    // cpu < CPU_SETSIZE, which `MAX_CPUS` guarantees.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
-}
-
 /// A CLOCK_MONOTONIC timerfd, `hybrid` mode's sleep. Submitters arm it
 /// for a new bio's wake time, so the worker sleeps once per deadline and
 /// is never woken merely to be told about a bio.
@@ -1073,7 +1059,7 @@ impl DeadlineTimer {
 fn hybrid_worker(sh: Arc<Shared>, shard: Arc<Shard>) {
     prepare_worker_thread();
     if let Some(cpu) = shard.cpu {
-        pin_to_cpu(cpu);
+        blkstack_core::affinity::pin_current_thread(cpu);
     }
     let mut lat = WakeLatency::new(sh.wake_pct);
     let mut batch: Vec<Held> = Vec::with_capacity(64);
