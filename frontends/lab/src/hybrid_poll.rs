@@ -243,10 +243,12 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let trace = opts.param::<u8>("trace", 0)? != 0;
     let services: Vec<u64> = opts.param_list("service_ns", &SERVICE_NS)?;
     let backend: String = opts.param("backend", "null".to_string())?;
-    // `--set iopoll=0`: poll and hybrid spin on the job's completion queue,
-    // filled by the disk's timer thread, instead of reaping the disk's
-    // poll list themselves (io_uring IOPOLL, as the seed ran).
-    let iopoll = opts.param::<u8>("iopoll", 1)? != 0;
+    // Default: the seed's disk without poll queues (io_uring IOPOLL there
+    // spins on completions its interrupt delivers): poll and hybrid spin
+    // on the job's completion queue, filled by the disk's timer thread.
+    // `--set iopoll=1`: a disk with poll queues, whose poll list the job
+    // reaps itself.
+    let iopoll = opts.param::<u8>("iopoll", 0)? != 0;
     let tags: u32 = opts.param(
         "hw_queue_depth",
         iodepth.saturating_mul(many_jobs).max(iodepth),
