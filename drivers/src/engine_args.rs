@@ -8,7 +8,10 @@
 //! `blocking`); the rest select the mechanisms of seeds 001 and 003
 //! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`),
 //! `kblockd=percpu|unbound` picks the pool queue runs are posted to, and
-//! `iopoll=1` (with `irqmode=2`) lets submitters reap polled bios.
+//! `iopoll=1` (with `irqmode=2`) lets submitters reap polled bios, and
+//! `timer_spin_ns=N` (with `irqmode=2`) lets the completion thread spin up
+//! to N ns before each deadline instead of trusting a sleep to wake on time
+//! (see `blkstack_mq::queue`'s `DeadlineClock`).
 //! `shared_tags=1` shares one tag set among this device's hardware queues
 //! (null_blk's `shared_tag_bitmap`), which is the sharing seed 003
 //! measures: as in the kernel for one device, without a fair share.
@@ -93,6 +96,12 @@ impl EngineArgs {
         let run_on_completion = kv.take_bool("run_on_completion", d.run_on_completion)?;
         let rescue_ms = kv.take_u64("tag_rescue_ms", 0, 0, 3_600_000)?;
         let iopoll = kv.take_bool("iopoll", d.iopoll)?;
+        let timer_spin_max_ns = kv.take_u64(
+            "timer_spin_ns",
+            d.timer_spin_max_ns,
+            0,
+            blkstack_mq::queue::MAX_TIMER_SPIN_NS,
+        )?;
         let kblockd = kv.take_choice(
             "kblockd",
             d.kblockd,
@@ -122,6 +131,7 @@ impl EngineArgs {
             rescue_timeout_ns: rescue_ms * 1_000_000,
             kblockd,
             iopoll,
+            timer_spin_max_ns,
             ..d
         };
         opts.validate()
@@ -178,6 +188,9 @@ impl EngineArgs {
         if o.iopoll {
             out.push_str(" iopoll=1");
         }
+        if o.timer_spin_max_ns != 0 {
+            let _ = write!(out, " timer_spin_ns={}", o.timer_spin_max_ns);
+        }
     }
 
     /// The engine configuration as `status` shows it.
@@ -197,7 +210,11 @@ impl EngineArgs {
             o.kblockd.name(),
         );
         if let CompletionMode::Timer { nsec } = o.completion {
-            let _ = write!(s, " completion_nsec={nsec} iopoll={}", o.iopoll as u8);
+            let _ = write!(
+                s,
+                " completion_nsec={nsec} iopoll={} timer_spin_ns={}",
+                o.iopoll as u8, o.timer_spin_max_ns
+            );
         }
         s
     }
@@ -231,6 +248,7 @@ mod tests {
             "tag_rescue_ms=500",
             "kblockd=unbound",
             "iopoll=1",
+            "timer_spin_ns=100000",
         ];
         let e = parse(&args).unwrap();
         assert_eq!(e.opts.completion, CompletionMode::Timer { nsec: 20000 });
@@ -240,6 +258,7 @@ mod tests {
         assert!(!e.opts.run_dedup && e.opts.run_on_completion && e.opts.shared_tags);
         assert_eq!(e.opts.kblockd, KblockdKind::Unbound);
         assert!(e.opts.iopoll);
+        assert_eq!(e.opts.timer_spin_max_ns, 100_000);
         let mut printed = String::new();
         e.write_table_args(&mut printed);
         assert_eq!(printed.trim(), args.join(" "));
@@ -263,6 +282,8 @@ mod tests {
             ("kblockd=global", "kblockd"),
             ("iopoll=yes", "iopoll"),
             ("iopoll=1", "irqmode=2"),
+            ("timer_spin_ns=1000001", "timer_spin_ns"),
+            ("timer_spin_ns=1000", "irqmode=2"),
         ] {
             let e = parse(&[arg]).unwrap_err();
             assert!(e.contains(key), "{arg}: {e}");
