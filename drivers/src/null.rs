@@ -7,8 +7,9 @@
 //! null_blk's knobs as table args: `bs=` (logical block size, power of two
 //! in 512..=4096), the engine args of [`crate::engine_args`] (`irqmode`,
 //! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
-//! `blocking`, `tag_wakeup`, `tag_wake_weight`, `run_dedup`, `run_on_completion`,
-//! `tag_rescue_ms`, `kblockd`, `iopoll`, `timer_spin_ns`), and `max_inflight=` (per hardware queue; above it the
+//! `blocking`, `tag_wakeup`, `tag_wake_weight`, `run_dedup`,
+//! `run_on_completion`, `tag_rescue_ms`, `kblockd`, `iopoll`,
+//! `timer_spin_ns`), and `max_inflight=` (per hardware queue; above it the
 //! driver answers busy, like a SCSI device whose queue is full: the
 //! dispatch-list and queue-run paths of seed 001 need a driver that
 //! pushes back; 0 = never busy, the default), and `zero_reads=0|1`.

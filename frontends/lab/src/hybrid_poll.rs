@@ -23,8 +23,9 @@
 //! `timer_spin_ns`): on this VM an idle vCPU wakes tens to hundreds of µs
 //! late, so a disk that only sleeps is slower under the modes that let
 //! vCPUs idle than under `poll`; the spin is left out of the CPU figures
-//! and shown in its own columns. Off by default: alternated runs have not
-//! shown that it changes the verdict (docs/BENCHMARKS.md).
+//! and shown in its own columns. Off by default: in alternated runs it
+//! helped in a calm stretch and made the disk later in a bad one, when
+//! the host took vCPUs away from the spinning thread (docs/BENCHMARKS.md).
 //!
 //! CPU utilisation per job is the whole process's CPU time (job threads,
 //! the null device's completion thread, everything) over wall time,
