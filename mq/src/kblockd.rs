@@ -474,18 +474,24 @@ mod tests {
         });
         assert!(w.is_pending());
         // ...re-posted from another CPU: a later deadline changes nothing,
-        // an immediate one brings it forward where it is pending.
+        // an earlier one brings it forward where it is pending, and the
+        // item still runs once. (Earlier deadlines rather than immediate
+        // posts: a worker may run an immediate item between two posts, and
+        // a post after the run has started rightly queues it again.)
         let (p, w2) = (pool.clone(), w.clone());
         let t0 = now_ns();
         on_cpu(other, move || {
             p.post(&w2, 20_000_000_000);
-            p.post(&w2, 0);
-            p.post(&w2, 0);
+            p.post(&w2, 300_000_000);
+            p.post(&w2, 600_000_000);
         })
         .unwrap_or_else(|| panic!("cannot run a thread on CPU {other}, in this process's mask"));
         wait_for(&n, 1);
-        assert!(now_ns() - t0 < 2_000_000_000, "immediate run was postponed");
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        let took = now_ns() - t0;
+        assert!(took >= 300_000_000, "ran early, after {took} ns");
+        assert!(took < 5_000_000_000, "the earlier deadline was not kept");
+        // Past the 600 ms a second entry would have had.
+        std::thread::sleep(std::time::Duration::from_millis(500));
         assert_eq!(n.load(Relaxed), 1, "queued twice");
         assert!(!w.is_pending());
         pool.shutdown();
