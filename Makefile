@@ -18,10 +18,13 @@ deps:
 test: deps
 	cargo test --workspace
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_sbitmap -- counter_two_threads_depth1
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_runstate
 
-# Every loom model of the tag allocator (about 12 minutes on 2 vCPUs).
+# Every loom model: the tag allocator's (about 12 minutes on 2 vCPUs) and
+# the queue-run state's (seconds).
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_sbitmap
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --release --test loom_runstate
 
 check:
 	cargo fmt --all -- --check

@@ -1,15 +1,11 @@
 //! Hardware queues (kernel `struct blk_mq_hw_ctx`): where requests that
-//! could not be issued directly wait (the dispatch list), the state bits
-//! that govern queue runs, and the counters an experiment reads.
-//!
-//! The state bits follow the kernel: `STOPPED` (driver asked not to be
-//! called), `WORK_QUEUED` (seed 001: a zero-delay run is already posted, so
-//! do not post another), `RESTART` (kernel `BLK_MQ_S_SCHED_RESTART`: the
-//! driver said busy, so the next completion on this queue runs it again).
-//! The run logic itself lives with the queue in `queue.rs`, which knows the
-//! driver.
+//! could not be issued directly wait (the dispatch list), the state that
+//! governs queue runs ([`RunState`]: stopped, seed 001's queued bit, the
+//! restart handshake), and the counters an experiment reads. The run logic
+//! itself lives with the queue in `queue.rs`, which knows the driver.
 
 use crate::kblockd::DelayedWork;
+use crate::runstate::RunState;
 use crate::sbitmap::WaitIndex;
 use crate::tags::{HctxTagState, Tags};
 use crossbeam_utils::CachePadded;
@@ -19,10 +15,6 @@ use std::sync::atomic::AtomicU32;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::{Arc, OnceLock};
-
-pub const S_STOPPED: u32 = 1 << 0;
-pub const S_WORK_QUEUED: u32 = 1 << 1;
-pub const S_RESTART: u32 = 1 << 2;
 
 /// Counters of one hardware queue (all monotonic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -61,14 +53,12 @@ pub(crate) struct HctxCounters {
 /// One hardware queue.
 pub struct HwQueue {
     pub(crate) index: u32,
-    pub(crate) state: CachePadded<AtomicU32>,
+    pub(crate) run: RunState,
     pub(crate) tags: Arc<Tags>,
     pub(crate) tag_state: HctxTagState,
     pub(crate) wait_index: WaitIndex,
     dispatch: Mutex<VecDeque<u32>>,
     dispatch_len: CachePadded<AtomicU32>,
-    /// Requests the driver accepted and has not completed.
-    pub(crate) in_driver: CachePadded<AtomicU32>,
     pub(crate) run_work: OnceLock<Arc<DelayedWork>>,
     pub(crate) counters: CachePadded<HctxCounters>,
 }
@@ -78,13 +68,12 @@ impl HwQueue {
         let depth = tags.depth() as usize;
         HwQueue {
             index,
-            state: CachePadded::new(AtomicU32::new(0)),
+            run: RunState::new(),
             tags,
             tag_state: HctxTagState::default(),
             wait_index: WaitIndex::new(),
             dispatch: Mutex::new(VecDeque::with_capacity(depth)),
             dispatch_len: CachePadded::new(AtomicU32::new(0)),
-            in_driver: CachePadded::new(AtomicU32::new(0)),
             run_work: OnceLock::new(),
             counters: CachePadded::new(HctxCounters::default()),
         }
@@ -99,12 +88,12 @@ impl HwQueue {
     }
 
     pub fn is_stopped(&self) -> bool {
-        self.state.load(Relaxed) & S_STOPPED != 0
+        self.run.is_stopped()
     }
 
     /// Is a zero-delay run posted and not yet started?
     pub fn work_queued(&self) -> bool {
-        self.state.load(Relaxed) & S_WORK_QUEUED != 0
+        self.run.work_queued()
     }
 
     /// Requests waiting on the dispatch list (kernel
@@ -118,8 +107,9 @@ impl HwQueue {
         self.dispatch_len.load(Relaxed)
     }
 
+    /// Requests the driver accepted and has not completed.
     pub fn in_driver(&self) -> u32 {
-        self.in_driver.load(Relaxed)
+        self.run.in_driver()
     }
 
     /// Tags this queue holds (counted only for tag sets with a fair share,

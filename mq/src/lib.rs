@@ -6,14 +6,17 @@
 //! - [`sbitmap`]: the bitmap allocator and its wait queues, with both
 //!   wakeup algorithms of seed 003 ([`WakeupAlgo`]).
 //! - [`tags`]: tag sets, reserved tags, fair sharing between hardware queues.
-//! - [`hwqueue`], [`kblockd`]: dispatch lists, queue-run state (seed 001's
-//!   queued bit), the worker pool runs are posted to.
+//! - [`hwqueue`], [`runstate`], [`kblockd`]: dispatch lists, queue-run
+//!   state (seed 001's queued bit, the restart handshake), the worker pool
+//!   runs are posted to.
 //! - [`queue`]: [`Queue`] over a [`Driver`], with null_blk's completion
 //!   modes and the engine options ([`EngineOptions`]).
 //!
-//! Under `--cfg loom` only the sbitmap queue and its primitives are built,
-//! for the model checks in `tests/loom_sbitmap.rs`.
+//! Under `--cfg loom` only the sbitmap queue, the run state and their
+//! primitives are built, for the model checks in `tests/loom_sbitmap.rs`
+//! and `tests/loom_runstate.rs`.
 
+pub mod runstate;
 pub mod sbitmap;
 mod sync;
 

@@ -29,7 +29,7 @@
 //! dispatch list and completion queues keep their capacity, and every lock
 //! taken per I/O is per hardware queue (none is global).
 
-use crate::hwqueue::{HctxStats, HwQueue, S_RESTART, S_STOPPED, S_WORK_QUEUED};
+use crate::hwqueue::{HctxStats, HwQueue};
 use crate::kblockd::{DelayedWork, Kblockd};
 use crate::sbitmap::{SbqStats, WakeWeight, WakeupAlgo, MAX_DEPTH};
 use crate::tags::{Tags, TagsConfig};
@@ -529,14 +529,13 @@ impl<D: Driver> Queue<D> {
         if let Some(w) = h.run_work.get() {
             self.inner.kblockd.cancel(w);
         }
-        h.state.fetch_or(S_STOPPED, SeqCst);
-        h.state.fetch_and(!S_WORK_QUEUED, SeqCst);
+        h.run.stop();
     }
 
     /// Kernel `blk_mq_start_hw_queue` + run.
     pub fn start_hw_queue(&self, i: usize, async_run: bool) {
         let h = &self.inner.hctxs[i];
-        h.state.fetch_and(!S_STOPPED, SeqCst);
+        h.run.start();
         self.inner.run_hw_queue(h, async_run);
     }
 
@@ -727,7 +726,7 @@ impl<D: Driver> QueueInner<D> {
     #[inline]
     fn issue_to(&self, h: &HwQueue, tag: u32, finished: Option<&mut Finished>) -> bool {
         let issue_ns = now_ns_if_timer(self.opts.completion);
-        h.in_driver.fetch_add(1, SeqCst);
+        h.run.enter_driver();
         let rq = Rq {
             tag,
             hctx: h.index,
@@ -745,13 +744,11 @@ impl<D: Driver> QueueInner<D> {
             }
             QueueRq::Issued => true,
             QueueRq::Busy => {
-                h.in_driver.fetch_sub(1, SeqCst);
                 h.counters.requeues.fetch_add(1, Relaxed);
                 h.push_head(tag);
-                h.state.fetch_or(S_RESTART, SeqCst);
                 // Nothing in flight will complete and restart us: retry
                 // later, as the kernel does after BLK_STS_RESOURCE.
-                if h.in_driver.load(SeqCst) == 0 {
+                if h.run.requeued_busy() {
                     self.post_run(h, RESOURCE_DELAY_NS);
                 }
                 false
@@ -792,11 +789,8 @@ impl<D: Driver> QueueInner<D> {
             },
             status,
         );
-        owner.in_driver.fetch_sub(1, SeqCst);
         owner.tags.put(&owner.tag_state, tag);
-        if owner.state.load(SeqCst) & S_RESTART != 0
-            && owner.state.fetch_and(!S_RESTART, SeqCst) & S_RESTART != 0
-        {
+        if owner.run.left_driver(1) {
             owner.counters.restarts.fetch_add(1, Relaxed);
             self.run_hw_queue(owner, true);
         }
@@ -833,11 +827,8 @@ impl<D: Driver> QueueInner<D> {
             );
             out.write(bio);
         }
-        h.in_driver.fetch_sub(n as u32, SeqCst);
         h.tags.put_batch(&h.tag_state, &f.tags[..n]);
-        if h.state.load(SeqCst) & S_RESTART != 0
-            && h.state.fetch_and(!S_RESTART, SeqCst) & S_RESTART != 0
-        {
+        if h.run.left_driver(n as u32) {
             h.counters.restarts.fetch_add(1, Relaxed);
             self.run_hw_queue(h, true);
         }
@@ -887,10 +878,7 @@ impl<D: Driver> QueueInner<D> {
         }
         if async_run || self.opts.blocking {
             self.post_run(h, 0);
-        } else if h.state.load(SeqCst) & S_RESTART != 0 {
-            // The driver said busy and the next completion will run this
-            // queue: trying again from the submitter now would only take
-            // the request off the list and put it back.
+        } else if !h.run.inline_run_allowed() {
             h.counters.runs_skipped_restart.fetch_add(1, Relaxed);
         } else {
             h.counters.runs_inline.fetch_add(1, Relaxed);
@@ -902,18 +890,14 @@ impl<D: Driver> QueueInner<D> {
     fn post_run(&self, h: &HwQueue, delay_ns: u64) {
         if self.opts.run_dedup {
             if delay_ns == 0 {
-                if h.state.load(SeqCst) & S_WORK_QUEUED != 0 {
-                    h.counters.runs_deduped.fetch_add(1, Relaxed);
-                    return;
-                }
-                if h.state.fetch_or(S_WORK_QUEUED, SeqCst) & S_WORK_QUEUED != 0 {
+                if !h.run.claim_immediate_post() {
                     h.counters.runs_deduped.fetch_add(1, Relaxed);
                     return;
                 }
             } else {
                 // A delayed run must not stand in for the next immediate
                 // one (seed 001 v2).
-                h.state.fetch_and(!S_WORK_QUEUED, SeqCst);
+                h.run.before_delayed_post();
             }
         }
         h.counters.runs_posted.fetch_add(1, Relaxed);
@@ -924,8 +908,7 @@ impl<D: Driver> QueueInner<D> {
 
     /// Kernel `blk_mq_run_work_fn`.
     fn run_work_fn(&self, h: &HwQueue) {
-        h.state.fetch_and(!S_WORK_QUEUED, SeqCst);
-        if h.is_stopped() {
+        if !h.run.begin_work() {
             return;
         }
         h.counters.runs_from_work.fetch_add(1, Relaxed);
