@@ -34,6 +34,7 @@ use crate::kblockd::{DelayedWork, Kblockd};
 use crate::sbitmap::{SbqStats, WakeWeight, WakeupAlgo, MAX_DEPTH};
 use crate::tags::{Tags, TagsConfig};
 use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns};
+use blkstack_core::cpu::thread_cpu_ns;
 use blkstack_core::{Bio, BioFlags, Status};
 use parking_lot::Mutex;
 use std::cell::Cell;
@@ -1114,11 +1115,11 @@ impl DeadlineClock {
             self.learn(now_ns().saturating_sub(target));
         }
         if now_ns() < deadline {
-            let t0 = thread_cpu_time_ns();
+            let t0 = thread_cpu_ns();
             while now_ns() < deadline {
                 std::hint::spin_loop();
             }
-            spin_cpu_ns.fetch_add(thread_cpu_time_ns().saturating_sub(t0), Relaxed);
+            spin_cpu_ns.fetch_add(thread_cpu_ns().saturating_sub(t0), Relaxed);
         }
     }
 
@@ -1129,17 +1130,6 @@ impl DeadlineClock {
         sorted.sort_unstable();
         self.margin_ns = sorted[Self::HISTORY * 9 / 10].min(self.max_spin_ns);
     }
-}
-
-/// This thread's CPU time, to the ns (getrusage counts in µs).
-fn thread_cpu_time_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec out-parameter.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 #[inline]

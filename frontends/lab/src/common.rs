@@ -41,12 +41,17 @@ impl Measured {
 
     /// A `key=value` counter from the status text, summed over lines.
     pub fn counter(&self, key: &str) -> u64 {
-        self.status
-            .split_whitespace()
-            .filter_map(|w| w.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
-            .filter_map(|v| v.parse::<u64>().ok())
-            .sum()
+        status_counter(&self.status, key)
     }
+}
+
+/// A `key=value` counter from a device's status text, summed over lines.
+pub fn status_counter(status: &str, key: &str) -> u64 {
+    status
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix(key).and_then(|r| r.strip_prefix('=')))
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum()
 }
 
 /// A job as the seeds describe them: `rw`, block size, depth, job count,

@@ -45,7 +45,7 @@
 //! threads got (well under 100 % means poll's CPU, the check's
 //! denominator, was cut by other processes).
 
-use crate::common::{median, round};
+use crate::common::{median, round, status_counter};
 use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, Context, Result};
@@ -189,11 +189,7 @@ fn measure(stack_text: &str, job: &JobSpec, w: &Workload, trace: bool) -> Result
     let wall = t0.elapsed();
     let cpu = process_cpu().since(before);
     let status = reg.status_text("dev").unwrap_or_default();
-    let disk_spin_ns: u64 = status
-        .split_whitespace()
-        .filter_map(|w| w.strip_prefix("timer_spin_cpu_ns="))
-        .filter_map(|v| v.parse::<u64>().ok())
-        .sum();
+    let disk_spin_ns = status_counter(&status, "timer_spin_cpu_ns");
     reg.remove_all();
     let report = result?;
     let j = report.jobs.first().context("the bench returned no job")?;
