@@ -11,7 +11,7 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("file", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
-    let driver = FileDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = FileDevice::from_args(ctx.len_bytes(), args).map_err(|e| e.to_string())?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 

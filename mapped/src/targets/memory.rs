@@ -9,7 +9,7 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("memory", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
-    let driver = MemoryDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = MemoryDevice::from_args(ctx.len_bytes(), args).map_err(|e| e.to_string())?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 
