@@ -1,11 +1,15 @@
 //! Shared test helpers (cargo feature `testing`, enabled by the other
 //! crates in their `[dev-dependencies]`): one completion recorder instead
-//! of one per test file.
+//! of one per test file, and what the no-allocation tests share (a
+//! counting global allocator and a free list of reusable bios).
 
-use crate::bio::{Bio, EndIo};
+use crate::bio::{AlignedBuf, Bio, EndIo, Op};
 use crate::clock::now_ns;
 use crate::status::Status;
 use parking_lot::{Condvar, Mutex};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -96,10 +100,107 @@ impl EndIo for CompletionRecorder {
     }
 }
 
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// A global allocator that counts allocations (and reallocations), for a
+/// test binary that installs it with `#[global_allocator]` and checks a
+/// hot path allocates nothing. The count is process-wide.
+pub struct CountingAlloc;
+
+impl CountingAlloc {
+    /// Allocations so far in this process.
+    pub fn count() -> u64 {
+        ALLOCATIONS.load(Relaxed)
+    }
+}
+
+// SAFETY: forwards to the system allocator; only counts.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Relaxed);
+        System.alloc(l)
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        System.dealloc(p, l)
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Relaxed);
+        System.realloc(p, l, n)
+    }
+}
+
+/// An [`EndIo`] owner that keeps completed bios for reuse: a submitter
+/// takes one, rearms and submits it, and gets it back on completion.
+pub struct BioFreeList {
+    free: Mutex<Vec<Bio>>,
+    cv: Condvar,
+}
+
+impl BioFreeList {
+    /// An empty list with room for `capacity` bios (it never grows past
+    /// what was submitted through it).
+    pub fn new(capacity: usize) -> Arc<BioFreeList> {
+        Arc::new(BioFreeList {
+            free: Mutex::new(Vec::with_capacity(capacity)),
+            cv: Condvar::new(),
+        })
+    }
+
+    /// Put `n` reads of `len` bytes on the list, each over its own range
+    /// of `mem` (bio `i` at `i * len`, cookie `i`).
+    ///
+    /// # Safety
+    /// The caller must keep `mem` alive, and not touch it, until every
+    /// bio is back on the list for the last time.
+    pub unsafe fn prime(self: &Arc<Self>, mem: &AlignedBuf, n: usize, len: usize) {
+        let owner: Arc<dyn EndIo> = self.clone();
+        for i in 0..n {
+            // SAFETY: the caller keeps `mem` alive and untouched.
+            let io = unsafe { mem.io_buf(i * len, len) };
+            Bio::new(Op::Read, 0, len as u64, io, owner.clone(), i as u64).complete(Status::Ok);
+        }
+    }
+
+    /// Take a free bio; while none is, call `reap` (a poll that may end
+    /// some) if given, else sleep until one comes back.
+    pub fn take(&self, mut reap: Option<&mut dyn FnMut()>) -> Bio {
+        let mut f = self.free.lock();
+        loop {
+            if let Some(bio) = f.pop() {
+                return bio;
+            }
+            match reap.as_mut() {
+                Some(reap) => {
+                    drop(f);
+                    reap();
+                    f = self.free.lock();
+                }
+                None => self.cv.wait(&mut f),
+            }
+        }
+    }
+
+    /// Bios on the list now.
+    pub fn len(&self) -> usize {
+        self.free.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl EndIo for BioFreeList {
+    fn end_io(&self, bio: Bio, _status: Status, _cookie: u64) {
+        self.free.lock().push(bio);
+        self.cv.notify_one();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bio::{IoBuf, Op};
+    use crate::bio::IoBuf;
 
     #[test]
     fn records_each_completion_once_and_waits_for_n() {
@@ -123,5 +224,28 @@ mod tests {
         assert!(rec.try_wait(4, Duration::from_millis(20)).is_none());
         rec.clear();
         assert_eq!(rec.count(), 0);
+    }
+
+    #[test]
+    fn a_free_list_hands_back_what_completed() {
+        let list = BioFreeList::new(2);
+        Bio::new(Op::Flush, 0, 0, IoBuf::empty(), list.clone(), 1).complete(Status::Ok);
+        assert_eq!(list.len(), 1);
+        let bio = list.take(None);
+        assert!(list.is_empty());
+        // With a reaper, an empty list calls it until a bio is back.
+        let mut held = Some(bio);
+        let mut calls = 0;
+        let owner: Arc<dyn EndIo> = list.clone();
+        let mut reap = || {
+            calls += 1;
+            if let Some(mut b) = held.take() {
+                b.rearm(owner.clone(), Op::Flush, 0, 0, IoBuf::empty());
+                b.complete(Status::Ok);
+            }
+        };
+        let again = list.take(Some(&mut reap));
+        assert_eq!(calls, 1);
+        drop(again);
     }
 }

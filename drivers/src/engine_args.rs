@@ -3,38 +3,36 @@
 //! (only non-defaults, in one fixed order) so that `dmsetup table` output
 //! parses back to the same device.
 //!
-//! Names follow null_blk's module parameters where one exists (`irqmode`,
-//! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
-//! `blocking`); the rest select the mechanisms of seeds 001 and 003
-//! (`run_dedup`, `run_on_completion`, `tag_wakeup`, `tag_wake_weight`),
-//! `kblockd=percpu|unbound` picks the pool queue runs are posted to, and
-//! `iopoll=1` (with `irqmode=2`) lets submitters reap polled bios, and
-//! `timer_spin_ns=N` (with `irqmode=2`) lets the completion thread spin up
-//! to N ns before each deadline instead of trusting a sleep to wake on time
-//! (see `blkstack_mq::queue`'s `DeadlineClock`).
-//! `shared_tags=1` shares one tag set among this device's hardware queues
-//! (null_blk's `shared_tag_bitmap`), which is the sharing seed 003
-//! measures: as in the kernel for one device, without a fair share.
+//! Names follow null_blk's module parameters where one exists
+//! (`hw_queue_depth`, `submit_queues`, `shared_tags`, `blocking`); the
+//! rest select the mechanisms of "blk-mq: avoid repeatedly scheduling the
+//! same work to run hardware queue" (`run_dedup`, `run_on_completion`) and
+//! "sbitmap: Use single per-bitmap counting to wake up queued tags"
+//! (`tag_wakeup`, `tag_wake_weight`), and `kblockd=percpu|unbound` picks
+//! the pool queue runs are posted to. `shared_tags=1` shares one tag set
+//! among this device's hardware queues (null_blk's `shared_tag_bitmap`),
+//! as in the kernel for one device, without a fair share;
 //! `tag_fair_share=1` adds blk-mq's fair share per active user, treating
 //! each hardware queue as the kernel treats each request queue of a tag
 //! set shared by several (`BLK_MQ_F_TAG_QUEUE_SHARED`).
+//!
+//! The completion knobs (`irqmode`, `completion_nsec`, `iopoll`,
+//! `timer_spin_ns`) are null_blk's, not the engine's: they are defined in
+//! [`crate::null::completion`] and only read and printed here, in the
+//! table's order, so that `null` and `memory` lines keep one syntax.
 
 use crate::args::KvArgs;
 use crate::error::ArgError;
-use blkstack_mq::queue::{CompletionMode, EngineOptions, KblockdKind};
+use crate::null::completion::CompletionArgs;
 use blkstack_mq::sbitmap::{WakeWeight, WakeupAlgo, MAX_DEPTH};
+use blkstack_mq::{EngineOptions, KblockdKind, MAX_HW_QUEUES};
 use std::fmt::Write;
 
-/// null_blk's default `completion_nsec`.
-pub const DEFAULT_COMPLETION_NSEC: u64 = 10_000;
-
-/// Engine options plus the one value they do not keep when the
-/// completion mode is not the timer (`completion_nsec`), so that it
-/// round-trips through `table_args`.
+/// Engine options plus the completion mode a leaf driver runs them with.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineArgs {
     pub opts: EngineOptions,
-    pub completion_nsec: u64,
+    pub completion: CompletionArgs,
 }
 
 impl EngineArgs {
@@ -42,119 +40,36 @@ impl EngineArgs {
     pub fn defaults() -> EngineArgs {
         EngineArgs {
             opts: EngineOptions::default(),
-            completion_nsec: DEFAULT_COMPLETION_NSEC,
+            completion: CompletionArgs::default(),
         }
     }
 
-    /// Engine args built from options set in Rust (for experiments).
+    /// Engine args built from options set in Rust (for experiments), with
+    /// inline completion.
     pub fn from_options(opts: EngineOptions) -> EngineArgs {
-        let completion_nsec = match opts.completion {
-            CompletionMode::Timer { nsec } => nsec,
-            _ => DEFAULT_COMPLETION_NSEC,
-        };
         EngineArgs {
             opts,
-            completion_nsec,
+            completion: CompletionArgs::default(),
         }
     }
 
-    /// Consume the engine keys from `kv`.
+    /// Consume the engine and completion keys from `kv`.
     pub fn parse(kv: &mut KvArgs<'_>) -> Result<EngineArgs, ArgError> {
-        let d = EngineOptions::default();
-        let irqmode = kv.take_u64("irqmode", 0, 0, 2)?;
-        let completion_nsec = kv.take_u64(
-            "completion_nsec",
-            DEFAULT_COMPLETION_NSEC,
-            0,
-            60_000_000_000,
-        )?;
-        let queue_depth =
-            kv.take_u64("hw_queue_depth", d.queue_depth as u64, 1, MAX_DEPTH as u64)? as u32;
-        let hw_queues = kv.take_u64(
-            "submit_queues",
-            d.hw_queues as u64,
-            1,
-            blkstack_mq::queue::MAX_HW_QUEUES as u64,
-        )? as u32;
-        let shared_tags = kv.take_bool("shared_tags", d.shared_tags)?;
-        let tag_fair_share = kv.take_bool("tag_fair_share", d.tag_fair_share)?;
-        let blocking = kv.take_bool("blocking", d.blocking)?;
-        let tag_wakeup = kv.take_choice(
-            "tag_wakeup",
-            d.tag_wakeup,
-            &[
-                ("counter", WakeupAlgo::Counter),
-                ("wait_cnt", WakeupAlgo::WaitCnt),
-                ("counter_first_queue", WakeupAlgo::CounterFirstQueue),
-            ],
-        )?;
-        let tag_wake_weight = kv.take_choice(
-            "tag_wake_weight",
-            d.tag_wake_weight,
-            &[("plug", WakeWeight::Plug), ("one", WakeWeight::One)],
-        )?;
-        let run_dedup = kv.take_bool("run_dedup", d.run_dedup)?;
-        let run_on_completion = kv.take_bool("run_on_completion", d.run_on_completion)?;
-        let rescue_ms = kv.take_u64("tag_rescue_ms", 0, 0, 3_600_000)?;
-        let iopoll = kv.take_bool("iopoll", d.iopoll)?;
-        let timer_spin_max_ns = kv.take_u64(
-            "timer_spin_ns",
-            d.timer_spin_max_ns,
-            0,
-            blkstack_mq::queue::MAX_TIMER_SPIN_NS,
-        )?;
-        let kblockd = kv.take_choice(
-            "kblockd",
-            d.kblockd,
-            &[
-                ("percpu", KblockdKind::PerCpu),
-                ("unbound", KblockdKind::Unbound),
-            ],
-        )?;
-        let completion = match irqmode {
-            0 => CompletionMode::Inline,
-            1 => CompletionMode::Softirq,
-            _ => CompletionMode::Timer {
-                nsec: completion_nsec,
-            },
-        };
-        let opts = EngineOptions {
-            hw_queues,
-            queue_depth,
-            shared_tags,
-            tag_fair_share,
-            blocking,
-            completion,
-            tag_wakeup,
-            tag_wake_weight,
-            run_dedup,
-            run_on_completion,
-            rescue_timeout_ns: rescue_ms * 1_000_000,
-            kblockd,
-            iopoll,
-            timer_spin_max_ns,
-            ..d
-        };
-        opts.validate().map_err(|reason| ArgError::Conflict {
+        let completion = CompletionArgs::parse(kv)?;
+        let opts = parse_engine_options(kv)?;
+        opts.validate().map_err(|e| ArgError::Conflict {
             driver: kv.driver(),
-            reason,
+            reason: e.to_string(),
         })?;
-        Ok(EngineArgs {
-            opts,
-            completion_nsec,
-        })
+        completion.validate(kv.driver())?;
+        Ok(EngineArgs { opts, completion })
     }
 
-    /// Append the non-default engine args, each preceded by a space.
+    /// Append the non-default args, each preceded by a space.
     pub fn write_table_args(&self, out: &mut String) {
         let d = EngineOptions::default();
         let o = &self.opts;
-        if o.completion.irqmode() != 0 {
-            let _ = write!(out, " irqmode={}", o.completion.irqmode());
-        }
-        if self.completion_nsec != DEFAULT_COMPLETION_NSEC {
-            let _ = write!(out, " completion_nsec={}", self.completion_nsec);
-        }
+        self.completion.write_mode_args(out);
         if o.queue_depth != d.queue_depth {
             let _ = write!(out, " hw_queue_depth={}", o.queue_depth);
         }
@@ -188,20 +103,15 @@ impl EngineArgs {
         if o.kblockd != d.kblockd {
             let _ = write!(out, " kblockd={}", o.kblockd.name());
         }
-        if o.iopoll {
-            out.push_str(" iopoll=1");
-        }
-        if o.timer_spin_max_ns != 0 {
-            let _ = write!(out, " timer_spin_ns={}", o.timer_spin_max_ns);
-        }
+        self.completion.write_poll_args(out);
     }
 
     /// The engine configuration as `status` shows it.
     pub fn describe(&self) -> String {
         let o = &self.opts;
-        let mut s = format!(
-            "irqmode={} hw_queue_depth={} submit_queues={} shared_tags={} tag_fair_share={} tag_wakeup={} tag_wake_weight={} run_dedup={} run_on_completion={} kblockd={}",
-            o.completion.irqmode(),
+        format!(
+            "{} hw_queue_depth={} submit_queues={} shared_tags={} tag_fair_share={} tag_wakeup={} tag_wake_weight={} run_dedup={} run_on_completion={} kblockd={}{}",
+            self.completion.describe_mode(),
             o.queue_depth,
             o.hw_queues,
             o.shared_tags as u8,
@@ -211,21 +121,66 @@ impl EngineArgs {
             if o.run_dedup { "on" } else { "off" },
             o.run_on_completion as u8,
             o.kblockd.name(),
-        );
-        if let CompletionMode::Timer { nsec } = o.completion {
-            let _ = write!(
-                s,
-                " completion_nsec={nsec} iopoll={} timer_spin_ns={}",
-                o.iopoll as u8, o.timer_spin_max_ns
-            );
-        }
-        s
+            self.completion.describe_timer(),
+        )
     }
+}
+
+/// The engine's own keys (not yet validated together).
+fn parse_engine_options(kv: &mut KvArgs<'_>) -> Result<EngineOptions, ArgError> {
+    let d = EngineOptions::default();
+    let queue_depth =
+        kv.take_u64("hw_queue_depth", d.queue_depth as u64, 1, MAX_DEPTH as u64)? as u32;
+    let hw_queues =
+        kv.take_u64("submit_queues", d.hw_queues as u64, 1, MAX_HW_QUEUES as u64)? as u32;
+    let shared_tags = kv.take_bool("shared_tags", d.shared_tags)?;
+    let tag_fair_share = kv.take_bool("tag_fair_share", d.tag_fair_share)?;
+    let blocking = kv.take_bool("blocking", d.blocking)?;
+    let tag_wakeup = kv.take_choice(
+        "tag_wakeup",
+        d.tag_wakeup,
+        &[
+            ("counter", WakeupAlgo::Counter),
+            ("wait_cnt", WakeupAlgo::WaitCnt),
+            ("counter_first_queue", WakeupAlgo::CounterFirstQueue),
+        ],
+    )?;
+    let tag_wake_weight = kv.take_choice(
+        "tag_wake_weight",
+        d.tag_wake_weight,
+        &[("plug", WakeWeight::Plug), ("one", WakeWeight::One)],
+    )?;
+    let run_dedup = kv.take_bool("run_dedup", d.run_dedup)?;
+    let run_on_completion = kv.take_bool("run_on_completion", d.run_on_completion)?;
+    let rescue_ms = kv.take_u64("tag_rescue_ms", 0, 0, 3_600_000)?;
+    let kblockd = kv.take_choice(
+        "kblockd",
+        d.kblockd,
+        &[
+            ("percpu", KblockdKind::PerCpu),
+            ("unbound", KblockdKind::Unbound),
+        ],
+    )?;
+    Ok(EngineOptions {
+        hw_queues,
+        queue_depth,
+        shared_tags,
+        tag_fair_share,
+        blocking,
+        tag_wakeup,
+        tag_wake_weight,
+        run_dedup,
+        run_on_completion,
+        rescue_timeout_ns: rescue_ms * 1_000_000,
+        kblockd,
+        ..d
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::null::completion::CompletionMode;
 
     fn parse(args: &[&str]) -> Result<EngineArgs, ArgError> {
         let mut kv = KvArgs::parse("null", args)?;
@@ -254,14 +209,17 @@ mod tests {
             "timer_spin_ns=100000",
         ];
         let e = parse(&args).unwrap();
-        assert_eq!(e.opts.completion, CompletionMode::Timer { nsec: 20000 });
+        assert_eq!(
+            e.completion.opts.mode,
+            CompletionMode::Timer { nsec: 20000 }
+        );
         assert_eq!(e.opts.queue_depth, 1024);
         assert_eq!(e.opts.tag_wakeup, WakeupAlgo::WaitCnt);
         assert_eq!(e.opts.tag_wake_weight, WakeWeight::One);
         assert!(!e.opts.run_dedup && e.opts.run_on_completion && e.opts.shared_tags);
         assert_eq!(e.opts.kblockd, KblockdKind::Unbound);
-        assert!(e.opts.iopoll);
-        assert_eq!(e.opts.timer_spin_max_ns, 100_000);
+        assert!(e.completion.opts.iopoll);
+        assert_eq!(e.completion.opts.timer_spin_max_ns, 100_000);
         let mut printed = String::new();
         e.write_table_args(&mut printed);
         assert_eq!(printed.trim(), args.join(" "));

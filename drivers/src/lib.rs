@@ -12,17 +12,21 @@
 //!
 //! ```
 //! use blkstack_core::{submit_and_wait, Op, Status};
+//! use blkstack_drivers::null::{CompletionMode, CompletionOptions};
 //! use blkstack_drivers::NullDevice;
-//! use blkstack_mq::{CompletionMode, EngineOptions, WakeupAlgo};
+//! use blkstack_mq::{EngineOptions, WakeupAlgo};
 //!
 //! let opts = EngineOptions {
 //!     queue_depth: 8,
-//!     completion: CompletionMode::Timer { nsec: 20_000 },
 //!     tag_wakeup: WakeupAlgo::WaitCnt,
 //!     run_dedup: false,
 //!     ..EngineOptions::default()
 //! };
-//! let dev = NullDevice::with_options(1 << 30, 4096, 0, opts).unwrap();
+//! let completion = CompletionOptions {
+//!     mode: CompletionMode::Timer { nsec: 20_000 },
+//!     ..CompletionOptions::default()
+//! };
+//! let dev = NullDevice::with_options(1 << 30, 4096, 0, opts, completion).unwrap();
 //! let mut buf = vec![0u8; 4096];
 //! assert_eq!(submit_and_wait(&dev, Op::Read, 0, 4096, &mut buf), Status::Ok);
 //! let stats = dev.engine_stats();

@@ -15,9 +15,10 @@
 use crate::args::{check_block_size, check_size, KvArgs};
 use crate::engine_args::EngineArgs;
 use crate::error::MemoryError;
+use crate::null::EmulatedQueue;
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{Bio, BioFlags, Device, Features, Op, Status};
-use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
+use blkstack_mq::queue::{Driver, EngineOptions, QueueRq, QueueStats, Rq};
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -291,7 +292,7 @@ pub struct MemoryDevice {
     size: u64,
     block_size: u32,
     engine: EngineArgs,
-    queue: Queue<MemoryDriver>,
+    queue: EmulatedQueue<MemoryDriver>,
 }
 
 impl MemoryDevice {
@@ -320,8 +321,9 @@ impl MemoryDevice {
         let driver = MemoryDriver {
             store: PageStore::new(),
         };
-        let queue = Queue::new(driver, engine.opts.clone())
-            .map_err(|reason| MemoryError::Queue { reason })?;
+        let queue = EmulatedQueue::new(driver, &engine).map_err(|e| MemoryError::Queue {
+            reason: e.to_string(),
+        })?;
         Ok(MemoryDevice {
             size: size_bytes,
             block_size,
@@ -357,7 +359,7 @@ impl MemoryDevice {
         self.queue.stats()
     }
 
-    pub fn queue(&self) -> &Queue<MemoryDriver> {
+    pub fn queue(&self) -> &EmulatedQueue<MemoryDriver> {
         &self.queue
     }
 }

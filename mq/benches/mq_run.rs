@@ -8,8 +8,12 @@
 
 use blkstack_core::clock::now_ns;
 use blkstack_core::{Bio, EndIo, IoBuf, Op, Status};
-use blkstack_mq::queue::{CompletionMode, Driver, EngineOptions, Queue, QueueRq, Rq};
+use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, Rq};
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 use blkstack_mq::sbitmap::{SbitmapQueue, WaitIndex, WakeupAlgo};
+use common::Deferred;
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::AtomicU32;
 use std::sync::atomic::Ordering::Relaxed;
@@ -54,17 +58,17 @@ impl EndIo for Job {
 fn run(dedup: bool, qd: usize, jobs: usize, secs: f64) -> (f64, String) {
     let opts = EngineOptions {
         queue_depth: 4096,
-        completion: CompletionMode::Softirq,
         run_dedup: dedup,
         run_on_completion: true,
         ..EngineOptions::default()
     };
     let q = Arc::new(
+        // Ended from a completion thread, as null's irqmode=1 does.
         Queue::new(
-            LimitedNull {
+            Deferred::new(LimitedNull {
                 limit: 32,
                 inflight: AtomicU32::new(0),
-            },
+            }),
             opts,
         )
         .expect("queue"),
@@ -113,55 +117,6 @@ fn run(dedup: bool, qd: usize, jobs: usize, secs: f64) -> (f64, String) {
     let total: u64 = handles.into_iter().map(|h| h.join().expect("job")).sum();
     let elapsed = (now_ns() - t0) as f64 / 1e9;
     (total as f64 / elapsed, q.status())
-}
-
-/// QD1 latency of `irqmode=2` (timer) completions against the asked
-/// delay: the timer thread sleeps with an absolute clock_nanosleep and
-/// 1 ns timer slack, so the excess is wakeup latency only.
-fn timer_precision(nsec: u64, ios: u32) -> (f64, u64, f64) {
-    struct Flag(Mutex<bool>, Condvar);
-    impl EndIo for Flag {
-        fn end_io(&self, bio: Bio, _s: Status, _p: u64) {
-            drop(bio);
-            *self.0.lock() = true;
-            self.1.notify_one();
-        }
-    }
-    let q = Queue::new(
-        LimitedNull {
-            limit: u32::MAX,
-            inflight: AtomicU32::new(0),
-        },
-        EngineOptions {
-            completion: CompletionMode::Timer { nsec },
-            ..EngineOptions::default()
-        },
-    )
-    .expect("queue");
-    let flag = Arc::new(Flag(Mutex::new(false), Condvar::new()));
-    let mut lat = Vec::with_capacity(ios as usize);
-    for i in 0..ios {
-        *flag.0.lock() = false;
-        let t0 = now_ns();
-        q.submit(Bio::new(
-            Op::Write,
-            0,
-            0,
-            IoBuf::empty(),
-            flag.clone(),
-            i as u64,
-        ));
-        let mut g = flag.0.lock();
-        while !*g {
-            flag.1.wait(&mut g);
-        }
-        lat.push(now_ns() - t0);
-    }
-    lat.sort_unstable();
-    let mean = lat.iter().sum::<u64>() as f64 / lat.len() as f64;
-    let s = q.stats();
-    let late = s.timer_late_ns as f64 / s.timer_completions.max(1) as f64;
-    (mean, lat[lat.len() / 2], late)
 }
 
 /// Seed 003 in miniature: `threads` threads each hold a tag for about
@@ -256,19 +211,9 @@ fn main() {
             "depth={depth:3} counter={c:>10.0} (rescued {cr})  wait_cnt={w:>10.0} (rescued {wr})"
         );
     }
-    for nsec in [20_000u64, 100_000] {
-        let (mean, median, late) = timer_precision(nsec, 2000);
-        println!(
-            "irqmode=2 completion_nsec={nsec}: QD1 latency mean {:.1} us, median {:.1} us \
-             (timer fired {:.1} us late on average; the rest is two thread wakeups)",
-            mean / 1e3,
-            median as f64 / 1e3,
-            late / 1e3
-        );
-    }
     // `cargo bench` passes `--bench`; a filter argument is not supported.
     let jobs = 2;
-    println!("mq_run: {jobs} jobs, driver limit 32, irqmode=1, run_on_completion=1");
+    println!("mq_run: {jobs} jobs, driver limit 32, completion thread, run_on_completion=1");
     for qd in [16usize, 64, 256, 1024] {
         for dedup in [true, false] {
             let (iops, status) = run(dedup, qd, jobs, 1.0);

@@ -1,6 +1,6 @@
 //! The request queue: bios in, driver calls out, completions back (kernel
 //! `block/blk-mq.c`: `blk_mq_submit_bio`, `blk_mq_run_hw_queue`,
-//! `blk_mq_dispatch_rq_list`, `blk_mq_end_request`).
+//! `blk_mq_dispatch_rq_list`, `blk_mq_end_request`, `blk_mq_poll`).
 //!
 //! Submission: pick the submitting thread's hardware queue, take a tag
 //! (sleeping if none is free), store the bio in the tag's slot, and issue
@@ -10,80 +10,42 @@
 //! completion runs the queue again.
 //!
 //! Queue runs are inline (on the caller's thread) or posted to kblockd,
-//! optionally delayed. With `run_dedup` (default, seed 001) a zero-delay
+//! optionally delayed. With `run_dedup` (default; upstream "blk-mq: avoid
+//! repeatedly scheduling the same work to run hardware queue") a zero-delay
 //! post is skipped while one is pending (`BLK_MQ_S_WORK_QUEUED`), and a
 //! delayed post clears the bit so it never stands in for an immediate run;
-//! without it every asynchronous run pays the pool's lock, as before the
-//! seed. `run_on_completion` runs every hardware queue asynchronously on
-//! each completion, as SCSI's `scsi_end_request` did in the seed.
+//! without it every asynchronous run pays the pool's lock, as before that
+//! change. `run_on_completion` runs every hardware queue asynchronously on
+//! each completion, as SCSI's `scsi_end_request` did.
 //!
-//! Completion follows null_blk's `irqmode`: inline in whoever issued the
-//! request (0), on a per-hardware-queue completion thread (1, "softirq"),
-//! or on that thread after `completion_nsec` measured from issue with a
-//! precise absolute sleep (2, "timer"). With `iopoll`, timer-mode requests
-//! whose bio is `POLLED` wait on a poll list instead, for the submitter's
-//! own [`Queue::poll`] to end them once due (kernel poll queues and
-//! io_uring IOPOLL), with the completion thread as a backstop.
+//! Completion is the driver's: it ends a request at once from `queue_rq`,
+//! later through its [`RequestCompleter`], or from [`Queue::poll`], which
+//! calls the driver's poll hook as `blk_mq_poll` calls `mq_ops->poll`.
+//! The queue knows nothing of how a driver keeps time (null_blk's
+//! completion modes are in `drivers/`).
 //!
 //! The hot path allocates nothing: tags index preallocated slots, the
-//! dispatch list and completion queues keep their capacity, and every lock
-//! taken per I/O is per hardware queue (none is global).
+//! dispatch list keeps its capacity, and every lock taken per I/O is per
+//! hardware queue (none is global).
 
+use crate::driver::EndRequest;
+// The queue's vocabulary, importable from here as before the split.
+pub use crate::driver::{CompleterRef, Driver, HeldCompleter, QueueRq, RequestCompleter, Rq};
 use crate::hwqueue::{HctxStats, HwQueue};
 use crate::kblockd::{DelayedWork, Kblockd};
-use crate::sbitmap::{SbqStats, WakeWeight, WakeupAlgo, MAX_DEPTH};
-use crate::tags::{Tags, TagsConfig};
-use blkstack_core::clock::{now_ns, sleep_until_ns};
-use blkstack_core::cpu::thread_cpu_ns;
-use blkstack_core::timing::{
-    prepare_precise_thread, sleep_then_spin_metered, WakeMargin, WakeMarginConfig,
-};
-use blkstack_core::{Bio, BioFlags, Status};
-use parking_lot::Mutex;
+pub use crate::options::{EngineOptions, EngineOptionsError, KblockdKind, MAX_HW_QUEUES};
+use crate::sbitmap::SbqStats;
+use crate::tags::{Tags, TagsConfig, TagsError};
+use blkstack_core::{Bio, Status};
 use std::cell::Cell;
-use std::collections::VecDeque;
 use std::mem::MaybeUninit;
-use std::sync::atomic::Ordering::{Relaxed, SeqCst};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
-use std::sync::{Arc, OnceLock, Weak};
-use std::thread::JoinHandle;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, OnceLock};
 
-/// Where a request the driver finished is completed (null_blk `irqmode`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CompletionMode {
-    /// 0: at once, on the thread that issued it.
-    Inline,
-    /// 1: on the hardware queue's completion thread.
-    Softirq,
-    /// 2: on the completion thread, `nsec` after issue.
-    Timer { nsec: u64 },
-}
-
-impl CompletionMode {
-    /// null_blk's `irqmode` number.
-    pub fn irqmode(self) -> u32 {
-        match self {
-            CompletionMode::Inline => 0,
-            CompletionMode::Softirq => 1,
-            CompletionMode::Timer { .. } => 2,
-        }
-    }
-}
-
-/// Largest number of hardware queues.
-pub const MAX_HW_QUEUES: u32 = 256;
 /// Kernel `BLK_MQ_RESOURCE_DELAY`: retry a busy queue with nothing in
 /// flight after 3 ms.
 pub const RESOURCE_DELAY_NS: u64 = 3_000_000;
-
-/// A polled request (timer mode) nobody has polled for this long past its
-/// deadline is completed by the completion thread instead, so a submitter
-/// that stops polling never leaves it behind.
-pub const POLL_BACKSTOP_NS: u64 = 1_000_000;
-/// How often an idle completion thread looks for such requests.
-const POLL_BACKSTOP_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
-/// Largest `timer_spin_max_ns`: a spin is only meant to cover a late wake.
-pub const MAX_TIMER_SPIN_NS: u64 = 1_000_000;
 
 /// How often a shared tag set checks for hardware queues gone idle (the
 /// kernel's check rides on its request timeout work; what matters is that
@@ -91,183 +53,13 @@ pub const MAX_TIMER_SPIN_NS: u64 = 1_000_000;
 /// second).
 pub const IDLE_CHECK_NS: u64 = 100_000_000;
 
-/// Options of a queue (the engine-level knobs a leaf driver exposes as
-/// `key=value` table args).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EngineOptions {
-    /// Hardware queues (`submit_queues`), 1..=256.
-    pub hw_queues: u32,
-    /// Tags per hardware queue, or in total when shared (`hw_queue_depth`).
-    pub queue_depth: u32,
-    /// Of which reserved.
-    pub reserved_tags: u32,
-    /// One tag set shared by all hardware queues.
-    pub shared_tags: bool,
-    /// With `shared_tags`: a fair share of it per active hardware queue
-    /// (see `tags`).
-    pub tag_fair_share: bool,
-    /// The driver may sleep in `queue_rq`: queue runs always go to kblockd.
-    pub blocking: bool,
-    pub completion: CompletionMode,
-    pub tag_wakeup: WakeupAlgo,
-    /// What a woken tag sleeper counts for (`WakeWeight`).
-    pub tag_wake_weight: WakeWeight,
-    /// Seed 001's queued bit (true) or post every time (false).
-    pub run_dedup: bool,
-    /// Run all hardware queues asynchronously on every completion.
-    pub run_on_completion: bool,
-    /// Tags in order (`BLK_MQ_F_TAG_RR`).
-    pub round_robin_tags: bool,
-    /// See `SbitmapQueue::with_rescue_timeout_ns` (0: never).
-    pub rescue_timeout_ns: u64,
-    /// Which process-wide kblockd pool posted queue runs go to.
-    pub kblockd: KblockdKind,
-    /// Timer mode only: submitters may poll for `POLLED` bios (see
-    /// [`Queue::polls`]).
-    pub iopoll: bool,
-    /// Timer mode only: the most the completion thread spins before a
-    /// deadline (0 = it only sleeps, as null_blk's hrtimer). See
-    /// [`DeadlineClock`].
-    pub timer_spin_max_ns: u64,
-}
-
-/// The kblockd pool a queue posts its runs to (see `kblockd`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum KblockdKind {
-    /// One worker bound to each CPU; a run goes to the poster's CPU, as
-    /// the kernel's kblockd (a per-CPU workqueue) does.
-    #[default]
-    PerCpu,
-    /// Two unbound workers, any of them woken for any post.
-    Unbound,
-}
-
-impl KblockdKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            KblockdKind::PerCpu => "percpu",
-            KblockdKind::Unbound => "unbound",
-        }
-    }
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        EngineOptions {
-            hw_queues: 1,
-            queue_depth: 64,
-            reserved_tags: 0,
-            shared_tags: false,
-            tag_fair_share: false,
-            blocking: false,
-            completion: CompletionMode::Inline,
-            tag_wakeup: WakeupAlgo::Counter,
-            tag_wake_weight: WakeWeight::Plug,
-            run_dedup: true,
-            run_on_completion: false,
-            round_robin_tags: false,
-            rescue_timeout_ns: 0,
-            kblockd: KblockdKind::PerCpu,
-            iopoll: false,
-            timer_spin_max_ns: 0,
-        }
-    }
-}
-
-impl EngineOptions {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.hw_queues == 0 || self.hw_queues > MAX_HW_QUEUES {
-            return Err(format!(
-                "submit_queues={} is out of range 1..={MAX_HW_QUEUES}",
-                self.hw_queues
-            ));
-        }
-        if self.queue_depth == 0 || self.queue_depth > MAX_DEPTH {
-            return Err(format!(
-                "hw_queue_depth={} is out of range 1..={MAX_DEPTH}",
-                self.queue_depth
-            ));
-        }
-        if self.timer_spin_max_ns > MAX_TIMER_SPIN_NS {
-            return Err(format!(
-                "timer_spin_ns={} is out of range 0..={MAX_TIMER_SPIN_NS}",
-                self.timer_spin_max_ns
-            ));
-        }
-        if self.timer_spin_max_ns > 0 && !matches!(self.completion, CompletionMode::Timer { .. }) {
-            return Err(
-                "timer_spin_ns needs irqmode=2 (it times the timer completions)".to_string(),
-            );
-        }
-        if self.iopoll && !matches!(self.completion, CompletionMode::Timer { .. }) {
-            return Err(
-                "iopoll=1 needs irqmode=2 (a timer completion the poller can reap)".to_string(),
-            );
-        }
-        if self.reserved_tags >= self.queue_depth {
-            return Err(format!(
-                "reserved_tags={} must be below hw_queue_depth={}",
-                self.reserved_tags, self.queue_depth
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// What the driver did with a request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QueueRq {
-    /// Finished with this status; the engine completes it per the
-    /// completion mode.
-    Done(Status),
-    /// Accepted; the driver will call [`RequestCompleter::end_request`].
-    Issued,
-    /// Cannot take it now (kernel `BLK_STS_RESOURCE`): requeue.
-    Busy,
-}
-
-/// A request as the driver sees it.
-#[derive(Clone, Copy)]
-pub struct Rq<'a> {
-    pub tag: u32,
-    pub hctx: u32,
-    pub bio: &'a Bio,
-}
-
-/// A leaf driver under the engine (kernel `struct blk_mq_ops`).
-pub trait Driver: Send + Sync + 'static {
-    /// Start a request (kernel `queue_rq`).
-    fn queue_rq(&self, rq: Rq<'_>) -> QueueRq;
-
-    /// Finish a request in completion context (kernel `complete`); may
-    /// change the status.
-    fn complete(&self, _rq: Rq<'_>, status: Status) -> Status {
-        status
-    }
-
-    /// Called once with a handle for completing [`QueueRq::Issued`]
-    /// requests later.
-    fn attach(&self, _completer: RequestCompleter) {}
-}
-
-/// Completes requests a driver accepted with [`QueueRq::Issued`].
-#[derive(Clone)]
-pub struct RequestCompleter {
-    inner: Weak<dyn EndRequest>,
-}
-
-impl RequestCompleter {
-    /// Complete the request `tag` of hardware queue `hctx` (kernel
-    /// `blk_mq_complete_request`): goes through the completion mode.
-    pub fn end_request(&self, hctx: u32, tag: u32, status: Status) {
-        if let Some(q) = self.inner.upgrade() {
-            q.finish(hctx, tag, status);
-        }
-    }
-}
-
-trait EndRequest: Send + Sync {
-    fn finish(&self, hctx: u32, tag: u32, status: Status);
+/// Why a queue could not be built.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QueueError {
+    #[error(transparent)]
+    Options(#[from] EngineOptionsError),
+    #[error(transparent)]
+    Tags(#[from] TagsError),
 }
 
 /// Everything an experiment reads about a queue.
@@ -283,68 +75,12 @@ pub struct QueueStats {
     pub dispatch_waiting: u32,
     /// Requests accepted by the driver and not completed.
     pub in_driver: u32,
-    /// Timer mode (irqmode=2): completions, and their summed lateness past
-    /// the asked `completion_nsec`.
-    pub timer_completions: u64,
-    pub timer_late_ns: u64,
-    /// Timer mode with `timer_spin_max_ns`: the completion threads' CPU
-    /// time spent spinning towards deadlines (the emulated disk keeping
-    /// time, which a real disk does without the host's CPU).
-    pub timer_spin_cpu_ns: u64,
-}
-
-/// Per-hardware-queue completion thread state (irqmode 1 and 2).
-struct Completer {
-    /// Timer mode: completions done, and their total lateness past the
-    /// deadline (how precise the timer is, wakeup latency included).
-    timer_done: AtomicU64,
-    timer_late_ns: AtomicU64,
-    timer_spin_cpu_ns: AtomicU64,
-    queue: Mutex<Vec<(u64, u32, Status)>>,
-    /// Timer mode: requests whose bio is `POLLED`, in deadline order, for
-    /// the submitter's poll to complete (see [`Queue::poll`]).
-    polled: Mutex<VecDeque<(u64, u32, Status)>>,
-    sleeping: AtomicBool,
-    shutdown: AtomicBool,
-    thread: OnceLock<std::thread::Thread>,
-}
-
-impl Completer {
-    fn new(depth: usize) -> Completer {
-        Completer {
-            timer_done: AtomicU64::new(0),
-            timer_late_ns: AtomicU64::new(0),
-            timer_spin_cpu_ns: AtomicU64::new(0),
-            queue: Mutex::new(Vec::with_capacity(depth)),
-            polled: Mutex::new(VecDeque::with_capacity(depth)),
-            sleeping: AtomicBool::new(false),
-            shutdown: AtomicBool::new(false),
-            thread: OnceLock::new(),
-        }
-    }
-
-    #[inline]
-    fn push(&self, deadline: u64, tag: u32, status: Status) {
-        self.queue.lock().push((deadline, tag, status));
-        if self.sleeping.load(SeqCst) {
-            if let Some(t) = self.thread.get() {
-                t.unpark();
-            }
-        }
-    }
-
-    fn wake(&self) {
-        if let Some(t) = self.thread.get() {
-            t.unpark();
-        }
-    }
 }
 
 struct QueueInner<D: Driver> {
     driver: D,
     opts: EngineOptions,
     hctxs: Box<[HwQueue]>,
-    completers: Box<[Completer]>,
     kblockd: Arc<Kblockd>,
     /// Shared tag sets: the periodic idle check (kernel timeout work).
     idle_work: OnceLock<Arc<DelayedWork>>,
@@ -353,7 +89,6 @@ struct QueueInner<D: Driver> {
 /// A blk-mq request queue over driver `D`.
 pub struct Queue<D: Driver> {
     inner: Arc<QueueInner<D>>,
-    threads: Vec<JoinHandle<()>>,
 }
 
 /// The submitting thread's hardware queue index (the kernel maps CPUs;
@@ -378,9 +113,9 @@ fn thread_hctx(nr: usize) -> usize {
 }
 
 impl<D: Driver> Queue<D> {
-    /// Build a queue (and its completion threads) on the process-wide
+    /// Build a queue on the process-wide
     /// kblockd pool.
-    pub fn new(driver: D, opts: EngineOptions) -> Result<Queue<D>, String> {
+    pub fn new(driver: D, opts: EngineOptions) -> Result<Queue<D>, QueueError> {
         let pool = match opts.kblockd {
             KblockdKind::PerCpu => Kblockd::global(),
             KblockdKind::Unbound => Kblockd::global_unbound(),
@@ -392,7 +127,7 @@ impl<D: Driver> Queue<D> {
         driver: D,
         opts: EngineOptions,
         kblockd: Arc<Kblockd>,
-    ) -> Result<Queue<D>, String> {
+    ) -> Result<Queue<D>, QueueError> {
         opts.validate()?;
         let tags_cfg = TagsConfig {
             depth: opts.queue_depth,
@@ -417,14 +152,10 @@ impl<D: Driver> Queue<D> {
             };
             hctxs.push(HwQueue::new(i, tags));
         }
-        let completers = (0..opts.hw_queues)
-            .map(|_| Completer::new(opts.queue_depth as usize))
-            .collect();
         let inner = Arc::new(QueueInner {
             driver,
             opts: opts.clone(),
             hctxs: hctxs.into_boxed_slice(),
-            completers,
             kblockd,
             idle_work: OnceLock::new(),
         });
@@ -451,19 +182,7 @@ impl<D: Driver> Queue<D> {
         inner.driver.attach(RequestCompleter {
             inner: Arc::downgrade(&dyn_inner),
         });
-        let mut threads = Vec::new();
-        if opts.completion != CompletionMode::Inline {
-            for i in 0..opts.hw_queues as usize {
-                let q = inner.clone();
-                let h = std::thread::Builder::new()
-                    .name(format!("blkmq-cpl/{i}"))
-                    .spawn(move || q.completion_thread(i))
-                    .map_err(|e| format!("cannot start completion thread: {e}"))?;
-                let _ = inner.completers[i].thread.set(h.thread().clone());
-                threads.push(h);
-            }
-        }
-        Ok(Queue { inner, threads })
+        Ok(Queue { inner })
     }
 
     pub fn options(&self) -> &EngineOptions {
@@ -471,20 +190,19 @@ impl<D: Driver> Queue<D> {
     }
 
     /// Whether submitters may poll for their completions (kernel
-    /// `BLK_FEAT_POLL`; option `iopoll`, timer mode only): a `POLLED` bio
-    /// is then completed not by the timer thread but by [`Self::poll`] once
-    /// its time has come, like a request on a poll queue that the
-    /// submitter reaps itself (io_uring IOPOLL). Unlike null_blk's poll
-    /// queues, which complete on the first poll, the service time is kept.
+    /// `BLK_FEAT_POLL`): the driver's [`Driver::polls`].
     pub fn polls(&self) -> bool {
-        self.inner.opts.iopoll
+        self.inner.driver.polls()
     }
 
-    /// Complete, on the calling thread, the polled requests whose deadline
-    /// has passed (kernel `blk_mq_poll`). Returns how many. A queue
-    /// another thread is polling at the moment is skipped.
+    /// Let the driver end, on the calling thread, the polled requests that
+    /// are ready (kernel `blk_mq_poll` calling `mq_ops->poll`). Returns
+    /// how many.
     pub fn poll(&self) -> usize {
-        self.inner.poll_due(0)
+        let completer = CompleterRef {
+            inner: &*self.inner,
+        };
+        self.inner.driver.poll(&completer)
     }
 
     pub fn driver(&self) -> &D {
@@ -569,10 +287,6 @@ impl<D: Driver> Queue<D> {
             s.hctx.dispatched_from_list += c.dispatched_from_list;
             s.hctx.restarts += c.restarts;
             s.hctx.runs_skipped_restart += c.runs_skipped_restart;
-            let c = &self.inner.completers[h.index as usize];
-            s.timer_completions += c.timer_done.load(Relaxed);
-            s.timer_late_ns += c.timer_late_ns.load(Relaxed);
-            s.timer_spin_cpu_ns += c.timer_spin_cpu_ns.load(Relaxed);
             s.dispatch_waiting += h.dispatch_len();
             s.in_driver += h.in_driver();
         }
@@ -600,7 +314,7 @@ impl<D: Driver> Queue<D> {
             s.hctx.restarts,
             s.dispatch_waiting,
             s.in_driver
-        ) + &timer_status(&s)
+        )
     }
 }
 
@@ -615,29 +329,13 @@ impl<D: Driver> Drop for Queue<D> {
             }
             h.tags.wake_all();
         }
-        for c in self.inner.completers.iter() {
-            c.shutdown.store(true, SeqCst);
-            c.wake();
-        }
-        let me = std::thread::current().id();
-        for t in self.threads.drain(..) {
-            // The last owner may drop the device from a completion callback
-            // running on one of these threads: that one exits by itself.
-            if t.thread().id() != me {
-                let _ = t.join();
-            }
-        }
     }
 }
 
 impl<D: Driver> EndRequest for QueueInner<D> {
-    fn finish(&self, hctx: u32, tag: u32, status: Status) {
-        self.finish_request(
-            &self.hctxs[hctx as usize],
-            tag,
-            status,
-            now_ns_if_timer(self.opts.completion),
-        );
+    #[inline]
+    fn end(&self, hctx: u32, tag: u32, status: Status) {
+        self.end_request(&self.hctxs[hctx as usize], tag, status);
     }
 }
 
@@ -724,12 +422,10 @@ impl<D: Driver> QueueInner<D> {
         self.issue_to(h, tag, None)
     }
 
-    /// [`Self::issue`]; with `finished`, a request the driver ends inline in
-    /// inline completion mode is collected there to be ended with the
-    /// rest of its batch.
+    /// [`Self::issue`]; with `finished`, a request the driver ends inline
+    /// is collected there to be ended with the rest of its batch.
     #[inline]
     fn issue_to(&self, h: &HwQueue, tag: u32, finished: Option<&mut Finished>) -> bool {
-        let issue_ns = now_ns_if_timer(self.opts.completion);
         h.run.enter_driver();
         let rq = Rq {
             tag,
@@ -739,10 +435,8 @@ impl<D: Driver> QueueInner<D> {
         match self.driver.queue_rq(rq) {
             QueueRq::Done(status) => {
                 match finished {
-                    Some(f) if self.opts.completion == CompletionMode::Inline => {
-                        f.push(tag, status)
-                    }
-                    _ => self.finish_request(h, tag, status, issue_ns),
+                    Some(f) => f.push(tag, status),
+                    None => self.end_request(h, tag, status),
                 }
                 true
             }
@@ -756,23 +450,6 @@ impl<D: Driver> QueueInner<D> {
                     self.post_run(h, RESOURCE_DELAY_NS);
                 }
                 false
-            }
-        }
-    }
-
-    /// Route a finished request through the completion mode.
-    #[inline]
-    fn finish_request(&self, h: &HwQueue, tag: u32, status: Status, issue_ns: u64) {
-        match self.opts.completion {
-            CompletionMode::Inline => self.end_request(h, tag, status),
-            CompletionMode::Softirq => self.completers[h.index as usize].push(0, tag, status),
-            CompletionMode::Timer { nsec } => {
-                let c = &self.completers[h.index as usize];
-                if self.opts.iopoll && h.tags.slot(tag).bio().flags.contains(BioFlags::POLLED) {
-                    c.polled.lock().push_back((issue_ns + nsec, tag, status));
-                } else {
-                    c.push(issue_ns + nsec, tag, status)
-                }
             }
         }
     }
@@ -930,106 +607,6 @@ impl<D: Driver> QueueInner<D> {
             }
         }
     }
-
-    /// End the polled requests due at least `grace_ns` ago, a few at a
-    /// time so the list's lock is not held while requests end.
-    fn poll_due(&self, grace_ns: u64) -> usize {
-        const CHUNK: usize = 32;
-        let mut done = 0;
-        for (c, h) in self.completers.iter().zip(self.hctxs.iter()) {
-            loop {
-                let mut due = [(0u32, Status::Ok); CHUNK];
-                let (mut n, mut late) = (0, 0u64);
-                let now = now_ns();
-                {
-                    let Some(mut list) = c.polled.try_lock() else {
-                        break;
-                    };
-                    while n < CHUNK {
-                        match list.front() {
-                            Some(&(deadline, tag, status))
-                                if deadline.saturating_add(grace_ns) <= now =>
-                            {
-                                list.pop_front();
-                                due[n] = (tag, status);
-                                late += now - deadline;
-                                n += 1;
-                            }
-                            _ => break,
-                        }
-                    }
-                }
-                if n > 0 {
-                    c.timer_done.fetch_add(n as u64, Relaxed);
-                    c.timer_late_ns.fetch_add(late, Relaxed);
-                }
-                for &(tag, status) in &due[..n] {
-                    self.end_request(h, tag, status);
-                }
-                done += n;
-                if n < CHUNK {
-                    break;
-                }
-            }
-        }
-        done
-    }
-
-    /// At teardown: end every polled request of completer `i`, each no
-    /// earlier than its deadline.
-    fn drain_polled(&self, i: usize) {
-        let (c, h) = (&self.completers[i], &self.hctxs[i]);
-        loop {
-            let Some((deadline, tag, status)) = c.polled.lock().pop_front() else {
-                return;
-            };
-            if now_ns() < deadline {
-                sleep_until_ns(deadline);
-            }
-            self.end_request(h, tag, status);
-        }
-    }
-
-    fn completion_thread(&self, i: usize) {
-        prepare_precise_thread();
-        let c = &self.completers[i];
-        let h = &self.hctxs[i];
-        let polls = self.opts.iopoll;
-        let mut clock = DeadlineClock::new(self.opts.timer_spin_max_ns);
-        let mut local: Vec<(u64, u32, Status)> = Vec::with_capacity(self.opts.queue_depth as usize);
-        loop {
-            std::mem::swap(&mut *c.queue.lock(), &mut local);
-            if local.is_empty() {
-                if c.shutdown.load(SeqCst) {
-                    self.drain_polled(i);
-                    return;
-                }
-                c.sleeping.store(true, SeqCst);
-                if c.queue.lock().is_empty() && !c.shutdown.load(SeqCst) {
-                    if polls {
-                        std::thread::park_timeout(POLL_BACKSTOP_CHECK);
-                    } else {
-                        std::thread::park();
-                    }
-                }
-                c.sleeping.store(false, SeqCst);
-                if polls {
-                    self.poll_due(POLL_BACKSTOP_NS);
-                }
-                continue;
-            }
-            for &(deadline, tag, status) in local.iter() {
-                if deadline != 0 {
-                    clock.wait_until(deadline, &c.timer_spin_cpu_ns);
-                    let late = now_ns().saturating_sub(deadline);
-                    c.timer_done.fetch_add(1, Relaxed);
-                    c.timer_late_ns.fetch_add(late, Relaxed);
-                }
-                self.end_request(h, tag, status);
-            }
-            local.clear();
-        }
-    }
 }
 
 /// Requests of one batch that the driver finished inline, waiting to be
@@ -1057,72 +634,14 @@ impl Finished {
     }
 }
 
-fn timer_status(s: &QueueStats) -> String {
-    if s.timer_completions == 0 {
-        return String::new();
-    }
-    format!(
-        " timer_late_avg_ns={} timer_spin_cpu_ns={}",
-        s.timer_late_ns / s.timer_completions,
-        s.timer_spin_cpu_ns
-    )
-}
-
-/// How the timer-mode completion thread reaches a deadline.
-///
-/// null_blk arms an hrtimer, and on bare metal an idle CPU leaves its
-/// C-state for it in a few µs. On a virtual machine an idle vCPU halts and
-/// the host wakes it late, more so when the host is busy, so a disk that
-/// only sleeps completes later whenever the submitters let the vCPUs idle
-/// (`interrupt`, `hybrid`) than when they spin (`poll`): the emulated
-/// disk, not the wait, then decides the comparison (`lab hybrid-poll`,
-/// `timer_late_avg_ns`). With a spin budget the thread models a disk whose
-/// clock keeps running whatever the host does: it sleeps until a margin
-/// before the deadline, the 90th percentile of how late its last 32 sleeps
-/// woke (at most the budget, which is also where it starts), then spins
-/// the rest ([`sleep_then_spin_metered`]). The spin never starts more than
-/// the budget before the deadline, and its CPU time is counted apart
-/// (`timer_spin_cpu_ns`) so that a measurement can leave the disk's
-/// timekeeping out of the host's cost.
-struct DeadlineClock {
-    margin: WakeMargin,
-}
-
-impl DeadlineClock {
-    fn new(max_spin_ns: u64) -> DeadlineClock {
-        DeadlineClock {
-            margin: WakeMargin::new(WakeMarginConfig {
-                percentile: 90,
-                window: 32,
-                every: 1,
-                initial_ns: max_spin_ns,
-                cap_ns: max_spin_ns,
-                prefill: true,
-            }),
-        }
-    }
-
-    fn wait_until(&mut self, deadline: u64, spin_cpu_ns: &AtomicU64) {
-        let w = sleep_then_spin_metered(deadline, &mut self.margin, thread_cpu_ns);
-        if w.spin_start_ns != 0 {
-            spin_cpu_ns.fetch_add(w.spin_cost, Relaxed);
-        }
-    }
-}
-
-#[inline]
-fn now_ns_if_timer(mode: CompletionMode) -> u64 {
-    match mode {
-        CompletionMode::Timer { .. } => now_ns(),
-        _ => 0,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkstack_core::clock::now_ns;
     use blkstack_core::testing::CompletionRecorder;
-    use blkstack_core::{EndIo, IoBuf, Op};
+    use blkstack_core::{IoBuf, Op};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::Ordering::SeqCst;
     use std::time::Duration;
 
     /// Busy while `refuse` is set; counts completions.
@@ -1257,219 +776,5 @@ mod tests {
         let s = q.hw_queues()[0].stats();
         assert_eq!(s.runs_inline, 0);
         assert!(s.runs_from_work >= 1);
-    }
-
-    #[test]
-    fn queue_dropped_from_its_own_completion_thread() {
-        struct DropOnEnd {
-            q: Mutex<Option<Arc<Queue<Gate>>>>,
-            done: AtomicBool,
-        }
-        impl EndIo for DropOnEnd {
-            fn end_io(&self, bio: Bio, _status: Status, _private: u64) {
-                drop(bio);
-                let last = self.q.lock().take();
-                drop(last);
-                self.done.store(true, SeqCst);
-            }
-        }
-        let opts = EngineOptions {
-            completion: CompletionMode::Softirq,
-            ..EngineOptions::default()
-        };
-        let q = Arc::new(Queue::new(Gate::default(), opts).unwrap());
-        let owner = Arc::new(DropOnEnd {
-            q: Mutex::new(Some(q.clone())),
-            done: AtomicBool::new(false),
-        });
-        q.submit(Bio::new(Op::Write, 0, 0, IoBuf::empty(), owner.clone(), 0));
-        drop(q);
-        let deadline = now_ns() + 2_000_000_000;
-        while !owner.done.load(SeqCst) {
-            assert!(now_ns() < deadline, "completion never ran");
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
-    }
-
-    #[test]
-    fn options_are_validated() {
-        let bad = [
-            EngineOptions {
-                hw_queues: 0,
-                ..EngineOptions::default()
-            },
-            EngineOptions {
-                queue_depth: MAX_DEPTH + 1,
-                ..EngineOptions::default()
-            },
-            EngineOptions {
-                reserved_tags: 64,
-                ..EngineOptions::default()
-            },
-            // A spin budget only times timer completions.
-            EngineOptions {
-                timer_spin_max_ns: 1000,
-                ..EngineOptions::default()
-            },
-            EngineOptions {
-                completion: CompletionMode::Timer { nsec: 1000 },
-                timer_spin_max_ns: MAX_TIMER_SPIN_NS + 1,
-                ..EngineOptions::default()
-            },
-        ];
-        for o in bad {
-            assert!(Queue::new(Gate::default(), o).is_err());
-        }
-    }
-
-    #[test]
-    fn deadline_clock_is_never_early_and_spins_only_within_its_budget() {
-        prepare_precise_thread();
-        let spun = AtomicU64::new(0);
-        let mut clock = DeadlineClock::new(200_000);
-        for _ in 0..50 {
-            let deadline = now_ns() + 300_000;
-            clock.wait_until(deadline, &spun);
-            assert!(now_ns() >= deadline);
-            let m = clock.margin.margin_ns();
-            assert!(m <= 200_000, "margin {m}");
-        }
-        // It starts with the whole budget as its margin, so unless every
-        // one of 50 sleeps woke more than 200 µs late, it spun.
-        assert!(spun.load(Relaxed) > 0);
-
-        // Without a budget it only sleeps.
-        let spun = AtomicU64::new(0);
-        let mut clock = DeadlineClock::new(0);
-        for _ in 0..10 {
-            let deadline = now_ns() + 100_000;
-            clock.wait_until(deadline, &spun);
-            assert!(now_ns() >= deadline);
-        }
-        assert_eq!(spun.load(Relaxed), 0);
-    }
-
-    #[test]
-    fn timer_completions_with_a_spin_budget_end_on_time_and_report_the_spin() {
-        const NSEC: u64 = 300_000;
-        let opts = EngineOptions {
-            completion: CompletionMode::Timer { nsec: NSEC },
-            timer_spin_max_ns: 200_000,
-            ..EngineOptions::default()
-        };
-        let q = Queue::new(Gate::default(), opts).unwrap();
-        let owner = CompletionRecorder::new();
-        for i in 0..20u64 {
-            // The bio carries the earliest time it may complete.
-            let due = now_ns() + NSEC;
-            q.submit(Bio::new(
-                Op::Write,
-                i,
-                0,
-                IoBuf::empty(),
-                owner.clone(),
-                due,
-            ));
-            std::thread::sleep(std::time::Duration::from_micros(700));
-        }
-        let done = owner.wait(20, Duration::from_secs(5));
-        for c in &done {
-            assert!(
-                c.at_ns >= c.cookie,
-                "completed {} ns early",
-                c.cookie - c.at_ns
-            );
-        }
-        let s = q.stats();
-        assert_eq!(s.timer_completions, 20);
-        assert!(q.status().contains("timer_spin_cpu_ns="), "{}", q.status());
-    }
-
-    fn timer_queue(nsec: u64, iopoll: bool) -> Queue<Gate> {
-        let opts = EngineOptions {
-            completion: CompletionMode::Timer { nsec },
-            iopoll,
-            ..EngineOptions::default()
-        };
-        Queue::new(Gate::default(), opts).unwrap()
-    }
-
-    fn polled_bio(owner: &Arc<CompletionRecorder>) -> Bio {
-        let mut b = write_bio(owner);
-        b.flags.insert(BioFlags::POLLED);
-        b
-    }
-
-    #[test]
-    fn polled_bios_complete_from_poll_on_time_and_never_early() {
-        // 200 ms, so that the 10 ms nap below, however much a loaded test
-        // machine stretches it, ends long before the requests are due.
-        let q = timer_queue(200_000_000, true);
-        assert!(q.polls());
-        let d = CompletionRecorder::new();
-        let t0 = now_ns();
-        for _ in 0..4 {
-            q.submit(polled_bio(&d));
-        }
-        // Not due: polling completes nothing, and the timer thread does
-        // not complete them either.
-        assert_eq!(q.poll(), 0);
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        assert_eq!(d.count(), 0);
-        // Poll until all are done. They are all due at once, so one poll
-        // normally ends them all; if this thread is descheduled for more
-        // than the backstop's 1 ms past the deadline (a loaded machine),
-        // the completion thread may end some instead.
-        let mut by_poll = 0;
-        while d.count() < 4 {
-            let n = q.poll();
-            if n > 0 {
-                assert!(now_ns() - t0 >= 200_000_000, "completed early");
-            }
-            by_poll += n;
-            assert!(now_ns() - t0 < 5_000_000_000, "never became due");
-        }
-        assert!(now_ns() - t0 >= 200_000_000, "completed early");
-        assert!(by_poll <= 4);
-        assert_eq!(q.stats().timer_completions, 4);
-    }
-
-    #[test]
-    fn a_polled_bio_nobody_polls_is_completed_by_the_backstop() {
-        let q = timer_queue(1_000_000, true);
-        let d = CompletionRecorder::new();
-        q.submit(polled_bio(&d));
-        // Due after 1 ms, left to the completion thread 1 ms later, which
-        // looks every 10 ms when idle.
-        wait_done(&d, 1, 2_000_000_000);
-    }
-
-    #[test]
-    fn dropping_the_queue_ends_its_polled_bios() {
-        let d = CompletionRecorder::new();
-        {
-            let q = timer_queue(5_000_000, true);
-            q.submit(polled_bio(&d));
-            q.submit(polled_bio(&d));
-        }
-        assert_eq!(d.count(), 2);
-    }
-
-    #[test]
-    fn without_iopoll_a_polled_bio_completes_on_the_timer_thread() {
-        let q = timer_queue(1_000_000, false);
-        assert!(!q.polls());
-        let d = CompletionRecorder::new();
-        q.submit(polled_bio(&d));
-        assert_eq!(q.poll(), 0);
-        wait_done(&d, 1, 2_000_000_000);
-        assert_eq!(q.poll(), 0);
-        let inline = EngineOptions {
-            iopoll: true,
-            ..EngineOptions::default()
-        };
-        assert!(Queue::new(Gate::default(), inline)
-            .err()
-            .is_some_and(|e| e.contains("irqmode=2")));
     }
 }

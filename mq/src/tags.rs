@@ -174,19 +174,27 @@ pub struct Tags {
     rqs: Box<[RequestSlot]>,
 }
 
+/// A tag set configuration or depth change out of range.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TagsError {
+    #[error("tag depth {0} is out of range 1..={MAX_DEPTH}")]
+    Depth(u32),
+    #[error("reserved tags {reserved} must be fewer than the depth {depth}")]
+    Reserved { reserved: u32, depth: u32 },
+    #[error("new depth {depth} must be in {min}..={max}")]
+    Resize { depth: u32, min: u32, max: u32 },
+}
+
 impl Tags {
-    pub fn new(cfg: TagsConfig) -> Result<Tags, String> {
+    pub fn new(cfg: TagsConfig) -> Result<Tags, TagsError> {
         if cfg.depth == 0 || cfg.depth > MAX_DEPTH {
-            return Err(format!(
-                "tag depth {} is out of range 1..={MAX_DEPTH}",
-                cfg.depth
-            ));
+            return Err(TagsError::Depth(cfg.depth));
         }
         if cfg.reserved >= cfg.depth {
-            return Err(format!(
-                "reserved tags {} must be fewer than the depth {}",
-                cfg.reserved, cfg.depth
-            ));
+            return Err(TagsError::Reserved {
+                reserved: cfg.reserved,
+                depth: cfg.depth,
+            });
         }
         let mk = |depth| {
             SbitmapQueue::new(depth, cfg.round_robin, cfg.wakeup)
@@ -470,13 +478,13 @@ impl Tags {
 
     /// Change the number of normal tags (kernel `blk_mq_tag_update_depth`,
     /// within the preallocated slots).
-    pub fn resize(&self, depth: u32) -> Result<(), String> {
+    pub fn resize(&self, depth: u32) -> Result<(), TagsError> {
         if depth <= self.cfg.reserved || depth > self.cfg.depth {
-            return Err(format!(
-                "new depth {depth} must be in {}..={}",
-                self.cfg.reserved + 1,
-                self.cfg.depth
-            ));
+            return Err(TagsError::Resize {
+                depth,
+                min: self.cfg.reserved + 1,
+                max: self.cfg.depth,
+            });
         }
         self.bitmap_tags.resize(depth - self.cfg.reserved);
         self.bitmap_tags.wake_all();

@@ -9,9 +9,12 @@
 
 use blkstack_core::clock::now_ns;
 use blkstack_core::{Bio, EndIo, IoBuf, Op, Status};
-use blkstack_mq::queue::{CompletionMode, Driver, EngineOptions, Queue, QueueRq, Rq};
+use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, Rq};
+
+mod common;
 use blkstack_mq::sbitmap::{SbitmapQueue, WaitIndex, WakeupAlgo};
 use blkstack_mq::tags::{HctxTagState, Tags, TagsConfig};
+use common::Deferred;
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::Arc;
@@ -89,7 +92,7 @@ fn batch(n: usize, owner: &Arc<PerBio>) -> Vec<Bio> {
         .collect()
 }
 
-fn run_batch(q: &Queue<Finisher>, n: usize) {
+fn run_batch<D: Driver>(q: &Queue<D>, n: usize) {
     submit_and_check(q, n);
     let s = q.stats();
     assert_eq!(s.tags_in_use, 0, "tags leaked");
@@ -99,7 +102,7 @@ fn run_batch(q: &Queue<Finisher>, n: usize) {
 
 /// One batch of `n`, each bio completed once (the queue may be in use by
 /// other threads).
-fn submit_and_check(q: &Queue<Finisher>, n: usize) {
+fn submit_and_check<D: Driver>(q: &Queue<D>, n: usize) {
     let owner = PerBio::new(n);
     let mut bios = batch(n, &owner);
     let cap = bios.capacity();
@@ -116,18 +119,25 @@ fn submit_and_check(q: &Queue<Finisher>, n: usize) {
 
 #[test]
 fn every_bio_of_a_batch_completes_once_and_every_tag_returns() {
-    for completion in [CompletionMode::Inline, CompletionMode::Softirq] {
+    // Ended inline, then from another thread (as an interrupt would).
+    for deferred in [false, true] {
         // Depth 4 has one tag per bitmap word, so batches larger than the
         // free tags take the one-by-one path after ending what they did.
         for depth in [1, 4, 64, 256] {
             let opts = EngineOptions {
-                completion,
                 queue_depth: depth,
                 ..EngineOptions::default()
             };
-            let q = Queue::new(Finisher::default(), opts).unwrap();
-            for n in [1, 2, 17, 64, 65, 300] {
-                run_batch(&q, n);
+            if deferred {
+                let q = Queue::new(Deferred::new(Finisher::default()), opts).unwrap();
+                for n in [1, 2, 17, 64, 65, 300] {
+                    run_batch(&q, n);
+                }
+            } else {
+                let q = Queue::new(Finisher::default(), opts).unwrap();
+                for n in [1, 2, 17, 64, 65, 300] {
+                    run_batch(&q, n);
+                }
             }
         }
     }

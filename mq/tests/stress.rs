@@ -6,7 +6,8 @@
 #![cfg(not(loom))]
 
 use blkstack_core::{Bio, EndIo, IoBuf, Op, Status};
-use blkstack_mq::queue::{CompletionMode, Driver, EngineOptions, Queue, QueueRq, Rq};
+use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, Rq};
+
 use blkstack_mq::sbitmap::{SbitmapQueue, SbqStats, WaitIndex, WakeupAlgo};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::Ordering::{Relaxed, SeqCst};
@@ -14,6 +15,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
+
+mod common;
+use common::Deferred;
 
 /// Run `f` on its own thread; fail if it has not finished in `secs`.
 fn with_watchdog(secs: u64, name: &str, f: impl FnOnce() + Send + 'static) {
@@ -156,11 +160,11 @@ fn engine_stress(
     let nr_hw = opts.hw_queues as usize;
     let q = Arc::new(
         Queue::new(
-            LimitDriver {
+            Deferred::new(LimitDriver {
                 limit,
                 inflight: (0..nr_hw).map(|_| AtomicU32::new(0)).collect(),
                 issued: AtomicU64::new(0),
-            },
+            }),
             opts.clone(),
         )
         .expect("queue"),
@@ -213,7 +217,7 @@ fn engine_stress(
     if opts.tag_wakeup == WakeupAlgo::Counter {
         assert_eq!(s.tags.rescued, 0, "lost wakeups: {}", q.status());
     }
-    assert_eq!(q.driver().issued.load(Relaxed), total as u64);
+    assert_eq!(q.driver().inner.issued.load(Relaxed), total as u64);
     if limit > 0 {
         assert!(
             s.hctx.requeues > 0,
@@ -225,11 +229,11 @@ fn engine_stress(
     s
 }
 
-fn opts(depth: u32, hw: u32, completion: CompletionMode) -> EngineOptions {
+/// Options for a run whose requests are ended from a completion thread.
+fn opts(depth: u32, hw: u32) -> EngineOptions {
     EngineOptions {
         hw_queues: hw,
         queue_depth: depth,
-        completion,
         rescue_timeout_ns: 2_000_000_000,
         ..EngineOptions::default()
     }
@@ -239,7 +243,7 @@ fn opts(depth: u32, hw: u32, completion: CompletionMode) -> EngineOptions {
 fn engine_stress_softirq_tag_waits() {
     with_watchdog(60, "engine softirq", || {
         // 4 threads x QD 16 against 8 tags: submitters sleep for tags.
-        let s = engine_stress(opts(8, 1, CompletionMode::Softirq), 0, 4, 3000, 16);
+        let s = engine_stress(opts(8, 1), 0, 4, 3000, 16);
         assert!(s.tags.waits > 0, "no submitter ever slept for a tag");
     });
 }
@@ -247,7 +251,7 @@ fn engine_stress_softirq_tag_waits() {
 #[test]
 fn engine_stress_shared_tags_busy_driver() {
     with_watchdog(60, "engine shared busy", || {
-        let mut o = opts(16, 2, CompletionMode::Softirq);
+        let mut o = opts(16, 2);
         o.shared_tags = true;
         o.run_on_completion = true;
         engine_stress(o, 3, 4, 2000, 8);
@@ -257,7 +261,7 @@ fn engine_stress_shared_tags_busy_driver() {
 #[test]
 fn engine_stress_shared_tags_with_fair_share_busy_driver() {
     with_watchdog(60, "engine shared fair busy", || {
-        let mut o = opts(16, 2, CompletionMode::Softirq);
+        let mut o = opts(16, 2);
         o.shared_tags = true;
         o.tag_fair_share = true;
         o.run_on_completion = true;
@@ -268,23 +272,10 @@ fn engine_stress_shared_tags_with_fair_share_busy_driver() {
 #[test]
 fn engine_stress_busy_without_dedup() {
     with_watchdog(60, "engine busy no dedup", || {
-        let mut o = opts(32, 1, CompletionMode::Softirq);
+        let mut o = opts(32, 1);
         o.run_dedup = false;
         o.run_on_completion = true;
         engine_stress(o, 4, 3, 2000, 16);
-    });
-}
-
-#[test]
-fn engine_stress_timer_mode() {
-    with_watchdog(60, "engine timer", || {
-        engine_stress(
-            opts(4, 2, CompletionMode::Timer { nsec: 20_000 }),
-            0,
-            3,
-            500,
-            8,
-        );
     });
 }
 
@@ -293,7 +284,7 @@ fn engine_stress_softirq_wait_cnt() {
     with_watchdog(60, "engine wait_cnt", || {
         // The old algorithm must still free every tag and complete every
         // bio; its lost wakeups (if any) are rescued and counted, not hung.
-        let mut o = opts(4, 1, CompletionMode::Softirq);
+        let mut o = opts(4, 1);
         o.tag_wakeup = WakeupAlgo::WaitCnt;
         let s = engine_stress(o, 0, 3, 3000, 8);
         assert!(s.tags.waits > 0, "no submitter ever slept for a tag");

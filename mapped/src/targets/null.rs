@@ -10,7 +10,7 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("null", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
-    let driver = NullDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = NullDevice::from_args(ctx.len_bytes(), args).map_err(|e| e.to_string())?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 

@@ -3,16 +3,22 @@
 //!
 //! Reads return zeroes, writes are dropped, every request succeeds. It
 //! exists to measure the stack above it and the engine itself, the way
-//! seeds 001 and 003 measure blk-mq against null_blk, so it takes
-//! null_blk's knobs as table args: `bs=` (logical block size, power of two
-//! in 512..=4096), the engine args of [`crate::engine_args`] (`irqmode`,
-//! `completion_nsec`, `hw_queue_depth`, `submit_queues`, `shared_tags`,
-//! `blocking`, `tag_wakeup`, `tag_wake_weight`, `run_dedup`,
-//! `run_on_completion`, `tag_rescue_ms`, `kblockd`, `iopoll`,
-//! `timer_spin_ns`), and `max_inflight=` (per hardware queue; above it the
-//! driver answers busy, like a SCSI device whose queue is full: the
-//! dispatch-list and queue-run paths of seed 001 need a driver that
-//! pushes back; 0 = never busy, the default), and `zero_reads=0|1`.
+//! the blk-mq queue-run and sbitmap wakeup changes were measured against
+//! null_blk, so it takes null_blk's knobs as table args: `bs=` (logical
+//! block size, power of two in 512..=4096), its completion knobs
+//! ([`completion`]: `irqmode`, `completion_nsec`, `iopoll`,
+//! `timer_spin_ns`), the engine args of [`crate::engine_args`]
+//! (`hw_queue_depth`, `submit_queues`, `shared_tags`, `blocking`,
+//! `tag_wakeup`, `tag_wake_weight`, `run_dedup`, `run_on_completion`,
+//! `tag_rescue_ms`, `kblockd`), and `max_inflight=` (per hardware queue;
+//! above it the driver answers busy, like a SCSI device whose queue is
+//! full: the dispatch-list and queue-run paths need a driver that pushes
+//! back; 0 = never busy, the default), and `zero_reads=0|1`.
+//!
+//! As in `drivers/block/null_blk/main.c`, the emulation is the driver's:
+//! the completion threads and the timer ([`timer`]), the poll list
+//! ([`poll`]) and the queue that wires them to the engine ([`emulated`]);
+//! the engine only sees a driver that ends its requests later.
 //!
 //! `zero_reads=1` (the default) fills read buffers with zeroes, so what a
 //! client reads agrees with the hole the device reports and never shows it
@@ -23,11 +29,21 @@
 //! measured (fio's `null` engine does not touch buffers either); extents
 //! then report data, since the contents are unknown.
 
-use crate::args::{check_size, KvArgs};
+pub mod completion;
+pub mod emulated;
+pub mod poll;
+pub mod timer;
+
+pub use completion::{CompletionArgs, CompletionMode, CompletionOptions};
+pub use emulated::{Emulated, EmulatedQueue, EmulatedQueueError};
+pub use timer::TimerStats;
+
+use crate::args::{check_block_size, check_size, KvArgs};
 use crate::engine_args::EngineArgs;
+use crate::error::ArgError;
 use blkstack_core::device::{check_bio, check_bio_geometry, Extent};
 use blkstack_core::{Bio, Device, Features, Op, Status};
-use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
+use blkstack_mq::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
 use crossbeam_utils::CachePadded;
 use std::fmt::Write;
 use std::sync::atomic::AtomicU32;
@@ -71,44 +87,55 @@ pub struct NullDevice {
     max_inflight: u32,
     zero_reads: bool,
     engine: EngineArgs,
-    queue: Queue<NullDriver>,
+    queue: EmulatedQueue<NullDriver>,
+}
+
+/// A `null` table line or device that cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum NullError {
+    #[error(transparent)]
+    Args(#[from] ArgError),
+    /// The engine refused the options or a completion thread would not
+    /// start (its reason as the engine words it).
+    #[error("null: {0}")]
+    Queue(#[from] EmulatedQueueError),
 }
 
 impl NullDevice {
     /// Build from a table line's length (in bytes) and its optional
     /// `key=value` args.
-    pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, String> {
-        // Temporary string bridge until null has its typed error.
-        let e = |e: crate::ArgError| e.to_string();
-        let mut kv = KvArgs::parse("null", args).map_err(e)?;
-        let block_size = kv.take_block_size("bs").map_err(e)?;
-        let max_inflight = kv
-            .take_u64("max_inflight", 0, 0, u32::MAX as u64)
-            .map_err(e)? as u32;
-        let zero_reads = kv.take_bool("zero_reads", true).map_err(e)?;
-        let engine = EngineArgs::parse(&mut kv).map_err(e)?;
-        kv.finish().map_err(e)?;
+    pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, NullError> {
+        let mut kv = KvArgs::parse("null", args)?;
+        let block_size = kv.take_block_size("bs")?;
+        let max_inflight = kv.take_u64("max_inflight", 0, 0, u32::MAX as u64)? as u32;
+        let zero_reads = kv.take_bool("zero_reads", true)?;
+        let engine = EngineArgs::parse(&mut kv)?;
+        kv.finish()?;
         Self::build(size_bytes, block_size, max_inflight, zero_reads, engine)
     }
 
-    /// Build with engine options set from Rust (experiments, benches).
+    /// Build with engine and completion options set from Rust
+    /// (experiments, benches).
     pub fn with_options(
         size_bytes: u64,
         block_size: u32,
         max_inflight: u32,
         opts: EngineOptions,
-    ) -> Result<Self, String> {
-        if !(512..=4096).contains(&block_size) || !block_size.is_power_of_two() {
-            return Err(format!(
-                "null: bs={block_size} is not a power of two in 512..=4096"
-            ));
-        }
+        completion: CompletionOptions,
+    ) -> Result<Self, NullError> {
+        let block_size = check_block_size("null", "bs", block_size.into())?;
+        opts.validate().map_err(|e| ArgError::Conflict {
+            driver: "null",
+            reason: e.to_string(),
+        })?;
+        let completion = CompletionArgs::from_options(completion);
+        completion.validate("null")?;
         Self::build(
             size_bytes,
             block_size,
             max_inflight,
             true,
-            EngineArgs::from_options(opts),
+            EngineArgs { opts, completion },
         )
     }
 
@@ -118,8 +145,8 @@ impl NullDevice {
         max_inflight: u32,
         zero_reads: bool,
         engine: EngineArgs,
-    ) -> Result<Self, String> {
-        check_size("null", size_bytes, block_size).map_err(|e| e.to_string())?;
+    ) -> Result<Self, NullError> {
+        check_size("null", size_bytes, block_size)?;
         let driver = NullDriver {
             max_inflight,
             zero_reads,
@@ -127,7 +154,7 @@ impl NullDevice {
                 .map(|_| CachePadded::new(AtomicU32::new(0)))
                 .collect(),
         };
-        let queue = Queue::new(driver, engine.opts.clone()).map_err(|e| format!("null: {e}"))?;
+        let queue = EmulatedQueue::new(driver, &engine)?;
         Ok(NullDevice {
             size: size_bytes,
             block_size,
@@ -173,14 +200,20 @@ impl NullDevice {
         self.queue.stats()
     }
 
+    /// The timer-mode counters (irqmode=2): completions, how late, and
+    /// the spin budget's CPU time.
+    pub fn timer_stats(&self) -> TimerStats {
+        self.queue.timer_stats()
+    }
+
     /// The engine queue itself (run/stop queues, per-hctx counters).
-    pub fn queue(&self) -> &Queue<NullDriver> {
-        &self.queue
+    pub fn queue(&self) -> &Queue<Emulated<NullDriver>> {
+        self.queue.queue()
     }
 }
 
 impl Device for NullDevice {
-    /// In timer mode (irqmode=2): see `Queue::polls`.
+    /// In timer mode (irqmode=2) with `iopoll=1`: see [`poll`].
     fn polls(&self) -> bool {
         self.queue.polls()
     }
@@ -392,14 +425,17 @@ mod tests {
         assert!(NullDevice::from_args(1 << 20, &["bs=3000"])
             .err()
             .unwrap()
+            .to_string()
             .contains("bs"));
         assert!(NullDevice::from_args(1 << 20, &["x=1"])
             .err()
             .unwrap()
+            .to_string()
             .contains("'x'"));
         assert!(NullDevice::from_args(1 << 20, &["irqmode=5"])
             .err()
             .unwrap()
+            .to_string()
             .contains("irqmode"));
         assert!(NullDevice::from_args(1000, &[]).is_err());
     }

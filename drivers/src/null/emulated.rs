@@ -1,0 +1,238 @@
+//! A blk-mq queue whose driver's completions are delivered the way
+//! null_blk's `irqmode` says: at once, from a per-hardware-queue thread
+//! (softirq), or from that thread after `completion_nsec` (timer), with
+//! `POLLED` bios of timer mode reaped by the submitter's poll. The driver
+//! under it only says "done" from `queue_rq`; [`Emulated`] turns that into
+//! an issued request and ends it later through the engine's
+//! [`RequestCompleter`], like any driver with an interrupt handler, so the
+//! engine (`blkstack_mq`) knows nothing of irqmode, as blk-mq knows
+//! nothing of it in Linux. `null` and `memory` both run on it.
+
+use super::completion::{CompletionMode, CompletionOptions};
+use super::timer::{completion_thread, IrqQueue, TimerStats};
+use crate::engine_args::EngineArgs;
+use blkstack_core::clock::now_ns;
+use blkstack_core::{Bio, BioFlags, Status};
+use blkstack_mq::{
+    CompleterRef, Driver, Queue, QueueError, QueueRq, QueueStats, RequestCompleter, Rq,
+};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+
+/// Why an [`EmulatedQueue`] could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum EmulatedQueueError {
+    #[error(transparent)]
+    Engine(#[from] QueueError),
+    #[error("cannot start completion thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// The engine never handed the driver its completer.
+    #[error("the engine attached no completer")]
+    NoCompleter,
+}
+
+/// The completion state shared by the driver wrapper and the threads.
+struct Irq {
+    opts: CompletionOptions,
+    queues: Box<[IrqQueue]>,
+    completer: OnceLock<RequestCompleter>,
+}
+
+/// Driver `D` with null_blk's completion modes around it.
+pub struct Emulated<D: Driver> {
+    inner: D,
+    irq: Arc<Irq>,
+}
+
+impl<D: Driver> Driver for Emulated<D> {
+    #[inline]
+    fn queue_rq(&self, rq: Rq<'_>) -> QueueRq {
+        let (deadline, polled) = match self.irq.opts.mode {
+            CompletionMode::Inline => return self.inner.queue_rq(rq),
+            CompletionMode::Softirq => (0, false),
+            CompletionMode::Timer { nsec } => (
+                now_ns() + nsec,
+                self.irq.opts.iopoll && rq.bio.flags.contains(BioFlags::POLLED),
+            ),
+        };
+        let (hctx, tag) = (rq.hctx as usize, rq.tag);
+        match self.inner.queue_rq(rq) {
+            QueueRq::Done(status) => {
+                let q = &self.irq.queues[hctx];
+                if polled {
+                    q.polled.push(deadline, tag, status);
+                } else {
+                    q.push(deadline, tag, status);
+                }
+                QueueRq::Issued
+            }
+            other => other,
+        }
+    }
+
+    #[inline]
+    fn complete(&self, rq: Rq<'_>, status: Status) -> Status {
+        self.inner.complete(rq, status)
+    }
+
+    fn attach(&self, completer: RequestCompleter) {
+        let _ = self.irq.completer.set(completer.clone());
+        self.inner.attach(completer);
+    }
+
+    /// Timer mode with `iopoll`: see [`super::poll`].
+    fn polls(&self) -> bool {
+        self.irq.opts.iopoll
+    }
+
+    fn poll(&self, completer: &CompleterRef<'_>) -> usize {
+        if !self.irq.opts.iopoll {
+            return 0;
+        }
+        let mut n = 0;
+        for (i, q) in self.irq.queues.iter().enumerate() {
+            n += q
+                .polled
+                .end_due(i as u32, 0, completer, &q.timer_done, &q.timer_late_ns);
+        }
+        n
+    }
+}
+
+/// A blk-mq queue over `D` with null_blk's completion modes, and the
+/// completion threads it needs (joined on drop, after they have ended
+/// every request they hold).
+pub struct EmulatedQueue<D: Driver> {
+    queue: Queue<Emulated<D>>,
+    irq: Arc<Irq>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl<D: Driver> EmulatedQueue<D> {
+    /// A queue over `driver` with the engine options and completion mode
+    /// of `args`.
+    pub fn new(driver: D, args: &EngineArgs) -> Result<Self, EmulatedQueueError> {
+        let opts = args.completion.opts;
+        let depth = args.opts.queue_depth as usize;
+        let irq = Arc::new(Irq {
+            opts,
+            queues: (0..args.opts.hw_queues)
+                .map(|_| IrqQueue::new(depth))
+                .collect(),
+            completer: OnceLock::new(),
+        });
+        let wrapped = Emulated {
+            inner: driver,
+            irq: irq.clone(),
+        };
+        let queue = Queue::new(wrapped, args.opts.clone())?;
+        let mut q = EmulatedQueue {
+            queue,
+            irq,
+            threads: Vec::new(),
+        };
+        if opts.mode != CompletionMode::Inline {
+            q.start_threads(depth)?;
+        }
+        Ok(q)
+    }
+
+    fn start_threads(&mut self, depth: usize) -> Result<(), EmulatedQueueError> {
+        let opts = self.irq.opts;
+        for i in 0..self.irq.queues.len() {
+            let completer = self
+                .irq
+                .completer
+                .get()
+                .and_then(RequestCompleter::hold)
+                .ok_or(EmulatedQueueError::NoCompleter)?;
+            let irq = self.irq.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("blkmq-cpl/{i}"))
+                .spawn(move || {
+                    completion_thread(
+                        &irq.queues[i],
+                        i as u32,
+                        opts.iopoll,
+                        opts.timer_spin_max_ns,
+                        depth,
+                        completer,
+                    )
+                })
+                .map_err(EmulatedQueueError::Thread)?;
+            let _ = self.irq.queues[i].thread.set(h.thread().clone());
+            self.threads.push(h);
+        }
+        Ok(())
+    }
+
+    /// The driver under the emulation.
+    pub fn driver(&self) -> &D {
+        &self.queue.driver().inner
+    }
+
+    /// The engine queue itself (run/stop queues, per-hctx counters).
+    pub fn queue(&self) -> &Queue<Emulated<D>> {
+        &self.queue
+    }
+
+    pub fn completion(&self) -> &CompletionOptions {
+        &self.irq.opts
+    }
+
+    #[inline]
+    pub fn submit(&self, bio: Bio) {
+        self.queue.submit(bio)
+    }
+
+    #[inline]
+    pub fn submit_batch(&self, bios: &mut Vec<Bio>) {
+        self.queue.submit_batch(bios)
+    }
+
+    pub fn polls(&self) -> bool {
+        self.queue.polls()
+    }
+
+    pub fn poll(&self) -> usize {
+        self.queue.poll()
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> QueueStats {
+        self.queue.stats()
+    }
+
+    /// Timer-mode counters.
+    pub fn timer_stats(&self) -> TimerStats {
+        let mut s = TimerStats::default();
+        for q in self.irq.queues.iter() {
+            q.add_stats(&mut s);
+        }
+        s
+    }
+
+    /// The engine part of a `dmsetup status` line, then the timer
+    /// counters once there are any.
+    pub fn status(&self) -> String {
+        self.queue.status() + &self.timer_stats().status_suffix()
+    }
+}
+
+impl<D: Driver> Drop for EmulatedQueue<D> {
+    fn drop(&mut self) {
+        for q in self.irq.queues.iter() {
+            q.stop();
+        }
+        let me = std::thread::current().id();
+        for t in self.threads.drain(..) {
+            // The last owner may drop the device from a completion callback
+            // running on one of these threads: that one ends what it holds
+            // and exits by itself (its completer keeps the engine's request
+            // state alive until then).
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+    }
+}

@@ -1,0 +1,142 @@
+//! The engine's options: how many hardware queues and tags, how tags are
+//! shared and woken, and how queue runs are made (kernel `struct
+//! blk_mq_tag_set`'s `nr_hw_queues`, `queue_depth`, `reserved_tags`,
+//! `flags`). How a driver completes its requests is the driver's business
+//! (null_blk's completion mode lives in `drivers/block/null_blk/main.c`,
+//! not in blk-mq), so it is not here.
+
+use crate::sbitmap::{WakeWeight, WakeupAlgo, MAX_DEPTH};
+
+/// Largest number of hardware queues.
+pub const MAX_HW_QUEUES: u32 = 256;
+
+/// Options of a queue (the engine-level knobs a leaf driver exposes as
+/// `key=value` table args).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Hardware queues (`submit_queues`), 1..=256.
+    pub hw_queues: u32,
+    /// Tags per hardware queue, or in total when shared (`hw_queue_depth`).
+    pub queue_depth: u32,
+    /// Of which reserved.
+    pub reserved_tags: u32,
+    /// One tag set shared by all hardware queues.
+    pub shared_tags: bool,
+    /// With `shared_tags`: a fair share of it per active hardware queue
+    /// (see `tags`).
+    pub tag_fair_share: bool,
+    /// The driver may sleep in `queue_rq`: queue runs always go to kblockd.
+    pub blocking: bool,
+    pub tag_wakeup: WakeupAlgo,
+    /// What a woken tag sleeper counts for (`WakeWeight`).
+    pub tag_wake_weight: WakeWeight,
+    /// The queued bit of "blk-mq: avoid repeatedly scheduling the same
+    /// work to run hardware queue" (true) or post every time (false).
+    pub run_dedup: bool,
+    /// Run all hardware queues asynchronously on every completion.
+    pub run_on_completion: bool,
+    /// Tags in order (`BLK_MQ_F_TAG_RR`).
+    pub round_robin_tags: bool,
+    /// See `SbitmapQueue::with_rescue_timeout_ns` (0: never).
+    pub rescue_timeout_ns: u64,
+    /// Which process-wide kblockd pool posted queue runs go to.
+    pub kblockd: KblockdKind,
+}
+
+/// The kblockd pool a queue posts its runs to (see `kblockd`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KblockdKind {
+    /// One worker bound to each CPU; a run goes to the poster's CPU, as
+    /// the kernel's kblockd (a per-CPU workqueue) does.
+    #[default]
+    PerCpu,
+    /// Two unbound workers, any of them woken for any post.
+    Unbound,
+}
+
+impl KblockdKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            KblockdKind::PerCpu => "percpu",
+            KblockdKind::Unbound => "unbound",
+        }
+    }
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            hw_queues: 1,
+            queue_depth: 64,
+            reserved_tags: 0,
+            shared_tags: false,
+            tag_fair_share: false,
+            blocking: false,
+            tag_wakeup: WakeupAlgo::Counter,
+            tag_wake_weight: WakeWeight::Plug,
+            run_dedup: true,
+            run_on_completion: false,
+            round_robin_tags: false,
+            rescue_timeout_ns: 0,
+            kblockd: KblockdKind::PerCpu,
+        }
+    }
+}
+
+/// An [`EngineOptions`] value out of range, named by its table key.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EngineOptionsError {
+    #[error("submit_queues={0} is out of range 1..={MAX_HW_QUEUES}")]
+    HwQueues(u32),
+    #[error("hw_queue_depth={0} is out of range 1..={MAX_DEPTH}")]
+    QueueDepth(u32),
+    #[error("reserved_tags={reserved} must be below hw_queue_depth={depth}")]
+    ReservedTags { reserved: u32, depth: u32 },
+}
+
+impl EngineOptions {
+    pub fn validate(&self) -> Result<(), EngineOptionsError> {
+        if self.hw_queues == 0 || self.hw_queues > MAX_HW_QUEUES {
+            return Err(EngineOptionsError::HwQueues(self.hw_queues));
+        }
+        if self.queue_depth == 0 || self.queue_depth > MAX_DEPTH {
+            return Err(EngineOptionsError::QueueDepth(self.queue_depth));
+        }
+        if self.reserved_tags >= self.queue_depth {
+            return Err(EngineOptionsError::ReservedTags {
+                reserved: self.reserved_tags,
+                depth: self.queue_depth,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_are_validated() {
+        let bad = [
+            EngineOptions {
+                hw_queues: 0,
+                ..EngineOptions::default()
+            },
+            EngineOptions {
+                queue_depth: MAX_DEPTH + 1,
+                ..EngineOptions::default()
+            },
+            EngineOptions {
+                reserved_tags: 64,
+                ..EngineOptions::default()
+            },
+        ];
+        let keys = ["submit_queues", "hw_queue_depth", "reserved_tags"];
+        for (o, key) in bad.iter().zip(keys) {
+            let e = o.validate().expect_err("out of range");
+            assert!(e.to_string().contains(key), "{e}");
+        }
+        assert_eq!(EngineOptions::default().validate(), Ok(()));
+    }
+}
