@@ -26,7 +26,7 @@ use crate::offsets::IoGen;
 use crate::spec::{HybridEstimator, JobSpec, VerifyMode, WaitMode};
 use crate::stats::{DepthStats, DirStats, JobResult};
 use crate::verify::{check_unit, fill_unit, WriteLog};
-use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns, CycleClock};
+use blkstack_core::clock::{now_ns, sleep_until_ns, CycleClock};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, Op, Status};
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
@@ -899,7 +899,7 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     let spec = &setup.spec;
     if spec.wait == WaitMode::Hybrid {
         // Hybrid sleeps are short; the default 50 µs slack would swamp them.
-        set_thread_timer_slack_ns(1);
+        blkstack_core::timing::prepare_precise_thread();
     }
     let mut eng = Engine::new(&setup)?;
     let cpu0 = blkstack_core::cpu::thread_cpu();

@@ -106,10 +106,10 @@ impl SpinPolicy {
 pub const READER_SLICE_NS: u64 = 100_000;
 
 /// Ask the scheduler for a short slice for the calling reader (see
-/// [`blkstack_core::clock::set_thread_sched_slice_ns`]): the reader runs a
+/// [`blkstack_core::timing::set_thread_sched_slice_ns`]): the reader runs a
 /// few microseconds per request, so a short slice costs it nothing.
 pub fn ask_short_slice() {
-    blkstack_core::clock::set_thread_sched_slice_ns(READER_SLICE_NS);
+    blkstack_core::timing::set_thread_sched_slice_ns(READER_SLICE_NS);
 }
 
 #[cfg(test)]
