@@ -1,5 +1,5 @@
 //! CPU time accounting (getrusage), as fio reports usr/sys per job and as
-//! the seeds' arguments are about CPU spent per I/O.
+//! the upstream changes the lab reproduces argue about CPU spent per I/O.
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Criterion benches of the engine's hot paths: one tag get+put on the
 //! sbitmap queue and on a tag set, and one 4 KiB read submitted to a
 //! null-like driver through the whole queue with inline completion (the
-//! in-process `irqmode=0` case of issue 3), keeping 64 requests' bios in
+//! in-process `irqmode=0` case), keeping 64 requests' bios in
 //! circulation as a QD64 job would. Per-iteration time is per I/O; its
 //! inverse is the IOPS one submitting thread can reach. The batch variant
 //! submits the 64 bios with one `submit_batch` per iteration.

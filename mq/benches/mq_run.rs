@@ -1,8 +1,10 @@
-//! Seed 001 in miniature: IOPS against queue depth when every completion
+//! "blk-mq: avoid repeatedly scheduling the same work to run hardware
+//! queue" in miniature: IOPS against queue depth when every completion
 //! runs the hardware queues asynchronously (as SCSI did) and the driver
 //! pushes back above a fixed number in flight, with the queued bit
 //! (`run_dedup`) on and off. Prints one line per configuration; the full
-//! experiment, with the seed's table beside it, is `blkstack lab mq-run`.
+//! experiment, with the patch's published table beside it, is
+//! `blkstack lab mq-run`.
 //!
 //! `cargo bench -p blkstack-mq --bench mq_run` (about 10 s).
 
@@ -119,7 +121,8 @@ fn run(dedup: bool, qd: usize, jobs: usize, secs: f64) -> (f64, String) {
     (total as f64 / elapsed, q.status())
 }
 
-/// Seed 003 in miniature: `threads` threads each hold a tag for about
+/// "sbitmap: Use single per-bitmap counting to wake up queued tags" in
+/// miniature: `threads` threads each hold a tag for about
 /// `hold_ns`, then free it, on a bitmap of `depth` bits: tags per second
 /// with each wakeup algorithm.
 fn sbitmap_contention(algo: WakeupAlgo, depth: u32, threads: usize, secs: f64) -> (f64, u64) {

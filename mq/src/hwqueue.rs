@@ -1,6 +1,7 @@
 //! Hardware queues (kernel `struct blk_mq_hw_ctx`): where requests that
 //! could not be issued directly wait (the dispatch list), the state that
-//! governs queue runs ([`RunState`]: stopped, seed 001's queued bit, the
+//! governs queue runs ([`RunState`]: stopped, the queued bit of "blk-mq:
+//! avoid repeatedly scheduling the same work to run hardware queue", the
 //! restart handshake), and the counters an experiment reads. The run logic
 //! itself lives with the queue in `queue.rs`, which knows the driver.
 

@@ -567,7 +567,8 @@ impl<D: Driver> QueueInner<D> {
         }
     }
 
-    /// Kernel `__blk_mq_delay_run_hw_queue`'s async half, with seed 001.
+    /// Kernel `__blk_mq_delay_run_hw_queue`'s async half, with the queued
+    /// bit.
     fn post_run(&self, h: &HwQueue, delay_ns: u64) {
         if self.opts.run_dedup {
             if delay_ns == 0 {
@@ -577,7 +578,7 @@ impl<D: Driver> QueueInner<D> {
                 }
             } else {
                 // A delayed run must not stand in for the next immediate
-                // one (seed 001 v2).
+                // one (v2 of the queued-bit patch).
                 h.run.before_delayed_post();
             }
         }

@@ -7,11 +7,12 @@
 //! method here, called as is by `queue.rs` and by the loom model
 //! (`tests/loom_runstate.rs`), which checks that no request is left on a
 //! dispatch list with no run owed:
-//! - `WORK_QUEUED` (seed 001): an immediate run is posted and has not
+//! - `WORK_QUEUED` ("blk-mq: avoid repeatedly scheduling the same work to
+//!   run hardware queue"): an immediate run is posted and has not
 //!   started; a poster that finds it set posts nothing. The run clears it
 //!   before it looks at the dispatch list, so a request queued during the
 //!   run posts a new one. A delayed post clears it too, so a delayed run
-//!   never stands in for the next immediate one (seed 001 v2).
+//!   never stands in for the next immediate one (that patch's v2).
 //! - `RESTART` (`BLK_MQ_S_SCHED_RESTART`): the driver said busy, so the
 //!   next completion runs the queue. If nothing is in flight when it is
 //!   armed, no completion will come, and the caller posts a delayed run

@@ -8,8 +8,9 @@
 //! bitmap, as in the kernel.
 //!
 //! A tag set may be shared by several hardware queues (the kernel's
-//! `BLK_MQ_F_TAG_HCTX_SHARED`, null_blk `shared_tag_bitmap`, seed 003's
-//! "single bitmap shared by 20 hctx"): one bitmap, one set of wait queues,
+//! `BLK_MQ_F_TAG_HCTX_SHARED`, null_blk `shared_tag_bitmap`, the "single
+//! bitmap shared by 20 hctx" that "sbitmap: Use single per-bitmap counting
+//! to wake up queued tags" measured): one bitmap, one set of wait queues,
 //! every hardware queue allocating from it freely, as the kernel does for
 //! the hardware queues of one request queue.
 //!

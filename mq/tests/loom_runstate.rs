@@ -1,4 +1,5 @@
-//! Model checks of the queue-run protocol with loom: seed 001's queued bit
+//! Model checks of the queue-run protocol with loom: the queued bit of
+//! "blk-mq: avoid repeatedly scheduling the same work to run hardware queue"
 //! (an immediate run is not posted again while one is pending) and the
 //! restart handshake (a busy driver is run again by the next completion,
 //! or by a delayed run when nothing is in flight), every interleaving up
