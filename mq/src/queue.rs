@@ -778,4 +778,82 @@ mod tests {
         assert_eq!(s.runs_inline, 0);
         assert!(s.runs_from_work >= 1);
     }
+
+    /// Keeps every request it is given until polled or ended through
+    /// its completer.
+    #[derive(Default)]
+    struct Holder {
+        held: parking_lot::Mutex<Vec<(u32, u32)>>,
+        completer: OnceLock<RequestCompleter>,
+    }
+
+    impl Driver for Holder {
+        fn queue_rq(&self, rq: Rq<'_>) -> QueueRq {
+            self.held.lock().push((rq.hctx, rq.tag));
+            QueueRq::Issued
+        }
+
+        fn attach(&self, completer: RequestCompleter) {
+            let _ = self.completer.set(completer);
+        }
+
+        fn polls(&self) -> bool {
+            true
+        }
+
+        fn poll(&self, completer: &CompleterRef<'_>) -> usize {
+            let held = std::mem::take(&mut *self.held.lock());
+            for &(hctx, tag) in &held {
+                completer.end_request(hctx, tag, Status::Ok);
+            }
+            held.len()
+        }
+    }
+
+    #[test]
+    fn poll_calls_the_drivers_poll_which_ends_its_requests() {
+        let q = Queue::new(Holder::default(), EngineOptions::default()).unwrap();
+        assert!(q.polls());
+        let done = CompletionRecorder::new();
+        for _ in 0..3 {
+            q.submit(write_bio(&done));
+        }
+        assert_eq!(done.count(), 0);
+        assert_eq!(q.stats().in_driver, 3);
+        assert_eq!(q.poll(), 3);
+        assert_eq!(done.count(), 3);
+        assert_eq!(q.poll(), 0);
+        let s = q.stats();
+        assert_eq!((s.tags_in_use, s.in_driver), (0, 0));
+        // A driver without a poll hook polls nothing.
+        let g = Queue::new(Gate::default(), EngineOptions::default()).unwrap();
+        assert!(!g.polls());
+        assert_eq!(g.poll(), 0);
+    }
+
+    #[test]
+    fn a_completer_ends_requests_from_another_thread_and_outlives_the_queue() {
+        let q = Queue::new(Holder::default(), EngineOptions::default()).unwrap();
+        let done = CompletionRecorder::new();
+        q.submit(write_bio(&done));
+        q.submit(write_bio(&done));
+        let completer = q.driver().completer.get().cloned().expect("attached");
+        let held = std::mem::take(&mut *q.driver().held.lock());
+        let (first, second) = (held[0], held[1]);
+        let c = completer.clone();
+        std::thread::spawn(move || c.end_request(first.0, first.1, Status::IoError))
+            .join()
+            .expect("completing thread");
+        let h = completer.hold().expect("queue alive");
+        h.end_request(second.0, second.1, Status::Ok);
+        drop(h);
+        // The thread was joined before the second end: completion order.
+        assert_eq!(done.statuses(), [Status::IoError, Status::Ok]);
+        assert_eq!(q.stats().tags_in_use, 0);
+        drop(q);
+        // The queue is gone: nothing to hold, and ending is a no-op.
+        assert!(completer.hold().is_none());
+        completer.end_request(0, 0, Status::Ok);
+        assert_eq!(done.count(), 2);
+    }
 }
