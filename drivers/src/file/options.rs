@@ -195,7 +195,10 @@ mod tests {
         ));
         assert!(matches!(
             FileOptions::parse(&["/x", "queue_depth=4097"]),
-            Err(FileError::Args(crate::ArgError::OutOfRange { value: 4097, .. }))
+            Err(FileError::Args(crate::ArgError::OutOfRange {
+                value: 4097,
+                ..
+            }))
         ));
     }
 }

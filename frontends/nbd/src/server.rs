@@ -211,7 +211,7 @@ impl Server {
                     // A client that went away before accept, or a transient
                     // shortage of fds: keep serving the others.
                     Err(e) => {
-                        eprintln!("blkstack-nbd: accept: {e}");
+                        tracing::warn!(error = %e, "nbd: accept failed");
                         continue;
                     }
                 };
@@ -232,7 +232,7 @@ impl Server {
                                     | io::ErrorKind::ConnectionReset
                                     | io::ErrorKind::BrokenPipe
                             ) {
-                                eprintln!("blkstack-nbd: connection {id}: {e}");
+                                tracing::warn!(connection = id, error = %e, "nbd: connection failed");
                             }
                         }
                         live2.lock().remove(&id);
@@ -260,7 +260,7 @@ impl Server {
             if !e.read_only {
                 let st = submit_and_wait(&*e.dev, Op::Flush, 0, 0, &mut []);
                 if !st.is_ok() {
-                    eprintln!("blkstack-nbd: flushing {}: {st}", e.name);
+                    tracing::warn!(export = %e.name, status = %st, "nbd: flush at stop failed");
                 }
             }
         }
