@@ -210,11 +210,8 @@ mod tests {
     /// misaligned memory the bounce buffer, and both must land in the file.
     #[test]
     fn misaligned_direct_io_takes_the_fallback_routes() {
+        use blkstack_core::testing::CompletionRecorder;
         use blkstack_core::{EndIo, IoBuf};
-        struct Owner;
-        impl EndIo for Owner {
-            fn end_io(&self, _bio: Bio, _status: Status, _private: u64) {}
-        }
         let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let path = dir.path().join("r.img");
         std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
@@ -236,7 +233,8 @@ mod tests {
             zero_range: AtomicBool::new(true),
             stats: Stats::default(),
         };
-        let owner: Arc<dyn EndIo> = Arc::new(Owner);
+        let recorder = CompletionRecorder::new();
+        let owner: Arc<dyn EndIo> = recorder.clone();
         let mut bounce = None;
         let mut aligned = AlignedBuf::new(8192);
         aligned.as_mut_slice().fill(0x5a);
@@ -294,5 +292,10 @@ mod tests {
         }
         assert_eq!(files.stats.buffered.load(Ordering::Relaxed), 2);
         assert_eq!(files.stats.bounced.load(Ordering::Relaxed), 2);
+        // Each bio (a write and a read per case) completed exactly once,
+        // in order, with the status it was given.
+        let offsets: Vec<u64> = recorder.completions().iter().map(|c| c.offset).collect();
+        assert_eq!(offsets, [4096, 4096, 8704, 8704, 65536, 65536]);
+        assert_eq!(recorder.statuses(), [Status::Ok; 6]);
     }
 }
