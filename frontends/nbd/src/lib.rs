@@ -131,7 +131,7 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     } else {
         args.listen
             .iter()
-            .map(|s| ListenUri::parse(s).map_err(anyhow::Error::msg))
+            .map(|s| ListenUri::parse(s).map_err(anyhow::Error::from))
             .collect::<anyhow::Result<_>>()?
     };
     let reg = blkstack_mapped::Registry::new();

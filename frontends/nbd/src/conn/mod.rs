@@ -1,5 +1,5 @@
-//! One client connection: the fixed-newstyle handshake ([`handshake`]),
-//! then the transmission phase ([`transmission`], replies in [`reply`]).
+//! One client connection: the fixed-newstyle handshake (`handshake.rs`),
+//! then the transmission phase (`transmission.rs`, replies in `reply.rs`).
 //!
 //! Threading model (why it looks like this): every connection has exactly
 //! one thread, its reader. The reader parses requests and submits bios
@@ -8,7 +8,7 @@
 //! the rest of an I/O on a virtual machine. Whoever
 //! completes a bio writes its reply: the device's completion thread, or
 //! the reader itself when the device completes inline. Replies go through
-//! one per-connection writer lock ([`Out`]); while the reader is working
+//! one per-connection writer lock (`Out`); while the reader is working
 //! through requests that are already in its receive buffer it marks the
 //! connection as "batching", and replies produced meanwhile are only
 //! appended to the output buffer, to leave in one `send` when the reader is
@@ -29,10 +29,10 @@
 //! ([`crate::spin`]); it also asks the scheduler for a short slice so that
 //! its wake-up is not queued behind a CPU-bound thread. While requests are
 //! in flight it sleeps on the socket and an eventfd that the completer of
-//! the last of them signals ([`reply::IdleWake`]). A fixed poll without
+//! the last of them signals (`IdleWake`). A fixed poll without
 //! those rules loses whenever the next request is slow to come, and costs
 //! CPU per I/O. When every slot is busy, or the requests in flight already
-//! hold [`INFLIGHT_BYTES`] of data, the reader stops reading: that is the
+//! hold `INFLIGHT_BYTES` of data, the reader stops reading: that is the
 //! connection's queue depth limit and the client's backpressure, and it
 //! bounds the memory one client can make the server hold.
 
