@@ -27,15 +27,16 @@
 //! filesystem goes through a second, buffered descriptor of the same file
 //! (Linux keeps the page cache coherent with direct I/O on one inode).
 //!
-//! The mechanisms live one per file: [`options`] (the table words),
+//! The mechanisms live one per file: `options` (the table words),
 //! `backing` (descriptors, alignment routes, fallocate, holes), `ring`
 //! (the io_uring engine and its completion thread), `poll` (the IOPOLL /
 //! hybrid IOPOLL ring and its fallback when the kernel refuses polling)
 //! and `psync` (the thread-pool engine, also the automatic fallback when
 //! io_uring cannot be set up at all, e.g. under a seccomp filter). Every
 //! fallback is logged once through `tracing` and shown by `status`.
+
 mod backing;
-pub mod options;
+mod options;
 mod poll;
 mod psync;
 mod ring;

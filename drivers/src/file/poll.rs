@@ -1,8 +1,9 @@
 //! Polled completions for the `file` device: a second io_uring created
 //! with `IORING_SETUP_IOPOLL`, or `IORING_SETUP_HYBRID_IOPOLL` (the upstream
-//! change "io_uring: releasing CPU resources when polling", Linux 6.13: the
-//! first I/O never sleeps, later ones sleep about half the shortest
-//! completion time seen, then poll).
+//! change "io_uring: add support for hybrid IOPOLL", Linux 6.13, posted as
+//! "io_uring: releasing CPU resources when polling": the first I/O never
+//! sleeps, later ones sleep about half the shortest completion time seen,
+//! then poll).
 //!
 //! Only aligned O_DIRECT reads and writes go to the polled ring. The
 //! kernel may refuse polling at setup (an old kernel: EINVAL; hybrid then
