@@ -320,8 +320,9 @@ impl MemoryDevice {
         let driver = MemoryDriver {
             store: PageStore::new(),
         };
-        let queue = Queue::new(driver, engine.opts.clone())
-            .map_err(|reason| MemoryError::Queue { reason })?;
+        let queue = Queue::new(driver, engine.opts.clone()).map_err(|e| MemoryError::Queue {
+            reason: e.to_string(),
+        })?;
         Ok(MemoryDevice {
             size: size_bytes,
             block_size,
