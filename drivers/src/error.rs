@@ -72,10 +72,10 @@ pub enum ArgError {
 pub enum MemoryError {
     #[error(transparent)]
     Args(#[from] ArgError),
-    /// The blk-mq engine refused to start the queue (its reason as the
-    /// engine words it).
-    #[error("memory: {reason}")]
-    Queue { reason: String },
+    /// The blk-mq engine (or the emulated completion it runs under)
+    /// refused to start the queue.
+    #[error("memory: cannot start its queue")]
+    Queue(#[source] crate::null::EmulatedQueueError),
 }
 
 /// The `file` driver's table line is wrong or its backing file unusable.

@@ -321,9 +321,7 @@ impl MemoryDevice {
         let driver = MemoryDriver {
             store: PageStore::new(),
         };
-        let queue = EmulatedQueue::new(driver, &engine).map_err(|e| MemoryError::Queue {
-            reason: e.to_string(),
-        })?;
+        let queue = EmulatedQueue::new(driver, &engine).map_err(MemoryError::Queue)?;
         Ok(MemoryDevice {
             size: size_bytes,
             block_size,

@@ -321,8 +321,8 @@ fn discard_and_zero_psync() {
 }
 
 /// Asking for polled completions gives a working device whatever the
-/// kernel and disk allow: where the disk has no poll queues (this VM's
-/// virtio disk) the status says it fell back and why, and every byte
+/// kernel and disk allow: where the disk has no poll queues (a virtio
+/// disk, for one) the status says it fell back and why, and every byte
 /// still round-trips.
 fn poll_request_works(flag: &str) {
     let dir = scratch();

@@ -1,10 +1,13 @@
 //! `blkstack`: the command-line front door. Each subcommand lives in its
 //! frontend crate (bench, serve, lab) or in the mapped layer (dmsetup-style
 //! verbs); this file only dispatches, so that each frontend stays testable
-//! as a library.
+//! as a library. It also installs the `tracing` subscriber the libraries
+//! log through (warnings such as a driver's fallback go to stderr).
 
 use clap::{Parser, Subcommand};
+use std::io::IsTerminal;
 use std::process::ExitCode;
+use tracing_subscriber::filter::{EnvFilter, LevelFilter};
 
 #[derive(Parser)]
 #[command(
@@ -13,6 +16,12 @@ use std::process::ExitCode;
     about = "A userspace block I/O stack: dm-style targets, blk-mq engine, NBD server, fio-compatible bench, and the lab"
 )]
 struct Cli {
+    /// Log more on stderr: -v info, -vv debug, -vvv trace (default: warnings
+    /// only). RUST_LOG directives (e.g. RUST_LOG=blkstack_drivers=debug)
+    /// are honoured too.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -30,8 +39,31 @@ enum Cmd {
     Bench(blkstack_bench::BenchArgs),
 }
 
+/// Log to stderr at the level `-v` asks for, with RUST_LOG's directives
+/// (RUST_LOG alone sets the level when no `-v` is given).
+fn init_tracing(verbose: u8) {
+    let level = match verbose {
+        0 => LevelFilter::WARN,
+        1 => LevelFilter::INFO,
+        2 => LevelFilter::DEBUG,
+        _ => LevelFilter::TRACE,
+    };
+    let mut filter = EnvFilter::builder()
+        .with_default_directive(level.into())
+        .from_env_lossy();
+    if verbose > 0 {
+        filter = filter.add_directive(level.into());
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_tracing(cli.verbose);
     let result = match cli.cmd {
         Cmd::Serve(a) => blkstack_nbd::run_cli(a),
         Cmd::Lab(a) => blkstack_lab::run_cli(a),

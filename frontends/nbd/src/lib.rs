@@ -131,7 +131,7 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     } else {
         args.listen
             .iter()
-            .map(|s| ListenUri::parse(s).map_err(anyhow::Error::msg))
+            .map(|s| ListenUri::parse(s).map_err(anyhow::Error::from))
             .collect::<anyhow::Result<_>>()?
     };
     let reg = blkstack_mapped::Registry::new();
@@ -174,7 +174,7 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
             match blkstack_control::ControlServer::start(&p, control_state, true) {
                 Ok(c) => Some(c),
                 Err(e) => {
-                    eprintln!("blkstack serve: no control socket: {e}");
+                    tracing::warn!(error = %e, "serve: no control socket");
                     None
                 }
             }
@@ -205,6 +205,7 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     }
     let summary = server.run()?;
     drop(control_server);
+    // Deliberately user-facing (the counterpart of "ready" on stdout).
     eprintln!(
         "blkstack serve: stopped after {} connection(s); devices flushed",
         summary.connections

@@ -16,7 +16,6 @@
 //! trips.
 
 use blkstack_core::Status;
-use std::fmt;
 
 // ---- magics -------------------------------------------------------------
 
@@ -156,53 +155,25 @@ pub const MAX_STRING: usize = 4096;
 // ---- errors -------------------------------------------------------------
 
 /// Something a peer sent that does not parse.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
-    BadMagic {
-        what: &'static str,
-        got: u64,
-    },
+    #[error("{what}: bad magic {got:#x}")]
+    BadMagic { what: &'static str, got: u64 },
+    #[error("{what}: needs {need} bytes, got {have}")]
     Truncated {
         what: &'static str,
         need: usize,
         have: usize,
     },
-    TrailingBytes {
-        what: &'static str,
-        extra: usize,
-    },
-    StringTooLong {
-        what: &'static str,
-        len: usize,
-    },
-    NotUtf8 {
-        what: &'static str,
-    },
-    ContainsNul {
-        what: &'static str,
-    },
+    #[error("{what}: {extra} unexpected trailing bytes")]
+    TrailingBytes { what: &'static str, extra: usize },
+    #[error("{what}: string of {len} bytes exceeds {MAX_STRING}")]
+    StringTooLong { what: &'static str, len: usize },
+    #[error("{what}: string is not UTF-8")]
+    NotUtf8 { what: &'static str },
+    #[error("{what}: string contains NUL")]
+    ContainsNul { what: &'static str },
 }
-
-impl fmt::Display for WireError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            WireError::BadMagic { what, got } => write!(f, "{what}: bad magic {got:#x}"),
-            WireError::Truncated { what, need, have } => {
-                write!(f, "{what}: needs {need} bytes, got {have}")
-            }
-            WireError::TrailingBytes { what, extra } => {
-                write!(f, "{what}: {extra} unexpected trailing bytes")
-            }
-            WireError::StringTooLong { what, len } => {
-                write!(f, "{what}: string of {len} bytes exceeds {MAX_STRING}")
-            }
-            WireError::NotUtf8 { what } => write!(f, "{what}: string is not UTF-8"),
-            WireError::ContainsNul { what } => write!(f, "{what}: string contains NUL"),
-        }
-    }
-}
-
-impl std::error::Error for WireError {}
 
 /// A bounds-checked big-endian cursor over untrusted bytes.
 struct Cursor<'a> {

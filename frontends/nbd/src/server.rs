@@ -175,7 +175,7 @@ impl Server {
     /// Accept and serve until stopped; then stop gracefully (see the
     /// module documentation) and return.
     pub fn run(self) -> io::Result<ServeSummary> {
-        let live: Arc<Mutex<HashMap<u64, Arc<Sock>>>> = Arc::default();
+        let live: Live = Arc::default();
         let mut threads: Vec<JoinHandle<()>> = Vec::new();
         let mut summary = ServeSummary::default();
         let mut pfds: Vec<libc::pollfd> = self
@@ -189,7 +189,7 @@ impl Server {
                 revents: 0,
             })
             .collect();
-        'accept: loop {
+        loop {
             // SAFETY: pfds is a valid array of pollfd.
             let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
             if r < 0 {
@@ -200,7 +200,7 @@ impl Server {
                 return Err(e);
             }
             if pfds[pfds.len() - 1].revents != 0 {
-                break 'accept;
+                break;
             }
             for (i, (_, l)) in self.listeners.iter().enumerate() {
                 if pfds[i].revents == 0 {
@@ -211,62 +211,72 @@ impl Server {
                     // A client that went away before accept, or a transient
                     // shortage of fds: keep serving the others.
                     Err(e) => {
-                        eprintln!("blkstack-nbd: accept: {e}");
+                        tracing::warn!(error = %e, "nbd: accept failed");
                         continue;
                     }
                 };
                 summary.connections += 1;
-                let id = summary.connections;
-                let sock = Arc::new(Sock::new(fd));
-                live.lock().insert(id, sock.clone());
-                let exports = self.exports.snapshot();
-                let live2 = live.clone();
-                let poll_ns = self.poll_ns;
-                let t = std::thread::Builder::new()
-                    .name(format!("nbd-conn-{id}"))
-                    .spawn(move || {
-                        if let Err(e) = conn::serve(sock, &exports, poll_ns) {
-                            if !matches!(
-                                e.kind(),
-                                io::ErrorKind::UnexpectedEof
-                                    | io::ErrorKind::ConnectionReset
-                                    | io::ErrorKind::BrokenPipe
-                            ) {
-                                eprintln!("blkstack-nbd: connection {id}: {e}");
-                            }
-                        }
-                        live2.lock().remove(&id);
-                    })?;
-                threads.push(t);
+                threads.push(self.spawn_connection(summary.connections, fd, &live)?);
             }
             threads.retain(|t| !t.is_finished());
         }
-        // Graceful stop: no new connections...
+        self.stop_gracefully(&live, threads);
+        Ok(summary)
+    }
+
+    /// Serve connection `id` on its own thread, listed in `live` while it
+    /// runs.
+    fn spawn_connection(&self, id: u64, fd: OwnedFd, live: &Live) -> io::Result<JoinHandle<()>> {
+        let sock = Arc::new(Sock::new(fd));
+        live.lock().insert(id, sock.clone());
+        let exports = self.exports.snapshot();
+        let live = live.clone();
+        let poll_ns = self.poll_ns;
+        std::thread::Builder::new()
+            .name(format!("nbd-conn-{id}"))
+            .spawn(move || {
+                if let Err(e) = conn::serve(sock, &exports, poll_ns) {
+                    if !matches!(
+                        e.kind(),
+                        io::ErrorKind::UnexpectedEof
+                            | io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::BrokenPipe
+                    ) {
+                        tracing::warn!(connection = id, error = %e, "nbd: connection failed");
+                    }
+                }
+                live.lock().remove(&id);
+            })
+    }
+
+    /// No new connections, no new requests, in-flight ones answered, and
+    /// every writable export flushed.
+    fn stop_gracefully(self, live: &Live, threads: Vec<JoinHandle<()>>) {
         for (_, l) in &self.listeners {
             if let Listener::Unix(_, p) = l {
                 let _ = std::fs::remove_file(p);
             }
         }
         drop(self.listeners);
-        // ...no new requests, in-flight ones answered...
         for s in live.lock().values() {
             s.shutdown(std::net::Shutdown::Read);
         }
         for t in threads {
             let _ = t.join();
         }
-        // ...and every device flushed.
         for e in self.exports.snapshot().iter() {
             if !e.read_only {
                 let st = submit_and_wait(&*e.dev, Op::Flush, 0, 0, &mut []);
                 if !st.is_ok() {
-                    eprintln!("blkstack-nbd: flushing {}: {st}", e.name);
+                    tracing::warn!(export = %e.name, status = %st, "nbd: flush at stop failed");
                 }
             }
         }
-        Ok(summary)
     }
 }
+
+/// The connections being served, by id (the graceful stop shuts them).
+type Live = Arc<Mutex<HashMap<u64, Arc<Sock>>>>;
 
 /// The write end of the stop pipe, for the signal handler.
 static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);

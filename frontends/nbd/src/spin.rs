@@ -1,8 +1,8 @@
 //! When a connection's reader may busy-poll its socket before blocking,
 //! and for how long.
 //!
-//! Why: on a small VM an idle vCPU wakes 60-140 µs after the interrupt
-//! that wakes it, several times the whole cost of serving a 4 KiB request,
+//! Why: on a small VM an idle vCPU wakes long after the interrupt that
+//! wakes it, often several times the whole cost of serving a 4 KiB request,
 //! so at low queue depth the round trip is mostly the reader's wake-up.
 //! Polling the socket for a short while instead of sleeping keeps the vCPU
 //! awake for the next request; it is a loss whenever the next request does

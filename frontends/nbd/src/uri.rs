@@ -42,78 +42,117 @@ impl ListenUri {
         }
     }
 
-    pub fn parse(s: &str) -> Result<ListenUri, String> {
-        if let Some(rest) = s.strip_prefix("nbd+unix://") {
-            let (path, query) = rest
-                .split_once('?')
-                .ok_or_else(|| format!("{s}: nbd+unix URI needs ?socket=PATH"))?;
-            if !path.is_empty() && path != "/" {
-                return Err(format!(
-                    "{s}: a listen URI takes no export name (got {path:?}); choose exports with --export"
-                ));
-            }
-            let mut socket = None;
-            for kv in query.split('&') {
-                match kv.split_once('=') {
-                    Some(("socket", v)) if !v.is_empty() => socket = Some(PathBuf::from(v)),
-                    _ => return Err(format!("{s}: unsupported query parameter {kv:?}")),
-                }
-            }
-            return socket
-                .map(ListenUri::Unix)
-                .ok_or_else(|| format!("{s}: nbd+unix URI needs ?socket=PATH"));
-        }
-        if let Some(rest) = s.strip_prefix("nbd://") {
-            let (authority, path) = match rest.find('/') {
-                Some(i) => (&rest[..i], &rest[i..]),
-                None => (rest, ""),
-            };
-            if !path.is_empty() && path != "/" {
-                return Err(format!(
-                    "{s}: a listen URI takes no export name (got {path:?}); choose exports with --export"
-                ));
-            }
-            if authority.contains('?') || authority.contains('@') {
-                return Err(format!(
-                    "{s}: query parameters and user names are not supported"
-                ));
-            }
-            let (host, port) = split_host_port(authority).map_err(|e| format!("{s}: {e}"))?;
-            let port = port.unwrap_or(DEFAULT_PORT);
-            let ip: IpAddr = if host.is_empty() {
-                IpAddr::V4(Ipv4Addr::LOCALHOST)
-            } else if let Ok(ip) = host.parse() {
-                ip
-            } else {
-                (host, port)
-                    .to_socket_addrs()
-                    .map_err(|e| format!("{s}: cannot resolve {host:?}: {e}"))?
-                    .next()
-                    .ok_or_else(|| format!("{s}: {host:?} resolves to no address"))?
-                    .ip()
-            };
-            return Ok(ListenUri::Tcp(SocketAddr::new(ip, port)));
-        }
-        Err(format!(
-            "{s}: expected nbd://[HOST][:PORT] or nbd+unix:///?socket=PATH (TLS schemes are not supported)"
-        ))
+    pub fn parse(s: &str) -> Result<ListenUri, UriError> {
+        parse_listen(s).map_err(|problem| UriError {
+            uri: s.to_string(),
+            problem,
+        })
     }
 }
 
-fn split_host_port(a: &str) -> Result<(&str, Option<u16>), String> {
+/// A listen address that does not parse: the text and what is wrong.
+#[derive(Debug, thiserror::Error)]
+#[error("{uri}: {problem}")]
+pub struct UriError {
+    pub uri: String,
+    pub problem: UriProblem,
+}
+
+/// What is wrong with a listen URI.
+#[derive(Debug, thiserror::Error)]
+pub enum UriProblem {
+    #[error(
+        "expected nbd://[HOST][:PORT] or nbd+unix:///?socket=PATH (TLS schemes are not supported)"
+    )]
+    Scheme,
+    #[error("nbd+unix URI needs ?socket=PATH")]
+    MissingSocket,
+    #[error("a listen URI takes no export name (got {0:?}); choose exports with --export")]
+    ExportName(String),
+    #[error("unsupported query parameter {0:?}")]
+    QueryParameter(String),
+    #[error("query parameters and user names are not supported")]
+    QueryOrUser,
+    #[error("bad port {0:?} (expected 0..65535)")]
+    BadPort(String),
+    #[error("unterminated [IPv6] address")]
+    UnterminatedIpv6,
+    #[error("unexpected {after:?} after [{host}]")]
+    AfterIpv6 { host: String, after: String },
+    #[error("cannot resolve {host:?}: {error}")]
+    Resolve { host: String, error: std::io::Error },
+    #[error("{0:?} resolves to no address")]
+    NoAddress(String),
+}
+
+fn parse_listen(s: &str) -> Result<ListenUri, UriProblem> {
+    if let Some(rest) = s.strip_prefix("nbd+unix://") {
+        return parse_unix(rest);
+    }
+    let Some(rest) = s.strip_prefix("nbd://") else {
+        return Err(UriProblem::Scheme);
+    };
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, ""),
+    };
+    if !path.is_empty() && path != "/" {
+        return Err(UriProblem::ExportName(path.to_string()));
+    }
+    if authority.contains('?') || authority.contains('@') {
+        return Err(UriProblem::QueryOrUser);
+    }
+    let (host, port) = split_host_port(authority)?;
+    let port = port.unwrap_or(DEFAULT_PORT);
+    let ip: IpAddr = if host.is_empty() {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else if let Ok(ip) = host.parse() {
+        ip
+    } else {
+        (host, port)
+            .to_socket_addrs()
+            .map_err(|error| UriProblem::Resolve {
+                host: host.to_string(),
+                error,
+            })?
+            .next()
+            .ok_or_else(|| UriProblem::NoAddress(host.to_string()))?
+            .ip()
+    };
+    Ok(ListenUri::Tcp(SocketAddr::new(ip, port)))
+}
+
+/// `nbd+unix://` then `/?socket=PATH`.
+fn parse_unix(rest: &str) -> Result<ListenUri, UriProblem> {
+    let (path, query) = rest.split_once('?').ok_or(UriProblem::MissingSocket)?;
+    if !path.is_empty() && path != "/" {
+        return Err(UriProblem::ExportName(path.to_string()));
+    }
+    let mut socket = None;
+    for kv in query.split('&') {
+        match kv.split_once('=') {
+            Some(("socket", v)) if !v.is_empty() => socket = Some(PathBuf::from(v)),
+            _ => return Err(UriProblem::QueryParameter(kv.to_string())),
+        }
+    }
+    socket.map(ListenUri::Unix).ok_or(UriProblem::MissingSocket)
+}
+
+fn split_host_port(a: &str) -> Result<(&str, Option<u16>), UriProblem> {
     let parse_port = |p: &str| {
         p.parse::<u16>()
-            .map_err(|_| format!("bad port {p:?} (expected 0..65535)"))
+            .map_err(|_| UriProblem::BadPort(p.to_string()))
     };
     if let Some(rest) = a.strip_prefix('[') {
-        let (host, after) = rest
-            .split_once(']')
-            .ok_or_else(|| "unterminated [IPv6] address".to_string())?;
+        let (host, after) = rest.split_once(']').ok_or(UriProblem::UnterminatedIpv6)?;
         return match after {
             "" => Ok((host, None)),
             p => match p.strip_prefix(':') {
                 Some(p) => Ok((host, Some(parse_port(p)?))),
-                None => Err(format!("unexpected {p:?} after [{host}]")),
+                None => Err(UriProblem::AfterIpv6 {
+                    host: host.to_string(),
+                    after: p.to_string(),
+                }),
             },
         };
     }
@@ -160,18 +199,35 @@ mod tests {
 
     #[test]
     fn refuses_bad_uris_with_reasons() {
-        for bad in [
-            "nbd+unix:///",
-            "nbd+unix:///disk?socket=/x",
-            "nbd+unix:///?sock=/x",
-            "nbd://host:notaport",
-            "nbd://127.0.0.1:70000",
-            "nbd://127.0.0.1/disk",
-            "nbds://127.0.0.1",
-            "http://x",
-            "nbd://[::1",
-        ] {
-            assert!(ListenUri::parse(bad).is_err(), "{bad} should be refused");
+        type Is = fn(&UriProblem) -> bool;
+        let cases: [(&str, Is); 9] = [
+            ("nbd+unix:///", |p| matches!(p, UriProblem::MissingSocket)),
+            (
+                "nbd+unix:///disk?socket=/x",
+                |p| matches!(p, UriProblem::ExportName(n) if n == "/disk"),
+            ),
+            (
+                "nbd+unix:///?sock=/x",
+                |p| matches!(p, UriProblem::QueryParameter(q) if q == "sock=/x"),
+            ),
+            (
+                "nbd://host:notaport",
+                |p| matches!(p, UriProblem::BadPort(v) if v == "notaport"),
+            ),
+            ("nbd://127.0.0.1:70000", |p| {
+                matches!(p, UriProblem::BadPort(_))
+            }),
+            ("nbd://127.0.0.1/disk", |p| {
+                matches!(p, UriProblem::ExportName(_))
+            }),
+            ("nbds://127.0.0.1", |p| matches!(p, UriProblem::Scheme)),
+            ("http://x", |p| matches!(p, UriProblem::Scheme)),
+            ("nbd://[::1", |p| matches!(p, UriProblem::UnterminatedIpv6)),
+        ];
+        for (bad, is) in cases {
+            let e = ListenUri::parse(bad).expect_err(bad);
+            assert!(is(&e.problem), "{bad}: {e:?}");
+            assert!(e.to_string().starts_with(&format!("{bad}: ")), "{e}");
         }
     }
 }

@@ -1,0 +1,163 @@
+//! One client connection: the fixed-newstyle handshake (`handshake.rs`),
+//! then the transmission phase (`transmission.rs`, replies in `reply.rs`).
+//!
+//! Threading model (why it looks like this): every connection has exactly
+//! one thread, its reader. The reader parses requests and submits bios
+//! straight into the export's device — no queue or hand-off between
+//! threads per I/O, because a futex wake across vCPUs can cost more than
+//! the rest of an I/O on a virtual machine. Whoever
+//! completes a bio writes its reply: the device's completion thread, or
+//! the reader itself when the device completes inline. Replies go through
+//! one per-connection writer lock (`Out`); while the reader is working
+//! through requests that are already in its receive buffer it marks the
+//! connection as "batching", and replies produced meanwhile are only
+//! appended to the output buffer, to leave in one `send` when the reader is
+//! about to block. Replies are therefore sent in completion order, not
+//! request order, as the protocol allows.
+//!
+//! Each request in flight owns a slot (its index is the bio's cookie, as a
+//! blk-mq tag is a request's index): a reusable, page-aligned data buffer
+//! and the few fields needed to write the reply. Slots are preallocated up
+//! to [`MAX_INFLIGHT`] per connection, so in steady state no I/O allocates
+//! in this file (the one exception: a structured READ on a device that
+//! knows its holes asks for the device's extent map, a `Vec`, to answer
+//! with OFFSET_HOLE chunks instead of zeroes). Slot accounting has its own
+//! lock, apart from the writer lock, so the reader keeps starting requests
+//! while a completer is busy sending a large reply. Before blocking for
+//! input the reader may poll the socket for a bounded time, yielding the
+//! CPU between polls, and only while such polls keep finding requests
+//! ([`crate::spin`]); it also asks the scheduler for a short slice so that
+//! its wake-up is not queued behind a CPU-bound thread. While requests are
+//! in flight it sleeps on the socket and an eventfd that the completer of
+//! the last of them signals (`IdleWake`). A fixed poll without
+//! those rules loses whenever the next request is slow to come, and costs
+//! CPU per I/O. When every slot is busy, or the requests in flight already
+//! hold `INFLIGHT_BYTES` of data, the reader stops reading: that is the
+//! connection's queue depth limit and the client's backpressure, and it
+//! bounds the memory one client can make the server hold.
+
+mod handshake;
+mod inbuf;
+mod reply;
+mod transmission;
+
+pub use handshake::HandshakeError;
+
+use crate::export::Export;
+use crate::sock::Sock;
+use crate::spin::SpinPolicy;
+use blkstack_core::AlignedBuf;
+use inbuf::InBuf;
+use parking_lot::{Condvar, Mutex};
+use reply::{IdleWake, Out, Shared, Slot, SlotMeta, Slots};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8};
+use std::sync::Arc;
+use std::time::Duration;
+use transmission::Transmission;
+
+/// Requests one connection may have in flight at once.
+pub const MAX_INFLIGHT: usize = 256;
+/// Largest option payload accepted during the handshake; anything larger is
+/// a client misbehaving (real options are a few hundred bytes).
+const MAX_OPTION_LEN: u32 = 1 << 20;
+/// Options one connection may send before being cut off (a client looping
+/// on NBD_OPT_LIST must not keep a thread for ever).
+const MAX_OPTIONS: u32 = 10_000;
+/// A client silent this long during the handshake is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Reads larger than this are sent straight from the slot's buffer with
+/// `sendmsg` instead of being copied into the output buffer.
+const COPY_LIMIT: usize = 64 << 10;
+const INBUF: usize = 256 << 10;
+/// Data buffers larger than this are given back when their request
+/// completes, so an idle connection keeps at most this much per slot.
+const KEEP_BUF: usize = 256 << 10;
+/// Bytes of READ/WRITE data one connection may have in flight: 256 slots
+/// of 32 MiB would otherwise let one client pin 8 GiB of server memory.
+const INFLIGHT_BYTES: usize = 128 << 20;
+/// Context id of `base:allocation` on this server.
+const BASE_ALLOCATION_ID: u32 = 1;
+/// At most this many block-status descriptors per reply (the spec lets a
+/// server stop early; clients ask again from where it stopped).
+const MAX_DESCRIPTORS: usize = 1024;
+
+/// Serve one accepted connection until the client leaves, misbehaves
+/// beyond recovery, or the server stops (which shuts the socket's read
+/// side). Returns once every request it submitted has completed.
+///
+/// `poll_ns` bounds the reader's busy-poll of the socket before it blocks
+/// (0: never poll); [`SpinPolicy`] decides when polling is worth it.
+pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64) -> io::Result<()> {
+    let mut inb = InBuf::new();
+    sock.set_recv_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    let neg = match handshake::handshake(&sock, &mut inb, exports) {
+        Ok(neg) => neg,
+        Err(HandshakeError::Io(e)) => return Err(e),
+        Err(e) => {
+            // The client's doing (or its choice, NBD_OPT_ABORT): drop it.
+            tracing::debug!(error = %e, "nbd: handshake ended without an export");
+            return Ok(());
+        }
+    };
+    sock.set_recv_timeout(None)?;
+    // The reader's wake-up is on every request's path: see spin.rs.
+    crate::spin::ask_short_slice();
+    let export = &exports[neg.export];
+    // Live control: lets `unexport` see and disconnect this client.
+    let _listed = export.attach(&sock);
+    let slots: Box<[Slot]> = (0..MAX_INFLIGHT)
+        .map(|_| Slot {
+            meta: Mutex::new(SlotMeta {
+                handle: 0,
+                cmd: 0,
+                flags: 0,
+                offset: 0,
+                len: 0,
+                buf: AlignedBuf::new(0),
+                extents: Vec::new(),
+            }),
+            pending: AtomicU32::new(0),
+            err: AtomicU8::new(0),
+        })
+        .collect();
+    let shared = Arc::new(Shared {
+        sock: sock.clone(),
+        structured: neg.structured,
+        slots,
+        out: Mutex::new(Out {
+            buf: Vec::with_capacity(COPY_LIMIT * 2),
+            batching: false,
+            dead: false,
+        }),
+        dead: AtomicBool::new(false),
+        accounting: Mutex::new(Slots {
+            free: (0..MAX_INFLIGHT as u16).rev().collect(),
+            inflight: 0,
+            inflight_bytes: 0,
+        }),
+        freed: Condvar::new(),
+        idle_wake: if poll_ns > 0 {
+            Some(IdleWake::new()?)
+        } else {
+            None
+        },
+    });
+    let mut t = Transmission {
+        owner: shared.clone(),
+        shared,
+        export,
+        inb,
+        base_allocation: neg.base_allocation,
+        lbs: export.dev.logical_block_size().max(1) as u64,
+        max_request: export.max_request(),
+        size: export.dev.size(),
+        features: export.dev.features(),
+        spin: SpinPolicy::new(poll_ns),
+        wake_spin: SpinPolicy::new(poll_ns),
+    };
+    let r = t.run();
+    t.drain();
+
+    r
+}

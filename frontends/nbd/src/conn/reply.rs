@@ -1,0 +1,267 @@
+//! The reply side of a connection: the slots of requests in flight, the
+//! writer lock every completer sends through, and the completion sink
+//! ([`EndIo`]) that turns a finished bio into its NBD reply (simple, or
+//! structured with OFFSET_DATA / OFFSET_HOLE chunks). Whoever completes a
+//! bio writes its reply; see the parent module for the threading model.
+
+use super::{COPY_LIMIT, KEEP_BUF};
+use crate::proto::*;
+use crate::sock::Sock;
+use blkstack_core::device::Extent;
+use blkstack_core::{AlignedBuf, Bio, EndIo, Status};
+use parking_lot::{Condvar, Mutex};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::Arc;
+
+/// Per-request state kept between submission and completion.
+pub(super) struct SlotMeta {
+    pub(super) handle: u64,
+    pub(super) cmd: u16,
+    pub(super) flags: u16,
+    pub(super) offset: u64,
+    pub(super) len: u32,
+    pub(super) buf: AlignedBuf,
+    /// Holes and data of a READ's range when the device knows them, so the
+    /// reply can use OFFSET_HOLE chunks (empty: all data).
+    pub(super) extents: Vec<Extent>,
+}
+
+pub(super) struct Slot {
+    pub(super) meta: Mutex<SlotMeta>,
+    /// Bios still to complete for this request (TRIM/WRITE_ZEROES larger
+    /// than the device's limit are split).
+    pub(super) pending: AtomicU32,
+    /// First failure among those bios (0 = none).
+    pub(super) err: AtomicU8,
+}
+
+/// The writer side, behind the writer lock.
+pub(super) struct Out {
+    pub(super) buf: Vec<u8>,
+    /// The reader is working through buffered requests: append, don't send.
+    pub(super) batching: bool,
+    /// A send failed: the client is gone; stop writing, keep draining.
+    pub(super) dead: bool,
+}
+
+/// Slot accounting, behind its own lock so that the reader can start new
+/// requests while a completer is busy sending a large reply.
+pub(super) struct Slots {
+    pub(super) free: Vec<u16>,
+    pub(super) inflight: usize,
+    /// Data bytes of the requests in flight (see [`super::INFLIGHT_BYTES`]).
+    pub(super) inflight_bytes: usize,
+}
+
+/// The transmission-phase state shared by the reader and completers.
+pub(super) struct Shared {
+    pub(super) sock: Arc<Sock>,
+    pub(super) structured: bool,
+    pub(super) slots: Box<[Slot]>,
+    pub(super) out: Mutex<Out>,
+    /// Set with `out.dead`, readable without the writer lock.
+    pub(super) dead: AtomicBool,
+    pub(super) accounting: Mutex<Slots>,
+    /// Signalled when a slot is freed (reader waiting for a slot or for
+    /// the drain at the end).
+    pub(super) freed: Condvar,
+    /// Early wake of a reader blocked for input (see [`IdleWake`]); `None`
+    /// when polling is off.
+    pub(super) idle_wake: Option<IdleWake>,
+}
+
+/// Lets a completer wake the blocked reader as soon as the connection's
+/// last request in flight is answered. At queue depth 1 the client's next
+/// request follows that reply within one client wake-up; a reader that
+/// sleeps until the request arrives adds its own wake-up (an idle vCPU's,
+/// long on a virtual machine) after the client's. Woken early, the reader wakes while
+/// the client does and polls for the request instead. A plain eventfd:
+/// the reader sleeps in `poll(2)` on it and the socket, so a wake that is
+/// early for nothing costs one poll, never a lost request.
+pub(super) struct IdleWake {
+    pub(super) efd: OwnedFd,
+    /// The reader is (about to be) asleep in that `poll`.
+    pub(super) parked: AtomicBool,
+}
+
+impl IdleWake {
+    pub(super) fn new() -> io::Result<IdleWake> {
+        // SAFETY: plain syscall; the fd is checked and then owned.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(IdleWake {
+            // SAFETY: a fresh fd nobody else owns.
+            efd: unsafe { OwnedFd::from_raw_fd(fd) },
+            parked: AtomicBool::new(false),
+        })
+    }
+
+    pub(super) fn signal(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a valid u64. A full counter (EAGAIN)
+        // means a wake is already pending.
+        unsafe { libc::write(self.efd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    pub(super) fn clear(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a valid u64; EAGAIN when not signalled.
+        unsafe { libc::read(self.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+impl Shared {
+    /// Send what is buffered. Called with the writer lock held.
+    pub(super) fn flush(&self, out: &mut Out) {
+        if out.buf.is_empty() {
+            return;
+        }
+        if !out.dead && self.sock.send_all(&out.buf).is_err() {
+            self.kill(out);
+        }
+        out.buf.clear();
+    }
+
+    pub(super) fn kill(&self, out: &mut Out) {
+        out.dead = true;
+        self.dead.store(true, Ordering::Release);
+        // Unblock the reader too: nobody is listening any more.
+        self.sock.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Encode a reply with no payload (any command but a successful READ).
+    pub(super) fn push_status(&self, out: &mut Out, handle: u64, error: u32, msg: &str) {
+        if error != 0 && self.structured {
+            encode_error_chunk(&mut out.buf, handle, error, msg);
+        } else {
+            encode_simple_reply(&mut out.buf, error, handle);
+        }
+    }
+
+    pub(super) fn set_batching(&self, on: bool) {
+        let mut out = self.out.lock();
+        out.batching = on;
+        if !on {
+            self.flush(&mut out);
+        }
+    }
+
+    /// Give back a slot (its request is answered, or never reached the
+    /// device).
+    pub(super) fn release(&self, idx: usize, bytes: usize) {
+        let mut a = self.accounting.lock();
+        a.free.push(idx as u16);
+        a.inflight -= 1;
+        a.inflight_bytes -= bytes;
+        let idle = a.inflight == 0;
+        drop(a);
+        self.freed.notify_one();
+        if let Some(w) = &self.idle_wake {
+            if idle && w.parked.load(Ordering::SeqCst) {
+                w.signal();
+            }
+        }
+    }
+
+    pub(super) fn reply_now(&self, handle: u64, error: u32, msg: &str) {
+        let mut out = self.out.lock();
+        self.push_status(&mut out, handle, error, msg);
+        if !out.batching {
+            self.flush(&mut out);
+        }
+    }
+
+    /// Write the reply of a finished READ. Writer lock held.
+    pub(super) fn push_read(&self, out: &mut Out, m: &SlotMeta) {
+        let data = &m.buf.as_slice()[..m.len as usize];
+        if !self.structured {
+            encode_simple_reply(&mut out.buf, 0, m.handle);
+            self.push_data(out, data);
+            return;
+        }
+        if m.extents.is_empty() {
+            encode_data_chunk_header(&mut out.buf, REPLY_FLAG_DONE, m.handle, m.offset, m.len);
+            self.push_data(out, data);
+            return;
+        }
+        let last = m.extents.len() - 1;
+        for (i, e) in m.extents.iter().enumerate() {
+            let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+            if e.hole {
+                encode_hole_chunk(&mut out.buf, flags, m.handle, e.offset, e.len as u32);
+            } else {
+                let rel = (e.offset - m.offset) as usize;
+                encode_data_chunk_header(&mut out.buf, flags, m.handle, e.offset, e.len as u32);
+                self.push_data(out, &data[rel..rel + e.len as usize]);
+            }
+        }
+    }
+
+    pub(super) fn push_data(&self, out: &mut Out, data: &[u8]) {
+        if data.len() <= COPY_LIMIT {
+            out.buf.extend_from_slice(data);
+            return;
+        }
+        // Big: send what is queued and the data in one sendmsg, no copy.
+        if !out.dead && self.sock.send_all2(&out.buf, data).is_err() {
+            self.kill(out);
+        }
+        out.buf.clear();
+    }
+}
+
+/// Data bytes a request holds in its slot's buffer.
+pub(super) fn data_bytes(m: &SlotMeta) -> usize {
+    if matches!(m.cmd, CMD_READ | CMD_WRITE) {
+        m.len as usize
+    } else {
+        0
+    }
+}
+
+impl EndIo for Shared {
+    fn end_io(&self, bio: Bio, status: Status, private: u64) {
+        drop(bio);
+        let idx = private as usize;
+        let slot = &self.slots[idx];
+        if !status.is_ok() {
+            let _ =
+                slot.err
+                    .compare_exchange(0, status.as_u8(), Ordering::AcqRel, Ordering::Acquire);
+        }
+        if slot.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let status = Status::from_u8(slot.err.swap(0, Ordering::AcqRel));
+        let mut m = slot.meta.lock();
+        let mut out = self.out.lock();
+        if status.is_ok() && m.cmd == CMD_READ {
+            self.push_read(&mut out, &m);
+        } else {
+            let err = if m.flags & CMD_FLAG_FAST_ZERO != 0 && status == Status::Again {
+                ENOTSUP
+            } else {
+                nbd_error(status)
+            };
+            if err == 0 {
+                self.push_status(&mut out, m.handle, 0, "");
+            } else {
+                self.push_status(&mut out, m.handle, err, &status.to_string());
+            }
+        }
+        if !out.batching {
+            self.flush(&mut out);
+        }
+        drop(out);
+        let bytes = data_bytes(&m);
+        if m.buf.len() > KEEP_BUF {
+            m.buf = AlignedBuf::new(0);
+        }
+        drop(m);
+        self.release(idx, bytes);
+    }
+}
