@@ -1,6 +1,10 @@
 //! `linear <dev> <offset>`: remap onto a range of another device (kernel
 //! dm-linear.c). The bio is passed down as is with its offset moved: no
 //! completion frame, no per-I/O cost beyond an add.
+//!
+//! Polled bios pass through when the device below polls, as Linux dm lets
+//! a bio with REQ_POLLED through targets whose devices all support polling
+//! (`dm_table_supports_poll`), and `poll` reaps on that device.
 
 use crate::target::{expect_args, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::device::Extent;
@@ -38,6 +42,14 @@ impl Target for LinearTarget {
 
     fn features(&self) -> Features {
         self.dev.dev.features()
+    }
+
+    fn polls(&self) -> bool {
+        self.dev.dev.polls()
+    }
+
+    fn poll(&self) -> usize {
+        self.dev.dev.poll()
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {

@@ -3,6 +3,10 @@
 //! (`stripe_map_sector`), a flush sent to every stripe, `max_io_len` equal
 //! to the chunk so no bio crosses a chunk, and per-stripe error counts
 //! shown as `A`/`D` in status.
+//!
+//! Polled bios pass through only when every stripe's device polls (dm's
+//! `dm_table_supports_poll` asks each device), and `poll` reaps on all of
+//! them, since a bio split across chunks may wait on any stripe.
 
 use crate::split::Split;
 use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
@@ -154,6 +158,14 @@ impl Target for StripedTarget {
             });
         }
         s
+    }
+
+    fn polls(&self) -> bool {
+        self.inner.stripes.iter().all(|s| s.dev.dev.polls())
+    }
+
+    fn poll(&self) -> usize {
+        self.inner.stripes.iter().map(|s| s.dev.dev.poll()).sum()
     }
 
     fn features(&self) -> Features {
