@@ -12,6 +12,7 @@
 //! held bios in arrival order. The live table is read per I/O through
 //! `arc_swap`, which costs no lock and no shared-counter bounce.
 
+use crate::error::TargetError;
 use crate::split::Split;
 use crate::table::{render_table, TableLine};
 use crate::target::TargetRef;
@@ -378,16 +379,19 @@ impl MappedDevice {
 
     /// `dmsetup message NAME SECTOR MSG...`: sent to the line containing
     /// `sector` (dm requires a sector; 0 selects the first line).
-    pub fn message(&self, sector: u64, args: &[&str]) -> Result<String, String> {
+    pub fn message(&self, sector: u64, args: &[&str]) -> Result<String, TargetError> {
         if args.is_empty() {
-            return Err("empty message".into());
+            return Err(TargetError::EmptyMessage);
         }
         let t = self.live_table();
         let e = t
             .entries
             .iter()
             .find(|e| sector >= e.line.start && sector < e.line.start + e.line.len)
-            .ok_or_else(|| format!("sector {sector} is beyond the end of {}", self.name))?;
+            .ok_or_else(|| TargetError::MessageSector {
+                sector,
+                device: self.name.clone(),
+            })?;
         e.target.message(args)
     }
 }

@@ -182,10 +182,7 @@ fn stats_message_counts_what_went_out_and_how_late() {
         text.starts_with("sent=0 ") && !text.contains("wakes"),
         "{text}"
     );
-    let e = reg
-        .message("d", 0, &["stats", "now"])
-        .unwrap_err()
-        .to_string();
+    let e = reg.message("d", 0, &["stats", "now"]).unwrap_err().report();
     assert!(e.contains("usage"), "{e}");
 }
 
@@ -280,7 +277,7 @@ fn create_err(table: &str) -> String {
     reg.create("z2", "0 64 zero").unwrap();
     let e = reg.create("d", table).err().expect("create must fail");
     assert!(reg.get("d").is_none(), "a failed create left a device");
-    e.to_string()
+    e.report()
 }
 
 #[test]
@@ -520,7 +517,7 @@ fn message_changes_delay_and_held_bios_keep_their_deadline() {
         (&["get", "read", "1"][..], "unknown message 'get'"),
         (&["set", "read"][..], "usage"),
     ] {
-        let e = reg.message("d", 0, msg).unwrap_err().to_string();
+        let e = reg.message("d", 0, msg).unwrap_err().report();
         assert!(e.contains(want), "{msg:?}: {e:?} lacks {want:?}");
     }
 }

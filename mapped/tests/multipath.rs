@@ -212,7 +212,7 @@ fn bad_tables_are_refused_with_the_problem_named() {
             .create("bad", &format!("0 8192 multipath {args}"))
             .err()
             .unwrap_or_else(|| panic!("'{args}' was accepted"))
-            .to_string();
+            .report();
         assert!(err.contains(want), "'{args}': got '{err}', want '{want}'");
         assert!(err.contains("line 1"), "'{args}': {err}");
         assert!(reg.get("bad").is_none());
@@ -223,7 +223,7 @@ fn bad_tables_are_refused_with_the_problem_named() {
         .create("bad", "0 8192 multipath 0 0 1 1 round-robin 0 1 0 small")
         .err()
         .expect("a too small path is refused")
-        .to_string();
+        .report();
     assert!(err.contains("too small"), "{err}");
 }
 
@@ -245,7 +245,7 @@ fn messages_are_checked() {
             "unrecognised multipath message 'frobnicate'",
         ),
     ] {
-        let err = reg.message("mp", 0, msg).unwrap_err().to_string();
+        let err = reg.message("mp", 0, msg).unwrap_err().report();
         assert!(err.contains(want), "{msg:?}: {err}");
     }
     // Devices are named as the registry knows them, or MAJOR:MINOR.

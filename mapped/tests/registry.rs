@@ -78,7 +78,7 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
             .create("new", table)
             .err()
             .expect("create must fail")
-            .to_string();
+            .report();
         for w in *wants {
             assert!(e.contains(w), "table {table:?}: error {e:?} lacks {w:?}");
         }
@@ -87,7 +87,7 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
             before,
             "create of {table:?} changed the registry"
         );
-        let e = reg.reload("z", table).unwrap_err().to_string();
+        let e = reg.reload("z", table).unwrap_err().report();
         for w in *wants {
             assert!(e.contains(w), "reload {table:?}: error {e:?} lacks {w:?}");
         }
@@ -101,14 +101,14 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
     let e = reg
         .create_stack("a: 0 8 zero\nb: 0 8 bogus\n")
         .unwrap_err()
-        .to_string();
+        .report();
     assert!(e.contains("device b") && e.contains("line 2"), "{e}");
     assert_eq!(snapshot(&reg), before);
     assert!(reg
         .create("m0", "0 8 zero")
         .err()
         .expect("dup")
-        .to_string()
+        .report()
         .contains("already exists"));
 }
 
@@ -116,7 +116,7 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
 fn remove_refuses_devices_in_use_and_cycles_are_refused() {
     let reg = base();
     reg.create("lin", "0 1024 linear m0 0").unwrap();
-    let e = reg.remove("m0", false).unwrap_err().to_string();
+    let e = reg.remove("m0", false).unwrap_err().report();
     assert!(e.contains("busy") && e.contains("lin"), "{e}");
     assert!(
         reg.remove("m0", true).is_err(),
@@ -125,12 +125,12 @@ fn remove_refuses_devices_in_use_and_cycles_are_refused() {
     let e = reg
         .reload("m0", "0 1024 linear lin 0")
         .unwrap_err()
-        .to_string();
+        .report();
     assert!(e.contains("cycle"), "{e}");
     let e = reg
         .reload("lin", "0 1024 linear lin 0")
         .unwrap_err()
-        .to_string();
+        .report();
     assert!(e.contains("itself"), "{e}");
     reg.remove("lin", false).unwrap();
     reg.remove("m0", false).unwrap();

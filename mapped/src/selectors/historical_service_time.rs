@@ -35,6 +35,7 @@
 //! it and its table view prints 0, as the kernel does).
 
 use super::{parse_u32, repeat_count_arg, PathSelector, SelectorType, StatusType, ValidList};
+use crate::error::TargetError;
 use blkstack_core::clock::now_ns;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -114,20 +115,20 @@ pub struct HistoricalServiceTime {
     paths: Vec<PathInfo>,
 }
 
-fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
+fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, TargetError> {
     if args.len() > 2 {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "{NAME}: expected at most 2 selector arguments '[<base_weight> [<threshold_multiplier>]]', got {}",
             args.len()
-        ));
+        )));
     }
     let base_weight = match args.first() {
         Some(a) => {
             let v = parse_u32(NAME, "base_weight", a)?;
             if v as u64 >= FIXED_1 {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "{NAME}: invalid base_weight {v}: must be below {FIXED_1} (10-bit fixed point)"
-                ));
+                )));
             }
             v
         }
@@ -223,7 +224,7 @@ impl HistoricalServiceTime {
 }
 
 impl PathSelector for HistoricalServiceTime {
-    fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
+    fn add_path(&mut self, args: &[&str]) -> Result<(), TargetError> {
         let repeat_count = repeat_count_arg(NAME, args)?;
         let index = self.paths.len();
         self.paths.push(PathInfo {
@@ -422,8 +423,11 @@ mod tests {
 
     #[test]
     fn args_are_checked() {
-        assert!(create(&["1024"]).unwrap_err().contains("base_weight"));
-        assert!(create(&["x"]).unwrap_err().contains("base_weight"));
+        assert!(create(&["1024"])
+            .unwrap_err()
+            .report()
+            .contains("base_weight"));
+        assert!(create(&["x"]).unwrap_err().report().contains("base_weight"));
         assert!(create(&["1", "2", "3"]).is_err());
         let s = create(&["512", "2"]).unwrap();
         assert_eq!(s.status(None, StatusType::Info), "2 512 2 ");

@@ -98,6 +98,7 @@
 //! reports how late bios went out and what the hybrid sleeps and spins
 //! cost.
 
+use crate::error::TargetError;
 use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::clock::{self, Jiffies};
 use blkstack_core::device::Extent;
@@ -163,12 +164,14 @@ impl Mode {
         }
     }
 
-    fn parse(s: &str) -> Result<Mode, String> {
+    fn parse(s: &str) -> Result<Mode, TargetError> {
         match s {
             "timer" => Ok(Mode::Timer),
             "kthread" => Ok(Mode::Kthread),
             "hybrid" => Ok(Mode::Hybrid),
-            _ => Err(format!("invalid mode '{s}' (timer, kthread or hybrid)")),
+            _ => Err(TargetError::invalid(format!(
+                "invalid mode '{s}' (timer, kthread or hybrid)"
+            ))),
         }
     }
 }
@@ -218,23 +221,27 @@ impl Timing {
 
 /// A delay in milliseconds with up to six decimals (nanoseconds), as the
 /// table and messages write it. dm takes whole milliseconds only.
-pub fn parse_ms(s: &str) -> Result<u64, String> {
+pub fn parse_ms(s: &str) -> Result<u64, TargetError> {
     let (int, frac) = match s.split_once('.') {
         Some((i, f)) => (i, f),
         None => (s, ""),
     };
     let digits = |t: &str| t.bytes().all(|b| b.is_ascii_digit());
     if int.is_empty() && frac.is_empty() || !digits(int) || !digits(frac) {
-        return Err("not a number of milliseconds (e.g. 5 or 0.25)".into());
+        return Err(TargetError::invalid(
+            "not a number of milliseconds (e.g. 5 or 0.25)",
+        ));
     }
     if frac.len() > 6 {
-        return Err("more than 6 decimals (the resolution is 1 ns)".into());
+        return Err(TargetError::invalid(
+            "more than 6 decimals (the resolution is 1 ns)",
+        ));
     }
     let whole: u64 = if int.is_empty() {
         0
     } else {
         int.parse()
-            .map_err(|_| format!("too large (at most {} ms)", u32::MAX))?
+            .map_err(|_| TargetError::invalid(format!("too large (at most {} ms)", u32::MAX)))?
     };
     let mut frac_ns: u64 = 0;
     for (i, b) in frac.bytes().enumerate() {
@@ -244,7 +251,7 @@ pub fn parse_ms(s: &str) -> Result<u64, String> {
         .checked_mul(1_000_000)
         .and_then(|n| n.checked_add(frac_ns))
         .filter(|&n| n <= MAX_DELAY_NS)
-        .ok_or_else(|| format!("too large (at most {} ms)", u32::MAX))?;
+        .ok_or_else(|| TargetError::invalid(format!("too large (at most {} ms)", u32::MAX)))?;
     Ok(ns)
 }
 
@@ -261,12 +268,14 @@ pub fn format_ms(ns: u64) -> String {
     }
 }
 
-fn parse_load_k(s: &str) -> Result<f64, String> {
+fn parse_load_k(s: &str) -> Result<f64, TargetError> {
     let k: f64 = s
         .parse()
-        .map_err(|_| format!("invalid load_k '{s}': not a number"))?;
+        .map_err(|_| TargetError::invalid(format!("invalid load_k '{s}': not a number")))?;
     if !k.is_finite() || k <= 0.0 {
-        return Err(format!("invalid load_k '{s}': must be a positive number"));
+        return Err(TargetError::invalid(format!(
+            "invalid load_k '{s}': must be a positive number"
+        )));
     }
     Ok(k)
 }
@@ -714,22 +723,22 @@ pub struct DelayTarget {
 type SplitArgs<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>);
 
 /// Split trailing `key=value` options from the positional arguments.
-fn split_options<'a>(args: &[&'a str]) -> Result<SplitArgs<'a>, String> {
+fn split_options<'a>(args: &[&'a str]) -> Result<SplitArgs<'a>, TargetError> {
     let mut pos = Vec::new();
     let mut opts: Vec<(&str, &str)> = Vec::new();
     for a in args {
         match a.split_once('=') {
             Some((k, v)) => {
                 if opts.iter().any(|(ok, _)| *ok == k) {
-                    return Err(format!("option '{k}' given twice"));
+                    return Err(TargetError::invalid(format!("option '{k}' given twice")));
                 }
                 opts.push((k, v));
             }
             None => {
                 if let Some((k, v)) = opts.first() {
-                    return Err(format!(
+                    return Err(TargetError::invalid(format!(
                         "option '{k}={v}' must come after the positional arguments ('{a}' follows it)"
-                    ));
+                    )));
                 }
                 pos.push(*a);
             }
@@ -746,13 +755,13 @@ struct Options {
     wake_pct: u32,
 }
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     let (pos, opts) = split_options(args)?;
     if ![3, 6, 9].contains(&pos.len()) {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "requires exactly 3, 6 or 9 arguments '{SYNTAX}', got {}",
             pos.len()
-        ));
+        )));
     }
     // dm-delay's delay_class_ctr, per class: sector, delay, then lookup.
     let mut devs: Vec<ClassDev> = Vec::with_capacity(3);
@@ -766,11 +775,12 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
         };
         let start: u64 = a[1]
             .parse()
-            .map_err(|_| format!("Invalid {what}device sector '{}'", a[1]))?;
-        let delay = parse_ms(a[2]).map_err(|e| format!("Invalid {what}delay '{}': {e}", a[2]))?;
+            .map_err(|_| TargetError::invalid(format!("Invalid {what}device sector '{}'", a[1])))?;
+        let delay =
+            parse_ms(a[2]).map_err(|e| e.within(format!("Invalid {what}delay '{}'", a[2])))?;
         let dev = ctx
             .get_device(a[0], start, ctx.len)
-            .map_err(|e| format!("{cap} lookup failed: {e}"))?;
+            .map_err(|e| e.within(format!("{cap} lookup failed")))?;
         devs.push(ClassDev { dev, start });
         timing[class] = Timing::plain(delay);
     }
@@ -797,7 +807,9 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
     }
 
     let Ok(devs) = <[ClassDev; 3]>::try_from(devs) else {
-        return Err("internal error: delay classes not built".into());
+        return Err(TargetError::invalid(
+            "internal error: delay classes not built",
+        ));
     };
     let slots = match o.mode {
         // One slot per CPU the machine can have, plus the unpinned one.
@@ -847,9 +859,9 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
     let spawns: Vec<(String, WorkerFn)> = match o.mode {
         // The per-CPU workers start when their CPU first submits.
         Mode::Hybrid => {
-            shared
-                .start_shard(slots - 1)
-                .ok_or("cannot start the delay worker or create its timer (timerfd)")?;
+            shared.start_shard(slots - 1).ok_or_else(|| {
+                TargetError::invalid("cannot start the delay worker or create its timer (timerfd)")
+            })?;
             vec![]
         }
         Mode::Kthread => vec![(format!("dlyk-{name}"), kthread_worker)],
@@ -863,7 +875,10 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
         let h = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || f(sh))
-            .map_err(|e| format!("cannot start the delay worker: {e}"))?;
+            .map_err(|source| TargetError::Io {
+                what: "cannot start the delay worker",
+                source,
+            })?;
         shared.threads.lock().push(h);
     }
     Ok(Arc::new(target))
@@ -884,20 +899,29 @@ fn option_classes(key: &str, suffix: &str) -> Option<Vec<usize>> {
     }
 }
 
-fn apply_option(o: &mut Options, timing: &mut [Timing; 3], k: &str, v: &str) -> Result<(), String> {
+fn apply_option(
+    o: &mut Options,
+    timing: &mut [Timing; 3],
+    k: &str,
+    v: &str,
+) -> Result<(), TargetError> {
     match k {
         "mode" => o.mode = Mode::parse(v)?,
         "hz" => {
             let hz: u32 = parse_arg("hz", v)?;
             if !(1..=100_000).contains(&hz) {
-                return Err(format!("invalid hz '{v}': must be 1..100000"));
+                return Err(TargetError::invalid(format!(
+                    "invalid hz '{v}': must be 1..100000"
+                )));
             }
             o.hz = hz;
         }
         "spin_us" => {
             let us: u64 = parse_arg("spin_us", v)?;
             if us > 10_000 {
-                return Err(format!("invalid spin_us '{v}': at most 10000"));
+                return Err(TargetError::invalid(format!(
+                    "invalid spin_us '{v}': at most 10000"
+                )));
             }
             o.spin_us = us;
         }
@@ -905,19 +929,25 @@ fn apply_option(o: &mut Options, timing: &mut [Timing; 3], k: &str, v: &str) -> 
             o.affinity = match v {
                 "cpu" => true,
                 "none" => false,
-                _ => return Err(format!("invalid affinity '{v}' (cpu or none)")),
+                _ => {
+                    return Err(TargetError::invalid(format!(
+                        "invalid affinity '{v}' (cpu or none)"
+                    )))
+                }
             }
         }
         "wake_pct" => {
             let p: u32 = parse_arg("wake_pct", v)?;
             if !(1..=100).contains(&p) {
-                return Err(format!("invalid wake_pct '{v}': must be 1..100"));
+                return Err(TargetError::invalid(format!(
+                    "invalid wake_pct '{v}': must be 1..100"
+                )));
             }
             o.wake_pct = p;
         }
         _ => {
             if let Some(classes) = option_classes(k, "p99") {
-                let ns = parse_ms(v).map_err(|e| format!("invalid {k} '{v}': {e}"))?;
+                let ns = parse_ms(v).map_err(|e| e.within(format!("invalid {k} '{v}'")))?;
                 for c in classes {
                     timing[c].p99_ns = Some(ns);
                 }
@@ -927,10 +957,10 @@ fn apply_option(o: &mut Options, timing: &mut [Timing; 3], k: &str, v: &str) -> 
                     timing[c].load_k = Some(kk);
                 }
             } else {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "unknown option '{k}={v}' (known: mode, hz, spin_us, affinity, wake_pct, p99, \
                      read_p99, write_p99, flush_p99, load_k, read_load_k, write_load_k, flush_load_k)"
-                ));
+                )));
             }
         }
     }
@@ -1406,16 +1436,18 @@ impl Target for DelayTarget {
     }
 
     /// `set <read|write|flush|all>[_p99|_load_k] <value|off>`.
-    fn message(&self, args: &[&str]) -> Result<String, String> {
+    fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         const USAGE: &str = "usage: set <read|write|flush|all>[_p99|_load_k] <value|off>, or stats";
         if args == ["stats"] {
             return Ok(self.stats_text());
         }
         let [verb, key, value] = args else {
-            return Err(format!("delay: {USAGE}"));
+            return Err(TargetError::invalid(format!("delay: {USAGE}")));
         };
         if *verb != "set" {
-            return Err(format!("delay: unknown message '{verb}'; {USAGE}"));
+            return Err(TargetError::invalid(format!(
+                "delay: unknown message '{verb}'; {USAGE}"
+            )));
         }
         let (class, field) = match key.split_once('_') {
             Some((c, f)) => (c, f),
@@ -1425,14 +1457,18 @@ impl Target for DelayTarget {
             "all" => vec![READ, WRITE, FLUSH],
             _ => match CLASS_NAMES.iter().position(|c| *c == class) {
                 Some(i) => vec![i],
-                None => return Err(format!("delay: unknown class '{class}'; {USAGE}")),
+                None => {
+                    return Err(TargetError::invalid(format!(
+                        "delay: unknown class '{class}'; {USAGE}"
+                    )))
+                }
             },
         };
         let mut st = self.shared.state.lock();
         match field {
             "delay" => {
-                let ns =
-                    parse_ms(value).map_err(|e| format!("delay: invalid delay '{value}': {e}"))?;
+                let ns = parse_ms(value)
+                    .map_err(|e| e.within(format!("delay: invalid delay '{value}'")))?;
                 for c in classes {
                     st.timing[c].delay_ns = ns;
                 }
@@ -1443,7 +1479,7 @@ impl Target for DelayTarget {
                 } else {
                     Some(
                         parse_ms(value)
-                            .map_err(|e| format!("delay: invalid p99 '{value}': {e}"))?,
+                            .map_err(|e| e.within(format!("delay: invalid p99 '{value}'")))?,
                     )
                 };
                 for c in classes {
@@ -1454,13 +1490,17 @@ impl Target for DelayTarget {
                 let v = if *value == "off" {
                     None
                 } else {
-                    Some(parse_load_k(value).map_err(|e| format!("delay: {e}"))?)
+                    Some(parse_load_k(value).map_err(|e| e.within("delay"))?)
                 };
                 for c in classes {
                     st.timing[c].load_k = v;
                 }
             }
-            _ => return Err(format!("delay: unknown setting '{key}'; {USAGE}")),
+            _ => {
+                return Err(TargetError::invalid(format!(
+                    "delay: unknown setting '{key}'; {USAGE}"
+                )))
+            }
         }
         Ok(String::new())
     }
@@ -1583,19 +1623,25 @@ mod tests {
 
     #[test]
     fn milliseconds_parse_and_print_back() {
-        assert_eq!(parse_ms("0"), Ok(0));
-        assert_eq!(parse_ms("5"), Ok(5_000_000));
-        assert_eq!(parse_ms("0.25"), Ok(250_000));
-        assert_eq!(parse_ms(".5"), Ok(500_000));
-        assert_eq!(parse_ms("1.000001"), Ok(1_000_001));
-        assert!(parse_ms("1.0000001").unwrap_err().contains("6 decimals"));
+        assert_eq!(parse_ms("0").ok(), Some(0));
+        assert_eq!(parse_ms("5").ok(), Some(5_000_000));
+        assert_eq!(parse_ms("0.25").ok(), Some(250_000));
+        assert_eq!(parse_ms(".5").ok(), Some(500_000));
+        assert_eq!(parse_ms("1.000001").ok(), Some(1_000_001));
+        assert!(parse_ms("1.0000001")
+            .unwrap_err()
+            .report()
+            .contains("6 decimals"));
         assert!(parse_ms("-1").is_err());
         assert!(parse_ms("1e3").is_err());
         assert!(parse_ms("").is_err());
         assert!(parse_ms(".").is_err());
-        assert!(parse_ms("4294967296").unwrap_err().contains("too large"));
+        assert!(parse_ms("4294967296")
+            .unwrap_err()
+            .report()
+            .contains("too large"));
         for ns in [0, 1, 250_000, 1_500_000, 20_000_000, 1_000_001] {
-            assert_eq!(parse_ms(&format_ms(ns)), Ok(ns));
+            assert_eq!(parse_ms(&format_ms(ns)).ok(), Some(ns));
         }
         assert_eq!(format_ms(1_500_000), "1.5");
         assert_eq!(format_ms(7_000_000), "7");

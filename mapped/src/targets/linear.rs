@@ -6,6 +6,7 @@
 //! a bio with REQ_POLLED through targets whose devices all support polling
 //! (`dm_table_supports_poll`), and `poll` reaps on that device.
 
+use crate::error::TargetError;
 use crate::target::{expect_args, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Features, SECTOR_SIZE};
@@ -23,7 +24,7 @@ pub struct LinearTarget {
     start: u64,
 }
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     expect_args(args, &[2], "<dev> <offset>")?;
     let start: u64 = parse_arg("device sector", args[1])?;
     let dev = ctx.get_device(args[0], start, ctx.len)?;

@@ -57,6 +57,7 @@
 //! selector spreads load. `status` and `table` print what dm-mpath's
 //! `multipath_status` prints for STATUSTYPE_INFO and STATUSTYPE_TABLE.
 
+use crate::error::TargetError;
 use crate::selectors::{self, PathSelector, SelectorType, StatusType};
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType, DM_MAJOR};
 use blkstack_core::clock::{now_ns, Jiffies};
@@ -136,16 +137,18 @@ impl StartTime {
         }
     }
 
-    fn parse(s: &str) -> Result<StartTime, String> {
+    fn parse(s: &str) -> Result<StartTime, TargetError> {
         if s.eq_ignore_ascii_case("ns") {
             return Ok(StartTime::Ns);
         }
-        let hz_of = |hz: &str| -> Result<Jiffies, String> {
-            let hz: u32 = hz
-                .parse()
-                .map_err(|_| format!("start_time: invalid HZ '{hz}' in '{s}'"))?;
+        let hz_of = |hz: &str| -> Result<Jiffies, TargetError> {
+            let hz: u32 = hz.parse().map_err(|_| {
+                TargetError::invalid(format!("start_time: invalid HZ '{hz}' in '{s}'"))
+            })?;
             if !(1..=100_000).contains(&hz) {
-                return Err(format!("start_time: HZ {hz} must be in 1..=100000"));
+                return Err(TargetError::invalid(format!(
+                    "start_time: HZ {hz} must be in 1..=100000"
+                )));
             }
             Ok(Jiffies::new(hz))
         };
@@ -155,9 +158,9 @@ impl StartTime {
         if let Some(hz) = s.strip_prefix("tick:") {
             return Ok(StartTime::Tick(hz_of(hz)?));
         }
-        Err(format!(
+        Err(TargetError::invalid(format!(
             "start_time: unknown value '{s}': expected 'ns', 'jiffies:HZ' or 'tick:HZ' (e.g. jiffies:250)"
-        ))
+        )))
     }
 
     /// The feature's value as `table` prints it.
@@ -237,34 +240,36 @@ impl<'a> ArgSet<'a> {
         self.args.len() - self.pos
     }
 
-    fn shift(&mut self, what: &str) -> Result<&'a str, String> {
-        let a = self
-            .args
-            .get(self.pos)
-            .copied()
-            .ok_or_else(|| format!("missing {what} (the table ends early)"))?;
+    fn shift(&mut self, what: &str) -> Result<&'a str, TargetError> {
+        let a = self.args.get(self.pos).copied().ok_or_else(|| {
+            TargetError::invalid(format!("missing {what} (the table ends early)"))
+        })?;
         self.pos += 1;
         Ok(a)
     }
 
     /// Kernel `dm_read_arg`: an unsigned in `min..=max`.
-    fn read(&mut self, what: &str, min: u32, max: u32) -> Result<u32, String> {
+    fn read(&mut self, what: &str, min: u32, max: u32) -> Result<u32, TargetError> {
         let a = self.shift(what)?;
-        let v: u32 = a.parse().map_err(|_| format!("invalid {what} '{a}'"))?;
+        let v: u32 = a
+            .parse()
+            .map_err(|_| TargetError::invalid(format!("invalid {what} '{a}'")))?;
         if v < min || v > max {
-            return Err(format!("invalid {what} {v}: must be in {min}..={max}"));
+            return Err(TargetError::invalid(format!(
+                "invalid {what} {v}: must be in {min}..={max}"
+            )));
         }
         Ok(v)
     }
 
     /// Kernel `dm_read_arg_group`: a count, and that many args must follow.
-    fn read_group(&mut self, what: &str, max: u32) -> Result<u32, String> {
+    fn read_group(&mut self, what: &str, max: u32) -> Result<u32, TargetError> {
         let n = self.read(what, 0, max)?;
         if n as usize > self.remaining() {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "{what} is {n} but only {} argument(s) follow",
                 self.remaining()
-            ));
+            )));
         }
         Ok(n)
     }
@@ -276,7 +281,7 @@ impl<'a> ArgSet<'a> {
     }
 }
 
-fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
+fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
     let mut cfg = Config {
         queue_mode: QueueMode::Request,
         pg_init_retries: 0,
@@ -303,14 +308,14 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
             || is("queue_mode")
             || is("start_time");
         if !takes_value {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ|tick:HZ)"
-            ));
+            )));
         }
         if argc == 0 {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "feature '{name}' needs a value, but the feature count ends here"
-            ));
+            )));
         }
         argc -= 1;
         if is("pg_init_retries") {
@@ -324,9 +329,9 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
             } else if m.eq_ignore_ascii_case("rq") || m.eq_ignore_ascii_case("mq") {
                 QueueMode::Request
             } else {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "unknown queue_mode '{m}' requested (known: bio, rq, mq)"
-                ));
+                )));
             };
         } else {
             cfg.start_time = StartTime::parse(a.shift("start_time")?)?;
@@ -339,29 +344,29 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
     Ok((cfg, queue_if_no_path))
 }
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     let mut a = ArgSet { args, pos: 0 };
     let (cfg, queue_if_no_path) = parse_features(&mut a)?;
 
     let hw_argc = a.read_group("number of hardware handler args", MAX_ARGS)?;
     if hw_argc != 0 {
         let name = a.shift("hardware handler")?;
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "hardware handler '{name}' is not supported: blkstack has no SCSI device handlers; use '0' hardware handler args"
-        ));
+        )));
     }
 
     let nr_groups = a.read("number of priority groups", 0, MAX_GROUPS)?;
     let initial = a.read("initial priority group number", 0, MAX_GROUPS)?;
     if (nr_groups == 0) != (initial == 0) {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "invalid initial priority group {initial} for {nr_groups} group(s): it must be 0 exactly when there are no groups"
-        ));
+        )));
     }
     if initial > nr_groups {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "invalid initial priority group {initial}: there are only {nr_groups} group(s)"
-        ));
+        )));
     }
 
     let mut groups = Vec::new();
@@ -370,47 +375,49 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
         let g = groups.len();
         let gname = format!("priority group {}", g + 1);
         if a.remaining() < 2 {
-            return Err(format!("{gname}: not enough priority group arguments"));
+            return Err(TargetError::invalid(format!(
+                "{gname}: not enough priority group arguments"
+            )));
         }
         let sel_name = a.shift("path selector")?;
         let ps_type = selectors::lookup(sel_name).ok_or_else(|| {
-            format!(
+            TargetError::invalid(format!(
                 "{gname}: unknown path selector type '{sel_name}' (known: {})",
                 selectors::names().join(", ")
-            )
+            ))
         })?;
         let ps_argc = a
             .read_group("number of path selector args", MAX_ARGS)
-            .map_err(|e| format!("{gname}: {e}"))?;
+            .map_err(|e| e.within(gname.as_str()))?;
         let mut ps = (ps_type.create)(a.take(ps_argc as usize))
-            .map_err(|e| format!("{gname}: path selector constructor failed: {e}"))?;
+            .map_err(|e| e.within(format!("{gname}: path selector constructor failed")))?;
         let nr_paths = a
             .read("number of paths", 1, MAX_PATHS_PER_GROUP)
-            .map_err(|e| format!("{gname}: {e}"))?;
+            .map_err(|e| e.within(gname.as_str()))?;
         let nr_sel_args = a
             .read("number of per-path selector args", 0, MAX_ARGS)
-            .map_err(|e| format!("{gname}: {e}"))?;
+            .map_err(|e| e.within(gname.as_str()))?;
         let per_path = 1 + nr_sel_args as usize;
         let mut members = Vec::with_capacity(nr_paths as usize);
         for i in 0..nr_paths as usize {
             if a.remaining() < per_path {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "{gname}: not enough path parameters: path {} of {nr_paths} needs a device and {nr_sel_args} selector arg(s), {} argument(s) left",
                     i + 1,
                     a.remaining()
-                ));
+                )));
             }
             let words = a.take(per_path);
             let dev = ctx
                 .get_device(words[0], 0, ctx.len)
-                .map_err(|e| format!("{gname}, path {}: {e}", i + 1))?;
+                .map_err(|e| e.within(format!("{gname}, path {}", i + 1)))?;
             ps.add_path(&words[1..])
-                .map_err(|e| format!("{gname}, path {} ({}): {e}", i + 1, words[0]))?;
+                .map_err(|e| e.within(format!("{gname}, path {} ({})", i + 1, words[0])))?;
             if paths.len() + 1 >= MAX_PATHS {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "too many paths: at most {} in one table",
                     MAX_PATHS - 1
-                ));
+                )));
             }
             members.push(paths.len());
             paths.push(PgPath {
@@ -431,10 +438,10 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
         });
     }
     if groups.len() != nr_groups as usize {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "priority group count mismatch: the table declares {nr_groups} group(s) but describes {}",
             groups.len()
-        ));
+        )));
     }
 
     let nr_valid = paths.len();
@@ -682,15 +689,15 @@ impl Multipath {
         self.next_pg.store(pg, Ordering::Release);
     }
 
-    fn parse_pg_num(&self, verb: &str, s: &str) -> Result<usize, String> {
-        let n: usize = s
-            .parse()
-            .map_err(|_| format!("{verb}: invalid priority group number '{s}'"))?;
+    fn parse_pg_num(&self, verb: &str, s: &str) -> Result<usize, TargetError> {
+        let n: usize = s.parse().map_err(|_| {
+            TargetError::invalid(format!("{verb}: invalid priority group number '{s}'"))
+        })?;
         if n == 0 || n > self.groups.len() {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "{verb}: invalid priority group number {n}: groups are numbered 1..={}",
                 self.groups.len()
-            ));
+            )));
         }
         Ok(n - 1)
     }
@@ -872,10 +879,12 @@ impl Target for MultipathTarget {
     }
 
     /// Kernel `multipath_message`.
-    fn message(&self, args: &[&str]) -> Result<String, String> {
+    fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         let m = &self.m;
         if m.suspended.load(Ordering::Acquire) {
-            return Err("device is suspended (EBUSY): resume it first".into());
+            return Err(TargetError::invalid(
+                "device is suspended (EBUSY): resume it first",
+            ));
         }
         let verb = args.first().copied().unwrap_or("");
         let is = |s: &str| verb.eq_ignore_ascii_case(s);
@@ -903,13 +912,13 @@ impl Target for MultipathTarget {
             "path_stats",
         ];
         if !known.iter().any(|k| is(k)) {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "unrecognised multipath message '{verb}' (known: {})",
                 known.join(", ")
-            ));
+            )));
         }
         if args.len() != 2 {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "invalid multipath message arguments: '{verb}' expects {} argument(s), got {}",
                 if is("queue_if_no_path") || is("fail_if_no_path") || is("path_stats") {
                     1
@@ -917,7 +926,7 @@ impl Target for MultipathTarget {
                     2
                 },
                 args.len()
-            ));
+            )));
         }
         let arg = args[1];
         if is("disable_group") {
@@ -929,9 +938,9 @@ impl Target for MultipathTarget {
         } else {
             let paths = m.paths_named(arg);
             if paths.is_empty() {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "{verb}: device '{arg}' is not a path of this multipath"
-                ));
+                )));
             }
             for p in paths {
                 if is("fail_path") {
@@ -1016,14 +1025,14 @@ mod tests {
 
     #[test]
     fn start_time_values() {
-        assert_eq!(StartTime::parse("ns"), Ok(StartTime::Ns));
+        assert_eq!(StartTime::parse("ns").ok(), Some(StartTime::Ns));
         assert_eq!(
-            StartTime::parse("jiffies:250"),
-            Ok(StartTime::Jiffies(Jiffies::new(250)))
+            StartTime::parse("jiffies:250").ok(),
+            Some(StartTime::Jiffies(Jiffies::new(250)))
         );
         assert_eq!(
-            StartTime::parse("tick:1000"),
-            Ok(StartTime::Tick(Jiffies::new(1000)))
+            StartTime::parse("tick:1000").ok(),
+            Some(StartTime::Tick(Jiffies::new(1000)))
         );
         assert!(StartTime::parse("tick:").is_err());
         assert!(StartTime::parse("jiffies:0").is_err());
