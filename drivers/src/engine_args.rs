@@ -20,6 +20,7 @@
 //! set shared by several (`BLK_MQ_F_TAG_QUEUE_SHARED`).
 
 use crate::args::KvArgs;
+use crate::error::ArgError;
 use blkstack_mq::queue::{CompletionMode, EngineOptions, KblockdKind};
 use blkstack_mq::sbitmap::{WakeWeight, WakeupAlgo, MAX_DEPTH};
 use std::fmt::Write;
@@ -58,7 +59,7 @@ impl EngineArgs {
     }
 
     /// Consume the engine keys from `kv`.
-    pub fn parse(kv: &mut KvArgs<'_>) -> Result<EngineArgs, String> {
+    pub fn parse(kv: &mut KvArgs<'_>) -> Result<EngineArgs, ArgError> {
         let d = EngineOptions::default();
         let irqmode = kv.take_u64("irqmode", 0, 0, 2)?;
         let completion_nsec = kv.take_u64(
@@ -134,8 +135,10 @@ impl EngineArgs {
             timer_spin_max_ns,
             ..d
         };
-        opts.validate()
-            .map_err(|e| format!("{}: {e}", kv.driver()))?;
+        opts.validate().map_err(|reason| ArgError::Conflict {
+            driver: kv.driver(),
+            reason,
+        })?;
         Ok(EngineArgs {
             opts,
             completion_nsec,
@@ -224,7 +227,7 @@ impl EngineArgs {
 mod tests {
     use super::*;
 
-    fn parse(args: &[&str]) -> Result<EngineArgs, String> {
+    fn parse(args: &[&str]) -> Result<EngineArgs, ArgError> {
         let mut kv = KvArgs::parse("null", args)?;
         let e = EngineArgs::parse(&mut kv)?;
         kv.finish()?;
@@ -285,7 +288,7 @@ mod tests {
             ("timer_spin_ns=1000001", "timer_spin_ns"),
             ("timer_spin_ns=1000", "irqmode=2"),
         ] {
-            let e = parse(&[arg]).unwrap_err();
+            let e = parse(&[arg]).unwrap_err().to_string();
             assert!(e.contains(key), "{arg}: {e}");
         }
     }

@@ -53,6 +53,7 @@
 //! pool with `pread`/`pwritev2`/`fsync`/`fallocate`.
 
 use crate::args::KvArgs;
+use crate::error::FileError;
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, Device, Features, Op, Status};
 use io_uring::{opcode, squeue, types, IoUring};
@@ -128,23 +129,19 @@ pub struct FileOptions {
 
 impl FileOptions {
     /// Parse `PATH [direct] [iopoll|hybrid_iopoll] [create] [key=value...]`.
-    pub fn parse(args: &[&str]) -> Result<FileOptions, String> {
-        let (path, rest) = args.split_first().ok_or_else(|| {
-            "file: missing PATH (syntax: file PATH [direct] [iopoll|hybrid_iopoll] [create] [queue_depth=N] [engine=uring|psync])".to_string()
-        })?;
+    pub fn parse(args: &[&str]) -> Result<FileOptions, FileError> {
+        let (path, rest) = args.split_first().ok_or(FileError::MissingPath)?;
         if path.contains('=') || path.is_empty() {
-            return Err(format!(
-                "file: first argument must be the PATH of the backing file, got '{path}'"
-            ));
+            return Err(FileError::BadPath(path.to_string()));
         }
         let mut direct = false;
         let mut create = false;
         let mut poll: Option<PollMode> = None;
         let mut kv_words = Vec::new();
         for w in rest {
-            let set_flag = |flag: &mut bool, name: &str| -> Result<(), String> {
+            let set_flag = |flag: &mut bool, name: &'static str| -> Result<(), FileError> {
                 if std::mem::replace(flag, true) {
-                    return Err(format!("file: '{name}' given twice"));
+                    return Err(FileError::FlagTwice(name));
                 }
                 Ok(())
             };
@@ -158,19 +155,15 @@ impl FileOptions {
                         PollMode::Hybrid
                     };
                     if let Some(prev) = poll {
-                        return Err(format!(
-                            "file: '{w}' conflicts with '{}': give one polling mode",
-                            prev.name()
-                        ));
+                        return Err(FileError::PollConflict {
+                            given: mode.name(),
+                            previous: prev.name(),
+                        });
                     }
                     poll = Some(mode);
                 }
                 w if w.contains('=') => kv_words.push(w),
-                w => {
-                    return Err(format!(
-                        "file: unknown flag '{w}' (flags: direct, iopoll, hybrid_iopoll, create; options: queue_depth=N, engine=uring|psync)"
-                    ))
-                }
+                w => return Err(FileError::UnknownFlag(w.to_string())),
             }
         }
         let mut kv = KvArgs::parse("file", &kv_words)?;
@@ -188,16 +181,10 @@ impl FileOptions {
         kv.finish()?;
         let poll = poll.unwrap_or(PollMode::Interrupt);
         if poll != PollMode::Interrupt && !direct {
-            return Err(format!(
-                "file: '{}' needs 'direct' (the kernel polls only O_DIRECT I/O)",
-                poll.name()
-            ));
+            return Err(FileError::PollNeedsDirect(poll.name()));
         }
         if poll != PollMode::Interrupt && engine == EngineKind::Psync {
-            return Err(format!(
-                "file: '{}' needs engine=uring (polling is an io_uring ring mode)",
-                poll.name()
-            ));
+            return Err(FileError::PollNeedsUring(poll.name()));
         }
         Ok(FileOptions {
             path: PathBuf::from(path),
@@ -1116,34 +1103,24 @@ pub struct FileDevice {
     refusal: Arc<PollRefusal>,
 }
 
-fn open_error(path: &Path, what: &str, e: std::io::Error) -> String {
-    format!("file: {what} {}: {e}", path.display())
-}
-
 impl FileDevice {
     /// Build from a table line's length (bytes) and its args.
-    pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<FileDevice, String> {
+    pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<FileDevice, FileError> {
         let opts = FileOptions::parse(args)?;
         FileDevice::open(size_bytes, opts)
     }
 
-    pub fn open(size: u64, opts: FileOptions) -> Result<FileDevice, String> {
+    pub fn open(size: u64, opts: FileOptions) -> Result<FileDevice, FileError> {
         crate::args::check_size("file", size, 512)?;
         let path = &opts.path;
         let exists = path.exists();
         if !exists && !opts.create {
-            return Err(format!(
-                "file: {} does not exist (add 'create' to create it)",
-                path.display()
-            ));
+            return Err(FileError::NotFound { path: path.clone() });
         }
         if let Ok(m) = std::fs::metadata(path) {
             let ft = m.file_type();
             if !ft.is_file() && !ft.is_block_device() {
-                return Err(format!(
-                    "file: {} is neither a regular file nor a block device",
-                    path.display()
-                ));
+                return Err(FileError::NotFileOrBlockDevice { path: path.clone() });
             }
         }
         let buffered = OpenOptions::new()
@@ -1151,23 +1128,20 @@ impl FileDevice {
             .write(true)
             .create(opts.create)
             .open(path)
-            .map_err(|e| open_error(path, "cannot open", e))?;
+            .map_err(|e| FileError::io(path, "cannot open", e))?;
         let meta = buffered
             .metadata()
-            .map_err(|e| open_error(path, "cannot stat", e))?;
+            .map_err(|e| FileError::io(path, "cannot stat", e))?;
         let ft = meta.file_type();
         let is_blockdev = ft.is_block_device();
         if !ft.is_file() && !is_blockdev {
-            return Err(format!(
-                "file: {} is neither a regular file nor a block device",
-                path.display()
-            ));
+            return Err(FileError::NotFileOrBlockDevice { path: path.clone() });
         }
         let current = if is_blockdev {
             // SAFETY: lseek on an open descriptor.
             let end = unsafe { libc::lseek(buffered.as_raw_fd(), 0, libc::SEEK_END) };
             if end < 0 {
-                return Err(open_error(
+                return Err(FileError::io(
                     path,
                     "cannot size",
                     std::io::Error::last_os_error(),
@@ -1181,17 +1155,14 @@ impl FileDevice {
             if opts.create && !is_blockdev {
                 buffered
                     .set_len(size)
-                    .map_err(|e| open_error(path, "cannot extend", e))?;
+                    .map_err(|e| FileError::io(path, "cannot extend", e))?;
             } else {
-                return Err(format!(
-                    "file: {} holds {current} bytes, less than the table line's {size} bytes{}",
-                    path.display(),
-                    if is_blockdev {
-                        ""
-                    } else {
-                        " (add 'create' to extend it)"
-                    }
-                ));
+                return Err(FileError::TooSmall {
+                    path: path.clone(),
+                    current,
+                    size,
+                    block_device: is_blockdev,
+                });
             }
         }
         let direct = if opts.direct {
@@ -1202,12 +1173,12 @@ impl FileDevice {
                 .open(path)
                 .map_err(|e| {
                     if e.raw_os_error() == Some(libc::EINVAL) {
-                        format!(
-                            "file: {}: the filesystem refuses O_DIRECT (EINVAL); drop 'direct'",
-                            path.display()
-                        )
+                        FileError::DirectRefused {
+                            path: path.clone(),
+                            source: e,
+                        }
                     } else {
-                        open_error(path, "cannot open (O_DIRECT)", e)
+                        FileError::io(path, "cannot open (O_DIRECT)", e)
                     }
                 })?;
             Some(f)
@@ -1256,7 +1227,10 @@ impl FileDevice {
                             files.clone(),
                             None,
                         ))
-                        .map_err(|e| format!("file: cannot start a completion thread: {e}"))?;
+                        .map_err(|source| FileError::Thread {
+                            what: "a completion thread",
+                            source,
+                        })?;
                         let polled = match opts.poll {
                             PollMode::Interrupt => None,
                             want => {
@@ -1301,10 +1275,9 @@ impl FileDevice {
                                                 files.clone(),
                                                 Some((normal.shared.clone(), refusal.clone())),
                                             ))
-                                            .map_err(|e| {
-                                                format!(
-                                                    "file: cannot start a completion thread: {e}"
-                                                )
+                                            .map_err(|source| FileError::Thread {
+                                                what: "a completion thread",
+                                                source,
                                             })?,
                                         )
                                     }
@@ -1319,10 +1292,12 @@ impl FileDevice {
         let (backend, engine) = match backend {
             Some(b) => (b, EngineKind::Uring),
             None => (
-                Backend::Psync(
-                    Pool::spawn(files.clone(), opts.queue_depth, &name)
-                        .map_err(|e| format!("file: cannot start I/O threads: {e}"))?,
-                ),
+                Backend::Psync(Pool::spawn(files.clone(), opts.queue_depth, &name).map_err(
+                    |source| FileError::Thread {
+                        what: "I/O threads",
+                        source,
+                    },
+                )?),
                 EngineKind::Psync,
             ),
         };
@@ -1627,7 +1602,7 @@ mod tests {
 
     #[test]
     fn options_errors_name_the_problem() {
-        let e = |a: &[&str]| FileOptions::parse(a).unwrap_err();
+        let e = |a: &[&str]| FileOptions::parse(a).unwrap_err().to_string();
         assert!(e(&[]).contains("missing PATH"));
         assert!(e(&["queue_depth=4"]).contains("PATH"));
         assert!(e(&["/x", "iopoll"]).contains("needs 'direct'"));

@@ -32,9 +32,11 @@
 
 pub mod args;
 pub mod engine_args;
+pub mod error;
 pub mod file;
 pub mod memory;
 pub mod null;
 
+pub use error::{ArgError, FileError, MemoryError};
 pub use memory::MemoryDevice;
 pub use null::NullDevice;

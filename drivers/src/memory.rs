@@ -12,8 +12,9 @@
 //! blk-mq engine like `null`'s, so the same completion modes and tag
 //! options apply (the copy itself is done in `queue_rq`).
 
-use crate::args::{check_size, KvArgs};
+use crate::args::{check_block_size, check_size, KvArgs};
 use crate::engine_args::EngineArgs;
+use crate::error::MemoryError;
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{Bio, BioFlags, Device, Features, Op, Status};
 use blkstack_mq::queue::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
@@ -296,7 +297,7 @@ pub struct MemoryDevice {
 impl MemoryDevice {
     /// Build from a table line's length (in bytes) and its optional
     /// `key=value` args: `bs=` and the engine args.
-    pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, String> {
+    pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, MemoryError> {
         let mut kv = KvArgs::parse("memory", args)?;
         let block_size = kv.take_block_size("bs")?;
         let engine = EngineArgs::parse(&mut kv)?;
@@ -309,21 +310,18 @@ impl MemoryDevice {
         size_bytes: u64,
         block_size: u32,
         opts: EngineOptions,
-    ) -> Result<Self, String> {
-        if !(512..=4096).contains(&block_size) || !block_size.is_power_of_two() {
-            return Err(format!(
-                "memory: bs={block_size} is not a power of two in 512..=4096"
-            ));
-        }
+    ) -> Result<Self, MemoryError> {
+        let block_size = check_block_size("memory", "bs", block_size.into())?;
         Self::build(size_bytes, block_size, EngineArgs::from_options(opts))
     }
 
-    fn build(size_bytes: u64, block_size: u32, engine: EngineArgs) -> Result<Self, String> {
+    fn build(size_bytes: u64, block_size: u32, engine: EngineArgs) -> Result<Self, MemoryError> {
         check_size("memory", size_bytes, block_size)?;
         let driver = MemoryDriver {
             store: PageStore::new(),
         };
-        let queue = Queue::new(driver, engine.opts.clone()).map_err(|e| format!("memory: {e}"))?;
+        let queue = Queue::new(driver, engine.opts.clone())
+            .map_err(|reason| MemoryError::Queue { reason })?;
         Ok(MemoryDevice {
             size: size_bytes,
             block_size,
@@ -556,10 +554,12 @@ mod tests {
         assert!(MemoryDevice::from_args(1 << 20, &["bs=8192"])
             .err()
             .unwrap()
+            .to_string()
             .contains("bs"));
         assert!(MemoryDevice::from_args(1 << 20, &["foo=1"])
             .err()
             .unwrap()
+            .to_string()
             .contains("foo"));
     }
 

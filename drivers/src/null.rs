@@ -78,12 +78,16 @@ impl NullDevice {
     /// Build from a table line's length (in bytes) and its optional
     /// `key=value` args.
     pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, String> {
-        let mut kv = KvArgs::parse("null", args)?;
-        let block_size = kv.take_block_size("bs")?;
-        let max_inflight = kv.take_u64("max_inflight", 0, 0, u32::MAX as u64)? as u32;
-        let zero_reads = kv.take_bool("zero_reads", true)?;
-        let engine = EngineArgs::parse(&mut kv)?;
-        kv.finish()?;
+        // Temporary string bridge until null has its typed error.
+        let e = |e: crate::ArgError| e.to_string();
+        let mut kv = KvArgs::parse("null", args).map_err(e)?;
+        let block_size = kv.take_block_size("bs").map_err(e)?;
+        let max_inflight = kv
+            .take_u64("max_inflight", 0, 0, u32::MAX as u64)
+            .map_err(e)? as u32;
+        let zero_reads = kv.take_bool("zero_reads", true).map_err(e)?;
+        let engine = EngineArgs::parse(&mut kv).map_err(e)?;
+        kv.finish().map_err(e)?;
         Self::build(size_bytes, block_size, max_inflight, zero_reads, engine)
     }
 
@@ -115,7 +119,7 @@ impl NullDevice {
         zero_reads: bool,
         engine: EngineArgs,
     ) -> Result<Self, String> {
-        check_size("null", size_bytes, block_size)?;
+        check_size("null", size_bytes, block_size).map_err(|e| e.to_string())?;
         let driver = NullDriver {
             max_inflight,
             zero_reads,

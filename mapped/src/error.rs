@@ -9,6 +9,7 @@
 //! Printed with its sources (`{:#}` through anyhow, or [`report`]) an error
 //! reads `device d: line 2: linear: device 'm9' not found`.
 
+use blkstack_drivers::{ArgError, FileError, MemoryError};
 use thiserror::Error;
 
 /// A registry operation failed.
@@ -206,8 +207,15 @@ pub enum TargetError {
         source: std::io::Error,
     },
     /// A leaf driver refused its `key=value` arguments.
+    #[error(transparent)]
+    DriverArgs(#[from] ArgError),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    File(#[from] FileError),
+    /// The null driver's refusal, as text until it has a typed error.
     #[error("{0}")]
-    Driver(String),
+    Null(String),
     /// A target-specific rule, the message says which.
     #[error("{0}")]
     Invalid(String),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("memory", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
-    let driver = MemoryDevice::from_args(ctx.len_bytes(), args).map_err(TargetError::Driver)?;
+    let driver = MemoryDevice::from_args(ctx.len_bytes(), args)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 
