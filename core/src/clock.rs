@@ -1,10 +1,13 @@
-//! The one clock: `u64` nanoseconds of CLOCK_MONOTONIC, plus emulated
-//! jiffies for the legacy mechanisms the seeds replaced (dm-delay's
-//! jiffies timers, HST's jiffies start times), and precise sleeping.
+//! The one clock: `u64` nanoseconds of CLOCK_MONOTONIC, plus the legacy
+//! clocks of the mechanisms upstream replaced: emulated jiffies (dm-delay's
+//! jiffies timers, dm-mpath HST's jiffies start times before "dm: dm-mpath:
+//! Provide high-resolution timer to HST with bio-mpath") and the HZ timer wheel's bucket
+//! rounding ([`wheel_bucket_expiry`]).
 //!
-//! Precision notes for this machine: `nanosleep` is padded by the thread's
-//! timer slack (50 µs by default), so any thread that sleeps towards a
-//! deadline sets its slack to 1 ns first ([`set_thread_timer_slack_ns`]).
+//! `nanosleep` is padded by the thread's timer slack (50 µs by default), so
+//! a thread that sleeps towards a deadline prepares itself first with
+//! [`crate::timing::prepare_precise_thread`]; sleeping to a deadline
+//! precisely (sleep, then spin) is [`crate::timing`]'s.
 
 use std::time::Duration;
 
@@ -66,47 +69,31 @@ impl Jiffies {
     }
 }
 
-/// Set this thread's timer slack (PR_SET_TIMERSLACK). 1 ns makes sleeps
-/// end when asked rather than up to 50 µs later.
-pub fn set_thread_timer_slack_ns(ns: u64) {
-    // SAFETY: prctl with an integer argument.
-    unsafe {
-        libc::prctl(libc::PR_SET_TIMERSLACK, ns as libc::c_ulong, 0, 0, 0);
-    }
-}
+// Kept so that callers not yet moved to [`crate::timing`] build; new code
+// calls `timing::prepare_precise_thread` / `prepare_precise_worker`.
+pub use crate::timing::{set_thread_sched_slice_ns, set_thread_timer_slack_ns};
 
-/// Ask EEVDF for a slice of `ns` (`sched_attr.sched_runtime`, Linux 6.12+)
-/// for the calling thread: its virtual deadline then comes early, so its
-/// wake-up preempts a CPU-bound thread instead of queueing behind that
-/// thread's whole slice. Meant for threads that run briefly per wake-up
-/// (delay workers, NBD readers). Kernels without custom slices ignore the
-/// field; a refusal only costs latency, so it is not an error.
-pub fn set_thread_sched_slice_ns(ns: u64) {
-    #[repr(C)]
-    struct SchedAttr {
-        size: u32,
-        policy: u32,
-        flags: u64,
-        nice: i32,
-        priority: u32,
-        runtime: u64,
-        deadline: u64,
-        period: u64,
+/// Kernel `calc_wheel_index` for a timer added at wheel clock `clk`: the
+/// jiffy at which its bucket runs. Level `n` has a granularity of `8^n`
+/// ticks and covers deltas below `63 << 3n`; the bucket is rounded up past
+/// `expires` so a timer never fires early, which makes even level 0 fire
+/// one tick after `expires`. dm-delay's timer before "dm: delay: use
+/// kthread instead of timers and wq" lost its accuracy here.
+pub fn wheel_bucket_expiry(expires: u64, clk: u64, hz: u32) -> u64 {
+    const LVL_CLK_SHIFT: u32 = 3;
+    const LVL_BITS: u64 = 6;
+    let depth: u32 = if hz > 100 { 9 } else { 8 };
+    if expires < clk {
+        return clk;
     }
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        policy: libc::SCHED_OTHER as u32,
-        flags: 0,
-        nice: 0,
-        priority: 0,
-        runtime: ns,
-        deadline: 0,
-        period: 0,
-    };
-    // SAFETY: a valid sched_attr for the calling thread (pid 0).
-    unsafe {
-        libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0);
+    let delta = expires - clk;
+    let lvl_start = |n: u32| ((1u64 << LVL_BITS) - 1) << ((n - 1) * LVL_CLK_SHIFT);
+    let mut lvl = 0;
+    while lvl + 1 < depth && delta >= lvl_start(lvl + 1) {
+        lvl += 1;
     }
+    let shift = lvl * LVL_CLK_SHIFT;
+    ((expires >> shift) + 1) << shift
 }
 
 /// Sleep until `deadline_ns` on the [`now_ns`] clock (absolute
@@ -145,9 +132,9 @@ pub fn duration_ns(d: Duration) -> u64 {
 /// stamp every I/O (fio's `clocksource=cpu`, its default where the TSC is
 /// reliable).
 ///
-/// `clock_gettime` through the vDSO cost ~20 ns per call on this machine,
-/// a tenth of an in-process null I/O read twice per I/O; `rdtsc` plus a
-/// multiply costs a few. The readings are on the [`now_ns`] base: the
+/// `clock_gettime` through the vDSO is a noticeable share of an in-process
+/// null I/O that reads the clock twice; `rdtsc` plus a multiply is a few
+/// cycles. The readings are on the [`now_ns`] base: the
 /// counter is calibrated against CLOCK_MONOTONIC once per process (10 ms of
 /// spinning at first use), so a stamp from here and one from [`now_ns`]
 /// differ by the calibration error (a few ppm of the time since
@@ -287,8 +274,22 @@ mod tests {
     }
 
     #[test]
+    fn wheel_rounds_past_expires_by_level_granularity() {
+        // Level 0: one tick after expires.
+        assert_eq!(wheel_bucket_expiry(101, 100, 1000), 102);
+        assert_eq!(wheel_bucket_expiry(100 + 62, 100, 1000), 163);
+        // Level 1 (delta 63..503): 8-tick granularity, rounded up.
+        assert_eq!(wheel_bucket_expiry(100 + 63, 100, 1000), 168);
+        assert_eq!(wheel_bucket_expiry(100 + 100, 100, 1000), 208);
+        // Level 2: 64 ticks.
+        assert_eq!(wheel_bucket_expiry(1000, 0, 1000), 1024);
+        // Already expired: the current bucket.
+        assert_eq!(wheel_bucket_expiry(5, 10, 1000), 10);
+    }
+
+    #[test]
     fn sleep_until_is_never_early() {
-        set_thread_timer_slack_ns(1);
+        crate::timing::prepare_precise_thread();
         for _ in 0..20 {
             let deadline = now_ns() + 200_000;
             sleep_until_ns(deadline);

@@ -4,7 +4,9 @@
 //! anything that accepts bios and completes each exactly once (kernel
 //! `struct block_device` + `submit_bio`), [`Status`] is `blk_status_t`, and
 //! [`clock`] is the single monotonic nanosecond clock plus the emulated
-//! jiffies that the legacy mechanisms of the seeds are measured against.
+//! jiffies and timer wheel of the legacy mechanisms upstream replaced, and
+//! [`timing`] holds every precise wait (parker, deadline timer, learnt
+//! wake margin, sleep-then-spin, timer slack).
 //!
 //! Nothing here knows about queues, tables or frontends: imports only point
 //! down, and this is the floor.
@@ -16,6 +18,9 @@ pub mod cpu;
 pub mod device;
 pub mod status;
 pub mod sync;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+pub mod timing;
 
 pub use bio::{AlignedBuf, Bio, BioFlags, EndIo, IoBuf, Op};
 pub use device::{Device, DeviceRef, Features};

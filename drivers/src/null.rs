@@ -249,6 +249,7 @@ mod tests {
     use super::*;
     use blkstack_core::clock::now_ns;
     use blkstack_core::submit_and_wait;
+    use std::time::Duration;
 
     #[test]
     fn reads_zero_writes_dropped() {
@@ -301,20 +302,11 @@ mod tests {
 
     #[test]
     fn a_batch_refuses_bad_bios_and_completes_every_bio_once() {
-        use blkstack_core::{EndIo, IoBuf};
-        use parking_lot::Mutex;
-        use std::sync::Arc;
-        #[derive(Default)]
-        struct Rec(Mutex<Vec<(u64, Status)>>);
-        impl EndIo for Rec {
-            fn end_io(&self, bio: Bio, status: Status, p: u64) {
-                self.0.lock().push((p, status));
-                drop(bio);
-            }
-        }
+        use blkstack_core::testing::CompletionRecorder;
+        use blkstack_core::IoBuf;
         for irq in ["irqmode=0", "irqmode=1"] {
             let d = NullDevice::from_args(1 << 20, &["bs=4096", "zero_reads=0", irq]).unwrap();
-            let rec = Arc::new(Rec::default());
+            let rec = CompletionRecorder::new();
             let mut mem = vec![0xabu8; 100 * 4096];
             let mut bios: Vec<Bio> = (0..100u64)
                 .map(|i| {
@@ -333,15 +325,18 @@ mod tests {
                 .collect();
             d.submit_batch(&mut bios);
             assert!(bios.is_empty());
-            let deadline = now_ns() + 10_000_000_000;
-            while rec.0.lock().len() < 100 {
-                assert!(now_ns() < deadline, "stuck: {}", d.status());
-                std::thread::sleep(std::time::Duration::from_micros(200));
-            }
-            let mut got = rec.0.lock().clone();
-            got.sort_by_key(|&(i, _)| i);
+            let Some(mut got) = rec.try_wait(100, Duration::from_secs(10)) else {
+                panic!("stuck: {}", d.status());
+            };
+            got.sort_by_key(|c| c.cookie);
             assert_eq!(got.len(), 100, "a bio completed twice");
-            for (i, st) in got {
+            let cookies: Vec<u64> = got.iter().map(|c| c.cookie).collect();
+            assert_eq!(
+                cookies,
+                (0..100).collect::<Vec<u64>>(),
+                "a bio completed twice"
+            );
+            for (i, st) in got.iter().map(|c| (c.cookie, c.status)) {
                 let bad = i % 7 == 3 || i % 11 == 5;
                 assert_eq!(
                     st,
@@ -420,17 +415,8 @@ mod tests {
 
     #[test]
     fn busy_driver_requeues_and_restarts() {
-        use blkstack_core::{EndIo, IoBuf};
-        use std::sync::atomic::AtomicU64;
-        use std::sync::Arc;
-        struct Count(AtomicU64);
-        impl EndIo for Count {
-            fn end_io(&self, bio: Bio, status: Status, _p: u64) {
-                assert_eq!(status, Status::Ok);
-                self.0.fetch_add(1, Relaxed);
-                drop(bio);
-            }
-        }
+        use blkstack_core::testing::CompletionRecorder;
+        use blkstack_core::IoBuf;
         let d = NullDevice::from_args(
             1 << 20,
             &[
@@ -441,15 +427,14 @@ mod tests {
             ],
         )
         .unwrap();
-        let c = Arc::new(Count(AtomicU64::new(0)));
+        let c = CompletionRecorder::new();
         for i in 0..40u64 {
             d.submit(Bio::new(Op::Write, 0, 0, IoBuf::empty(), c.clone(), i));
         }
-        let deadline = now_ns() + 10_000_000_000;
-        while c.0.load(Relaxed) < 40 {
-            assert!(now_ns() < deadline, "stuck: {}", d.status());
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        let Some(done) = c.try_wait(40, Duration::from_secs(10)) else {
+            panic!("stuck: {}", d.status());
+        };
+        assert!(done.iter().all(|x| x.status == Status::Ok));
         let s = d.engine_stats();
         assert!(
             s.hctx.requeues > 0 || s.hctx.dispatched_from_list > 0,

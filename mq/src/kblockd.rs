@@ -296,7 +296,7 @@ impl Kblockd {
 }
 
 fn worker(shared: Arc<Shared>, qi: usize) {
-    blkstack_core::clock::set_thread_timer_slack_ns(1);
+    blkstack_core::timing::prepare_precise_thread();
     let q = &shared.queues[qi];
     let mut st = q.state.lock();
     loop {

@@ -33,8 +33,11 @@ use crate::hwqueue::{HctxStats, HwQueue};
 use crate::kblockd::{DelayedWork, Kblockd};
 use crate::sbitmap::{SbqStats, WakeWeight, WakeupAlgo, MAX_DEPTH};
 use crate::tags::{Tags, TagsConfig};
-use blkstack_core::clock::{now_ns, set_thread_timer_slack_ns, sleep_until_ns};
+use blkstack_core::clock::{now_ns, sleep_until_ns};
 use blkstack_core::cpu::thread_cpu_ns;
+use blkstack_core::timing::{
+    prepare_precise_thread, sleep_then_spin_metered, WakeMargin, WakeMarginConfig,
+};
 use blkstack_core::{Bio, BioFlags, Status};
 use parking_lot::Mutex;
 use std::cell::Cell;
@@ -988,7 +991,7 @@ impl<D: Driver> QueueInner<D> {
     }
 
     fn completion_thread(&self, i: usize) {
-        set_thread_timer_slack_ns(1);
+        prepare_precise_thread();
         let c = &self.completers[i];
         let h = &self.hctxs[i];
         let polls = self.opts.iopoll;
@@ -1068,67 +1071,42 @@ fn timer_status(s: &QueueStats) -> String {
 /// How the timer-mode completion thread reaches a deadline.
 ///
 /// null_blk arms an hrtimer, and on bare metal an idle CPU leaves its
-/// C-state for it in a few µs. On this VM an idle vCPU halts and the host
-/// wakes it 30-150 µs late (more when the host is busy), so a disk that
+/// C-state for it in a few µs. On a virtual machine an idle vCPU halts and
+/// the host wakes it late, more so when the host is busy, so a disk that
 /// only sleeps completes later whenever the submitters let the vCPUs idle
 /// (`interrupt`, `hybrid`) than when they spin (`poll`): the emulated
 /// disk, not the wait, then decides the comparison (`lab hybrid-poll`,
 /// `timer_late_avg_ns`). With a spin budget the thread models a disk whose
 /// clock keeps running whatever the host does: it sleeps until a margin
-/// before the deadline, the 90th percentile of how late its recent sleeps
-/// woke (at most the budget), then spins the rest. The spin is bounded by
-/// the deadline, so it never holds a vCPU longer than the budget, and its
-/// CPU time is counted apart (`timer_spin_cpu_ns`) so that a measurement
-/// can leave the disk's timekeeping out of the host's cost.
+/// before the deadline, the 90th percentile of how late its last 32 sleeps
+/// woke (at most the budget, which is also where it starts), then spins
+/// the rest ([`sleep_then_spin_metered`]). The spin never starts more than
+/// the budget before the deadline, and its CPU time is counted apart
+/// (`timer_spin_cpu_ns`) so that a measurement can leave the disk's
+/// timekeeping out of the host's cost.
 struct DeadlineClock {
-    max_spin_ns: u64,
-    margin_ns: u64,
-    /// How late recent sleeps woke, newest at `next`.
-    overshoot_ns: [u64; DeadlineClock::HISTORY],
-    next: usize,
+    margin: WakeMargin,
 }
 
 impl DeadlineClock {
-    const HISTORY: usize = 32;
-
     fn new(max_spin_ns: u64) -> DeadlineClock {
         DeadlineClock {
-            max_spin_ns,
-            margin_ns: max_spin_ns,
-            overshoot_ns: [max_spin_ns; Self::HISTORY],
-            next: 0,
+            margin: WakeMargin::new(WakeMarginConfig {
+                percentile: 90,
+                window: 32,
+                every: 1,
+                initial_ns: max_spin_ns,
+                cap_ns: max_spin_ns,
+                prefill: true,
+            }),
         }
     }
 
     fn wait_until(&mut self, deadline: u64, spin_cpu_ns: &AtomicU64) {
-        let now = now_ns();
-        if now >= deadline {
-            return;
+        let w = sleep_then_spin_metered(deadline, &mut self.margin, thread_cpu_ns);
+        if w.spin_start_ns != 0 {
+            spin_cpu_ns.fetch_add(w.spin_cost, Relaxed);
         }
-        if self.max_spin_ns == 0 {
-            sleep_until_ns(deadline);
-            return;
-        }
-        if deadline - now > self.margin_ns {
-            let target = deadline - self.margin_ns;
-            sleep_until_ns(target);
-            self.learn(now_ns().saturating_sub(target));
-        }
-        if now_ns() < deadline {
-            let t0 = thread_cpu_ns();
-            while now_ns() < deadline {
-                std::hint::spin_loop();
-            }
-            spin_cpu_ns.fetch_add(thread_cpu_ns().saturating_sub(t0), Relaxed);
-        }
-    }
-
-    fn learn(&mut self, overshoot_ns: u64) {
-        self.overshoot_ns[self.next] = overshoot_ns;
-        self.next = (self.next + 1) % Self::HISTORY;
-        let mut sorted = self.overshoot_ns;
-        sorted.sort_unstable();
-        self.margin_ns = sorted[Self::HISTORY * 9 / 10].min(self.max_spin_ns);
     }
 }
 
@@ -1143,7 +1121,9 @@ fn now_ns_if_timer(mode: CompletionMode) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkstack_core::testing::CompletionRecorder;
     use blkstack_core::{EndIo, IoBuf, Op};
+    use std::time::Duration;
 
     /// Busy while `refuse` is set; counts completions.
     #[derive(Default)]
@@ -1161,26 +1141,12 @@ mod tests {
         }
     }
 
-    #[derive(Default)]
-    struct Done(AtomicU64);
-
-    impl EndIo for Done {
-        fn end_io(&self, bio: Bio, _status: Status, _private: u64) {
-            self.0.fetch_add(1, SeqCst);
-            drop(bio);
-        }
-    }
-
-    fn write_bio(owner: &Arc<Done>) -> Bio {
+    fn write_bio(owner: &Arc<CompletionRecorder>) -> Bio {
         Bio::new(Op::Write, 0, 0, IoBuf::empty(), owner.clone(), 0)
     }
 
-    fn wait_done(d: &Done, n: u64, within_ns: u64) {
-        let deadline = now_ns() + within_ns;
-        while d.0.load(SeqCst) < n {
-            assert!(now_ns() < deadline, "not completed in time");
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
+    fn wait_done(d: &CompletionRecorder, n: usize, within_ns: u64) {
+        d.wait(n, Duration::from_nanos(within_ns));
     }
 
     /// A pool whose only worker is held until `release`, so posted runs
@@ -1208,7 +1174,7 @@ mod tests {
         let q =
             Queue::with_kblockd(Gate::default(), EngineOptions::default(), pool.clone()).unwrap();
         q.driver().refuse.store(true, SeqCst);
-        let done = Arc::new(Done::default());
+        let done = CompletionRecorder::new();
         q.submit(write_bio(&done));
         let h = &q.hw_queues()[0];
         assert_eq!(h.dispatch_len(), 1);
@@ -1247,7 +1213,7 @@ mod tests {
         };
         let q = Queue::with_kblockd(Gate::default(), opts, pool.clone()).unwrap();
         q.driver().refuse.store(true, SeqCst);
-        let done = Arc::new(Done::default());
+        let done = CompletionRecorder::new();
         q.submit(write_bio(&done));
         for _ in 0..5 {
             q.run_hw_queue(0, true);
@@ -1265,14 +1231,14 @@ mod tests {
     #[test]
     fn stopped_queue_holds_requests_until_started() {
         let q = Queue::new(Gate::default(), EngineOptions::default()).unwrap();
-        let done = Arc::new(Done::default());
+        let done = CompletionRecorder::new();
         q.stop_hw_queue(0);
         q.submit(write_bio(&done));
         q.submit(write_bio(&done));
-        assert_eq!(done.0.load(SeqCst), 0);
+        assert_eq!(done.count(), 0);
         assert_eq!(q.hw_queues()[0].dispatch_len(), 2);
         q.start_hw_queue(0, false);
-        assert_eq!(done.0.load(SeqCst), 2);
+        assert_eq!(done.count(), 2);
         assert_eq!(q.stats().tags_in_use, 0);
     }
 
@@ -1283,7 +1249,7 @@ mod tests {
             ..EngineOptions::default()
         };
         let q = Queue::new(Gate::default(), opts).unwrap();
-        let done = Arc::new(Done::default());
+        let done = CompletionRecorder::new();
         q.stop_hw_queue(0);
         q.submit(write_bio(&done));
         q.start_hw_queue(0, false);
@@ -1358,14 +1324,15 @@ mod tests {
 
     #[test]
     fn deadline_clock_is_never_early_and_spins_only_within_its_budget() {
-        set_thread_timer_slack_ns(1);
+        prepare_precise_thread();
         let spun = AtomicU64::new(0);
         let mut clock = DeadlineClock::new(200_000);
         for _ in 0..50 {
             let deadline = now_ns() + 300_000;
             clock.wait_until(deadline, &spun);
             assert!(now_ns() >= deadline);
-            assert!(clock.margin_ns <= 200_000, "margin {}", clock.margin_ns);
+            let m = clock.margin.margin_ns();
+            assert!(m <= 200_000, "margin {m}");
         }
         // It starts with the whole budget as its margin, so unless every
         // one of 50 sleeps woke more than 200 µs late, it spun.
@@ -1384,20 +1351,6 @@ mod tests {
 
     #[test]
     fn timer_completions_with_a_spin_budget_end_on_time_and_report_the_spin() {
-        #[derive(Default)]
-        struct Stamped {
-            early: AtomicU64,
-            done: AtomicU64,
-        }
-        impl EndIo for Stamped {
-            fn end_io(&self, bio: Bio, _status: Status, private: u64) {
-                if now_ns() < private {
-                    self.early.fetch_add(1, SeqCst);
-                }
-                drop(bio);
-                self.done.fetch_add(1, SeqCst);
-            }
-        }
         const NSEC: u64 = 300_000;
         let opts = EngineOptions {
             completion: CompletionMode::Timer { nsec: NSEC },
@@ -1405,7 +1358,7 @@ mod tests {
             ..EngineOptions::default()
         };
         let q = Queue::new(Gate::default(), opts).unwrap();
-        let owner = Arc::new(Stamped::default());
+        let owner = CompletionRecorder::new();
         for i in 0..20u64 {
             // The bio carries the earliest time it may complete.
             let due = now_ns() + NSEC;
@@ -1419,12 +1372,14 @@ mod tests {
             ));
             std::thread::sleep(std::time::Duration::from_micros(700));
         }
-        let give_up = now_ns() + 5_000_000_000;
-        while owner.done.load(SeqCst) < 20 {
-            assert!(now_ns() < give_up, "completions never ran");
-            std::thread::sleep(std::time::Duration::from_micros(200));
+        let done = owner.wait(20, Duration::from_secs(5));
+        for c in &done {
+            assert!(
+                c.at_ns >= c.cookie,
+                "completed {} ns early",
+                c.cookie - c.at_ns
+            );
         }
-        assert_eq!(owner.early.load(SeqCst), 0);
         let s = q.stats();
         assert_eq!(s.timer_completions, 20);
         assert!(q.status().contains("timer_spin_cpu_ns="), "{}", q.status());
@@ -1439,7 +1394,7 @@ mod tests {
         Queue::new(Gate::default(), opts).unwrap()
     }
 
-    fn polled_bio(owner: &Arc<Done>) -> Bio {
+    fn polled_bio(owner: &Arc<CompletionRecorder>) -> Bio {
         let mut b = write_bio(owner);
         b.flags.insert(BioFlags::POLLED);
         b
@@ -1451,7 +1406,7 @@ mod tests {
         // machine stretches it, ends long before the requests are due.
         let q = timer_queue(200_000_000, true);
         assert!(q.polls());
-        let d = Arc::new(Done::default());
+        let d = CompletionRecorder::new();
         let t0 = now_ns();
         for _ in 0..4 {
             q.submit(polled_bio(&d));
@@ -1460,13 +1415,13 @@ mod tests {
         // not complete them either.
         assert_eq!(q.poll(), 0);
         std::thread::sleep(std::time::Duration::from_millis(10));
-        assert_eq!(d.0.load(SeqCst), 0);
+        assert_eq!(d.count(), 0);
         // Poll until all are done. They are all due at once, so one poll
         // normally ends them all; if this thread is descheduled for more
         // than the backstop's 1 ms past the deadline (a loaded machine),
         // the completion thread may end some instead.
         let mut by_poll = 0;
-        while d.0.load(SeqCst) < 4 {
+        while d.count() < 4 {
             let n = q.poll();
             if n > 0 {
                 assert!(now_ns() - t0 >= 200_000_000, "completed early");
@@ -1482,7 +1437,7 @@ mod tests {
     #[test]
     fn a_polled_bio_nobody_polls_is_completed_by_the_backstop() {
         let q = timer_queue(1_000_000, true);
-        let d = Arc::new(Done::default());
+        let d = CompletionRecorder::new();
         q.submit(polled_bio(&d));
         // Due after 1 ms, left to the completion thread 1 ms later, which
         // looks every 10 ms when idle.
@@ -1491,20 +1446,20 @@ mod tests {
 
     #[test]
     fn dropping_the_queue_ends_its_polled_bios() {
-        let d = Arc::new(Done::default());
+        let d = CompletionRecorder::new();
         {
             let q = timer_queue(5_000_000, true);
             q.submit(polled_bio(&d));
             q.submit(polled_bio(&d));
         }
-        assert_eq!(d.0.load(SeqCst), 2);
+        assert_eq!(d.count(), 2);
     }
 
     #[test]
     fn without_iopoll_a_polled_bio_completes_on_the_timer_thread() {
         let q = timer_queue(1_000_000, false);
         assert!(!q.polls());
-        let d = Arc::new(Done::default());
+        let d = CompletionRecorder::new();
         q.submit(polled_bio(&d));
         assert_eq!(q.poll(), 0);
         wait_done(&d, 1, 2_000_000_000);

@@ -100,15 +100,15 @@
 
 use crate::error::TargetError;
 use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
-use blkstack_core::clock::{self, Jiffies};
+use blkstack_core::clock::{self, wheel_bucket_expiry, Jiffies};
 use blkstack_core::device::Extent;
+use blkstack_core::timing::{self, DeadlineTimer, Parker, WakeMargin, WakeMarginConfig};
 use blkstack_core::{Bio, BioFlags, EndIo, Features, Op, Status, SECTOR_SIZE};
 use parking_lot::Mutex;
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 use std::fmt;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
@@ -318,28 +318,6 @@ struct TimerArm {
     fires_at: u64,
 }
 
-/// Kernel `calc_wheel_index` for a timer added at wheel clock `clk`: the
-/// jiffy at which its bucket runs. Level `n` has a granularity of `8^n`
-/// ticks and covers deltas below `63 << 3n`; the bucket is rounded up past
-/// `expires` so a timer never fires early, which makes even level 0 fire
-/// one tick after `expires`.
-fn wheel_bucket_expiry(expires: u64, clk: u64, hz: u32) -> u64 {
-    const LVL_CLK_SHIFT: u32 = 3;
-    const LVL_BITS: u64 = 6;
-    let depth: u32 = if hz > 100 { 9 } else { 8 };
-    if expires < clk {
-        return clk;
-    }
-    let delta = expires - clk;
-    let lvl_start = |n: u32| ((1u64 << LVL_BITS) - 1) << ((n - 1) * LVL_CLK_SHIFT);
-    let mut lvl = 0;
-    while lvl + 1 < depth && delta >= lvl_start(lvl + 1) {
-        lvl += 1;
-    }
-    let shift = lvl * LVL_CLK_SHIFT;
-    ((expires >> shift) + 1) << shift
-}
-
 struct State {
     /// `timer` and `kthread` mode: every held bio, earliest first.
     queue: BinaryHeap<Held>,
@@ -418,74 +396,6 @@ impl State {
 
     fn load_model_on(&self) -> bool {
         self.timing.iter().any(|t| t.load_k.is_some())
-    }
-}
-
-/// A futex word a worker sleeps on, with the deadline it is heading for so
-/// that submitters wake it only when they bring an earlier one.
-struct Parker {
-    word: AtomicU32,
-    /// The key the worker waits for: `u64::MAX` when idle, 0 when it polls
-    /// and needs no wake-up. Written under the state lock.
-    target: AtomicU64,
-}
-
-impl Parker {
-    fn new() -> Parker {
-        Parker {
-            word: AtomicU32::new(0),
-            target: AtomicU64::new(u64::MAX),
-        }
-    }
-
-    fn seen(&self) -> u32 {
-        self.word.load(Ordering::Acquire)
-    }
-
-    /// Sleep until the word changes from `seen` or, if given, the absolute
-    /// CLOCK_MONOTONIC time `until_ns` passes. Returns whether it timed out.
-    fn park(&self, seen: u32, until_ns: Option<u64>) -> bool {
-        let ts;
-        let tsp = match until_ns {
-            Some(ns) => {
-                ts = libc::timespec {
-                    tv_sec: (ns / 1_000_000_000) as libc::time_t,
-                    tv_nsec: (ns % 1_000_000_000) as libc::c_long,
-                };
-                &ts as *const libc::timespec
-            }
-            None => std::ptr::null(),
-        };
-        // SAFETY: the word outlives the call; FUTEX_WAIT_BITSET takes an
-        // absolute CLOCK_MONOTONIC timeout, or none when null.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                self.word.as_ptr(),
-                libc::FUTEX_WAIT_BITSET | libc::FUTEX_PRIVATE_FLAG,
-                seen,
-                tsp,
-                std::ptr::null::<u32>(),
-                libc::FUTEX_BITSET_MATCH_ANY,
-            )
-        };
-        r == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ETIMEDOUT)
-    }
-
-    fn unpark(&self) {
-        self.word.fetch_add(1, Ordering::Release);
-        // SAFETY: a wake on a word we own.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                self.word.as_ptr(),
-                libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
-                i32::MAX,
-                std::ptr::null::<libc::timespec>(),
-                std::ptr::null::<u32>(),
-                0,
-            );
-        }
     }
 }
 
@@ -967,131 +877,23 @@ fn apply_option(
     Ok(())
 }
 
-/// Set this thread up to sleep precisely: 1 ns timer slack, and a short
-/// EEVDF slice so a wake-up preempts a CPU hog instead of waiting for it.
-fn prepare_worker_thread() {
-    clock::set_thread_timer_slack_ns(1);
-    clock::set_thread_sched_slice_ns(WORKER_SLICE_NS);
-}
-
-/// Learns how late a worker's timed sleeps wake, to choose how far short
-/// of a deadline to sleep: the `pct`-th percentile of its last 64 wakes
-/// (a sliding-window quantile, recomputed every 8 wakes), so the margin
-/// follows the machine's timer latency as it changes with load.
-///
-/// Why a percentile: a margin `m` costs `E[(m - L)+]` of spinning and
-/// leaves `E[(L - m)+]` of lateness for a wake latency `L`; if a
-/// microsecond late weighs as much as `w` microseconds of spinning, the
-/// `m` with the least total cost is the `w / (1 + w)` quantile of `L` (the
-/// newsvendor critical ratio). The default 80 weighs lateness 4 times
-/// spinning; higher percentiles spin longer than the scheduler rewards
-/// (see [`DEFAULT_WAKE_PCT`]).
-struct WakeLatency {
-    samples: [u32; 64],
-    n: usize,
-    pct: usize,
-}
-
-impl WakeLatency {
-    fn new(pct: u32) -> WakeLatency {
-        WakeLatency {
-            samples: [0; 64],
-            n: 0,
-            pct: pct as usize,
-        }
-    }
-
-    /// Record one wake `late_ns` after its timer; returns the new margin
-    /// when it is recomputed.
-    fn record(&mut self, late_ns: u64) -> Option<u64> {
-        let len = self.samples.len();
-        self.samples[self.n % len] = late_ns.min(u32::MAX as u64) as u32;
-        self.n += 1;
-        if self.n < 8 || !self.n.is_multiple_of(8) {
-            return None;
-        }
-        let k = self.n.min(len);
-        let mut s = self.samples;
-        let s = &mut s[..k];
-        s.sort_unstable();
-        // The smallest sample with at least pct % of them at or below it.
-        let rank = (k * self.pct).div_ceil(100).clamp(1, k);
-        Some(s[rank - 1] as u64)
-    }
-}
-
-/// A CLOCK_MONOTONIC timerfd, `hybrid` mode's sleep. Submitters arm it
-/// for a new bio's wake time, so the worker sleeps once per deadline and
-/// is never woken merely to be told about a bio.
-struct DeadlineTimer {
-    fd: OwnedFd,
-}
-
-impl DeadlineTimer {
-    fn new() -> std::io::Result<DeadlineTimer> {
-        // SAFETY: plain syscall; the result is checked.
-        let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor we own.
-        Ok(DeadlineTimer {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
-    }
-
-    /// Fire at the absolute CLOCK_MONOTONIC time `at_ns` (at least 1: 0
-    /// would disarm); a time already past fires at once.
-    fn arm(&self, at_ns: u64) {
-        let at_ns = at_ns.max(1);
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: (at_ns / 1_000_000_000) as libc::time_t,
-                tv_nsec: (at_ns % 1_000_000_000) as libc::c_long,
-            },
-        };
-        // SAFETY: valid descriptor and itimerspec.
-        unsafe {
-            libc::timerfd_settime(
-                self.fd.as_raw_fd(),
-                libc::TFD_TIMER_ABSTIME,
-                &spec,
-                std::ptr::null_mut(),
-            );
-        }
-    }
-
-    /// Block until the timer fires (or has fired since the last wait).
-    fn wait(&self) {
-        let mut ticks = 0u64;
-        loop {
-            // SAFETY: reading 8 bytes into a u64 we own.
-            let r = unsafe {
-                libc::read(
-                    self.fd.as_raw_fd(),
-                    &mut ticks as *mut u64 as *mut libc::c_void,
-                    8,
-                )
-            };
-            if r >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                return;
-            }
-        }
-    }
-}
-
 /// `hybrid` mode: one worker, serving the bios of one lane. See the
 /// module documentation.
 fn hybrid_worker(sh: Arc<Shared>, shard: Arc<Shard>) {
-    prepare_worker_thread();
+    timing::prepare_precise_worker(WORKER_SLICE_NS);
     if let Some(cpu) = shard.cpu {
         blkstack_core::affinity::pin_current_thread(cpu);
     }
-    let mut lat = WakeLatency::new(sh.wake_pct);
+    // The margin covers the `wake_pct`-th percentile of the last 64 wakes'
+    // lateness, recomputed every 8 wakes, never more than the spin bound.
+    let mut lat = WakeMargin::new(WakeMarginConfig {
+        percentile: sh.wake_pct,
+        window: 64,
+        every: 8,
+        initial_ns: INITIAL_MARGIN_NS,
+        cap_ns: sh.spin_max_ns,
+        prefill: false,
+    });
     let mut batch: Vec<Held> = Vec::with_capacity(64);
     let mut slept = false;
     // Bios went out since the last spin: their submitters may be runnable.
@@ -1111,9 +913,7 @@ fn hybrid_worker(sh: Arc<Shared>, shard: Arc<Shard>) {
                     .wake_late_ns
                     .fetch_add(now - lane.armed_ns, Ordering::Relaxed);
                 if let Some(m) = lat.record(now - lane.armed_ns) {
-                    shard
-                        .margin_ns
-                        .store(m.min(sh.spin_max_ns), Ordering::Relaxed);
+                    shard.margin_ns.store(m, Ordering::Relaxed);
                 }
             }
             lane.armed_ns = u64::MAX;
@@ -1195,7 +995,7 @@ fn hybrid_worker(sh: Arc<Shared>, shard: Arc<Shard>) {
 
 /// `kthread` mode, the seed's `flush_worker_fn`: poll while bios are held.
 fn kthread_worker(sh: Arc<Shared>) {
-    prepare_worker_thread();
+    timing::prepare_precise_worker(WORKER_SLICE_NS);
     let mut batch: Vec<Held> = Vec::with_capacity(64);
     while !sh.stop.load(Ordering::Acquire) {
         let (seen, empty) = {
@@ -1224,7 +1024,7 @@ fn kthread_worker(sh: Arc<Shared>) {
 /// `timer` mode's timer: fires at the tick its wheel bucket runs and
 /// queues the flush work (`handle_delayed_timer`).
 fn timer_thread(sh: Arc<Shared>) {
-    prepare_worker_thread();
+    timing::prepare_precise_worker(WORKER_SLICE_NS);
     while !sh.stop.load(Ordering::Acquire) {
         let (seen, arm) = {
             let st = sh.state.lock();
@@ -1256,7 +1056,7 @@ fn timer_thread(sh: Arc<Shared>) {
 
 /// `timer` mode's kdelayd work: `flush_expired_bios`.
 fn workqueue_thread(sh: Arc<Shared>) {
-    prepare_worker_thread();
+    timing::prepare_precise_worker(WORKER_SLICE_NS);
     let mut batch: Vec<Held> = Vec::with_capacity(64);
     while !sh.stop.load(Ordering::Acquire) {
         let rearm = {
@@ -1645,40 +1445,6 @@ mod tests {
         }
         assert_eq!(format_ms(1_500_000), "1.5");
         assert_eq!(format_ms(7_000_000), "7");
-    }
-
-    #[test]
-    fn wheel_rounds_past_expires_by_level_granularity() {
-        // Level 0: one tick after expires.
-        assert_eq!(wheel_bucket_expiry(101, 100, 1000), 102);
-        assert_eq!(wheel_bucket_expiry(100 + 62, 100, 1000), 163);
-        // Level 1 (delta 63..503): 8-tick granularity, rounded up.
-        assert_eq!(wheel_bucket_expiry(100 + 63, 100, 1000), 168);
-        assert_eq!(wheel_bucket_expiry(100 + 100, 100, 1000), 208);
-        // Level 2: 64 ticks.
-        assert_eq!(wheel_bucket_expiry(1000, 0, 1000), 1024);
-        // Already expired: the current bucket.
-        assert_eq!(wheel_bucket_expiry(5, 10, 1000), 10);
-    }
-
-    #[test]
-    fn wake_margin_is_the_chosen_percentile_of_recent_wakes() {
-        let mut w = WakeLatency::new(95);
-        // Nothing until 8 samples, then every 8th.
-        for late in 1..=7 {
-            assert_eq!(w.record(late * 1000), None);
-        }
-        assert_eq!(w.record(8000), Some(8000), "95th of 1..8 µs is the top");
-        // 64 samples 1..=64 µs: the 95th percentile is the 61st.
-        let mut w = WakeLatency::new(95);
-        let got: Vec<u64> = (1..=64).filter_map(|l| w.record(l * 1000)).collect();
-        assert_eq!(got.last(), Some(&61_000));
-        // The window slides: 64 more wakes of 5 µs replace them all.
-        let got: Vec<u64> = (0..64).filter_map(|_| w.record(5000)).collect();
-        assert_eq!(got.last(), Some(&5000));
-        let mut w = WakeLatency::new(50);
-        let got: Vec<u64> = (1..=64).filter_map(|l| w.record(l * 1000)).collect();
-        assert_eq!(got.last(), Some(&32_000));
     }
 
     #[test]
