@@ -20,8 +20,10 @@ pub enum DmError {
     Line {
         device: Option<String>,
         line: usize,
+        /// Boxed: a target's error can be large, a registry result should
+        /// not be.
         #[source]
-        source: LineError,
+        source: Box<LineError>,
     },
     #[error("{}empty table: no target lines", device_prefix(device))]
     EmptyTable { device: Option<String> },
@@ -48,7 +50,7 @@ pub enum DmError {
     Message {
         device: String,
         #[source]
-        source: TargetError,
+        source: Box<TargetError>,
     },
 }
 
@@ -69,7 +71,7 @@ impl DmError {
         DmError::Line {
             device: None,
             line,
-            source,
+            source: Box::new(source),
         }
     }
 

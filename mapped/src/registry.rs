@@ -392,7 +392,7 @@ impl Registry {
         dev.message(sector, args)
             .map_err(|source| DmError::Message {
                 device: dev.name.clone(),
-                source,
+                source: Box::new(source),
             })
     }
 

@@ -189,6 +189,20 @@ pub struct TargetType {
     pub ctr: fn(&mut CtrContext<'_>, &[&str]) -> Result<TargetRef, TargetError>,
 }
 
+/// The data/hole map of `offset..offset+len` on a device that a target
+/// maps onto from sector `start_sector`, made target-relative again.
+pub fn extents_from(dev: &DevArg, start_sector: u64, offset: u64, len: u64) -> Option<Vec<Extent>> {
+    let base = start_sector * SECTOR_SIZE;
+    dev.dev.extents(offset + base, len).map(|v| {
+        v.into_iter()
+            .map(|e| Extent {
+                offset: e.offset - base,
+                ..e
+            })
+            .collect()
+    })
+}
+
 /// Parse a number argument, naming it in the error.
 pub fn parse_arg<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, TargetError> {
     s.parse::<T>().map_err(|_| TargetError::InvalidArg {

@@ -7,7 +7,9 @@
 //! (`dm_table_supports_poll`), and `poll` reaps on that device.
 
 use crate::error::TargetError;
-use crate::target::{expect_args, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
+use crate::target::{
+    expect_args, extents_from, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType,
+};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Features, SECTOR_SIZE};
 use std::sync::Arc;
@@ -54,14 +56,6 @@ impl Target for LinearTarget {
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
-        let base = self.start * SECTOR_SIZE;
-        self.dev.dev.extents(offset + base, len).map(|v| {
-            v.into_iter()
-                .map(|e| Extent {
-                    offset: e.offset - base,
-                    ..e
-                })
-                .collect()
-        })
+        extents_from(&self.dev, self.start, offset, len)
     }
 }
