@@ -1,42 +1,29 @@
 //! Polled bios pass through linear and striped, as Linux dm lets a
 //! REQ_POLLED bio through a table whose devices all poll
 //! (`dm_table_supports_poll`): the submitter's `poll` on the mapped device
-//! reaps them from the null devices below, on the submitter's thread, and
-//! never before their completion time.
+//! reaps them from the null devices below, exactly once and never before
+//! their completion time.
 
 use blkstack_core::clock::now_ns;
-use blkstack_core::{Bio, BioFlags, Device, EndIo, IoBuf, Op, Status};
+use blkstack_core::testing::CompletionRecorder;
+use blkstack_core::{Bio, BioFlags, Device, IoBuf, Op, Status};
 use blkstack_mapped::Registry;
-use parking_lot::Mutex;
-use std::sync::Arc;
-use std::thread::ThreadId;
 
 /// Long enough that the submit and the first polls end well before any bio
 /// is due, so an early completion cannot hide.
 const COMPLETION_NS: u64 = 20_000_000;
-
-/// Each completion: the thread it ran on, when, and its status.
-#[derive(Default)]
-struct Completions(Mutex<Vec<(ThreadId, u64, Status)>>);
-
-impl EndIo for Completions {
-    fn end_io(&self, _bio: Bio, status: Status, _private: u64) {
-        self.0
-            .lock()
-            .push((std::thread::current().id(), now_ns(), status));
-    }
-}
 
 fn null_line(sectors: u64) -> String {
     format!("0 {sectors} null irqmode=2 completion_nsec={COMPLETION_NS} iopoll=1")
 }
 
 /// Submit one polled read at each offset and poll until all are done.
-/// Returns whether every one was reaped by this thread's `poll` (rather
-/// than by the null's backstop, which takes bios nobody polled for 1 ms
-/// past their deadline); asserts exactly-once and never-early either way.
+/// Returns whether every one was reaped by this thread's `poll` (its
+/// count of completions, rather than the null's backstop, which takes
+/// bios nobody polled for 1 ms past their deadline); asserts exactly-once
+/// and never-early either way.
 fn polled_reads_reaped_by_poll(dev: &dyn Device, offsets: &[u64]) -> bool {
-    let done = Arc::new(Completions::default());
+    let done = CompletionRecorder::new();
     let mut bufs: Vec<Vec<u8>> = offsets.iter().map(|_| vec![0u8; 4096]).collect();
     let t0 = now_ns();
     for (i, (&off, buf)) in offsets.iter().zip(bufs.iter_mut()).enumerate() {
@@ -48,19 +35,25 @@ fn polled_reads_reaped_by_poll(dev: &dyn Device, offsets: &[u64]) -> bool {
         dev.submit(bio);
     }
     let mut by_poll = 0;
-    while done.0.lock().len() < offsets.len() {
+    while done.count() < offsets.len() {
         by_poll += dev.poll();
         assert!(now_ns() - t0 < 5_000_000_000, "polled bios never completed");
     }
-    let me = std::thread::current().id();
-    let got = done.0.lock().clone();
-    assert_eq!(got.len(), offsets.len(), "a bio completed twice");
-    for &(_, at, status) in &got {
-        assert_eq!(status, Status::Ok);
-        assert!(at - t0 >= COMPLETION_NS, "completed early: {} ns", at - t0);
+    let got = done.completions();
+    let mut cookies: Vec<u64> = got.iter().map(|c| c.cookie).collect();
+    cookies.sort_unstable();
+    assert_eq!(
+        cookies,
+        (0..offsets.len() as u64).collect::<Vec<_>>(),
+        "not exactly once"
+    );
+    for c in &got {
+        assert_eq!(c.status, Status::Ok);
+        let after = c.at_ns - t0;
+        assert!(after >= COMPLETION_NS, "completed early: {after} ns");
     }
     assert!(by_poll <= offsets.len());
-    by_poll == offsets.len() && got.iter().all(|&(t, _, _)| t == me)
+    by_poll == offsets.len()
 }
 
 /// A descheduled poller (a loaded test machine) may leave a bio to the

@@ -4,9 +4,9 @@
 //! cannot be removed; data written through linear and striped comes back.
 
 use blkstack_core::sync::submit_and_wait;
-use blkstack_core::{Bio, Device, EndIo, IoBuf, Op, Status};
+use blkstack_core::testing::CompletionRecorder;
+use blkstack_core::{Bio, Device, IoBuf, Op, Status};
 use blkstack_mapped::Registry;
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 fn snapshot(reg: &Registry) -> Vec<(String, String, Option<String>)> {
@@ -203,14 +203,6 @@ fn data_round_trips_through_linear_and_striped() {
     );
 }
 
-#[derive(Default)]
-struct Collect(Mutex<Vec<Status>>);
-impl EndIo for Collect {
-    fn end_io(&self, _bio: Bio, status: Status, _p: u64) {
-        self.0.lock().push(status);
-    }
-}
-
 #[test]
 fn suspend_holds_io_and_reload_takes_effect_at_resume() {
     let reg = base();
@@ -228,16 +220,16 @@ fn suspend_holds_io_and_reload_takes_effect_at_resume() {
 
     reg.suspend("d").unwrap();
     assert!(reg.info("d").unwrap().suspended);
-    let sink = Arc::new(Collect::default());
+    let sink = CompletionRecorder::new();
     let mut mem = vec![0u8; 512];
     // SAFETY: `mem` outlives the request; we wait for its completion below.
     let buf = unsafe { IoBuf::from_slice(&mut mem) };
     dev.submit(Bio::new(Op::Read, 0, 512, buf, sink.clone(), 0));
     std::thread::sleep(std::time::Duration::from_millis(20));
-    assert!(sink.0.lock().is_empty(), "I/O must be held while suspended");
+    assert_eq!(sink.count(), 0, "I/O must be held while suspended");
     reg.resume("d").unwrap();
     // The held bio ran against the new table.
-    assert_eq!(*sink.0.lock(), vec![Status::IoError]);
+    assert_eq!(sink.statuses(), vec![Status::IoError]);
     assert_eq!(reg.table_text("d").unwrap(), "0 1024 error\n");
     assert_eq!(reg.info("d").unwrap().event_nr, 1);
     drop(mem);
