@@ -1,4 +1,4 @@
-//! The `delay` target as a dmsetup user and the seed's experiment rely on
+//! The `delay` target as a dmsetup user and `lab delay` rely on
 //! it: no bio ever leaves before its deadline in any timing mode (checked
 //! for every bio, from several submitting threads, across op classes,
 //! fractional delays and the latency models), dm-delay's argument errors,

@@ -3,7 +3,7 @@
 //! send it on (kernel dm-delay.c), in dm-delay's shape: a constructor that
 //! builds one [`DelayClass`] per op class (`delay_class_ctr`), `map`
 //! (`delay_map`), `status`, `message`, and presuspend/resume; the bios
-//! held are sent on by one of three flush mechanisms behind [`Flusher`].
+//! held are sent on by one of three flush mechanisms behind `Flusher`.
 //!
 //! # dm-delay compatibility
 //!
@@ -150,7 +150,7 @@ impl fmt::Display for Mode {
 
 /// dm-delay's `struct delay_class`: the lower device of one op class and
 /// how many of its bios are held now. Its delay, which `message` may
-/// change, is in the target's [`LatencyModel`].
+/// change, is in the target's `LatencyModel`.
 pub struct DelayClass {
     dev: DevArg,
     /// Start on `dev`, in sectors.

@@ -6,8 +6,8 @@
 //! level-0 timer fires one tick after it), fired at a tick boundary by a
 //! timer thread, which queues work on a second thread (the workqueue hop)
 //! that sends on every bio with `jiffies >= expires` and re-arms the timer
-//! for the earliest one left. The losses at small delays that upstream
-//! measured come from these roundings and the hop.
+//! for the earliest one left. The lost accuracy at small delays that the
+//! kthread change fixed comes from these roundings and the hop.
 
 use super::held::{pop_due, Held};
 use super::{Flusher, Shared, WORKER_SLICE_NS};

@@ -2,7 +2,7 @@
 //! selector, failed over on path errors (kernel drivers/md/dm-mpath.c,
 //! bio-based).
 //!
-//! Table grammar, as dm-mpath's constructor (parsed in [`ctr`], one
+//! Table grammar, as dm-mpath's constructor (parsed in `ctr`, one
 //! function per piece as dm-mpath.c's parse_features, parse_hw_handler,
 //! parse_priority_group and parse_path):
 //!

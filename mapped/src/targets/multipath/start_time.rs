@@ -46,7 +46,7 @@ fn kernel_jiffies_to_nsecs(j: u64, hz: u32) -> u64 {
 
 impl StartTime {
     /// The start time a selector is given for an I/O submitted at `now`
-    /// (a [`now_ns`] reading, i.e. nanoseconds since boot like
+    /// (a [`now_ns`](blkstack_core::clock::now_ns) reading, i.e. nanoseconds since boot like
     /// `ktime_get_ns()`): `now` itself, `jiffies_to_nsecs` of the emulated
     /// jiffies counter at `now`, or the start of the tick containing `now`.
     pub fn at(self, now: u64) -> u64 {
