@@ -250,13 +250,18 @@ impl TargetError {
 }
 
 /// An error and its sources on one line, joined by `: ` as anyhow's `{:#}`
-/// prints them: what a user is shown.
+/// prints them: what a user is shown. A source whose text its wrapper
+/// already ends with (some errors print their source too) is not
+/// repeated.
 pub fn report(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
+        let text = inner.to_string();
+        if !s.ends_with(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
         cur = inner.source();
     }
     s
@@ -284,5 +289,13 @@ mod tests {
             report(&DmError::EmptyTable { device: None }.in_device("x")),
             "device x: empty table: no target lines"
         );
+        // A wrapper that prints its source already is not repeated.
+        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let shown = format!("cannot open x: {io}");
+        let e = TargetError::Io {
+            what: "cannot open x: entity not found",
+            source: io,
+        };
+        assert_eq!(report(&e), shown);
     }
 }
