@@ -182,6 +182,24 @@ pub enum TargetError {
     },
     #[error("invalid {what} '{value}'")]
     InvalidArg { what: String, value: String },
+    /// dm's `dm_read_arg` range check.
+    #[error("invalid {what} {value}: must be in {min}..={max}")]
+    OutOfRange {
+        what: String,
+        value: u64,
+        min: u64,
+        max: u64,
+    },
+    /// The arguments ended before a required one.
+    #[error("missing {0} (the table ends early)")]
+    Missing(String),
+    /// dm's `dm_read_arg_group`: a count larger than what follows.
+    #[error("{what} is {count} but only {left} argument(s) follow")]
+    GroupTooLong {
+        what: String,
+        count: u32,
+        left: usize,
+    },
     #[error("device '{0}' not found")]
     NoDevice(String),
     #[error("device '{0}': range overflows")]
@@ -218,7 +236,8 @@ pub enum TargetError {
     /// The null driver's refusal, as text until it has a typed error.
     #[error("{0}")]
     Null(String),
-    /// A target-specific rule, the message says which.
+    /// A rule of one target broken, the message says which argument and
+    /// why: the kernel's per-target `ti->error` strings.
     #[error("{0}")]
     Invalid(String),
     #[error("empty message")]

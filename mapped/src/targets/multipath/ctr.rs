@@ -29,9 +29,11 @@ impl<'a> ArgSet<'a> {
     }
 
     fn shift(&mut self, what: &str) -> Result<&'a str, TargetError> {
-        let a = self.args.get(self.pos).copied().ok_or_else(|| {
-            TargetError::invalid(format!("missing {what} (the table ends early)"))
-        })?;
+        let a = self
+            .args
+            .get(self.pos)
+            .copied()
+            .ok_or_else(|| TargetError::Missing(what.to_string()))?;
         self.pos += 1;
         Ok(a)
     }
@@ -39,13 +41,17 @@ impl<'a> ArgSet<'a> {
     /// Kernel `dm_read_arg`: an unsigned in `min..=max`.
     fn read(&mut self, what: &str, min: u32, max: u32) -> Result<u32, TargetError> {
         let a = self.shift(what)?;
-        let v: u32 = a
-            .parse()
-            .map_err(|_| TargetError::invalid(format!("invalid {what} '{a}'")))?;
+        let v: u32 = a.parse().map_err(|_| TargetError::InvalidArg {
+            what: what.to_string(),
+            value: a.to_string(),
+        })?;
         if v < min || v > max {
-            return Err(TargetError::invalid(format!(
-                "invalid {what} {v}: must be in {min}..={max}"
-            )));
+            return Err(TargetError::OutOfRange {
+                what: what.to_string(),
+                value: v.into(),
+                min: min.into(),
+                max: max.into(),
+            });
         }
         Ok(v)
     }
@@ -54,10 +60,11 @@ impl<'a> ArgSet<'a> {
     fn read_group(&mut self, what: &str, max: u32) -> Result<u32, TargetError> {
         let n = self.read(what, 0, max)?;
         if n as usize > self.remaining() {
-            return Err(TargetError::invalid(format!(
-                "{what} is {n} but only {} argument(s) follow",
-                self.remaining()
-            )));
+            return Err(TargetError::GroupTooLong {
+                what: what.to_string(),
+                count: n,
+                left: self.remaining(),
+            });
         }
         Ok(n)
     }
