@@ -64,7 +64,12 @@ impl TimerFlusher {
         });
         let (a, b) = (t.clone(), t.clone());
         sh.spawn(format!("dlyt-{}", sh.name), move || a.timer_thread())?;
-        sh.spawn(format!("kdlyd-{}", sh.name), move || b.workqueue_thread())?;
+        if let Err(e) = sh.spawn(format!("kdlyd-{}", sh.name), move || b.workqueue_thread()) {
+            // No target will exist to stop the timer thread: stop it here.
+            sh.stop.store(true, Ordering::Release);
+            t.timer.unpark();
+            return Err(e);
+        }
         Ok(TimerFlusher(t))
     }
 }
