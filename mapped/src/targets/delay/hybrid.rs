@@ -184,8 +184,7 @@ impl Hybrid {
         Some(shard)
     }
 
-    /// Take a wake's lateness into the margin, if the worker slept on the
-    /// timer that just fired.
+    /// Count a timed wake and learn the margin from its lateness.
     fn record_wake(&self, shard: &Shard, lat: &mut WakeMargin, late_ns: u64) {
         self.wakes.fetch_add(1, Ordering::Relaxed);
         self.wake_late_ns.fetch_add(late_ns, Ordering::Relaxed);
