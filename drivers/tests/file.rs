@@ -435,7 +435,7 @@ fn file_size_rules_and_bad_args() {
         reg.create("bad", &table)
             .err()
             .expect("must be refused")
-            .to_string()
+            .report()
     };
 
     let e = err(format!("0 2048 file {}", missing.display()));

@@ -12,6 +12,7 @@
 //! held bios in arrival order. The live table is read per I/O through
 //! `arc_swap`, which costs no lock and no shared-counter bounce.
 
+use crate::error::TargetError;
 use crate::split::Split;
 use crate::table::{render_table, TableLine};
 use crate::target::TargetRef;
@@ -378,16 +379,19 @@ impl MappedDevice {
 
     /// `dmsetup message NAME SECTOR MSG...`: sent to the line containing
     /// `sector` (dm requires a sector; 0 selects the first line).
-    pub fn message(&self, sector: u64, args: &[&str]) -> Result<String, String> {
+    pub fn message(&self, sector: u64, args: &[&str]) -> Result<String, TargetError> {
         if args.is_empty() {
-            return Err("empty message".into());
+            return Err(TargetError::EmptyMessage);
         }
         let t = self.live_table();
         let e = t
             .entries
             .iter()
             .find(|e| sector >= e.line.start && sector < e.line.start + e.line.len)
-            .ok_or_else(|| format!("sector {sector} is beyond the end of {}", self.name))?;
+            .ok_or_else(|| TargetError::MessageSector {
+                sector,
+                device: self.name.clone(),
+            })?;
         e.target.message(args)
     }
 }
@@ -529,32 +533,15 @@ impl Device for MappedDevice {
 mod tests {
     use super::*;
     use crate::registry::Registry;
-    use blkstack_core::clock::now_ns;
+    use blkstack_core::testing::CompletionRecorder;
     use blkstack_core::{AlignedBuf, IoBuf};
 
-    /// Records every completion: (cookie, status).
-    #[derive(Default)]
-    struct Rec(Mutex<Vec<(u64, Status)>>);
-
-    impl EndIo for Rec {
-        fn end_io(&self, bio: Bio, status: Status, private: u64) {
-            self.0.lock().push((private, status));
-            drop(bio);
-        }
-    }
-
-    impl Rec {
-        fn wait(&self, n: usize) -> Vec<(u64, Status)> {
-            let deadline = now_ns() + 10_000_000_000;
-            loop {
-                let v = self.0.lock().clone();
-                if v.len() >= n {
-                    return v;
-                }
-                assert!(now_ns() < deadline, "{} of {n} completed", v.len());
-                std::thread::sleep(std::time::Duration::from_micros(200));
-            }
-        }
+    /// Waits for `n` completions (10 s at most), as (cookie, status).
+    fn wait(rec: &CompletionRecorder, n: usize) -> Vec<(u64, Status)> {
+        rec.wait(n, std::time::Duration::from_secs(10))
+            .iter()
+            .map(|c| (c.cookie, c.status))
+            .collect()
     }
 
     /// Statuses by cookie, each bio completed exactly once.
@@ -570,7 +557,14 @@ mod tests {
             .collect()
     }
 
-    fn bio(op: Op, off: u64, len: u64, mem: &AlignedBuf, rec: &Arc<Rec>, i: u64) -> Bio {
+    fn bio(
+        op: Op,
+        off: u64,
+        len: u64,
+        mem: &AlignedBuf,
+        rec: &Arc<CompletionRecorder>,
+        i: u64,
+    ) -> Bio {
         let buf = if op.has_data() {
             // SAFETY: `mem` outlives every bio of the test (each is waited
             // for before it returns).
@@ -586,7 +580,7 @@ mod tests {
         let reg = Registry::new();
         let dev = reg.create("n", "0 2048 null irqmode=1").unwrap();
         let mem = AlignedBuf::new(8 * 4096);
-        let rec = Arc::new(Rec::default());
+        let rec = CompletionRecorder::new();
         let mut bios = vec![
             bio(Op::Read, 0, 4096, &mem, &rec, 0),
             bio(Op::Read, 1 << 20, 4096, &mem, &rec, 1), // past the end
@@ -600,14 +594,14 @@ mod tests {
         bios[6].len = 8192;
         dev.submit_batch(&mut bios);
         assert!(bios.is_empty());
-        let got = by_cookie(&rec.wait(7), 7);
+        let got = by_cookie(&wait(&rec, 7), 7);
         use Status::{Invalid, Ok};
         assert_eq!(got, vec![Ok, Invalid, Ok, Invalid, Ok, Invalid, Invalid]);
         assert_eq!(dev.inflight(), 0);
 
         // Read-only: writes in a batch are refused, the rest go through.
         dev.set_read_only(true);
-        let rec = Arc::new(Rec::default());
+        let rec = CompletionRecorder::new();
         let mut bios = vec![
             bio(Op::Write, 0, 4096, &mem, &rec, 0),
             bio(Op::Read, 0, 4096, &mem, &rec, 1),
@@ -615,7 +609,7 @@ mod tests {
             bio(Op::Discard, 0, 4096, &mem, &rec, 3),
         ];
         dev.submit_batch(&mut bios);
-        let got = by_cookie(&rec.wait(4), 4);
+        let got = by_cookie(&wait(&rec, 4), 4);
         assert_eq!(got, vec![Status::Permission, Ok, Ok, Status::Permission]);
         assert_eq!(dev.inflight(), 0);
     }
@@ -625,16 +619,16 @@ mod tests {
         let reg = Registry::new();
         let dev = reg.create("n", "0 2048 null").unwrap();
         let mem = AlignedBuf::new(16 * 4096);
-        let rec = Arc::new(Rec::default());
+        let rec = CompletionRecorder::new();
         dev.suspend();
         let mut bios: Vec<Bio> = (0..16)
             .map(|i| bio(Op::Read, i * 4096, 4096, &mem, &rec, i))
             .collect();
         dev.submit_batch(&mut bios);
-        assert!(rec.0.lock().is_empty(), "mapped while suspended");
+        assert_eq!(rec.count(), 0, "mapped while suspended");
         assert_eq!(dev.inflight(), 0);
         dev.resume();
-        let got = by_cookie(&rec.wait(16), 16);
+        let got = by_cookie(&wait(&rec, 16), 16);
         assert!(got.iter().all(|s| s.is_ok()));
     }
 
@@ -645,7 +639,7 @@ mod tests {
         const BATCHES: u64 = 3000;
         const PER: u64 = 16;
         let mem = Arc::new(AlignedBuf::new(PER as usize * 4096));
-        let rec = Arc::new(Rec::default());
+        let rec = CompletionRecorder::new();
         let submitter = {
             let (dev, mem, rec) = (dev.clone(), mem.clone(), rec.clone());
             std::thread::spawn(move || {
@@ -672,15 +666,15 @@ mod tests {
             // watch completions instead: once those that were in flight
             // have finished going up, nothing may complete until resume.
             std::thread::sleep(std::time::Duration::from_millis(5));
-            let settled = rec.0.lock().len();
+            let settled = rec.count();
             std::thread::sleep(std::time::Duration::from_millis(1));
-            assert_eq!(rec.0.lock().len(), settled, "a bio got past the suspend");
+            assert_eq!(rec.count(), settled, "a bio got past the suspend");
             dev.resume();
             std::thread::sleep(std::time::Duration::from_micros(100));
         }
         submitter.join().unwrap();
         let n = (BATCHES * PER) as usize;
-        let got = by_cookie(&rec.wait(n), n);
+        let got = by_cookie(&wait(&rec, n), n);
         assert!(got.iter().all(|s| s.is_ok()));
         assert!(suspends > 0);
         assert_eq!(dev.inflight(), 0);

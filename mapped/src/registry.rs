@@ -11,7 +11,7 @@
 //! refused.
 
 use crate::device::{MappedDevice, Table, TableEntry};
-use crate::error::DmError;
+use crate::error::{DmError, LineError};
 use crate::table::{parse_concise, parse_stack, parse_table, DeviceSpec};
 use crate::target::{CtrContext, DM_MAJOR};
 use crate::targets;
@@ -130,23 +130,23 @@ impl Registry {
             let tt = targets::lookup(&line.target).ok_or_else(|| {
                 DmError::line(
                     line.line,
-                    format!(
-                        "unknown target type '{}' (known: {})",
-                        line.target,
-                        targets::names().join(", ")
-                    ),
+                    LineError::UnknownTarget {
+                        target: line.target.clone(),
+                        known: targets::names().join(", "),
+                    },
                 )
                 .in_device(name)
             })?;
             let mut ctx = CtrContext::new(line.start, line.len, name, &lookup);
             let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
-            let target = (tt.ctr)(&mut ctx, &args).map_err(|msg| {
-                DmError::line(line.line, format!("{}: {msg}", line.target)).in_device(name)
+            let target = (tt.ctr)(&mut ctx, &args).map_err(|source| {
+                let target = line.target.clone();
+                DmError::line(line.line, LineError::Target { target, source }).in_device(name)
             })?;
             let deps = ctx.take_used();
             if deps.iter().any(|d| d == name) {
                 return Err(
-                    DmError::line(line.line, format!("device {name} cannot use itself"))
+                    DmError::line(line.line, LineError::UsesItself(name.to_string()))
                         .in_device(name),
                 );
             }
@@ -188,10 +188,10 @@ impl Registry {
                     .chain(staged.iter())
                     .any(|d| d.uuid.as_deref() == Some(u))
                 {
-                    return Err(DmError::Invalid(format!(
-                        "device {}: uuid {u} is already in use",
-                        spec.name
-                    )));
+                    return Err(DmError::UuidInUse {
+                        name: spec.name.clone(),
+                        uuid: u.clone(),
+                    });
                 }
             }
             let minor = match spec.minor {
@@ -202,10 +202,10 @@ impl Registry {
                         .chain(staged.iter())
                         .any(|d| d.minor == m)
                     {
-                        return Err(DmError::Invalid(format!(
-                            "device {}: minor {m} is already in use",
-                            spec.name
-                        )));
+                        return Err(DmError::MinorInUse {
+                            name: spec.name.clone(),
+                            minor: m,
+                        });
                     }
                     m
                 }
@@ -213,10 +213,17 @@ impl Registry {
             };
             let table = Self::build_table(&state, &staged, &spec.name, &spec.table).map_err(
                 |e| match (e, &spec.origin_lines) {
-                    (DmError::Line { device, line, msg }, Some(origin)) => DmError::Line {
+                    (
+                        DmError::Line {
+                            device,
+                            line,
+                            source,
+                        },
+                        Some(origin),
+                    ) => DmError::Line {
                         device,
                         line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
-                        msg,
+                        source,
                     },
                     (e, _) => e,
                 },
@@ -273,10 +280,10 @@ impl Registry {
         let t = Self::build_table(&state, &[], &dev.name, table)?;
         for d in t.deps() {
             if state.reaches(&d, &dev.name, 0) {
-                return Err(DmError::Invalid(format!(
-                    "device {}: table would make a cycle through {d}",
-                    dev.name
-                )));
+                return Err(DmError::Cycle {
+                    name: dev.name.clone(),
+                    through: d,
+                });
             }
         }
         let new_size = t.size_bytes();
@@ -383,7 +390,10 @@ impl Registry {
     pub fn message(&self, name: &str, sector: u64, args: &[&str]) -> Result<String, DmError> {
         let dev = self.must_get(name)?;
         dev.message(sector, args)
-            .map_err(|m| DmError::Invalid(format!("{}: message failed: {m}", dev.name)))
+            .map_err(|source| DmError::Message {
+                device: dev.name.clone(),
+                source: Box::new(source),
+            })
     }
 
     pub fn info(&self, name: &str) -> Result<DeviceInfo, DmError> {

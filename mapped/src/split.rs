@@ -66,20 +66,15 @@ impl EndIo for Split {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blkstack_core::testing::CompletionRecorder;
     use blkstack_core::{IoBuf, Op};
-
-    #[derive(Default)]
-    struct Owner(Mutex<Vec<Status>>);
-    impl EndIo for Owner {
-        fn end_io(&self, _bio: Bio, status: Status, _p: u64) {
-            self.0.lock().push(status);
-        }
-    }
 
     #[test]
     fn parent_completes_once_with_first_error() {
-        let owner = Arc::new(Owner::default());
+        let owner = CompletionRecorder::new();
         let mut mem = vec![0u8; 4096];
+        // SAFETY: `mem` outlives the bio and its children, all completed
+        // below.
         let buf = unsafe { IoBuf::from_slice(&mut mem) };
         let parent = Bio::new(Op::Write, 0, 4096, buf, owner.clone(), 0);
         let mut kids = Vec::new();
@@ -89,9 +84,9 @@ mod tests {
         assert_eq!(kids[2].len, 2048);
         let mut it = kids.into_iter();
         it.next().unwrap().complete(Status::Ok);
-        assert!(owner.0.lock().is_empty());
+        assert_eq!(owner.count(), 0);
         it.next().unwrap().complete(Status::Medium);
         it.next().unwrap().complete(Status::IoError);
-        assert_eq!(*owner.0.lock(), vec![Status::Medium]);
+        assert_eq!(owner.statuses(), vec![Status::Medium]);
     }
 }

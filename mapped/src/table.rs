@@ -13,7 +13,7 @@
 //! Validation follows `dm_table_add_target`/`dm_table_complete`: the lines,
 //! in order, must start at sector 0 and abut with no gap or overlap.
 
-use crate::error::DmError;
+use crate::error::{ConciseError, DmError, LineError, NameError};
 use std::fmt::Write as _;
 
 /// One parsed table line.
@@ -79,11 +79,14 @@ pub fn split_args(s: &str) -> Vec<String> {
     out
 }
 
-fn parse_u64(what: &str, s: &str, line: usize) -> Result<u64, DmError> {
+fn parse_u64(what: &'static str, s: &str, line: usize) -> Result<u64, DmError> {
     s.parse::<u64>().map_err(|_| {
         DmError::line(
             line,
-            format!("bad {what} '{s}': not a non-negative integer"),
+            LineError::Number {
+                what,
+                value: s.to_string(),
+            },
         )
     })
 }
@@ -94,22 +97,16 @@ pub fn parse_line(text: &str, line: usize) -> Result<TableLine, DmError> {
     if words.len() < 3 {
         return Err(DmError::line(
             line,
-            format!(
-                "expected '<start> <length> <target> [args...]', got '{}'",
-                text.trim()
-            ),
+            LineError::Shape(text.trim().to_string()),
         ));
     }
     let start = parse_u64("start sector", &words[0], line)?;
     let len = parse_u64("length", &words[1], line)?;
     if len == 0 {
-        return Err(DmError::line(line, "zero-length target".to_string()));
+        return Err(DmError::line(line, LineError::ZeroLength));
     }
     if start.checked_add(len).is_none() {
-        return Err(DmError::line(
-            line,
-            format!("start {start} + length {len} overflows"),
-        ));
+        return Err(DmError::line(line, LineError::Overflow { start, len }));
     }
     Ok(TableLine {
         line,
@@ -138,7 +135,7 @@ pub fn parse_table(text: &str) -> Result<Vec<TableLine>, DmError> {
 /// overlapping targets are refused too).
 pub fn check_layout(lines: &[TableLine]) -> Result<(), DmError> {
     if lines.is_empty() {
-        return Err(DmError::Invalid("empty table: no target lines".into()));
+        return Err(DmError::EmptyTable { device: None });
     }
     let mut sorted: Vec<&TableLine> = lines.iter().collect();
     sorted.sort_by_key(|l| l.start);
@@ -149,28 +146,24 @@ pub fn check_layout(lines: &[TableLine]) -> Result<(), DmError> {
             let p = prev.map(|p| p.line).unwrap_or(0);
             return Err(DmError::line(
                 l.line,
-                format!(
-                    "sectors {}..{} overlap line {p}, which ends at {next}",
-                    l.start,
-                    l.start + l.len
-                ),
+                LineError::Overlap {
+                    start: l.start,
+                    end: l.start + l.len,
+                    prev_line: p,
+                    prev_end: next,
+                },
             ));
         }
         if l.start > next {
             return Err(match prev {
-                None => DmError::line(
-                    l.line,
-                    format!(
-                        "table must start at sector 0, this line starts at {}",
-                        l.start
-                    ),
-                ),
+                None => DmError::line(l.line, LineError::NotAtZero { start: l.start }),
                 Some(p) => DmError::line(
                     l.line,
-                    format!(
-                        "gap in table: line {} ends at sector {next}, this line starts at {}",
-                        p.line, l.start
-                    ),
+                    LineError::Gap {
+                        prev_line: p.line,
+                        prev_end: next,
+                        start: l.start,
+                    },
                 ),
             });
         }
@@ -182,10 +175,10 @@ pub fn check_layout(lines: &[TableLine]) -> Result<(), DmError> {
         if w[1].start < w[0].start {
             return Err(DmError::line(
                 w[1].line,
-                format!(
-                    "lines out of order: starts at {} after a line starting at {}",
-                    w[1].start, w[0].start
-                ),
+                LineError::OutOfOrder {
+                    start: w[1].start,
+                    prev_start: w[0].start,
+                },
             ));
         }
     }
@@ -253,27 +246,32 @@ pub fn parse_concise(s: &str) -> Result<Vec<DeviceSpec>, DmError> {
         let fields = split_escaped(dev, ',');
         let which = i + 1;
         if fields.len() < 5 {
-            return Err(DmError::Invalid(format!(
-                "concise device {which} ('{dev}'): expected name,uuid,minor,flags,table[,table...], got {} field(s)",
-                fields.len()
-            )));
+            return Err(ConciseError::Fields {
+                which,
+                text: dev.to_string(),
+                fields: fields.len(),
+            }
+            .into());
         }
         let name = fields[0].trim().to_string();
         validate_name(&name)?;
         let uuid = Some(fields[1].trim().to_string()).filter(|u| !u.is_empty());
         let minor = match fields[2].trim() {
             "" => None,
-            m => Some(m.parse::<u32>().map_err(|_| {
-                DmError::Invalid(format!("concise device {name}: bad minor '{m}'"))
+            m => Some(m.parse::<u32>().map_err(|_| ConciseError::Minor {
+                name: name.clone(),
+                minor: m.to_string(),
             })?),
         };
         let read_only = match fields[3].trim() {
             "" | "rw" => false,
             "ro" => true,
             f => {
-                return Err(DmError::Invalid(format!(
-                    "concise device {name}: bad flags '{f}' (expected ro or rw)"
-                )))
+                return Err(ConciseError::Flags {
+                    name,
+                    flags: f.to_string(),
+                }
+                .into())
             }
         };
         let table = fields[4..]
@@ -291,7 +289,7 @@ pub fn parse_concise(s: &str) -> Result<Vec<DeviceSpec>, DmError> {
         });
     }
     if out.is_empty() {
-        return Err(DmError::Invalid("concise list names no device".into()));
+        return Err(ConciseError::NoDevice.into());
     }
     Ok(out)
 }
@@ -323,23 +321,19 @@ pub fn render_concise(devs: &[DeviceSpec]) -> String {
 }
 
 /// Device names: what dm accepts in a `/dev/mapper/` name.
-pub fn validate_name(name: &str) -> Result<(), DmError> {
+pub fn validate_name(name: &str) -> Result<(), NameError> {
     if name.is_empty() {
-        return Err(DmError::Invalid("empty device name".into()));
+        return Err(NameError::Empty);
     }
     if name.len() > 127 {
-        return Err(DmError::Invalid(format!(
-            "device name '{name}' is longer than 127 characters"
-        )));
+        return Err(NameError::TooLong(name.to_string()));
     }
     if name == "."
         || name == ".."
         || name.contains('/')
         || name.chars().any(|c| c.is_whitespace() || c.is_control())
     {
-        return Err(DmError::Invalid(format!(
-            "bad device name '{name}': no '/', whitespace or control characters, not '.' or '..'"
-        )));
+        return Err(NameError::Bad(name.to_string()));
     }
     Ok(())
 }
@@ -353,7 +347,7 @@ pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
         .filter(|(_, l)| !l.is_empty() && !l.starts_with('#'))
         .collect();
     if body.is_empty() {
-        return Err(DmError::Invalid("stack file defines no device".into()));
+        return Err(DmError::EmptyStack);
     }
     let is_named = |l: &str| {
         l.split_whitespace()
@@ -367,10 +361,7 @@ pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
                 .find(|(_, l)| !is_named(l))
                 .copied()
                 .unwrap_or((0, ""));
-            return Err(DmError::line(
-                n,
-                "stack file mixes 'NAME: table line' lines with other text; use one form".into(),
-            ));
+            return Err(DmError::line(n, LineError::MixedStack));
         }
         let joined = body.iter().map(|(_, l)| *l).collect::<Vec<_>>().join("");
         return parse_concise(&joined);
@@ -379,7 +370,7 @@ pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
     for (n, l) in body {
         let (name, rest) = l.split_once(':').unwrap_or((l, ""));
         let name = name.trim();
-        validate_name(name).map_err(|e| DmError::line(n, e.to_string()))?;
+        validate_name(name).map_err(|e| DmError::line(n, e.into()))?;
         let rest = rest.trim();
         // Validate the line syntax now, with its real line number.
         parse_line(rest, n).map_err(|e| e.in_device(name))?;
@@ -421,22 +412,22 @@ mod tests {
     fn rejects_bad_layouts_naming_the_line() {
         let e = parse_table("0 100 zero\n50 100 zero\n")
             .unwrap_err()
-            .to_string();
+            .report();
         assert!(e.contains("line 2") && e.contains("overlap"), "{e}");
         let e = parse_table("0 100 zero\n200 100 zero\n")
             .unwrap_err()
-            .to_string();
+            .report();
         assert!(e.contains("line 2") && e.contains("gap"), "{e}");
-        let e = parse_table("10 100 zero\n").unwrap_err().to_string();
+        let e = parse_table("10 100 zero\n").unwrap_err().report();
         assert!(e.contains("line 1") && e.contains("sector 0"), "{e}");
-        let e = parse_table("0 1x0 zero\n").unwrap_err().to_string();
+        let e = parse_table("0 1x0 zero\n").unwrap_err().report();
         assert!(
             e.contains("line 1") && e.contains("bad length '1x0'"),
             "{e}"
         );
-        let e = parse_table("0 100\n").unwrap_err().to_string();
+        let e = parse_table("0 100\n").unwrap_err().report();
         assert!(e.contains("line 1"), "{e}");
-        let e = parse_table("0 0 zero\n").unwrap_err().to_string();
+        let e = parse_table("0 0 zero\n").unwrap_err().report();
         assert!(e.contains("zero-length"), "{e}");
         assert!(parse_table("# nothing\n").is_err());
     }
@@ -452,11 +443,11 @@ mod tests {
         assert_eq!(parse_concise(&render_concise(&d)).unwrap(), d);
         assert!(parse_concise("a,,x,rw,0 1 zero")
             .unwrap_err()
-            .to_string()
+            .report()
             .contains("minor"));
         assert!(parse_concise("a,,,zz,0 1 zero")
             .unwrap_err()
-            .to_string()
+            .report()
             .contains("flags"));
         assert!(parse_concise("a,,,rw").is_err());
     }
@@ -469,7 +460,7 @@ mod tests {
         .unwrap();
         assert_eq!(d.len(), 2);
         assert_eq!(d[1].table, "0 50 linear m0 0\n50 50 linear m0 50");
-        let e = parse_stack("m0: 0 x memory\n").unwrap_err().to_string();
+        let e = parse_stack("m0: 0 x memory\n").unwrap_err().report();
         assert!(e.contains("line 1") && e.contains("m0"), "{e}");
         let c = parse_stack("z,,,rw,0 8 zero\n").unwrap();
         assert_eq!(c[0].name, "z");

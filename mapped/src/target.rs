@@ -10,7 +10,7 @@
 //! byte, as `dm_target_offset()` gives it, so a target never needs to know
 //! where in the table it sits.
 
-use crate::error::DmError;
+use crate::error::TargetError;
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, DeviceRef, Features, SECTOR_SIZE};
 use std::fmt;
@@ -45,11 +45,8 @@ pub trait Target: Send + Sync {
     fn table(&self) -> String;
 
     /// `dmsetup message`: `args` are the words after the sector.
-    fn message(&self, args: &[&str]) -> Result<String, String> {
-        Err(format!(
-            "message '{}' not supported by this target",
-            args.join(" ")
-        ))
+    fn message(&self, args: &[&str]) -> Result<String, TargetError> {
+        Err(TargetError::UnsupportedMessage(args.join(" ")))
     }
 
     /// Before suspend stops I/O (dm-delay flushes its queue here).
@@ -157,17 +154,20 @@ impl<'a> CtrContext<'a> {
         arg: &str,
         start_sector: u64,
         len_sectors: u64,
-    ) -> Result<DevArg, String> {
+    ) -> Result<DevArg, TargetError> {
         let (name, minor, dev) =
-            (self.lookup)(arg).ok_or_else(|| format!("device '{arg}' not found"))?;
+            (self.lookup)(arg).ok_or_else(|| TargetError::NoDevice(arg.to_string()))?;
         let dev_sectors = dev.size() / SECTOR_SIZE;
         let end = start_sector
             .checked_add(len_sectors)
-            .ok_or_else(|| format!("device '{arg}': range overflows"))?;
+            .ok_or_else(|| TargetError::RangeOverflows(arg.to_string()))?;
         if end > dev_sectors {
-            return Err(format!(
-                "device '{arg}' is too small: sectors {start_sector}..{end} needed, it has {dev_sectors}"
-            ));
+            return Err(TargetError::DeviceTooSmall {
+                arg: arg.to_string(),
+                start: start_sector,
+                end,
+                has: dev_sectors,
+            });
         }
         if !self.used.contains(&name) {
             self.used.push(name.clone());
@@ -186,16 +186,37 @@ pub struct TargetType {
     pub name: &'static str,
     /// dm's target version triple, shown by `dmsetup targets`.
     pub version: [u32; 3],
-    pub ctr: fn(&mut CtrContext<'_>, &[&str]) -> Result<TargetRef, String>,
+    pub ctr: fn(&mut CtrContext<'_>, &[&str]) -> Result<TargetRef, TargetError>,
+}
+
+/// The data/hole map of `offset..offset+len` on a device that a target
+/// maps onto from sector `start_sector`, made target-relative again.
+pub fn extents_from(dev: &DevArg, start_sector: u64, offset: u64, len: u64) -> Option<Vec<Extent>> {
+    let base = start_sector * SECTOR_SIZE;
+    dev.dev.extents(offset + base, len).map(|v| {
+        v.into_iter()
+            .map(|e| Extent {
+                offset: e.offset - base,
+                ..e
+            })
+            .collect()
+    })
 }
 
 /// Parse a number argument, naming it in the error.
-pub fn parse_arg<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, String> {
-    s.parse::<T>().map_err(|_| format!("invalid {what} '{s}'"))
+pub fn parse_arg<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, TargetError> {
+    s.parse::<T>().map_err(|_| TargetError::InvalidArg {
+        what: what.to_string(),
+        value: s.to_string(),
+    })
 }
 
 /// Check an exact argument count, naming the expected syntax.
-pub fn expect_args(args: &[&str], counts: &[usize], syntax: &str) -> Result<(), String> {
+pub fn expect_args(
+    args: &[&str],
+    counts: &[usize],
+    syntax: &'static str,
+) -> Result<(), TargetError> {
     if counts.contains(&args.len()) {
         Ok(())
     } else {
@@ -204,15 +225,10 @@ pub fn expect_args(args: &[&str], counts: &[usize], syntax: &str) -> Result<(), 
             .map(|c| c.to_string())
             .collect::<Vec<_>>()
             .join(" or ");
-        Err(format!(
-            "expected {want} argument(s) '{syntax}', got {}",
-            args.len()
-        ))
-    }
-}
-
-impl From<String> for DmError {
-    fn from(s: String) -> DmError {
-        DmError::Invalid(s)
+        Err(TargetError::ArgCount {
+            want,
+            syntax,
+            got: args.len(),
+        })
     }
 }

@@ -1,4 +1,4 @@
-//! The `delay` target as a dmsetup user and the seed's experiment rely on
+//! The `delay` target as a dmsetup user and `lab delay` rely on
 //! it: no bio ever leaves before its deadline in any timing mode (checked
 //! for every bio, from several submitting threads, across op classes,
 //! fractional delays and the latency models), dm-delay's argument errors,
@@ -6,46 +6,14 @@
 //! and suspend releasing everything held.
 
 use blkstack_core::clock::now_ns;
-use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, IoBuf, Op, Status};
+use blkstack_core::testing::CompletionRecorder as Recorder;
+use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, IoBuf, Op, Status};
 use blkstack_mapped::Registry;
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
 
 const MS: u64 = 1_000_000;
-
-/// Records when each bio (by cookie) completed.
-#[derive(Default)]
-struct Recorder {
-    done: Mutex<Vec<(u64, u64, Status)>>,
-    cv: Condvar,
-}
-
-impl EndIo for Recorder {
-    fn end_io(&self, _bio: Bio, status: Status, cookie: u64) {
-        let t = now_ns();
-        self.done.lock().push((cookie, t, status));
-        self.cv.notify_all();
-    }
-}
-
-impl Recorder {
-    /// Wait until `n` completions arrived (or fail after `timeout`).
-    fn wait(&self, n: usize, timeout: Duration) -> Vec<(u64, u64, Status)> {
-        let mut g = self.done.lock();
-        let until = std::time::Instant::now() + timeout;
-        while g.len() < n {
-            if self.cv.wait_until(&mut g, until).timed_out() {
-                panic!("only {} of {n} bios completed within {timeout:?}", g.len());
-            }
-        }
-        g.clone()
-    }
-
-    fn count(&self) -> usize {
-        self.done.lock().len()
-    }
-}
 
 /// A bio of `op` at block `i` of 4 KiB, using block `i` of `mem`.
 fn bio(op: Op, flags: BioFlags, i: u64, mem: &AlignedBuf, rec: &Arc<Recorder>) -> Bio {
@@ -110,7 +78,8 @@ fn assert_never_early(table: &str, per_thread: u64, min_delay: impl Fn(usize) ->
     let submitted = submitted.lock();
     let mut early = Vec::new();
     for &(i, at, class) in submitted.iter() {
-        let &(_, end, status) = done.iter().find(|d| d.0 == i).expect("completion");
+        let c = done.iter().find(|d| d.cookie == i).expect("completion");
+        let (end, status) = (c.at_ns, c.status);
         assert_eq!(status, Status::Ok, "bio {i}");
         let min = min_delay(class);
         if end - at < min {
@@ -182,10 +151,7 @@ fn stats_message_counts_what_went_out_and_how_late() {
         text.starts_with("sent=0 ") && !text.contains("wakes"),
         "{text}"
     );
-    let e = reg
-        .message("d", 0, &["stats", "now"])
-        .unwrap_err()
-        .to_string();
+    let e = reg.message("d", 0, &["stats", "now"]).unwrap_err().report();
     assert!(e.contains("usage"), "{e}");
 }
 
@@ -237,7 +203,7 @@ fn load_model_grows_delay_with_inflight() {
     }
     let done = rec.wait(6, Duration::from_secs(10));
     for (i, t0) in at.iter().enumerate() {
-        let end = done.iter().find(|d| d.0 == i as u64).unwrap().1;
+        let end = done.iter().find(|d| d.cookie == i as u64).unwrap().at_ns;
         assert!(
             end - t0 >= (1 + i as u64) * 20 * MS,
             "read {i} took {} ns, wanted at least {} ms",
@@ -267,7 +233,9 @@ fn p99_model_slows_about_one_in_a_hundred() {
     let slow = at
         .iter()
         .enumerate()
-        .filter(|(i, t0)| done.iter().find(|d| d.0 == *i as u64).unwrap().1 - *t0 >= 5 * MS)
+        .filter(|(i, t0)| {
+            done.iter().find(|d| d.cookie == *i as u64).unwrap().at_ns - *t0 >= 5 * MS
+        })
         .count();
     // At least one drew p99; far fewer than 10% did (scheduling stalls on
     // a busy machine can push a few plain reads past 5 ms too).
@@ -280,7 +248,7 @@ fn create_err(table: &str) -> String {
     reg.create("z2", "0 64 zero").unwrap();
     let e = reg.create("d", table).err().expect("create must fail");
     assert!(reg.get("d").is_none(), "a failed create left a device");
-    e.to_string()
+    e.report()
 }
 
 #[test]
@@ -442,7 +410,7 @@ fn status_counts_held_bios_per_class_and_suspend_releases_them() {
     // Presuspend sent everything on, so the drain finished at once.
     let done = rec.wait(ops.len(), Duration::from_secs(5));
     assert!(now_ns() - t0 < 5_000 * MS, "suspend waited for the delay");
-    assert!(done.iter().all(|d| d.2 == Status::Ok));
+    assert!(done.iter().all(|d| d.status == Status::Ok));
     assert_eq!(reg.status_text("d").unwrap(), "0 8192 delay 0 0 0\n");
 
     // Resume delays again.
@@ -489,12 +457,12 @@ fn message_changes_delay_and_held_bios_keep_their_deadline() {
     dev.submit(bio(Op::Read, BioFlags::NONE, 1, &mem, &rec));
     let first = rec.wait(1, Duration::from_secs(5));
     assert_eq!(
-        first[0].0, 1,
+        first[0].cookie, 1,
         "the read after 'set read 0.5' must finish first"
     );
-    assert!(first[0].1 - t_b >= MS / 2);
+    assert!(first[0].at_ns - t_b >= MS / 2);
     let both = rec.wait(2, Duration::from_secs(5));
-    let a_end = both.iter().find(|d| d.0 == 0).unwrap().1;
+    let a_end = both.iter().find(|d| d.cookie == 0).unwrap().at_ns;
     assert!(a_end - t_a >= 300 * MS, "held read lost its deadline");
 
     // Other settings, and their errors.
@@ -520,7 +488,7 @@ fn message_changes_delay_and_held_bios_keep_their_deadline() {
         (&["get", "read", "1"][..], "unknown message 'get'"),
         (&["set", "read"][..], "usage"),
     ] {
-        let e = reg.message("d", 0, msg).unwrap_err().to_string();
+        let e = reg.message("d", 0, msg).unwrap_err().report();
         assert!(e.contains(want), "{msg:?}: {e:?} lacks {want:?}");
     }
 }
@@ -542,7 +510,7 @@ fn example_stacks_build_and_delay() {
         let t0 = now_ns();
         dev.submit(bio(Op::Read, BioFlags::NONE, 0, &mem, &rec));
         let done = rec.wait(1, Duration::from_secs(5));
-        assert_eq!(done[0].2, Status::Ok);
-        assert!(done[0].1 - t0 >= min, "{file}: read not delayed");
+        assert_eq!(done[0].status, Status::Ok);
+        assert!(done[0].at_ns - t0 >= min, "{file}: read not delayed");
     }
 }

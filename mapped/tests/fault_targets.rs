@@ -107,7 +107,7 @@ fn flakey_argument_errors() {
             "3 feature args declared",
         ),
     ] {
-        let e = reg.create("f", t).err().expect(t).to_string();
+        let e = reg.create("f", t).err().expect(t).report();
         assert!(e.contains(want) && e.contains("line 1"), "{t}: {e}");
     }
 }
@@ -158,17 +158,17 @@ fn dust_fails_reads_of_bad_blocks_once_enabled() {
     assert!(reg
         .message("d", 0, &["addbadblock", "5"])
         .unwrap_err()
-        .to_string()
+        .report()
         .contains("already"));
     assert!(reg
         .message("d", 0, &["addbadblock", "99999"])
         .unwrap_err()
-        .to_string()
+        .report()
         .contains("out of range"));
     assert!(reg
         .message("d", 0, &["frobnicate"])
         .unwrap_err()
-        .to_string()
+        .report()
         .contains("unrecognized"));
     assert_eq!(
         reg.message("d", 0, &["clearbadblocks"]).unwrap(),
@@ -180,7 +180,7 @@ fn dust_fails_reads_of_bad_blocks_once_enabled() {
         ("0 8 dust m 0 256", "at least 512"),
         ("0 8 dust m 0", "expected 3"),
     ] {
-        let e = reg.create("x", t).err().expect(t).to_string();
+        let e = reg.create("x", t).err().expect(t).report();
         assert!(e.contains(want), "{t}: {e}");
     }
 }

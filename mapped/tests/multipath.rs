@@ -5,12 +5,12 @@
 //! with paths failing and coming back under a multi-threaded load.
 
 use blkstack_core::sync::submit_and_wait;
-use blkstack_core::{Bio, Device, EndIo, IoBuf, Op, Status};
+use blkstack_core::testing::CompletionRecorder;
+use blkstack_core::{Bio, Device, IoBuf, Op, Status};
 use blkstack_mapped::Registry;
-use parking_lot::{Condvar, Mutex};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Memory `m` (minor 0) and three linear paths over it (minors 1..=3).
 fn paths() -> Arc<Registry> {
@@ -212,7 +212,7 @@ fn bad_tables_are_refused_with_the_problem_named() {
             .create("bad", &format!("0 8192 multipath {args}"))
             .err()
             .unwrap_or_else(|| panic!("'{args}' was accepted"))
-            .to_string();
+            .report();
         assert!(err.contains(want), "'{args}': got '{err}', want '{want}'");
         assert!(err.contains("line 1"), "'{args}': {err}");
         assert!(reg.get("bad").is_none());
@@ -223,7 +223,7 @@ fn bad_tables_are_refused_with_the_problem_named() {
         .create("bad", "0 8192 multipath 0 0 1 1 round-robin 0 1 0 small")
         .err()
         .expect("a too small path is refused")
-        .to_string();
+        .report();
     assert!(err.contains("too small"), "{err}");
 }
 
@@ -245,7 +245,7 @@ fn messages_are_checked() {
             "unrecognised multipath message 'frobnicate'",
         ),
     ] {
-        let err = reg.message("mp", 0, msg).unwrap_err().to_string();
+        let err = reg.message("mp", 0, msg).unwrap_err().report();
         assert!(err.contains(want), "{msg:?}: {err}");
     }
     // Devices are named as the registry knows them, or MAJOR:MINOR.
@@ -345,23 +345,22 @@ fn groups_fail_over_in_priority_order() {
     assert!(data.iter().all(|&b| b == 6));
 }
 
-/// A bio owner that records how many times each request completed.
+/// The owner of `n` requests, on the shared completion recorder: each
+/// request's status, and how many times it completed.
 struct Tracker {
-    done: Mutex<Vec<Option<Status>>>,
-    counts: Vec<AtomicU32>,
-    cv: Condvar,
+    n: usize,
+    rec: Arc<CompletionRecorder>,
 }
 
 impl Tracker {
     fn new(n: usize) -> Arc<Tracker> {
         Arc::new(Tracker {
-            done: Mutex::new(vec![None; n]),
-            counts: (0..n).map(|_| AtomicU32::new(0)).collect(),
-            cv: Condvar::new(),
+            n,
+            rec: CompletionRecorder::new(),
         })
     }
 
-    fn submit(self: &Arc<Self>, dev: &dyn Device, op: Op, off: u64, buf: &mut [u8], id: usize) {
+    fn submit(&self, dev: &dyn Device, op: Op, off: u64, buf: &mut [u8], id: usize) {
         // SAFETY: every caller waits for request `id` before touching or
         // dropping `buf`.
         let io = unsafe { IoBuf::from_slice(buf) };
@@ -370,28 +369,36 @@ impl Tracker {
             off,
             buf.len() as u64,
             io,
-            self.clone(),
+            self.rec.clone(),
             id as u64,
         ));
     }
 
+    /// Request `id`'s status once it completed, `None` if it does not
+    /// within `timeout`.
     fn wait(&self, id: usize, timeout: Duration) -> Option<Status> {
-        let mut g = self.done.lock();
-        let deadline = std::time::Instant::now() + timeout;
-        while g[id].is_none() {
-            if self.cv.wait_until(&mut g, deadline).timed_out() {
-                break;
+        let until = Instant::now() + timeout;
+        loop {
+            let seen = self.rec.count();
+            let done = self.rec.completions();
+            if let Some(c) = done.iter().find(|c| c.cookie == id as u64) {
+                return Some(c.status);
             }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            let _ = self.rec.try_wait(seen + 1, left);
         }
-        g[id]
     }
-}
 
-impl EndIo for Tracker {
-    fn end_io(&self, _bio: Bio, status: Status, id: u64) {
-        self.counts[id as usize].fetch_add(1, Ordering::SeqCst);
-        self.done.lock()[id as usize] = Some(status);
-        self.cv.notify_all();
+    /// How many times each request completed.
+    fn counts(&self) -> Vec<usize> {
+        let mut v = vec![0; self.n];
+        for c in self.rec.completions() {
+            v[c.cookie as usize] += 1;
+        }
+        v
     }
 }
 
@@ -444,9 +451,7 @@ fn without_a_path_io_waits_with_queue_if_no_path_and_fails_without() {
         .table_text("mp")
         .unwrap()
         .contains(" 1 queue_if_no_path "));
-    for c in &t.counts {
-        assert_eq!(c.load(Ordering::SeqCst), 1);
-    }
+    assert!(t.counts().iter().all(|&c| c == 1), "{:?}", t.counts());
 }
 
 #[test]
@@ -562,8 +567,8 @@ fn paths_fail_and_return_under_load_without_errors_or_lost_io() {
     let rounds = flipper.join().unwrap();
     assert!(rounds >= 4, "the failure loop ran {rounds} rounds");
     assert_eq!(errors.load(Ordering::SeqCst), 0);
-    for (id, c) in tracker.counts.iter().enumerate() {
-        assert_eq!(c.load(Ordering::SeqCst), 1, "request {id}");
+    for (id, c) in tracker.counts().into_iter().enumerate() {
+        assert_eq!(c, 1, "request {id}");
     }
     // Everything written reads back through the memory device.
     let m = reg.device("m").unwrap();

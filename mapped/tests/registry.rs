@@ -4,9 +4,9 @@
 //! cannot be removed; data written through linear and striped comes back.
 
 use blkstack_core::sync::submit_and_wait;
-use blkstack_core::{Bio, Device, EndIo, IoBuf, Op, Status};
+use blkstack_core::testing::CompletionRecorder;
+use blkstack_core::{Bio, Device, IoBuf, Op, Status};
 use blkstack_mapped::Registry;
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 fn snapshot(reg: &Registry) -> Vec<(String, String, Option<String>)> {
@@ -78,7 +78,7 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
             .create("new", table)
             .err()
             .expect("create must fail")
-            .to_string();
+            .report();
         for w in *wants {
             assert!(e.contains(w), "table {table:?}: error {e:?} lacks {w:?}");
         }
@@ -87,7 +87,7 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
             before,
             "create of {table:?} changed the registry"
         );
-        let e = reg.reload("z", table).unwrap_err().to_string();
+        let e = reg.reload("z", table).unwrap_err().report();
         for w in *wants {
             assert!(e.contains(w), "reload {table:?}: error {e:?} lacks {w:?}");
         }
@@ -101,14 +101,14 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
     let e = reg
         .create_stack("a: 0 8 zero\nb: 0 8 bogus\n")
         .unwrap_err()
-        .to_string();
+        .report();
     assert!(e.contains("device b") && e.contains("line 2"), "{e}");
     assert_eq!(snapshot(&reg), before);
     assert!(reg
         .create("m0", "0 8 zero")
         .err()
         .expect("dup")
-        .to_string()
+        .report()
         .contains("already exists"));
 }
 
@@ -116,7 +116,7 @@ fn malformed_tables_name_line_and_problem_and_change_nothing() {
 fn remove_refuses_devices_in_use_and_cycles_are_refused() {
     let reg = base();
     reg.create("lin", "0 1024 linear m0 0").unwrap();
-    let e = reg.remove("m0", false).unwrap_err().to_string();
+    let e = reg.remove("m0", false).unwrap_err().report();
     assert!(e.contains("busy") && e.contains("lin"), "{e}");
     assert!(
         reg.remove("m0", true).is_err(),
@@ -125,12 +125,12 @@ fn remove_refuses_devices_in_use_and_cycles_are_refused() {
     let e = reg
         .reload("m0", "0 1024 linear lin 0")
         .unwrap_err()
-        .to_string();
+        .report();
     assert!(e.contains("cycle"), "{e}");
     let e = reg
         .reload("lin", "0 1024 linear lin 0")
         .unwrap_err()
-        .to_string();
+        .report();
     assert!(e.contains("itself"), "{e}");
     reg.remove("lin", false).unwrap();
     reg.remove("m0", false).unwrap();
@@ -203,14 +203,6 @@ fn data_round_trips_through_linear_and_striped() {
     );
 }
 
-#[derive(Default)]
-struct Collect(Mutex<Vec<Status>>);
-impl EndIo for Collect {
-    fn end_io(&self, _bio: Bio, status: Status, _p: u64) {
-        self.0.lock().push(status);
-    }
-}
-
 #[test]
 fn suspend_holds_io_and_reload_takes_effect_at_resume() {
     let reg = base();
@@ -228,16 +220,16 @@ fn suspend_holds_io_and_reload_takes_effect_at_resume() {
 
     reg.suspend("d").unwrap();
     assert!(reg.info("d").unwrap().suspended);
-    let sink = Arc::new(Collect::default());
+    let sink = CompletionRecorder::new();
     let mut mem = vec![0u8; 512];
     // SAFETY: `mem` outlives the request; we wait for its completion below.
     let buf = unsafe { IoBuf::from_slice(&mut mem) };
     dev.submit(Bio::new(Op::Read, 0, 512, buf, sink.clone(), 0));
     std::thread::sleep(std::time::Duration::from_millis(20));
-    assert!(sink.0.lock().is_empty(), "I/O must be held while suspended");
+    assert_eq!(sink.count(), 0, "I/O must be held while suspended");
     reg.resume("d").unwrap();
     // The held bio ran against the new table.
-    assert_eq!(*sink.0.lock(), vec![Status::IoError]);
+    assert_eq!(sink.statuses(), vec![Status::IoError]);
     assert_eq!(reg.table_text("d").unwrap(), "0 1024 error\n");
     assert_eq!(reg.info("d").unwrap().event_nr, 1);
     drop(mem);

@@ -72,13 +72,13 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("reading stack file {}", path.display()))?;
         let names = registry
             .create_stack(&text)
-            .map_err(|e| anyhow::anyhow!("stack file {}: {e}", path.display()))?;
+            .with_context(|| format!("stack file {}", path.display()))?;
         created.extend(names);
     }
     for c in &cl.concise {
         let names = registry
             .create_concise(c)
-            .map_err(|e| anyhow::anyhow!("--concise '{c}': {e}"))?;
+            .with_context(|| format!("--concise '{c}'"))?;
         created.extend(names);
     }
     let jobs = cl.jobs()?;

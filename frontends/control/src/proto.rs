@@ -104,10 +104,10 @@ impl From<DmError> for RpcError {
             DmError::NoSuchDevice(_) => (ENXIO, "no_such_device"),
             DmError::Exists(_) => (EBUSY, "exists"),
             DmError::Busy { .. } => (EBUSY, "busy"),
-            DmError::Line { .. } => (EINVAL, "table"),
-            DmError::Invalid(_) => (EINVAL, "invalid"),
+            DmError::Line { .. } | DmError::EmptyTable { .. } => (EINVAL, "table"),
+            _ => (EINVAL, "invalid"),
         };
-        let mut r = RpcError::new(code, e.to_string());
+        let mut r = RpcError::new(code, e.report());
         if let Some(Value::Object(m)) = &mut r.data {
             m.insert("kind".into(), Value::String(kind.into()));
         }
@@ -152,8 +152,11 @@ mod tests {
         .into();
         assert_eq!(e.code, EBUSY);
         assert_eq!(e.strerror(), Some("Device or resource busy"));
-        let e: RpcError = DmError::line(3, "bad".into()).into();
-        assert_eq!((e.code, e.message.as_str()), (EINVAL, "line 3: bad"));
+        let e: RpcError = DmError::line(3, blkstack_mapped::error::LineError::ZeroLength).into();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (EINVAL, "line 3: zero-length target")
+        );
     }
 
     #[test]

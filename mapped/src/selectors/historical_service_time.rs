@@ -13,7 +13,8 @@
 //! The service time of an I/O is measured from its start time, or from
 //! the path's previous completion if that is later (serial submission is
 //! assumed), to the clock at completion (`ktime_get_ns()`). That start
-//! time is what the seed is about. Before the fix, bio-based dm passed
+//! time is what upstream 'dm: dm-mpath: Provide high-resolution timer to
+//! HST with bio-mpath' changed. Before it, bio-based dm passed
 //! `jiffies_to_nsecs(jiffies)`, which is not on the end time's base: with
 //! the kernel's jiffies origin and 32-bit microseconds it lies 300 s (plus
 //! multiples of 71.6 min) in the past once the machine has been up five
@@ -23,7 +24,7 @@
 //! 5 % per completion; a slow path completes too few I/Os to catch up,
 //! stops being chosen once its in-flight I/Os drain, and its stale window
 //! (`valid paths * hst`: tens of minutes) never lets it be probed: it starves
-//! completely, as the seed's "HST (orig)" column shows. The precision loss
+//! completely (the patch's "HST (orig)" figures show it). The precision loss
 //! alone (start truncated to its tick) only adds up to a tick to I/Os that
 //! found their path idle. The `multipath` target's `start_time` feature
 //! picks which start time this selector is given (`ns`, `jiffies:HZ`,
@@ -35,6 +36,7 @@
 //! it and its table view prints 0, as the kernel does).
 
 use super::{parse_u32, repeat_count_arg, PathSelector, SelectorType, StatusType, ValidList};
+use crate::error::TargetError;
 use blkstack_core::clock::now_ns;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -114,20 +116,20 @@ pub struct HistoricalServiceTime {
     paths: Vec<PathInfo>,
 }
 
-fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
+fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, TargetError> {
     if args.len() > 2 {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "{NAME}: expected at most 2 selector arguments '[<base_weight> [<threshold_multiplier>]]', got {}",
             args.len()
-        ));
+        )));
     }
     let base_weight = match args.first() {
         Some(a) => {
             let v = parse_u32(NAME, "base_weight", a)?;
             if v as u64 >= FIXED_1 {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "{NAME}: invalid base_weight {v}: must be below {FIXED_1} (10-bit fixed point)"
-                ));
+                )));
             }
             v
         }
@@ -223,7 +225,7 @@ impl HistoricalServiceTime {
 }
 
 impl PathSelector for HistoricalServiceTime {
-    fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
+    fn add_path(&mut self, args: &[&str]) -> Result<(), TargetError> {
         let repeat_count = repeat_count_arg(NAME, args)?;
         let index = self.paths.len();
         self.paths.push(PathInfo {
@@ -380,7 +382,7 @@ mod tests {
         assert_eq!(info.split_whitespace().nth(1), Some("1"));
     }
 
-    /// The arithmetic behind seed 004's starvation: a start time far
+    /// The arithmetic behind the jiffies start time's starvation: a start time far
     /// before the clock (the kernel's jiffies base) makes the first sample
     /// huge, with weight 0, and every later one the gap since the path's
     /// previous completion, which moves the history by only 5 %.
@@ -422,8 +424,11 @@ mod tests {
 
     #[test]
     fn args_are_checked() {
-        assert!(create(&["1024"]).unwrap_err().contains("base_weight"));
-        assert!(create(&["x"]).unwrap_err().contains("base_weight"));
+        assert!(create(&["1024"])
+            .unwrap_err()
+            .report()
+            .contains("base_weight"));
+        assert!(create(&["x"]).unwrap_err().report().contains("base_weight"));
         assert!(create(&["1", "2", "3"]).is_err());
         let s = create(&["512", "2"]).unwrap();
         assert_eq!(s.status(None, StatusType::Info), "2 512 2 ");

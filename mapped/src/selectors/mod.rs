@@ -18,6 +18,8 @@ pub mod queue_length;
 pub mod round_robin;
 pub mod service_time;
 
+use crate::error::TargetError;
+
 /// Which view of the state a `status` call renders (kernel
 /// `status_type_t`): live counters for `dmsetup status`, constructor
 /// arguments for `dmsetup table`.
@@ -31,7 +33,7 @@ pub enum StatusType {
 pub trait PathSelector: Send + Sync {
     /// Register the next path (index = number of paths added before) with
     /// its per-path table arguments. Called only while the table is built.
-    fn add_path(&mut self, args: &[&str]) -> Result<(), String>;
+    fn add_path(&mut self, args: &[&str]) -> Result<(), TargetError>;
 
     /// Take a path out of selection.
     fn fail_path(&self, path: usize);
@@ -76,7 +78,7 @@ impl std::fmt::Debug for dyn PathSelector {
 
 /// A selector constructor: the selector args in, a selector or the
 /// reason out.
-pub type SelectorCtr = fn(&[&str]) -> Result<Box<dyn PathSelector>, String>;
+pub type SelectorCtr = fn(&[&str]) -> Result<Box<dyn PathSelector>, TargetError>;
 
 /// A selector type: its table name, how many per-path words its `status`
 /// prints in each view, and its constructor taking the selector args.
@@ -107,32 +109,32 @@ pub fn names() -> Vec<&'static str> {
 
 /// Parse an unsigned selector argument the way the kernel's
 /// `sscanf("%u%c")` accepts it: digits only, nothing after.
-pub(crate) fn parse_u32(selector: &str, what: &str, s: &str) -> Result<u32, String> {
+pub(crate) fn parse_u32(selector: &str, what: &str, s: &str) -> Result<u32, TargetError> {
     s.parse::<u32>()
-        .map_err(|_| format!("{selector} ps: invalid {what} '{s}'"))
+        .map_err(|_| TargetError::invalid(format!("{selector} ps: invalid {what} '{s}'")))
 }
 
 /// Refuse selector arguments for a selector that takes none.
-pub(crate) fn no_selector_args(selector: &str, args: &[&str]) -> Result<(), String> {
+pub(crate) fn no_selector_args(selector: &str, args: &[&str]) -> Result<(), TargetError> {
     if args.is_empty() {
         Ok(())
     } else {
-        Err(format!(
+        Err(TargetError::invalid(format!(
             "{selector} takes no selector arguments, got {}",
             args.len()
-        ))
+        )))
     }
 }
 
 /// The optional `[<repeat_count>]` per-path argument (1 when absent), as
 /// written; selectors that cap it, as the kernel's round-robin and
 /// queue-length do, cap it themselves.
-pub(crate) fn repeat_count_arg(selector: &str, args: &[&str]) -> Result<u32, String> {
+pub(crate) fn repeat_count_arg(selector: &str, args: &[&str]) -> Result<u32, TargetError> {
     if args.len() > 1 {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "{selector} ps: incorrect number of arguments: expected at most 1 '[<repeat_count>]', got {}",
             args.len()
-        ));
+        )));
     }
     match args.first() {
         Some(a) => parse_u32(selector, "repeat count", a),

@@ -7,6 +7,7 @@
 use super::{
     no_selector_args, repeat_count_arg, PathSelector, SelectorType, StatusType, ValidList,
 };
+use crate::error::TargetError;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 
@@ -30,7 +31,7 @@ pub struct QueueLength {
     paths: Vec<PathInfo>,
 }
 
-fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
+fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, TargetError> {
     no_selector_args(NAME, args)?;
     Ok(Box::new(QueueLength {
         valid: Mutex::new(ValidList::default()),
@@ -39,7 +40,7 @@ fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
 }
 
 impl PathSelector for QueueLength {
-    fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
+    fn add_path(&mut self, args: &[&str]) -> Result<(), TargetError> {
         let repeat_count = repeat_count_arg(NAME, args)?.min(1);
         let index = self.paths.len();
         self.paths.push(PathInfo {

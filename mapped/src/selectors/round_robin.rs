@@ -7,6 +7,7 @@
 use super::{
     no_selector_args, repeat_count_arg, PathSelector, SelectorType, StatusType, ValidList,
 };
+use crate::error::TargetError;
 use parking_lot::Mutex;
 
 pub const TYPE: SelectorType = SelectorType {
@@ -23,7 +24,7 @@ pub struct RoundRobin {
     repeat_count: Vec<u32>,
 }
 
-fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
+fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, TargetError> {
     no_selector_args(NAME, args)?;
     Ok(Box::new(RoundRobin {
         valid: Mutex::new(ValidList::default()),
@@ -32,7 +33,7 @@ fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
 }
 
 impl PathSelector for RoundRobin {
-    fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
+    fn add_path(&mut self, args: &[&str]) -> Result<(), TargetError> {
         let repeat = repeat_count_arg(NAME, args)?.min(1);
         let index = self.repeat_count.len();
         self.repeat_count.push(repeat);
@@ -103,10 +104,12 @@ mod tests {
         assert!(s
             .add_path(&["x"])
             .unwrap_err()
+            .report()
             .contains("invalid repeat count"));
         assert!(s
             .add_path(&["1", "2"])
             .unwrap_err()
+            .report()
             .contains("incorrect number"));
         assert!(create(&["1"]).is_err());
     }

@@ -7,6 +7,7 @@
 //! casts of differences to `int`, so ties and near-ties resolve the same.
 
 use super::{no_selector_args, parse_u32, PathSelector, SelectorType, StatusType, ValidList};
+use crate::error::TargetError;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -33,7 +34,7 @@ pub struct ServiceTime {
     paths: Vec<PathInfo>,
 }
 
-fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, String> {
+fn create(args: &[&str]) -> Result<Box<dyn PathSelector>, TargetError> {
     no_selector_args(NAME, args)?;
     Ok(Box::new(ServiceTime {
         valid: Mutex::new(ValidList::default()),
@@ -75,12 +76,12 @@ impl ServiceTime {
 }
 
 impl PathSelector for ServiceTime {
-    fn add_path(&mut self, args: &[&str]) -> Result<(), String> {
+    fn add_path(&mut self, args: &[&str]) -> Result<(), TargetError> {
         if args.len() > 2 {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "{NAME} ps: incorrect number of arguments: expected at most 2 '[<repeat_count> [<relative_throughput>]]', got {}",
                 args.len()
-            ));
+            )));
         }
         let repeat_count = match args.first() {
             Some(a) => parse_u32(NAME, "repeat count", a)?.min(1),
@@ -90,9 +91,9 @@ impl PathSelector for ServiceTime {
             Some(a) => {
                 let v = parse_u32(NAME, "relative_throughput value", a)?;
                 if v > MAX_RELATIVE_THROUGHPUT {
-                    return Err(format!(
+                    return Err(TargetError::invalid(format!(
                         "{NAME} ps: invalid relative_throughput value {v}: must be 0..={MAX_RELATIVE_THROUGHPUT}"
-                    ));
+                    )));
                 }
                 v
             }
@@ -212,10 +213,12 @@ mod tests {
         assert!(s
             .add_path(&["1", "101"])
             .unwrap_err()
+            .report()
             .contains("relative_throughput"));
         assert!(s
             .add_path(&["1", "2", "3"])
             .unwrap_err()
+            .report()
             .contains("incorrect number"));
     }
 }

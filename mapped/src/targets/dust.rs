@@ -10,6 +10,7 @@
 //! the underlying device including `offset`, as dm-dust's do. No bio spans
 //! two blocks (`max_io_len` is the block size).
 
+use crate::error::TargetError;
 use crate::target::{expect_args, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, Features, Op, Status, SECTOR_SIZE};
 use parking_lot::Mutex;
@@ -33,20 +34,26 @@ pub struct DustTarget {
     quiet: AtomicBool,
 }
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     expect_args(args, &[3], "<dev> <offset> <blksz>")?;
     let blksz: u64 = parse_arg("block size parameter", args[2])?;
     if blksz == 0 {
-        return Err("invalid block size parameter 0".into());
+        return Err(TargetError::invalid("invalid block size parameter 0"));
     }
     if blksz < 512 {
-        return Err(format!("block size {blksz} must be at least 512"));
+        return Err(TargetError::invalid(format!(
+            "block size {blksz} must be at least 512"
+        )));
     }
     if !blksz.is_power_of_two() {
-        return Err(format!("block size {blksz} must be a power of 2"));
+        return Err(TargetError::invalid(format!(
+            "block size {blksz} must be a power of 2"
+        )));
     }
     if blksz / SECTOR_SIZE > ctx.len.min(2_097_152) {
-        return Err(format!("block size {blksz} is too large"));
+        return Err(TargetError::invalid(format!(
+            "block size {blksz} is too large"
+        )));
     }
     let start: u64 = parse_arg("device offset sector", args[1])?;
     let dev = ctx.get_device(args[0], start, ctx.len)?;
@@ -65,13 +72,13 @@ impl DustTarget {
         self.dev.dev.size() / self.blksz
     }
 
-    fn parse_block(&self, s: &str) -> Result<u64, String> {
+    fn parse_block(&self, s: &str) -> Result<u64, TargetError> {
         let b: u64 = parse_arg("block", s)?;
         if b > self.dev_blocks() {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "selected block value {b} out of range (device has {} blocks)",
                 self.dev_blocks()
-            ));
+            )));
         }
         Ok(b)
     }
@@ -127,12 +134,12 @@ impl Target for DustTarget {
         format!("{} {} {}", self.dev, self.start, self.blksz)
     }
 
-    fn message(&self, args: &[&str]) -> Result<String, String> {
+    fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         let verb = args[0].to_ascii_lowercase();
         match (verb.as_str(), args.len()) {
-            ("addbadblock" | "removebadblock" | "queryblock", 1) => {
-                Err(format!("{verb} requires an additional argument"))
-            }
+            ("addbadblock" | "removebadblock" | "queryblock", 1) => Err(TargetError::invalid(
+                format!("{verb} requires an additional argument"),
+            )),
             ("enable", 1) => {
                 self.fail_read_on_bb.store(true, Ordering::Relaxed);
                 Ok(String::new())
@@ -175,7 +182,9 @@ impl Target for DustTarget {
                 };
                 let mut bad = self.bad.lock();
                 if bad.contains_key(&block) {
-                    return Err(format!("block {block} already in badblocklist"));
+                    return Err(TargetError::invalid(format!(
+                        "block {block} already in badblocklist"
+                    )));
                 }
                 bad.insert(block, fails);
                 Ok(String::new())
@@ -184,7 +193,9 @@ impl Target for DustTarget {
                 let block = self.parse_block(args[1])?;
                 match self.bad.lock().remove(&block) {
                     Some(_) => Ok(String::new()),
-                    None => Err(format!("block {block} not found in badblocklist")),
+                    None => Err(TargetError::invalid(format!(
+                        "block {block} not found in badblocklist"
+                    ))),
                 }
             }
             ("queryblock", 2) => {
@@ -195,11 +206,11 @@ impl Target for DustTarget {
                     if found { "" } else { "not " }
                 ))
             }
-            _ => Err(format!(
+            _ => Err(TargetError::invalid(format!(
                 "unrecognized message '{}' ({} argument(s))",
                 args[0],
                 args.len()
-            )),
+            ))),
         }
     }
 

@@ -1,6 +1,7 @@
 //! `error`: every I/O fails (kernel dm-target.c's io_err target). Useful
 //! to punch failing ranges into a table and to test error paths above.
 
+use crate::error::TargetError;
 use crate::target::{expect_args, CtrContext, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, Status};
 use std::sync::Arc;
@@ -13,7 +14,7 @@ pub const TYPE: TargetType = TargetType {
 
 pub struct ErrorTarget;
 
-fn ctr(_ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(_ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     expect_args(args, &[0], "")?;
     Ok(Arc::new(ErrorTarget))
 }

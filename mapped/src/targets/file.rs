@@ -4,14 +4,15 @@
 //! see `blkstack_drivers::file` for the semantics and the fallbacks.
 
 use super::leaf::{leaf_type, LeafDriver, LeafTarget};
+use crate::error::TargetError;
 use crate::target::{CtrContext, TargetRef, TargetType};
 use blkstack_drivers::file::FileDevice;
 use std::sync::Arc;
 
 pub const TYPE: TargetType = leaf_type("file", ctr);
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
-    let driver = FileDevice::from_args(ctx.len_bytes(), args).map_err(|e| e.to_string())?;
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
+    let driver = FileDevice::from_args(ctx.len_bytes(), args)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 

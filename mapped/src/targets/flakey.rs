@@ -11,6 +11,7 @@
 //! set, 0 for any bio). Intervals are whole seconds as in dm, timed from
 //! construction on the monotonic clock.
 
+use crate::error::TargetError;
 use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::clock::now_ns;
 use blkstack_core::{Bio, EndIo, Features, Op, Status, SECTOR_SIZE};
@@ -52,18 +53,18 @@ pub struct FlakeyTarget {
     inner: Arc<Flakey>,
 }
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     if args.len() < 4 {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "invalid argument count: expected '<dev> <offset> <up interval> <down interval> [<#feature args> [<arg>]...]', got {}",
             args.len()
-        ));
+        )));
     }
     let start: u64 = parse_arg("device sector", args[1])?;
     let up: u32 = parse_arg("up interval", args[2])?;
     let down: u32 = parse_arg("down interval", args[3])?;
     if up as u64 + down as u64 == 0 {
-        return Err("total (up + down) interval is zero".into());
+        return Err(TargetError::invalid("total (up + down) interval is zero"));
     }
     let mut f = Flakey {
         dev: ctx.get_device(args[0], start, ctx.len)?,
@@ -79,52 +80,67 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
     Ok(Arc::new(FlakeyTarget { inner: Arc::new(f) }))
 }
 
-fn parse_features(f: &mut Flakey, args: &[&str]) -> Result<(), String> {
+fn parse_features(f: &mut Flakey, args: &[&str]) -> Result<(), TargetError> {
     let Some((count, rest)) = args.split_first() else {
         return Ok(());
     };
     let n: usize = parse_arg("number of feature args", count)?;
     if n > 6 {
-        return Err(format!("invalid number of feature args {n} (at most 6)"));
+        return Err(TargetError::invalid(format!(
+            "invalid number of feature args {n} (at most 6)"
+        )));
     }
     if rest.len() != n {
-        return Err(format!("{n} feature args declared, {} given", rest.len()));
+        return Err(TargetError::invalid(format!(
+            "{n} feature args declared, {} given",
+            rest.len()
+        )));
     }
     let mut i = 0;
     while i < rest.len() {
         match rest[i].to_ascii_lowercase().as_str() {
             "drop_writes" => {
                 if f.drop_writes {
-                    return Err("feature drop_writes duplicated".into());
+                    return Err(TargetError::invalid("feature drop_writes duplicated"));
                 }
                 if f.error_writes {
-                    return Err("feature drop_writes conflicts with feature error_writes".into());
+                    return Err(TargetError::invalid(
+                        "feature drop_writes conflicts with feature error_writes",
+                    ));
                 }
                 f.drop_writes = true;
                 i += 1;
             }
             "error_writes" => {
                 if f.error_writes {
-                    return Err("feature error_writes duplicated".into());
+                    return Err(TargetError::invalid("feature error_writes duplicated"));
                 }
                 if f.drop_writes {
-                    return Err("feature error_writes conflicts with feature drop_writes".into());
+                    return Err(TargetError::invalid(
+                        "feature error_writes conflicts with feature drop_writes",
+                    ));
                 }
                 f.error_writes = true;
                 i += 1;
             }
             "corrupt_bio_byte" => {
                 if rest.len() < i + 5 {
-                    return Err("feature corrupt_bio_byte requires parameters <Nth_byte> <r|w> <value> <flags>".into());
+                    return Err(TargetError::invalid("feature corrupt_bio_byte requires parameters <Nth_byte> <r|w> <value> <flags>"));
                 }
                 let byte: u32 = parse_arg("corrupt bio byte", rest[i + 1])?;
                 if byte == 0 {
-                    return Err("invalid corrupt bio byte 0 (bytes count from 1)".into());
+                    return Err(TargetError::invalid(
+                        "invalid corrupt bio byte 0 (bytes count from 1)",
+                    ));
                 }
                 let dir = match rest[i + 2].to_ascii_lowercase().as_str() {
                     "r" => Dir::Read,
                     "w" => Dir::Write,
-                    d => return Err(format!("invalid corrupt bio direction '{d}' (r or w)")),
+                    d => {
+                        return Err(TargetError::invalid(format!(
+                            "invalid corrupt bio direction '{d}' (r or w)"
+                        )))
+                    }
                 };
                 let value: u8 =
                     parse_arg("corrupt value to write into bio byte (0-255)", rest[i + 3])?;
@@ -137,19 +153,23 @@ fn parse_features(f: &mut Flakey, args: &[&str]) -> Result<(), String> {
                 });
                 i += 5;
             }
-            other => return Err(format!("unrecognised flakey feature '{other}'")),
+            other => {
+                return Err(TargetError::invalid(format!(
+                    "unrecognised flakey feature '{other}'"
+                )))
+            }
         }
     }
     if let Some(c) = f.corrupt {
         if c.dir == Dir::Write && f.drop_writes {
-            return Err(
-                "drop_writes is incompatible with corrupt_bio_byte with the WRITE flag set".into(),
-            );
+            return Err(TargetError::invalid(
+                "drop_writes is incompatible with corrupt_bio_byte with the WRITE flag set",
+            ));
         }
         if c.dir == Dir::Write && f.error_writes {
-            return Err(
-                "error_writes is incompatible with corrupt_bio_byte with the WRITE flag set".into(),
-            );
+            return Err(TargetError::invalid(
+                "error_writes is incompatible with corrupt_bio_byte with the WRITE flag set",
+            ));
         }
     }
     Ok(())

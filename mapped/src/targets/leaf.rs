@@ -3,6 +3,7 @@
 //! straight to it (the line-relative offset is the device offset). Shared
 //! by `null`, `memory` and any other driver-backed target.
 
+use crate::error::TargetError;
 use crate::target::{Target, TargetType};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Device, Features};
@@ -11,8 +12,11 @@ use blkstack_core::{Bio, Device, Features};
 pub trait LeafDriver: Device {
     fn status(&self) -> String;
     fn table_args(&self) -> String;
-    fn message(&self, args: &[&str]) -> Result<String, String> {
-        Err(format!("message '{}' not supported", args.join(" ")))
+    fn message(&self, args: &[&str]) -> Result<String, TargetError> {
+        Err(TargetError::invalid(format!(
+            "message '{}' not supported",
+            args.join(" ")
+        )))
     }
 }
 
@@ -37,7 +41,7 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
         self.driver.table_args()
     }
 
-    fn message(&self, args: &[&str]) -> Result<String, String> {
+    fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         self.driver.message(args)
     }
 
@@ -64,7 +68,7 @@ pub const fn leaf_type(
     ctr: fn(
         &mut crate::target::CtrContext<'_>,
         &[&str],
-    ) -> Result<crate::target::TargetRef, String>,
+    ) -> Result<crate::target::TargetRef, TargetError>,
 ) -> TargetType {
     TargetType {
         name,

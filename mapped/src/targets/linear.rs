@@ -1,8 +1,15 @@
 //! `linear <dev> <offset>`: remap onto a range of another device (kernel
 //! dm-linear.c). The bio is passed down as is with its offset moved: no
 //! completion frame, no per-I/O cost beyond an add.
+//!
+//! Polled bios pass through when the device below polls, as Linux dm lets
+//! a bio with REQ_POLLED through targets whose devices all support polling
+//! (`dm_table_supports_poll`), and `poll` reaps on that device.
 
-use crate::target::{expect_args, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
+use crate::error::TargetError;
+use crate::target::{
+    expect_args, extents_from, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType,
+};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Features, SECTOR_SIZE};
 use std::sync::Arc;
@@ -19,7 +26,7 @@ pub struct LinearTarget {
     start: u64,
 }
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     expect_args(args, &[2], "<dev> <offset>")?;
     let start: u64 = parse_arg("device sector", args[1])?;
     let dev = ctx.get_device(args[0], start, ctx.len)?;
@@ -40,15 +47,15 @@ impl Target for LinearTarget {
         self.dev.dev.features()
     }
 
+    fn polls(&self) -> bool {
+        self.dev.dev.polls()
+    }
+
+    fn poll(&self) -> usize {
+        self.dev.dev.poll()
+    }
+
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
-        let base = self.start * SECTOR_SIZE;
-        self.dev.dev.extents(offset + base, len).map(|v| {
-            v.into_iter()
-                .map(|e| Extent {
-                    offset: e.offset - base,
-                    ..e
-                })
-                .collect()
-        })
+        extents_from(&self.dev, self.start, offset, len)
     }
 }

@@ -3,14 +3,15 @@
 //! the driver, see `blkstack_drivers::null`.
 
 use super::leaf::{leaf_type, LeafDriver, LeafTarget};
+use crate::error::TargetError;
 use crate::target::{CtrContext, TargetRef, TargetType};
 use blkstack_drivers::null::NullDevice;
 use std::sync::Arc;
 
 pub const TYPE: TargetType = leaf_type("null", ctr);
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
-    let driver = NullDevice::from_args(ctx.len_bytes(), args).map_err(|e| e.to_string())?;
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
+    let driver = NullDevice::from_args(ctx.len_bytes(), args)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 

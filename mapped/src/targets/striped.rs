@@ -3,7 +3,12 @@
 //! (`stripe_map_sector`), a flush sent to every stripe, `max_io_len` equal
 //! to the chunk so no bio crosses a chunk, and per-stripe error counts
 //! shown as `A`/`D` in status.
+//!
+//! Polled bios pass through only when every stripe's device polls (dm's
+//! `dm_table_supports_poll` asks each device), and `poll` reaps on all of
+//! them, since a bio split across chunks may wait on any stripe.
 
+use crate::error::TargetError;
 use crate::split::Split;
 use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, EndIo, Features, Op, Status, SECTOR_SIZE};
@@ -33,44 +38,46 @@ pub struct StripedTarget {
     inner: Arc<Stripes>,
 }
 
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     if args.len() < 2 {
-        return Err("not enough arguments: '<#stripes> <chunk_size> [<dev> <offset>]...'".into());
+        return Err(TargetError::invalid(
+            "not enough arguments: '<#stripes> <chunk_size> [<dev> <offset>]...'",
+        ));
     }
     let n: u64 = parse_arg("stripe count", args[0])?;
     if n == 0 {
-        return Err("invalid stripe count 0".into());
+        return Err(TargetError::invalid("invalid stripe count 0"));
     }
     let chunk: u64 = parse_arg("chunk size", args[1])?;
     if chunk == 0 {
-        return Err("invalid chunk size 0".into());
+        return Err(TargetError::invalid("invalid chunk size 0"));
     }
     if !ctx.len.is_multiple_of(n) {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "target length {} is not divisible by the number of stripes {n}",
             ctx.len
-        ));
+        )));
     }
     let width = ctx.len / n;
     if !width.is_multiple_of(chunk) {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "target length {} is not divisible by chunk size {chunk} times {n} stripes",
             ctx.len
-        ));
+        )));
     }
     if args.len() as u64 != 2 + 2 * n {
-        return Err(format!(
+        return Err(TargetError::invalid(format!(
             "{n} stripes need {} device arguments ('<dev> <offset>' each), got {}",
             2 * n,
             args.len() - 2
-        ));
+        )));
     }
     let mut stripes = Vec::with_capacity(n as usize);
     for i in 0..n as usize {
         let start: u64 = parse_arg(&format!("offset of stripe {i}"), args[3 + 2 * i])?;
         let dev = ctx
             .get_device(args[2 + 2 * i], start, width)
-            .map_err(|e| format!("stripe {i}: {e}"))?;
+            .map_err(|e| e.within(format!("stripe {i}")))?;
         stripes.push(Stripe {
             dev,
             physical_start: start,
@@ -154,6 +161,14 @@ impl Target for StripedTarget {
             });
         }
         s
+    }
+
+    fn polls(&self) -> bool {
+        self.inner.stripes.iter().all(|s| s.dev.dev.polls())
+    }
+
+    fn poll(&self) -> usize {
+        self.inner.stripes.iter().map(|s| s.dev.dev.poll()).sum()
     }
 
     fn features(&self) -> Features {

@@ -1,6 +1,7 @@
 //! `zero`: reads return zeroes, writes and discards are dropped (kernel
 //! dm-zero.c). Everything is a hole, so NBD clients can skip it.
 
+use crate::error::TargetError;
 use crate::target::{expect_args, CtrContext, Target, TargetRef, TargetType};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Features, Op, Status};
@@ -14,7 +15,7 @@ pub const TYPE: TargetType = TargetType {
 
 pub struct ZeroTarget;
 
-fn ctr(_ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
+fn ctr(_ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     expect_args(args, &[0], "")?;
     Ok(Arc::new(ZeroTarget))
 }

@@ -2,7 +2,9 @@
 //! selector, failed over on path errors (kernel drivers/md/dm-mpath.c,
 //! bio-based).
 //!
-//! Table grammar, as dm-mpath's constructor:
+//! Table grammar, as dm-mpath's constructor (parsed in `ctr`, one
+//! function per piece as dm-mpath.c's parse_features, parse_hw_handler,
+//! parse_priority_group and parse_path):
 //!
 //! ```text
 //! <#features> [feature]... <#hw_handler args> [hw_handler [arg]...]
@@ -16,18 +18,7 @@
 //! `queue_mode bio|rq|mq` (rq and mq are one mode, as in current kernels;
 //! `bio` implies `retain_attached_hw_handler`), and blkstack's own
 //! `start_time ns|jiffies:HZ|tick:HZ`: the start time path selectors are
-//! given in `end_io`. `ns` (default) is the seed's fix (Krisman, 2022: HST
-//! gets `ktime_get_ns()` start times in bio mode). `jiffies:250` is what
-//! bio-based dm gave HST before it, `dm_start_time_ns_from_clone()` =
-//! `jiffies_to_nsecs(jiffies at submission)` at HZ=250, emulated exactly:
-//! the jiffies counter starts at `INITIAL_JIFFIES` (300 s before wrapping
-//! 32 bits) and `jiffies_to_usecs` returns an `unsigned int`, so that
-//! "start time" is not on the `ktime_get_ns()` base the selector's end time
-//! uses: it is the tick's start minus 300 s, minus a multiple of 2^32 µs
-//! (71.6 min), once the machine has been up for 5 minutes, and in the
-//! future before that. `tick:250` keeps only the precision loss (the start
-//! truncated to its 4 ms tick on the right base), to tell the two effects
-//! apart. Only non-default values are printed back by `table`, so tables
+//! given in `end_io` (see [`start_time`]). Only non-default values are printed back by `table`, so tables
 //! without it are dmsetup-identical. There are no SCSI device handlers
 //! here, so a hardware handler is refused and `pg_init_*` are kept only
 //! for the table.
@@ -57,19 +48,25 @@
 //! selector spreads load. `status` and `table` print what dm-mpath's
 //! `multipath_status` prints for STATUSTYPE_INFO and STATUSTYPE_TABLE.
 
-use crate::selectors::{self, PathSelector, SelectorType, StatusType};
-use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType, DM_MAJOR};
-use blkstack_core::clock::{now_ns, Jiffies};
+mod ctr;
+pub mod start_time;
+
+use crate::error::TargetError;
+use crate::selectors::{PathSelector, SelectorType, StatusType};
+use crate::target::{DevArg, Target, TargetType, DM_MAJOR};
+use blkstack_core::clock::now_ns;
 use blkstack_core::{Bio, BioFlags, EndIo, Features, Status};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
+pub use start_time::StartTime;
+
 pub const TYPE: TargetType = TargetType {
     name: "multipath",
     version: [1, 14, 0],
-    ctr,
+    ctr: ctr::ctr,
 };
 
 /// "No group" / "no path" in the atomics below.
@@ -79,95 +76,11 @@ const MAX_PATHS: usize = 1 << 16;
 const START_BITS: u32 = 48;
 const START_MASK: u64 = (1 << START_BITS) - 1;
 
-/// How the constructor's dm_arg ranges are enforced (kernel `dm_arg`).
-const MAX_GROUPS: u32 = 1024;
-const MAX_PATHS_PER_GROUP: u32 = 1024;
-const MAX_ARGS: u32 = 1024;
-const MAX_FEATURE_ARGS: u32 = 10;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum QueueMode {
     /// `rq` or `mq`: request-based in the kernel; the default.
     Request,
     Bio,
-}
-
-/// Which start time selectors get (see the module documentation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StartTime {
-    /// The clock itself (`ktime_get_ns()`), the seed's fix.
-    Ns,
-    /// Bio-based dm before the fix: `jiffies_to_nsecs(jiffies)`, with the
-    /// kernel's jiffies origin and 32-bit microsecond conversion.
-    Jiffies(Jiffies),
-    /// The clock truncated to the start of its jiffy: the precision loss
-    /// alone, without the kernel's change of time base.
-    Tick(Jiffies),
-}
-
-/// Kernel `INITIAL_JIFFIES`: `(unsigned long)(unsigned int)(-300*HZ)`, so
-/// that the 32-bit jiffies value wraps five minutes after boot.
-fn initial_jiffies(hz: u32) -> u64 {
-    (300u64 * hz as u64).wrapping_neg() as u32 as u64
-}
-
-/// Kernel `jiffies_to_nsecs(j)` = `(u64)jiffies_to_usecs(j) * 1000`, where
-/// `jiffies_to_usecs` returns an `unsigned int`: the microseconds wrap at
-/// 2^32 (71.6 minutes). Exact for every HZ that divides 10^6 (100, 250,
-/// 1000, ...); other HZ round down as the kernel's 64-bit path does.
-fn kernel_jiffies_to_nsecs(j: u64, hz: u32) -> u64 {
-    let usecs = (j as u128 * 1_000_000 / hz as u128) as u32;
-    usecs as u64 * 1_000
-}
-
-impl StartTime {
-    /// The start time a selector is given for an I/O submitted at `now`
-    /// (a [`now_ns`] reading, i.e. nanoseconds since boot like
-    /// `ktime_get_ns()`): `now` itself, `jiffies_to_nsecs` of the emulated
-    /// jiffies counter at `now`, or the start of the tick containing `now`.
-    pub fn at(self, now: u64) -> u64 {
-        match self {
-            StartTime::Ns => now,
-            StartTime::Jiffies(j) => {
-                let jiffies = initial_jiffies(j.hz).wrapping_add(j.from_ns(now));
-                kernel_jiffies_to_nsecs(jiffies, j.hz)
-            }
-            StartTime::Tick(j) => j.truncate_ns(now),
-        }
-    }
-
-    fn parse(s: &str) -> Result<StartTime, String> {
-        if s.eq_ignore_ascii_case("ns") {
-            return Ok(StartTime::Ns);
-        }
-        let hz_of = |hz: &str| -> Result<Jiffies, String> {
-            let hz: u32 = hz
-                .parse()
-                .map_err(|_| format!("start_time: invalid HZ '{hz}' in '{s}'"))?;
-            if !(1..=100_000).contains(&hz) {
-                return Err(format!("start_time: HZ {hz} must be in 1..=100000"));
-            }
-            Ok(Jiffies::new(hz))
-        };
-        if let Some(hz) = s.strip_prefix("jiffies:") {
-            return Ok(StartTime::Jiffies(hz_of(hz)?));
-        }
-        if let Some(hz) = s.strip_prefix("tick:") {
-            return Ok(StartTime::Tick(hz_of(hz)?));
-        }
-        Err(format!(
-            "start_time: unknown value '{s}': expected 'ns', 'jiffies:HZ' or 'tick:HZ' (e.g. jiffies:250)"
-        ))
-    }
-
-    /// The feature's value as `table` prints it.
-    fn table_word(self) -> String {
-        match self {
-            StartTime::Ns => "ns".to_string(),
-            StartTime::Jiffies(j) => format!("jiffies:{}", j.hz),
-            StartTime::Tick(j) => format!("tick:{}", j.hz),
-        }
-    }
 }
 
 struct PgPath {
@@ -226,225 +139,24 @@ pub struct MultipathTarget {
     m: Arc<Multipath>,
 }
 
-/// The kernel's `dm_arg_set`: the args not consumed yet.
-struct ArgSet<'a> {
-    args: &'a [&'a str],
-    pos: usize,
-}
-
-impl<'a> ArgSet<'a> {
-    fn remaining(&self) -> usize {
-        self.args.len() - self.pos
-    }
-
-    fn shift(&mut self, what: &str) -> Result<&'a str, String> {
-        let a = self
-            .args
-            .get(self.pos)
-            .copied()
-            .ok_or_else(|| format!("missing {what} (the table ends early)"))?;
-        self.pos += 1;
-        Ok(a)
-    }
-
-    /// Kernel `dm_read_arg`: an unsigned in `min..=max`.
-    fn read(&mut self, what: &str, min: u32, max: u32) -> Result<u32, String> {
-        let a = self.shift(what)?;
-        let v: u32 = a.parse().map_err(|_| format!("invalid {what} '{a}'"))?;
-        if v < min || v > max {
-            return Err(format!("invalid {what} {v}: must be in {min}..={max}"));
-        }
-        Ok(v)
-    }
-
-    /// Kernel `dm_read_arg_group`: a count, and that many args must follow.
-    fn read_group(&mut self, what: &str, max: u32) -> Result<u32, String> {
-        let n = self.read(what, 0, max)?;
-        if n as usize > self.remaining() {
-            return Err(format!(
-                "{what} is {n} but only {} argument(s) follow",
-                self.remaining()
-            ));
-        }
-        Ok(n)
-    }
-
-    fn take(&mut self, n: usize) -> &'a [&'a str] {
-        let s = &self.args[self.pos..self.pos + n];
-        self.pos += n;
-        s
-    }
-}
-
-fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), String> {
-    let mut cfg = Config {
-        queue_mode: QueueMode::Request,
-        pg_init_retries: 0,
-        pg_init_delay_msecs: None,
-        retain_attached_hw_handler: false,
-        start_time: StartTime::Ns,
-    };
-    let mut queue_if_no_path = false;
-    let mut argc = a.read_group("number of feature args", MAX_FEATURE_ARGS)?;
-    while argc > 0 {
-        let name = a.shift("feature")?;
-        argc -= 1;
-        let is = |s: &str| name.eq_ignore_ascii_case(s);
-        if is("queue_if_no_path") {
-            queue_if_no_path = true;
-            continue;
-        }
-        if is("retain_attached_hw_handler") {
-            cfg.retain_attached_hw_handler = true;
-            continue;
-        }
-        let takes_value = is("pg_init_retries")
-            || is("pg_init_delay_msecs")
-            || is("queue_mode")
-            || is("start_time");
-        if !takes_value {
-            return Err(format!(
-                "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ|tick:HZ)"
-            ));
-        }
-        if argc == 0 {
-            return Err(format!(
-                "feature '{name}' needs a value, but the feature count ends here"
-            ));
-        }
-        argc -= 1;
-        if is("pg_init_retries") {
-            cfg.pg_init_retries = a.read("pg_init_retries", 1, 50)?;
-        } else if is("pg_init_delay_msecs") {
-            cfg.pg_init_delay_msecs = Some(a.read("pg_init_delay_msecs", 0, 60000)?);
-        } else if is("queue_mode") {
-            let m = a.shift("queue_mode")?;
-            cfg.queue_mode = if m.eq_ignore_ascii_case("bio") {
-                QueueMode::Bio
-            } else if m.eq_ignore_ascii_case("rq") || m.eq_ignore_ascii_case("mq") {
-                QueueMode::Request
-            } else {
-                return Err(format!(
-                    "unknown queue_mode '{m}' requested (known: bio, rq, mq)"
-                ));
-            };
+impl Multipath {
+    /// A multipath as the constructor describes it: every path usable,
+    /// no group chosen yet, `initial` (1-based, 0 for none) to switch to
+    /// first.
+    fn new(
+        cfg: Config,
+        groups: Vec<PriorityGroup>,
+        paths: Vec<PgPath>,
+        initial: u32,
+        queue_if_no_path: bool,
+    ) -> Arc<Multipath> {
+        let nr_valid = paths.len();
+        let next_pg = if initial == 0 {
+            NONE
         } else {
-            cfg.start_time = StartTime::parse(a.shift("start_time")?)?;
-        }
-    }
-    if cfg.queue_mode == QueueMode::Bio {
-        // Kernel alloc_multipath_stage2: bio-based only discovers handlers.
-        cfg.retain_attached_hw_handler = true;
-    }
-    Ok((cfg, queue_if_no_path))
-}
-
-fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
-    let mut a = ArgSet { args, pos: 0 };
-    let (cfg, queue_if_no_path) = parse_features(&mut a)?;
-
-    let hw_argc = a.read_group("number of hardware handler args", MAX_ARGS)?;
-    if hw_argc != 0 {
-        let name = a.shift("hardware handler")?;
-        return Err(format!(
-            "hardware handler '{name}' is not supported: blkstack has no SCSI device handlers; use '0' hardware handler args"
-        ));
-    }
-
-    let nr_groups = a.read("number of priority groups", 0, MAX_GROUPS)?;
-    let initial = a.read("initial priority group number", 0, MAX_GROUPS)?;
-    if (nr_groups == 0) != (initial == 0) {
-        return Err(format!(
-            "invalid initial priority group {initial} for {nr_groups} group(s): it must be 0 exactly when there are no groups"
-        ));
-    }
-    if initial > nr_groups {
-        return Err(format!(
-            "invalid initial priority group {initial}: there are only {nr_groups} group(s)"
-        ));
-    }
-
-    let mut groups = Vec::new();
-    let mut paths: Vec<PgPath> = Vec::new();
-    while a.remaining() > 0 {
-        let g = groups.len();
-        let gname = format!("priority group {}", g + 1);
-        if a.remaining() < 2 {
-            return Err(format!("{gname}: not enough priority group arguments"));
-        }
-        let sel_name = a.shift("path selector")?;
-        let ps_type = selectors::lookup(sel_name).ok_or_else(|| {
-            format!(
-                "{gname}: unknown path selector type '{sel_name}' (known: {})",
-                selectors::names().join(", ")
-            )
-        })?;
-        let ps_argc = a
-            .read_group("number of path selector args", MAX_ARGS)
-            .map_err(|e| format!("{gname}: {e}"))?;
-        let mut ps = (ps_type.create)(a.take(ps_argc as usize))
-            .map_err(|e| format!("{gname}: path selector constructor failed: {e}"))?;
-        let nr_paths = a
-            .read("number of paths", 1, MAX_PATHS_PER_GROUP)
-            .map_err(|e| format!("{gname}: {e}"))?;
-        let nr_sel_args = a
-            .read("number of per-path selector args", 0, MAX_ARGS)
-            .map_err(|e| format!("{gname}: {e}"))?;
-        let per_path = 1 + nr_sel_args as usize;
-        let mut members = Vec::with_capacity(nr_paths as usize);
-        for i in 0..nr_paths as usize {
-            if a.remaining() < per_path {
-                return Err(format!(
-                    "{gname}: not enough path parameters: path {} of {nr_paths} needs a device and {nr_sel_args} selector arg(s), {} argument(s) left",
-                    i + 1,
-                    a.remaining()
-                ));
-            }
-            let words = a.take(per_path);
-            let dev = ctx
-                .get_device(words[0], 0, ctx.len)
-                .map_err(|e| format!("{gname}, path {}: {e}", i + 1))?;
-            ps.add_path(&words[1..])
-                .map_err(|e| format!("{gname}, path {} ({}): {e}", i + 1, words[0]))?;
-            if paths.len() + 1 >= MAX_PATHS {
-                return Err(format!(
-                    "too many paths: at most {} in one table",
-                    MAX_PATHS - 1
-                ));
-            }
-            members.push(paths.len());
-            paths.push(PgPath {
-                dev,
-                pg: g,
-                index: i,
-                active: AtomicBool::new(true),
-                fail_count: AtomicU32::new(0),
-                ios: AtomicU64::new(0),
-                bytes: AtomicU64::new(0),
-            });
-        }
-        groups.push(PriorityGroup {
-            ps_type,
-            ps,
-            paths: members,
-            bypassed: AtomicBool::new(false),
-        });
-    }
-    if groups.len() != nr_groups as usize {
-        return Err(format!(
-            "priority group count mismatch: the table declares {nr_groups} group(s) but describes {}",
-            groups.len()
-        ));
-    }
-
-    let nr_valid = paths.len();
-    let next_pg = if initial == 0 {
-        NONE
-    } else {
-        initial as usize - 1
-    };
-    Ok(Arc::new(MultipathTarget {
-        m: Arc::new_cyclic(|me| Multipath {
+            initial as usize - 1
+        };
+        Arc::new_cyclic(|me| Multipath {
             cfg,
             groups,
             paths,
@@ -459,8 +171,8 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, String> {
             suspended: AtomicBool::new(false),
             lock: Mutex::new(VecDeque::new()),
             me: me.clone(),
-        }),
-    }))
+        })
+    }
 }
 
 fn pack(path: usize, submitted_ns: u64) -> u64 {
@@ -682,15 +394,15 @@ impl Multipath {
         self.next_pg.store(pg, Ordering::Release);
     }
 
-    fn parse_pg_num(&self, verb: &str, s: &str) -> Result<usize, String> {
-        let n: usize = s
-            .parse()
-            .map_err(|_| format!("{verb}: invalid priority group number '{s}'"))?;
+    fn parse_pg_num(&self, verb: &str, s: &str) -> Result<usize, TargetError> {
+        let n: usize = s.parse().map_err(|_| {
+            TargetError::invalid(format!("{verb}: invalid priority group number '{s}'"))
+        })?;
         if n == 0 || n > self.groups.len() {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "{verb}: invalid priority group number {n}: groups are numbered 1..={}",
                 self.groups.len()
-            ));
+            )));
         }
         Ok(n - 1)
     }
@@ -872,10 +584,12 @@ impl Target for MultipathTarget {
     }
 
     /// Kernel `multipath_message`.
-    fn message(&self, args: &[&str]) -> Result<String, String> {
+    fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         let m = &self.m;
         if m.suspended.load(Ordering::Acquire) {
-            return Err("device is suspended (EBUSY): resume it first".into());
+            return Err(TargetError::invalid(
+                "device is suspended (EBUSY): resume it first",
+            ));
         }
         let verb = args.first().copied().unwrap_or("");
         let is = |s: &str| verb.eq_ignore_ascii_case(s);
@@ -903,13 +617,13 @@ impl Target for MultipathTarget {
             "path_stats",
         ];
         if !known.iter().any(|k| is(k)) {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "unrecognised multipath message '{verb}' (known: {})",
                 known.join(", ")
-            ));
+            )));
         }
         if args.len() != 2 {
-            return Err(format!(
+            return Err(TargetError::invalid(format!(
                 "invalid multipath message arguments: '{verb}' expects {} argument(s), got {}",
                 if is("queue_if_no_path") || is("fail_if_no_path") || is("path_stats") {
                     1
@@ -917,7 +631,7 @@ impl Target for MultipathTarget {
                     2
                 },
                 args.len()
-            ));
+            )));
         }
         let arg = args[1];
         if is("disable_group") {
@@ -929,9 +643,9 @@ impl Target for MultipathTarget {
         } else {
             let paths = m.paths_named(arg);
             if paths.is_empty() {
-                return Err(format!(
+                return Err(TargetError::invalid(format!(
                     "{verb}: device '{arg}' is not a path of this multipath"
-                ));
+                )));
             }
             for p in paths {
                 if is("fail_path") {
@@ -987,46 +701,5 @@ mod tests {
             let w = pack(path, start);
             assert_eq!(unpack(w, now), (path, start));
         }
-    }
-
-    #[test]
-    fn tick_start_times_fall_back_to_the_tick() {
-        let now = 7_123_456_789u64;
-        assert_eq!(StartTime::Ns.at(now), now);
-        // HZ=250: 4 ms ticks; HZ=1: whole seconds.
-        assert_eq!(StartTime::parse("tick:250").unwrap().at(now), 7_120_000_000);
-        assert_eq!(StartTime::parse("tick:1").unwrap().at(now), 7_000_000_000);
-    }
-
-    #[test]
-    fn jiffies_start_times_are_the_kernels_jiffies_to_nsecs() {
-        let j = StartTime::parse("jiffies:250").unwrap();
-        assert_eq!(initial_jiffies(250), (1u64 << 32) - 75_000);
-        // Up 1000.001 s: jiffies = INITIAL_JIFFIES + 250000 wraps 32 bits
-        // to 175000, i.e. 700 s: the tick's start minus 300 s.
-        assert_eq!(j.at(1_000_001_000_007), 700_000_000_000);
-        // Up 5000 s: 4000 * (1250000 - 75000) µs wraps at 2^32 µs.
-        assert_eq!(j.at(5_000_000_000_000), 405_032_704_000);
-        // In the first 5 minutes the "start" lies after the clock.
-        assert_eq!(j.at(0), 3_994_967_296_000);
-        // HZ=1000 has the same 300 s origin.
-        let k = StartTime::parse("jiffies:1000").unwrap();
-        assert_eq!(k.at(1_000_001_000_007), 700_001_000_000);
-    }
-
-    #[test]
-    fn start_time_values() {
-        assert_eq!(StartTime::parse("ns"), Ok(StartTime::Ns));
-        assert_eq!(
-            StartTime::parse("jiffies:250"),
-            Ok(StartTime::Jiffies(Jiffies::new(250)))
-        );
-        assert_eq!(
-            StartTime::parse("tick:1000"),
-            Ok(StartTime::Tick(Jiffies::new(1000)))
-        );
-        assert!(StartTime::parse("tick:").is_err());
-        assert!(StartTime::parse("jiffies:0").is_err());
-        assert!(StartTime::parse("ms").is_err());
     }
 }

@@ -1,0 +1,278 @@
+//! The multipath constructor, one function per piece of its grammar as
+//! in dm-mpath.c: [`parse_features`], [`parse_hw_handler`], the group
+//! counts, [`parse_priority_group`] (its path selector and its paths) and
+//! [`parse_path`]. Each reads from an [`ArgSet`], the kernel's
+//! `dm_arg_set`, and names the group and path an error is in.
+
+use super::{
+    Config, Multipath, MultipathTarget, PgPath, PriorityGroup, QueueMode, StartTime, MAX_PATHS,
+};
+use crate::error::TargetError;
+use crate::selectors::{self, PathSelector};
+use crate::target::{CtrContext, TargetRef};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+
+/// How the constructor's dm_arg ranges are enforced (kernel `dm_arg`).
+const MAX_GROUPS: u32 = 1024;
+const MAX_PATHS_PER_GROUP: u32 = 1024;
+const MAX_ARGS: u32 = 1024;
+const MAX_FEATURE_ARGS: u32 = 10;
+/// The kernel's `dm_arg_set`: the args not consumed yet.
+struct ArgSet<'a> {
+    args: &'a [&'a str],
+    pos: usize,
+}
+
+impl<'a> ArgSet<'a> {
+    fn remaining(&self) -> usize {
+        self.args.len() - self.pos
+    }
+
+    fn shift(&mut self, what: &str) -> Result<&'a str, TargetError> {
+        let a = self
+            .args
+            .get(self.pos)
+            .copied()
+            .ok_or_else(|| TargetError::Missing(what.to_string()))?;
+        self.pos += 1;
+        Ok(a)
+    }
+
+    /// Kernel `dm_read_arg`: an unsigned in `min..=max`.
+    fn read(&mut self, what: &str, min: u32, max: u32) -> Result<u32, TargetError> {
+        let a = self.shift(what)?;
+        let v: u32 = a.parse().map_err(|_| TargetError::InvalidArg {
+            what: what.to_string(),
+            value: a.to_string(),
+        })?;
+        if v < min || v > max {
+            return Err(TargetError::OutOfRange {
+                what: what.to_string(),
+                value: v.into(),
+                min: min.into(),
+                max: max.into(),
+            });
+        }
+        Ok(v)
+    }
+
+    /// Kernel `dm_read_arg_group`: a count, and that many args must follow.
+    fn read_group(&mut self, what: &str, max: u32) -> Result<u32, TargetError> {
+        let n = self.read(what, 0, max)?;
+        if n as usize > self.remaining() {
+            return Err(TargetError::GroupTooLong {
+                what: what.to_string(),
+                count: n,
+                left: self.remaining(),
+            });
+        }
+        Ok(n)
+    }
+
+    fn take(&mut self, n: usize) -> &'a [&'a str] {
+        let s = &self.args[self.pos..self.pos + n];
+        self.pos += n;
+        s
+    }
+}
+
+fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
+    let mut cfg = Config {
+        queue_mode: QueueMode::Request,
+        pg_init_retries: 0,
+        pg_init_delay_msecs: None,
+        retain_attached_hw_handler: false,
+        start_time: StartTime::Ns,
+    };
+    let mut queue_if_no_path = false;
+    let mut argc = a.read_group("number of feature args", MAX_FEATURE_ARGS)?;
+    while argc > 0 {
+        let name = a.shift("feature")?;
+        argc -= 1;
+        let is = |s: &str| name.eq_ignore_ascii_case(s);
+        if is("queue_if_no_path") {
+            queue_if_no_path = true;
+            continue;
+        }
+        if is("retain_attached_hw_handler") {
+            cfg.retain_attached_hw_handler = true;
+            continue;
+        }
+        let takes_value = is("pg_init_retries")
+            || is("pg_init_delay_msecs")
+            || is("queue_mode")
+            || is("start_time");
+        if !takes_value {
+            return Err(TargetError::invalid(format!(
+                "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ|tick:HZ)"
+            )));
+        }
+        if argc == 0 {
+            return Err(TargetError::invalid(format!(
+                "feature '{name}' needs a value, but the feature count ends here"
+            )));
+        }
+        argc -= 1;
+        if is("pg_init_retries") {
+            cfg.pg_init_retries = a.read("pg_init_retries", 1, 50)?;
+        } else if is("pg_init_delay_msecs") {
+            cfg.pg_init_delay_msecs = Some(a.read("pg_init_delay_msecs", 0, 60000)?);
+        } else if is("queue_mode") {
+            let m = a.shift("queue_mode")?;
+            cfg.queue_mode = if m.eq_ignore_ascii_case("bio") {
+                QueueMode::Bio
+            } else if m.eq_ignore_ascii_case("rq") || m.eq_ignore_ascii_case("mq") {
+                QueueMode::Request
+            } else {
+                return Err(TargetError::invalid(format!(
+                    "unknown queue_mode '{m}' requested (known: bio, rq, mq)"
+                )));
+            };
+        } else {
+            cfg.start_time = StartTime::parse(a.shift("start_time")?)?;
+        }
+    }
+    if cfg.queue_mode == QueueMode::Bio {
+        // Kernel alloc_multipath_stage2: bio-based only discovers handlers.
+        cfg.retain_attached_hw_handler = true;
+    }
+    Ok((cfg, queue_if_no_path))
+}
+
+pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
+    let mut a = ArgSet { args, pos: 0 };
+    let (cfg, queue_if_no_path) = parse_features(&mut a)?;
+    parse_hw_handler(&mut a)?;
+    let (nr_groups, initial) = parse_group_counts(&mut a)?;
+    let mut groups = Vec::new();
+    let mut paths: Vec<PgPath> = Vec::new();
+    while a.remaining() > 0 {
+        let pg = parse_priority_group(&mut a, ctx, groups.len(), &mut paths)?;
+        groups.push(pg);
+    }
+    if groups.len() != nr_groups as usize {
+        return Err(TargetError::invalid(format!(
+            "priority group count mismatch: the table declares {nr_groups} group(s) but describes {}",
+            groups.len()
+        )));
+    }
+    let m = Multipath::new(cfg, groups, paths, initial, queue_if_no_path);
+    Ok(std::sync::Arc::new(MultipathTarget { m }))
+}
+
+/// Kernel `parse_hw_handler`: no SCSI device handlers exist here, so only
+/// an empty handler section is accepted.
+fn parse_hw_handler(a: &mut ArgSet<'_>) -> Result<(), TargetError> {
+    let hw_argc = a.read_group("number of hardware handler args", MAX_ARGS)?;
+    if hw_argc != 0 {
+        let name = a.shift("hardware handler")?;
+        return Err(TargetError::invalid(format!(
+            "hardware handler '{name}' is not supported: blkstack has no SCSI device handlers; use '0' hardware handler args"
+        )));
+    }
+    Ok(())
+}
+
+/// `<#priority groups> <initial group>`, checked against each other.
+fn parse_group_counts(a: &mut ArgSet<'_>) -> Result<(u32, u32), TargetError> {
+    let nr_groups = a.read("number of priority groups", 0, MAX_GROUPS)?;
+    let initial = a.read("initial priority group number", 0, MAX_GROUPS)?;
+    if (nr_groups == 0) != (initial == 0) {
+        return Err(TargetError::invalid(format!(
+            "invalid initial priority group {initial} for {nr_groups} group(s): it must be 0 exactly when there are no groups"
+        )));
+    }
+    if initial > nr_groups {
+        return Err(TargetError::invalid(format!(
+            "invalid initial priority group {initial}: there are only {nr_groups} group(s)"
+        )));
+    }
+    Ok((nr_groups, initial))
+}
+
+/// Kernel `parse_priority_group`: `<selector> <#selector args> [arg]...
+/// <#paths> <#per-path args> [<path> [arg]...]...`. Group `g` (0-based)
+/// appends its paths to `paths`, whose indices it keeps.
+fn parse_priority_group(
+    a: &mut ArgSet<'_>,
+    ctx: &mut CtrContext<'_>,
+    g: usize,
+    paths: &mut Vec<PgPath>,
+) -> Result<PriorityGroup, TargetError> {
+    let gname = format!("priority group {}", g + 1);
+    if a.remaining() < 2 {
+        return Err(TargetError::invalid(format!(
+            "{gname}: not enough priority group arguments"
+        )));
+    }
+    let sel_name = a.shift("path selector")?;
+    let ps_type = selectors::lookup(sel_name).ok_or_else(|| {
+        TargetError::invalid(format!(
+            "{gname}: unknown path selector type '{sel_name}' (known: {})",
+            selectors::names().join(", ")
+        ))
+    })?;
+    let ps_argc = a
+        .read_group("number of path selector args", MAX_ARGS)
+        .map_err(|e| e.within(gname.as_str()))?;
+    let mut ps = (ps_type.create)(a.take(ps_argc as usize))
+        .map_err(|e| e.within(format!("{gname}: path selector constructor failed")))?;
+    let nr_paths = a
+        .read("number of paths", 1, MAX_PATHS_PER_GROUP)
+        .map_err(|e| e.within(gname.as_str()))?;
+    let nr_sel_args = a
+        .read("number of per-path selector args", 0, MAX_ARGS)
+        .map_err(|e| e.within(gname.as_str()))?;
+    let per_path = 1 + nr_sel_args as usize;
+    let mut members = Vec::with_capacity(nr_paths as usize);
+    for i in 0..nr_paths as usize {
+        if a.remaining() < per_path {
+            return Err(TargetError::invalid(format!(
+                "{gname}: not enough path parameters: path {} of {nr_paths} needs a device and {nr_sel_args} selector arg(s), {} argument(s) left",
+                i + 1,
+                a.remaining()
+            )));
+        }
+        let path = parse_path(a.take(per_path), ctx, &mut *ps, &gname, (g, i))?;
+        if paths.len() + 1 >= MAX_PATHS {
+            return Err(TargetError::invalid(format!(
+                "too many paths: at most {} in one table",
+                MAX_PATHS - 1
+            )));
+        }
+        members.push(paths.len());
+        paths.push(path);
+    }
+    Ok(PriorityGroup {
+        ps_type,
+        ps,
+        paths: members,
+        bypassed: AtomicBool::new(false),
+    })
+}
+
+/// Kernel `parse_path`: `<path> [selector arg]...`, the device opened over
+/// the whole target and the arguments handed to the group's selector.
+/// `at` is (group, index in group), both 0-based.
+fn parse_path(
+    words: &[&str],
+    ctx: &mut CtrContext<'_>,
+    ps: &mut dyn PathSelector,
+    gname: &str,
+    (pg, index): (usize, usize),
+) -> Result<PgPath, TargetError> {
+    let dev = ctx
+        .get_device(words[0], 0, ctx.len)
+        .map_err(|e| e.within(format!("{gname}, path {}", index + 1)))?;
+    ps.add_path(&words[1..])
+        .map_err(|e| e.within(format!("{gname}, path {} ({})", index + 1, words[0])))?;
+    Ok(PgPath {
+        dev,
+        pg,
+        index,
+        active: AtomicBool::new(true),
+        fail_count: AtomicU32::new(0),
+        ios: AtomicU64::new(0),
+        bytes: AtomicU64::new(0),
+    })
+}
