@@ -86,6 +86,7 @@ pub fn run_stack_inspect(
     job: &JobSpec,
     inspect: impl FnOnce(&Registry),
 ) -> Result<Measured> {
+    crate::progress::tick(stack.lines().next().unwrap_or(stack));
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack)
         .with_context(|| format!("building stack:\n{stack}"))?;

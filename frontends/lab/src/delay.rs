@@ -29,7 +29,7 @@
 //! columns, e.g. `wake_pct=90`).
 
 use crate::common::{job, median, round, run_stack_inspect, Measured};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::Result;
 use blkstack_bench::{JobSpec, RwMode};
@@ -530,21 +530,6 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
          at delay 0 every mode passes bios straight through"
             .to_string(),
     );
-    r.plot = Some(PlotSpec {
-        x: "delay_ms".into(),
-        series: vec![
-            "theory_iops".into(),
-            "timer250_iops".into(),
-            "timer1000_iops".into(),
-            "kthread_iops".into(),
-            "hybrid_iops".into(),
-            "hybrid_unpinned_iops".into(),
-        ],
-        x_label: "delay (ms), QD1 4k random read".into(),
-        y_label: "IOPS".into(),
-        kind: PlotKind::Line,
-        filter: vec![("rw".into(), json!("randread")), ("qd".into(), json!(1))],
-    });
     Ok(r)
 }
 

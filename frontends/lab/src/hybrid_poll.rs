@@ -46,7 +46,7 @@
 //! denominator, was cut by other processes).
 
 use crate::common::{median, round, status_counter};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, Context, Result};
 use blkstack_bench::{
@@ -530,18 +530,6 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                     .collect()
             })
             .collect(),
-    });
-    r.plot = Some(PlotSpec {
-        x: "case".into(),
-        series: vec![
-            "interrupt_cpu_pct".into(),
-            "poll_cpu_pct".into(),
-            "hybrid_cpu_pct".into(),
-        ],
-        x_label: "workload and service time".into(),
-        y_label: "CPU per job (% of one CPU, whole process)".into(),
-        kind: PlotKind::Bar,
-        filter: Vec::new(),
     });
     r.note(format!(
         "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (the seed used 16 on 8 cores; this machine has {} CPUs); {repeats} round(s) of {} ms per point (modes interleaved, order rotated), medians shown, checks on the median of per-round hybrid/poll ratios",

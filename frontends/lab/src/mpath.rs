@@ -45,7 +45,7 @@
 //! `hz` (250), `iodepth` (64), `numjobs` (2), `runtime_ms`, `warmup_ms`.
 
 use crate::common::{job, mean_sd, round};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
 use blkstack_bench::{run_jobs, RunOptions, RwMode};
@@ -339,20 +339,6 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 row
             })
             .collect(),
-    });
-    r.plot = Some(PlotSpec {
-        x: "path".into(),
-        series: vec![
-            "ideal".into(),
-            "st".into(),
-            "hst_jiffies".into(),
-            "hst_tick".into(),
-            "hst_ns".into(),
-        ],
-        x_label: "path (seed disk)".into(),
-        y_label: "share of I/O".into(),
-        kind: PlotKind::Bar,
-        filter: vec![],
     });
     Ok(r)
 }

@@ -31,7 +31,7 @@
 //! must hit both depths alike.
 
 use crate::common::{job, mean_sd, median, round, run_stack};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::Result;
 use blkstack_bench::RwMode;
@@ -223,13 +223,5 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         "{jobs} jobs; KIOPS are the median (sd) of {repeats} runs ({CHECKED}) and {info_repeats} runs (memory) of {} ms per point, all points interleaved",
         runtime.as_millis()
     ));
-    r.plot = Some(PlotSpec {
-        x: "iodepth".into(),
-        series: vec!["off_kiops".into(), "on_kiops".into()],
-        x_label: "queue depth per job".into(),
-        y_label: "KIOPS".into(),
-        kind: PlotKind::Line,
-        filter: vec![("device".into(), json!(CHECKED))],
-    });
     Ok(r)
 }

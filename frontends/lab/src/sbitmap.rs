@@ -28,7 +28,7 @@
 //! `--set wake_weight=one` runs the two main columns that way.
 
 use crate::common::{job, mean_sd, round, run_stack};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::Result;
 use blkstack_bench::RwMode;
@@ -262,13 +262,5 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         jobs * 2,
         runtime.as_millis()
     ));
-    r.plot = Some(PlotSpec {
-        x: "depth".into(),
-        series: vec!["wait_cnt_kiops".into(), "counter_kiops".into()],
-        x_label: "hardware queue depth (single hardware queue)".into(),
-        y_label: "KIOPS".into(),
-        kind: PlotKind::Line,
-        filter: vec![("table".into(), json!("single"))],
-    });
     Ok(r)
 }
