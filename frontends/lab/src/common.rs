@@ -54,7 +54,7 @@ pub fn status_counter(status: &str, key: &str) -> u64 {
         .sum()
 }
 
-/// A job as the seeds describe them: `rw`, block size, depth, job count,
+/// A job as the upstream reports describe them: `rw`, block size, depth, job count,
 /// time-based for `runtime`, reported as one group.
 pub fn job(rw: RwMode, bs: u64, iodepth: u32, numjobs: u32, runtime: Duration) -> JobSpec {
     JobSpec {

@@ -136,12 +136,7 @@ fn mq_run() -> Figure {
     posts.series = vec![
         Series::column("dedup off", Style::Ours, 3, "off_posts_per_io"),
         Series::column("dedup on", Style::Ours, 0, "on_posts_per_io"),
-        Series::column(
-            "off: grabs of pending work",
-            Style::Ours,
-            4,
-            "off_grabs_per_io",
-        ),
+        Series::column("off: grabs per I/O", Style::Ours, 4, "off_grabs_per_io"),
     ];
     let mut cost = Panel::new(
         "time per post (mod_delayed_work_on)",
@@ -297,9 +292,9 @@ fn sbitmap() -> Figure {
     );
     let sleeps = per_algo("tag sleeps per I/O", "sleeps per I/O", "sleeps_per_io");
     let mut jobs = Panel::new(
-        "IOPS vs jobs (single queue)",
+        "IOPS ratio vs jobs (one queue, small depth)",
         "jobs",
-        "jobs",
+        "jobs (tag waiters)",
         "counter / wait_cnt",
     );
     jobs.filter = vec![("sweep".into(), json!("jobs"))];

@@ -89,7 +89,7 @@ impl LabOpts {
     }
 }
 
-/// One experiment: name (the subcommand), the seed it reruns, its runner.
+/// One experiment: name (the subcommand), the upstream change it reruns, its runner.
 pub struct Experiment {
     pub name: &'static str,
     pub seed: &'static str,
@@ -97,7 +97,7 @@ pub struct Experiment {
     pub run: fn(&LabOpts) -> Result<LabReport>,
 }
 
-/// Every experiment, in seed order.
+/// Every experiment, in the order of the upstream changes' dates.
 pub static EXPERIMENTS: &[Experiment] = &[
     Experiment {
         name: "delay",
@@ -169,7 +169,7 @@ pub struct LabArgs {
 fn list() -> String {
     let mut s = String::from("experiments:\n");
     for e in EXPERIMENTS {
-        s.push_str(&format!("  {:<12} seed {}  {}\n", e.name, e.seed, e.about));
+        s.push_str(&format!("  {:<12} {}\n", e.name, e.about));
     }
     s.push_str("  all          every experiment above\n");
     s.push_str("  compare A B  two runs side by side (NAME.json files or output directories)\n");

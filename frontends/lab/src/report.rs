@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 /// One row: column name -> value, in column order.
 pub type Row = Map<String, Value>;
 
-/// The seed's published figures, shown for shape beside ours.
+/// Upstream's published figures, shown for shape beside ours.
 #[derive(Clone, Debug, Serialize, Deserialize, Default)]
 pub struct SeedTable {
     pub caption: String,
@@ -128,7 +128,7 @@ impl LabReport {
         fmt_value(row.get(column))
     }
 
-    /// Human-readable text: our table, the seed's, checks and notes.
+    /// Human-readable text: our table, upstream's, checks and notes.
     pub fn to_text(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "== lab {}: {}", self.experiment, self.title);
@@ -139,7 +139,7 @@ impl LabReport {
             .collect();
         s.push_str(&render_grid(&self.columns, &cells));
         if let Some(seed) = &self.seed {
-            let _ = writeln!(s, "\n-- seed: {}", seed.caption);
+            let _ = writeln!(s, "\n-- upstream: {}", seed.caption);
             s.push_str(&render_grid(&seed.columns, &seed.rows));
         }
         if !self.checks.is_empty() {
