@@ -109,9 +109,26 @@ impl Ord for Timer {
 
 struct QueueState {
     timers: BinaryHeap<Reverse<Timer>>,
+    /// Entries in `timers` left stale by grabs and not yet popped.
+    stale: usize,
     seq: u64,
     sleeping: u32,
     shutdown: bool,
+}
+
+/// Stale entries tolerated before a queue's heap is compacted: a grab
+/// leaves one behind on every post to pending work, and a worker that
+/// does not run for a while must not let them pile up (the kernel's
+/// `list_del_init` leaves nothing behind).
+const STALE_COMPACT: usize = 256;
+
+impl Timer {
+    /// Is this the item's live entry on queue `qi`?
+    fn is_live(&self, qi: usize) -> bool {
+        self.work.deadline.load(Relaxed) != NOT_PENDING
+            && self.work.entry.load(Relaxed) == self.seq
+            && self.work.queue.load(Relaxed) == qi
+    }
 }
 
 /// One worker queue: a timer heap and the workers that serve it.
@@ -185,6 +202,7 @@ impl Kblockd {
                         state: Mutex::new(QueueState {
                             timers: BinaryHeap::with_capacity(64),
                             seq: 0,
+                            stale: 0,
                             sleeping: 0,
                             shutdown: false,
                         }),
@@ -307,10 +325,16 @@ impl Kblockd {
     /// constant-time equivalent of the kernel's `list_del_init`). Called
     /// with the item's claim held.
     fn grab_pending(&self, work: &DelayedWork) {
-        let q = &self.shared.queues[work.queue.load(Relaxed)];
-        let _st = q.state.lock();
+        let qi = work.queue.load(Relaxed);
+        let q = &self.shared.queues[qi];
+        let mut st = q.state.lock();
         work.deadline.store(NOT_PENDING, Relaxed);
         self.shared.grabs.fetch_add(1, Relaxed);
+        st.stale += 1;
+        if st.stale >= STALE_COMPACT && st.stale * 2 >= st.timers.len() {
+            st.timers.retain(|Reverse(t)| t.is_live(qi));
+            st.stale = 0;
+        }
     }
 
     /// Remove `work` if pending (kernel `cancel_delayed_work`); a run
@@ -360,9 +384,7 @@ fn worker(shared: Arc<Shared>, qi: usize) {
                 // is dropped.
                 let claimed = {
                     let _claim = t.work.claim.lock();
-                    let mine = t.work.deadline.load(Relaxed) != NOT_PENDING
-                        && t.work.entry.load(Relaxed) == t.seq
-                        && t.work.queue.load(Relaxed) == qi;
+                    let mine = t.is_live(qi);
                     if mine {
                         t.work.deadline.store(NOT_PENDING, Relaxed);
                     }
@@ -373,6 +395,9 @@ fn worker(shared: Arc<Shared>, qi: usize) {
                     (t.work.func)();
                 }
                 st = q.state.lock();
+                if !claimed {
+                    st.stale = st.stale.saturating_sub(1);
+                }
             }
             _ => {
                 if st.shutdown {
@@ -479,6 +504,24 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(80));
         assert_eq!(n.load(Relaxed), 1, "a grabbed entry ran");
         assert!(!w.is_pending());
+        pool.shutdown();
+    }
+
+    #[test]
+    fn stale_entries_left_by_grabs_are_compacted() {
+        let pool = Kblockd::new(1);
+        let (w, n) = counter_work();
+        // Far in the future, so the worker never pops anything meanwhile.
+        pool.post(&w, 10_000_000_000);
+        for _ in 0..(STALE_COMPACT * 4) {
+            pool.post(&w, 10_000_000_000);
+        }
+        let len = pool.shared.queues[0].state.lock().timers.len();
+        assert!(len <= STALE_COMPACT + 1, "{len} heap entries for one item");
+        pool.post(&w, 0);
+        wait_for(&n, 1);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(n.load(Relaxed), 1);
         pool.shutdown();
     }
 
