@@ -86,7 +86,13 @@ pub fn run_stack_inspect(
     job: &JobSpec,
     inspect: impl FnOnce(&Registry),
 ) -> Result<Measured> {
-    crate::progress::tick(stack.lines().next().unwrap_or(stack));
+    // The device under test (`dev`, usually the last line) names the point.
+    let point = stack
+        .lines()
+        .find(|l| l.starts_with("dev:"))
+        .or_else(|| stack.lines().last())
+        .unwrap_or(stack);
+    crate::progress::tick(point);
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack)
         .with_context(|| format!("building stack:\n{stack}"))?;

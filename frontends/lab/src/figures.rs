@@ -142,9 +142,10 @@ fn mq_run() -> Figure {
         "time per post (mod_delayed_work_on)",
         "iodepth",
         "queue depth per job",
-        "ns per post",
+        "ns per post (log)",
     );
     cost.filter = depth();
+    cost.log_y = true;
     cost.series = vec![
         Series::column("dedup off", Style::Ours, 3, "off_ns_per_post"),
         Series::column("dedup on", Style::Ours, 0, "on_ns_per_post"),

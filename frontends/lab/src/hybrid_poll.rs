@@ -180,6 +180,7 @@ struct Figures {
 }
 
 fn measure(stack_text: &str, job: &JobSpec, w: &Workload, trace: bool) -> Result<Figures> {
+    crate::progress::tick(&format!("{} {:?}", w.name, job.wait));
     let reg = Registry::new();
     reg.create_stack(stack_text)
         .with_context(|| format!("building the device:\n{stack_text}"))?;

@@ -136,6 +136,7 @@ fn run_policy(
     runtime: Duration,
     warmup: Duration,
 ) -> Result<Outcome> {
+    crate::progress::tick(stack_text.lines().next().unwrap_or(stack_text));
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack_text)
         .with_context(|| format!("building stack:\n{stack_text}"))?;
@@ -289,7 +290,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let seed_slow = if costs == COSTS {
         let col = |c: usize| slow.iter().map(|&p| SEED[p][c]).sum::<f64>();
         format!(
-            " (seed: orig {:.2}, ktime {:.2}, best {:.2})",
+            " (upstream: orig {:.2}, ktime {:.2}, best {:.2})",
             col(1),
             col(2),
             col(3)
@@ -298,7 +299,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         String::new()
     };
     r.check(
-        "HST with jiffies start times starves the slow paths (under a tenth of their ideal share, seed: 0.00)",
+        "HST with jiffies start times starves the slow paths (under a tenth of their ideal share, upstream: 0.00)",
         !slow.is_empty() && jiffies_slow < 0.1 * ideal_slow && jiffies_slow < ns_slow,
         format!(
             "slow paths' total share: jiffies {jiffies_slow:.3}, ns {ns_slow:.3}, ideal {ideal_slow:.3}{seed_slow}"

@@ -283,6 +283,11 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     }
     add_checks(&mut r, deepest);
     r.seed = Some(seed_table());
+    r.note(
+        "ns per post: with dedup off most posts find the run pending and pay the grab and \
+         requeue under two pool locks; with dedup on a post happens only when no run is \
+         pending, so nearly every one also wakes the sleeping worker: fewer, dearer posts",
+    );
     r.note(format!(
         "{jobs} jobs in the depth sweep; KIOPS are the median (sd) of {repeats} runs ({CHECKED} depth sweep) and {info_repeats} runs (job sweep, memory) of {} ms per point, all points interleaved; per-post figures are medians of the kblockd pool's counters per run ({kblockd} pool)",
         runtime.as_millis()

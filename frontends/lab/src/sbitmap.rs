@@ -368,7 +368,11 @@ fn add_guarantee_checks(r: &mut LabReport) {
     r.check(
         "counter: no lost wakeup (no sleep ended by the rescue timeout, any point)",
         rescued == 0.0,
-        format!("counter {rescued} rescued; wait_cnt {old_rescued} (its lost wakeups)"),
+        format!(
+            "counter {rescued} rescued; wait_cnt {old_rescued} (its lost wakeups). A rescue \
+             also happens when no completion arrives within {RESCUE_MS} ms (completion thread \
+             starved on a loaded machine): check the load in the machine line"
+        ),
     );
     for table in ["single", "shared"] {
         let small: Vec<&crate::report::Row> = r
