@@ -86,13 +86,7 @@ pub fn run_stack_inspect(
     job: &JobSpec,
     inspect: impl FnOnce(&Registry),
 ) -> Result<Measured> {
-    // The device under test (`dev`, usually the last line) names the point.
-    let point = stack
-        .lines()
-        .find(|l| l.starts_with("dev:"))
-        .or_else(|| stack.lines().last())
-        .unwrap_or(stack);
-    crate::progress::tick(point);
+    crate::progress::tick_stack(stack);
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack)
         .with_context(|| format!("building stack:\n{stack}"))?;

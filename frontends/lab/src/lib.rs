@@ -215,6 +215,24 @@ pub fn write_outputs(report: &report::LabReport, out: &std::path::Path) -> Resul
     Ok(())
 }
 
+/// `lab compare` and `lab report`, which run no experiment; `None` for
+/// any other name.
+fn run_tool(name: &str, args: &LabArgs) -> Option<Result<()>> {
+    match name {
+        "compare" => Some(match args.runs.as_slice() {
+            [a, b] => compare::compare_paths(a, b).map(|text| print!("{text}")),
+            runs => Err(anyhow!(
+                "lab compare takes two runs (NAME.json files or output directories), got {}",
+                runs.len()
+            )),
+        }),
+        "report" => {
+            Some(html::write_index(&args.out).map(|page| println!("wrote {}", page.display())))
+        }
+        _ => None,
+    }
+}
+
 pub fn run_cli(args: LabArgs) -> Result<()> {
     if args.list {
         print!("{}", list());
@@ -223,20 +241,8 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
     let Some(name) = args.experiment.as_deref() else {
         bail!("name an experiment or `all`\n{}", list());
     };
-    if name == "compare" {
-        let [a, b] = args.runs.as_slice() else {
-            bail!(
-                "lab compare takes two runs (NAME.json files or output directories), got {}",
-                args.runs.len()
-            );
-        };
-        print!("{}", compare::compare_paths(a, b)?);
-        return Ok(());
-    }
-    if name == "report" {
-        let page = html::write_index(&args.out)?;
-        println!("wrote {}", page.display());
-        return Ok(());
+    if let Some(done) = run_tool(name, &args) {
+        return done;
     }
     if !args.runs.is_empty() {
         bail!(

@@ -136,7 +136,7 @@ fn run_policy(
     runtime: Duration,
     warmup: Duration,
 ) -> Result<Outcome> {
-    crate::progress::tick(stack_text.lines().next().unwrap_or(stack_text));
+    crate::progress::tick_stack(stack_text);
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack_text)
         .with_context(|| format!("building stack:\n{stack_text}"))?;

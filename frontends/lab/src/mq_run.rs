@@ -74,6 +74,16 @@ struct Sample {
     ns_per_post: f64,
 }
 
+/// The settings every run shares.
+struct Setup {
+    repeats: usize,
+    info_repeats: usize,
+    null_zero_reads: u8,
+    kblockd: String,
+    runtime: Duration,
+    trace: bool,
+}
+
 /// A point of the table: which sweep, device, depth and job count.
 #[derive(Clone, Copy, Debug)]
 struct Point {
@@ -82,6 +92,13 @@ struct Point {
     device: &'static str,
     qd: u32,
     jobs: u32,
+}
+
+impl Point {
+    /// A point of the checked device's depth sweep (run every round).
+    fn is_checked(&self) -> bool {
+        self.label == CHECKED && self.sweep == "depth"
+    }
 }
 
 fn stack(device: &str, dedup: &str, null_zero_reads: u8, kblockd: &str) -> String {
@@ -93,6 +110,74 @@ fn stack(device: &str, dedup: &str, null_zero_reads: u8, kblockd: &str) -> Strin
     format!("dev: 0 2097152 {device} run_dedup={dedup} kblockd={kblockd}{zero_reads}\n")
 }
 
+fn new_report() -> LabReport {
+    LabReport::new(
+        "mq-run",
+        "queue runs posted on every completion: dedup off (old, kernel's mod_delayed_work_on per post) vs on",
+        &[
+            "sweep",
+            "device",
+            "jobs",
+            "iodepth",
+            "off_kiops",
+            "off_sd",
+            "on_kiops",
+            "on_sd",
+            "improvement_pct",
+            "off_posts_per_io",
+            "on_posts_per_io",
+            "off_grabs_per_io",
+            "off_ns_per_post",
+            "on_ns_per_post",
+            "seed_pre_kiops",
+            "seed_after_kiops",
+        ],
+    )
+}
+
+/// Every point and mode once per round, and every other round in
+/// reverse, so drift on a shared machine hits every point alike; the
+/// unchecked points only in the first `info_repeats` rounds.
+/// Returns samples[point][0 = off, 1 = on].
+fn measure_all(points: &[Point], s: &Setup) -> Result<Vec<[Vec<Sample>; 2]>> {
+    let runs: usize = (0..s.repeats)
+        .map(|r| {
+            points
+                .iter()
+                .filter(|p| p.is_checked() || r < s.info_repeats)
+                .count()
+                * 2
+        })
+        .sum();
+    crate::progress::expect_runs(runs as u64);
+    // samples[point][0 = off, 1 = on].
+    let mut samples = vec![[Vec::new(), Vec::new()]; points.len()];
+    // Every point and mode once per round, and every other round in
+    // reverse: drift on a shared machine must hit every point alike.
+    for round_nr in 0..s.repeats {
+        let mut order: Vec<(usize, usize)> = (0..points.len())
+            .filter(|&p| points[p].is_checked() || round_nr < s.info_repeats)
+            .flat_map(|p| [(p, 0), (p, 1)])
+            .collect();
+        if round_nr % 2 == 1 {
+            order.reverse();
+        }
+        for (p, i) in order {
+            let dedup = ["off", "on"][i];
+            let m = measure(&points[p], dedup, s)?;
+            if s.trace {
+                let pt = &points[p];
+                eprintln!(
+                    "{} QD{} {} jobs dedup={dedup}: {:.1}k IOPS, {:.3} posts/IO, {:.3} grabs/IO, {:.0} ns/post",
+                    pt.label, pt.qd, pt.jobs, m.kiops, m.posts_per_io, m.grabs_per_io, m.ns_per_post
+                );
+            }
+            samples[p][i].push(m);
+        }
+    }
+    Ok(samples)
+}
+
 fn pool(kind: &str) -> Arc<Kblockd> {
     if kind == "unbound" {
         Kblockd::global_unbound()
@@ -101,18 +186,12 @@ fn pool(kind: &str) -> Arc<Kblockd> {
     }
 }
 
-fn measure(
-    p: &Point,
-    dedup: &str,
-    null_zero_reads: u8,
-    kblockd: &str,
-    runtime: Duration,
-) -> Result<Sample> {
-    let pool = pool(kblockd);
+fn measure(p: &Point, dedup: &str, s: &Setup) -> Result<Sample> {
+    let pool = pool(&s.kblockd);
     let before = pool.stats();
     let m = run_stack(
-        &stack(p.device, dedup, null_zero_reads, kblockd),
-        &job(RwMode::RandRead, 4096, p.qd, p.jobs, runtime),
+        &stack(p.device, dedup, s.null_zero_reads, &s.kblockd),
+        &job(RwMode::RandRead, 4096, p.qd, p.jobs, s.runtime),
     )?;
     let after = pool.stats();
     anyhow::ensure!(
@@ -211,71 +290,23 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         qd: deepest,
         jobs: j,
     }));
-    let checked_point = |p: &Point| p.label == CHECKED && p.sweep == "depth";
-    let runs: usize = (0..repeats)
-        .map(|r| {
-            points
-                .iter()
-                .filter(|p| checked_point(p) || r < info_repeats)
-                .count()
-                * 2
-        })
-        .sum();
-    crate::progress::expect_runs(runs as u64);
-    // samples[point][0 = off, 1 = on].
-    let mut samples = vec![[Vec::new(), Vec::new()]; points.len()];
-    // Every point and mode once per round, and every other round in
-    // reverse: drift on a shared machine must hit every point alike.
-    for round_nr in 0..repeats {
-        let mut order: Vec<(usize, usize)> = (0..points.len())
-            .filter(|&p| checked_point(&points[p]) || round_nr < info_repeats)
-            .flat_map(|p| [(p, 0), (p, 1)])
-            .collect();
-        if round_nr % 2 == 1 {
-            order.reverse();
-        }
-        for (p, i) in order {
-            let dedup = ["off", "on"][i];
-            let s = measure(&points[p], dedup, null_zero_reads, &kblockd, runtime)?;
-            if trace != 0 {
-                let pt = &points[p];
-                eprintln!(
-                    "{} QD{} {} jobs dedup={dedup}: {:.1}k IOPS, {:.3} posts/IO, {:.3} grabs/IO, {:.0} ns/post",
-                    pt.label, pt.qd, pt.jobs, s.kiops, s.posts_per_io, s.grabs_per_io, s.ns_per_post
-                );
-            }
-            samples[p][i].push(s);
-        }
-    }
-    let mut r = LabReport::new(
-        "mq-run",
-        "queue runs posted on every completion: dedup off (old, kernel's mod_delayed_work_on per post) vs on",
-        &[
-            "sweep",
-            "device",
-            "jobs",
-            "iodepth",
-            "off_kiops",
-            "off_sd",
-            "on_kiops",
-            "on_sd",
-            "improvement_pct",
-            "off_posts_per_io",
-            "on_posts_per_io",
-            "off_grabs_per_io",
-            "off_ns_per_post",
-            "on_ns_per_post",
-            "seed_pre_kiops",
-            "seed_after_kiops",
-        ],
-    );
+    let setup = Setup {
+        repeats,
+        info_repeats,
+        null_zero_reads,
+        kblockd: kblockd.clone(),
+        runtime,
+        trace: trace != 0,
+    };
+    let samples = measure_all(&points, &setup)?;
+    let mut r = new_report();
     for (p, pt) in points.iter().enumerate() {
         push_row(&mut r, pt, &samples[p]);
     }
     // The 8-job point of the job sweep is the depth sweep's deepest one.
     if let Some(p) = points
         .iter()
-        .position(|p| checked_point(p) && p.qd == deepest)
+        .position(|p| p.is_checked() && p.qd == deepest)
     {
         let mut pt = points[p];
         pt.sweep = "jobs";

@@ -11,6 +11,7 @@
 
 use crate::report::Row;
 use anyhow::{anyhow, Result};
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use serde_json::Value;
@@ -189,6 +190,34 @@ fn points(s: &Series, rows: &[&Row], cats: &[String], x: &str) -> Vec<(usize, f6
         .collect()
 }
 
+/// The y axis range (in axis units, so decades on a log axis): every
+/// point and the reference line, from zero on a linear axis, with room
+/// above the highest point.
+fn y_range(
+    series: &[(&Series, Vec<(usize, f64)>)],
+    p: &Panel,
+    tf: &dyn Fn(f64) -> f64,
+) -> (f64, f64) {
+    let mut lo = f64::INFINITY;
+    let mut hi = f64::NEG_INFINITY;
+    for v in series
+        .iter()
+        .flat_map(|(_, pts)| pts.iter().map(|&(_, v)| tf(v)))
+        .chain(p.reference.map(tf))
+    {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    if !lo.is_finite() {
+        (lo, hi) = (0.0, 1.0);
+    }
+    if p.log_y {
+        (lo.floor(), hi.ceil().max(lo.floor() + 1.0))
+    } else {
+        (lo.min(0.0), if hi <= 0.0 { 1.0 } else { hi * 1.15 })
+    }
+}
+
 fn draw_panel(
     p: &Panel,
     rows: &[Row],
@@ -213,24 +242,7 @@ fn draw_panel(
         .filter(|(_, pts)| !pts.is_empty())
         .collect();
     let tf = |v: f64| if p.log_y { v.max(1e-9).log10() } else { v };
-    let mut lo = f64::INFINITY;
-    let mut hi = f64::NEG_INFINITY;
-    for v in series
-        .iter()
-        .flat_map(|(_, pts)| pts.iter().map(|&(_, v)| tf(v)))
-        .chain(p.reference.map(tf))
-    {
-        lo = lo.min(v);
-        hi = hi.max(v);
-    }
-    if !lo.is_finite() {
-        (lo, hi) = (0.0, 1.0);
-    }
-    let (y0, y1) = if p.log_y {
-        (lo.floor(), hi.ceil().max(lo.floor() + 1.0))
-    } else {
-        (lo.min(0.0), if hi <= 0.0 { 1.0 } else { hi * 1.15 })
-    };
+    let (y0, y1) = y_range(&series, p, &tf);
     let n = cats.len().max(1);
     let (plot_area, legend_area) = area.split_horizontally(width.saturating_sub(LEGEND_W));
     draw_legend(&legend_area, &series, p.bars)?;
@@ -293,11 +305,27 @@ fn draw_panel(
             ))
             .map_err(svg_err)?;
     }
+    draw_series(&mut chart, &series, p.bars, y0, &tf)?;
+    Ok(())
+}
+
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Every series of a panel: bars side by side per category, or lines
+/// (ours solid with dots, upstream dashed with hollow triangles). `tf`
+/// maps a value onto the y axis (log10 on a log axis).
+fn draw_series(
+    chart: &mut Chart,
+    series: &[(&Series, Vec<(usize, f64)>)],
+    bars: bool,
+    y0: f64,
+    tf: &dyn Fn(f64) -> f64,
+) -> Result<()> {
     let k = series.len().max(1) as f64;
     for (si, (s, pts)) in series.iter().enumerate() {
         let color = PALETTE[s.color % PALETTE.len()];
         let pts: Vec<(f64, f64)> = pts.iter().map(|&(i, v)| (i as f64, tf(v))).collect();
-        if p.bars {
+        if bars {
             let w = 0.8 / k;
             let style = match s.style {
                 Style::Ours => color.filled(),

@@ -82,6 +82,17 @@ pub fn tick(point: &str) {
     });
 }
 
+/// [`tick`] for a run on a stack file: the device under test (`dev`,
+/// usually the last line) names the point.
+pub fn tick_stack(stack: &str) {
+    let point = stack
+        .lines()
+        .find(|l| l.starts_with("dev:"))
+        .or_else(|| stack.lines().last())
+        .unwrap_or(stack);
+    tick(point);
+}
+
 /// Stop showing progress (the bar is cleared; its text follows).
 pub fn finish() {
     if let Ok(mut g) = STATE.lock() {

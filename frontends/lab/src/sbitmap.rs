@@ -137,6 +137,43 @@ struct Setup {
     trace: bool,
 }
 
+/// The table's points: a depth sweep per table (`single`: one hardware
+/// queue and `jobs` jobs; `shared`: `shared_queues` queues on one tag set
+/// and twice the jobs), then the job sweep on one queue.
+fn points<'a>(
+    tables: &[&'a str],
+    depths: &[u32],
+    jobs: u32,
+    shared_queues: u32,
+    job_sweep: &[u32],
+    sweep_depth: u32,
+) -> Vec<Point<'a>> {
+    let mut points = Vec::new();
+    for (table, queues, njobs) in [("single", 1u32, jobs), ("shared", shared_queues, jobs * 2)] {
+        if tables.contains(&table) {
+            for &depth in depths {
+                points.push(Point {
+                    table,
+                    sweep: "depth",
+                    depth,
+                    queues,
+                    jobs: njobs,
+                });
+            }
+        }
+    }
+    for &j in job_sweep {
+        points.push(Point {
+            table: "single",
+            sweep: "jobs",
+            depth: sweep_depth,
+            queues: 1,
+            jobs: j,
+        });
+    }
+    points
+}
+
 /// Run every algorithm `repeats` times at one point, interleaved, and
 /// rotate which goes first, so none always runs right after a fresh
 /// start of another.
@@ -253,29 +290,15 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         runtime,
         trace: opts.param::<u8>("trace", 0)? != 0,
     };
-    let mut points = Vec::new();
-    for (table, queues, njobs) in [("single", 1u32, jobs), ("shared", shared_queues, jobs * 2)] {
-        if tables.iter().any(|t| t == table) {
-            for &depth in &depths {
-                points.push(Point {
-                    table,
-                    sweep: "depth",
-                    depth,
-                    queues,
-                    jobs: njobs,
-                });
-            }
-        }
-    }
-    for &j in &job_sweep {
-        points.push(Point {
-            table: "single",
-            sweep: "jobs",
-            depth: sweep_depth,
-            queues: 1,
-            jobs: j,
-        });
-    }
+    let tables: Vec<&str> = tables.iter().map(String::as_str).collect();
+    let points = points(
+        &tables,
+        &depths,
+        jobs,
+        shared_queues,
+        &job_sweep,
+        sweep_depth,
+    );
     crate::progress::expect_runs((points.len() * repeats * setup.algos.len()) as u64);
 
     let mut r = LabReport::new(
@@ -296,34 +319,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 }
             });
         push_row(&mut r, p, &t, seed);
-        if p.sweep == "depth" {
-            // "Within noise": the difference is smaller than the two
-            // standard deviations together.
-            let ((wm, ws), (cm, cs)) = (mean_sd(&t[0].kiops), mean_sd(&t[1].kiops));
-            r.check(
-                &format!(
-                    "{} depth {}: counter IOPS >= wait_cnt within noise",
-                    p.table, p.depth
-                ),
-                cm + cs + ws >= wm,
-                format!("counter {cm:.1}k (sd {cs:.1}) vs wait_cnt {wm:.1}k (sd {ws:.1})"),
-            );
-        }
-        if let (Some(extra), Some(et)) = (setup.algos.get(2), t.get(2)) {
-            let (em, es) = mean_sd(&et.kiops);
-            r.note(format!(
-                "{} depth {} {} jobs: {extra} {em:.1}k (sd {es:.1}), {:.2}x wait_cnt; \
-                 {:.3} sleeps/IO, {:.2} woken and {:.3} wasted per batch, {} rescued",
-                p.table,
-                p.depth,
-                p.jobs,
-                em / mean_sd(&t[0].kiops).0.max(1e-9),
-                et.sleeps_per_io(),
-                et.woken_per_batch(),
-                et.wasted_per_batch(),
-                et.rescued
-            ));
-        }
+        check_point(&mut r, p, &t, &setup);
     }
     add_guarantee_checks(&mut r);
     r.seed = Some(SeedTable {
@@ -356,6 +352,39 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         runtime.as_millis()
     ));
     Ok(r)
+}
+
+/// The throughput check of a depth point, and the note on the extra
+/// algorithm (`--set also=...`) if one ran.
+fn check_point(r: &mut LabReport, p: &Point, t: &[Tally], setup: &Setup) {
+    if p.sweep == "depth" {
+        // "Within noise": the difference is smaller than the two
+        // standard deviations together.
+        let ((wm, ws), (cm, cs)) = (mean_sd(&t[0].kiops), mean_sd(&t[1].kiops));
+        r.check(
+            &format!(
+                "{} depth {}: counter IOPS >= wait_cnt within noise",
+                p.table, p.depth
+            ),
+            cm + cs + ws >= wm,
+            format!("counter {cm:.1}k (sd {cs:.1}) vs wait_cnt {wm:.1}k (sd {ws:.1})"),
+        );
+    }
+    if let (Some(extra), Some(et)) = (setup.algos.get(2), t.get(2)) {
+        let (em, es) = mean_sd(&et.kiops);
+        r.note(format!(
+            "{} depth {} {} jobs: {extra} {em:.1}k (sd {es:.1}), {:.2}x wait_cnt; \
+             {:.3} sleeps/IO, {:.2} woken and {:.3} wasted per batch, {} rescued",
+            p.table,
+            p.depth,
+            p.jobs,
+            em / mean_sd(&t[0].kiops).0.max(1e-9),
+            et.sleeps_per_io(),
+            et.woken_per_batch(),
+            et.wasted_per_batch(),
+            et.rescued
+        ));
+    }
 }
 
 /// What the change guarantees besides throughput: no lost wakeup with
