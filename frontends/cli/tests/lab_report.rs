@@ -41,6 +41,11 @@ fn built_page() -> (tempfile::TempDir, PathBuf) {
     blkstack(&["lab", "report", "--out", &out]);
     let page = dir.path().join("index.html");
     assert!(page.exists(), "lab report wrote no index.html");
+    for e in EXPERIMENTS {
+        let svg = std::fs::read_to_string(dir.path().join(format!("{e}.svg")))
+            .unwrap_or_else(|err| panic!("lab report did not redraw {e}.svg: {err}"));
+        assert!(svg.starts_with("<svg"), "{e}.svg is not an SVG");
+    }
     (dir, page)
 }
 

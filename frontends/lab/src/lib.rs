@@ -173,7 +173,9 @@ fn list() -> String {
     }
     s.push_str("  all          every experiment above\n");
     s.push_str("  compare A B  two runs side by side (NAME.json files or output directories)\n");
-    s.push_str("  report       rebuild --out's index.html from the NAME.json files there\n");
+    s.push_str(
+        "  report       redraw --out's figures and index.html from the NAME.json files there\n",
+    );
     s
 }
 
@@ -201,6 +203,13 @@ pub fn write_outputs(report: &report::LabReport, out: &std::path::Path) -> Resul
     let json_path = out.join(format!("{}.json", report.experiment));
     std::fs::write(&json_path, serde_json::to_string_pretty(&report.to_json())?)
         .with_context(|| format!("writing {}", json_path.display()))?;
+    write_figures(report, out)?;
+    html::write_index(out)?;
+    Ok(())
+}
+
+/// Draw `report`'s figures into `out` as `NAME.svg` (`NAME-SUFFIX.svg`).
+pub fn write_figures(report: &report::LabReport, out: &std::path::Path) -> Result<()> {
     for fig in figures::figures_for(report) {
         let stem = if fig.suffix.is_empty() {
             report.experiment.clone()
@@ -211,8 +220,18 @@ pub fn write_outputs(report: &report::LabReport, out: &std::path::Path) -> Resul
         std::fs::write(&svg_path, plot::render_svg(&fig, &report.rows)?)
             .with_context(|| format!("writing {}", svg_path.display()))?;
     }
-    html::write_index(out)?;
     Ok(())
+}
+
+/// `lab report`: redraw every saved report's figures in `out` and rebuild
+/// its page (after a change to the figures, or on copied JSON files).
+fn rebuild_report(out: &std::path::Path) -> Result<std::path::PathBuf> {
+    for (_, report) in html::load_reports(out)? {
+        if let Some(r) = report {
+            write_figures(&r, out)?;
+        }
+    }
+    html::write_index(out)
 }
 
 /// `lab compare` and `lab report`, which run no experiment; `None` for
@@ -227,7 +246,7 @@ fn run_tool(name: &str, args: &LabArgs) -> Option<Result<()>> {
             )),
         }),
         "report" => {
-            Some(html::write_index(&args.out).map(|page| println!("wrote {}", page.display())))
+            Some(rebuild_report(&args.out).map(|page| println!("wrote {}", page.display())))
         }
         _ => None,
     }
