@@ -106,13 +106,14 @@ fn delay() -> Figure {
     }
 }
 
+/// A row of a job-count sweep (reports made before the sweeps existed
+/// have no `sweep` column: all their rows are depth rows).
+fn in_job_sweep(r: &Row) -> bool {
+    r.get("sweep").and_then(Value::as_str) == Some("jobs")
+}
+
 fn mq_run() -> Figure {
-    let depth = || {
-        vec![
-            ("sweep".to_string(), json!("depth")),
-            ("device".to_string(), json!("can_queue32")),
-        ]
-    };
+    let depth = || vec![("device".to_string(), json!("can_queue32"))];
     let mut iops = Panel::new(
         "IOPS vs queue depth",
         "iodepth",
@@ -120,6 +121,7 @@ fn mq_run() -> Figure {
         "KIOPS",
     );
     iops.filter = depth();
+    iops.skip = Some(in_job_sweep);
     iops.series = vec![
         Series::column("dedup off (old)", Style::Ours, 3, "off_kiops"),
         Series::column("dedup on", Style::Ours, 0, "on_kiops"),
@@ -133,6 +135,7 @@ fn mq_run() -> Figure {
         "posts per I/O",
     );
     posts.filter = depth();
+    posts.skip = Some(in_job_sweep);
     posts.series = vec![
         Series::column("dedup off", Style::Ours, 3, "off_posts_per_io"),
         Series::column("dedup on", Style::Ours, 0, "on_posts_per_io"),
@@ -145,6 +148,7 @@ fn mq_run() -> Figure {
         "ns per post (log)",
     );
     cost.filter = depth();
+    cost.skip = Some(in_job_sweep);
     cost.log_y = true;
     cost.series = vec![
         Series::column("dedup off", Style::Ours, 3, "off_ns_per_post"),
@@ -233,12 +237,7 @@ fn hybrid_poll() -> Figure {
 }
 
 fn sbitmap() -> Figure {
-    let depth_rows = |table: &str| {
-        vec![
-            ("table".to_string(), json!(table)),
-            ("sweep".to_string(), json!("depth")),
-        ]
-    };
+    let depth_rows = |table: &str| vec![("table".to_string(), json!(table))];
     let mut gain = Panel::new(
         "IOPS ratio counter / wait_cnt",
         "depth",
@@ -246,7 +245,7 @@ fn sbitmap() -> Figure {
         "counter / wait_cnt",
     );
     gain.reference = Some(1.0);
-    gain.skip = Some(|r| r.get("sweep").and_then(Value::as_str) == Some("jobs"));
+    gain.skip = Some(in_job_sweep);
     for (i, table) in ["single", "shared"].into_iter().enumerate() {
         gain.series.push(
             Series::column(
@@ -270,6 +269,7 @@ fn sbitmap() -> Figure {
     let per_algo = |title: &str, y: &str, suffix: &str| {
         let mut p = Panel::new(title, "depth", "hardware queue depth (single queue)", y);
         p.filter = depth_rows("single");
+        p.skip = Some(in_job_sweep);
         p.series = vec![
             Series::column(
                 "wait_cnt (old)",
