@@ -20,8 +20,8 @@
 //! reap their own requests from the disk's poll list once due, and nothing
 //! wakes them from another thread. `--set timer_spin_ns=N` has the disk's
 //! timer thread spin up to N ns before each deadline (null's
-//! `timer_spin_ns`): on this VM an idle vCPU wakes tens to hundreds of µs
-//! late, so a disk that only sleeps is slower under the modes that let
+//! `timer_spin_ns`): on a VM an idle vCPU can wake late (see
+//! docs/BENCHMARKS.md), so a disk that only sleeps is slower under the modes that let
 //! vCPUs idle than under `poll`; the spin is left out of the CPU figures
 //! and shown in its own columns. Off by default: in alternated runs it
 //! helped in a calm stretch and made the disk later in a bad one, when
@@ -107,8 +107,8 @@ const WAITS: [WaitMode; 3] = [WaitMode::Interrupt, WaitMode::Poll, WaitMode::Hyb
 /// Per-I/O service times (ns) like an NVMe disk's at QD64: upstream's own
 /// figures imply 0.6 ms (1680 KIOPS at 16x64 in flight) to 1.4 ms (6 GB/s
 /// of 128 KiB at QD64). Shorter times (`--set service_ns=20000,...`) keep
-/// the job thread CPU-bound at QD64 in every mode on this machine, so no
-/// wait strategy can save CPU there.
+/// the job thread CPU-bound at QD64 in every mode on a small machine, so
+/// no wait strategy can save CPU there.
 const SERVICE_NS: [u64; 3] = [500_000, 1_000_000, 2_000_000];
 /// The claim applies from this service time up.
 const CLAIM_MIN_SERVICE_NS: u64 = 20_000;
