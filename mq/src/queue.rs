@@ -277,6 +277,7 @@ impl<D: Driver> Queue<D> {
                 s.tags.wake_batches += t.wake_batches;
                 s.tags.dropped_credits += t.dropped_credits;
                 s.tags.rescued += t.rescued;
+                s.tags.wasted_wakeups += t.wasted_wakeups;
             }
             let c = h.stats();
             s.hctx.runs_inline += c.runs_inline;
@@ -298,7 +299,7 @@ impl<D: Driver> Queue<D> {
         let s = self.stats();
         format!(
             "tags={}/{} tag_waits={} tag_wakeups={} wake_batches={} dropped_credits={} \
-             rescued={} runs_inline={} runs_posted={} runs_deduped={} requeues={} restarts={} \
+             rescued={} wasted_wakeups={} runs_inline={} runs_posted={} runs_deduped={} requeues={} restarts={} \
              dispatch_waiting={} in_driver={}",
             s.tags_in_use,
             s.tags_total,
@@ -307,6 +308,7 @@ impl<D: Driver> Queue<D> {
             s.tags.wake_batches,
             s.tags.dropped_credits,
             s.tags.rescued,
+            s.tags.wasted_wakeups,
             s.hctx.runs_inline,
             s.hctx.runs_posted,
             s.hctx.runs_deduped,

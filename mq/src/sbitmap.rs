@@ -16,7 +16,7 @@
 //!   burst of completions does not wake a thundering herd.
 //!
 //! Two wakeup algorithms are kept, selectable by [`WakeupAlgo`]:
-//! - [`WakeupAlgo::Counter`] (default): the seed 003 algorithm (upstream
+//! - [`WakeupAlgo::Counter`] (default): the batched-wakeup algorithm (upstream
 //!   4f8126bb2308 "sbitmap: Use single per-bitmap counting to wake up queued
 //!   tags"), as it stands today: two always-increasing per-bitmap counters,
 //!   `completion_cnt` and `wakeup_cnt`; whoever advances `wakeup_cnt` by a
@@ -24,7 +24,7 @@
 //!   queue in turn from `wake_index` (the later upstream refinement that
 //!   keeps looking past a queue with fewer waiters than the batch).
 //! - [`WakeupAlgo::WaitCnt`]: the algorithm it replaced (as of v6.1-rc2,
-//!   the "-" side of the seed's diff): each wait queue has a `wait_cnt`
+//!   the "-" side of that change's diff): each wait queue has a `wait_cnt`
 //!   countdown that a completion decrements and, at zero, the completer
 //!   wakes a batch and resets it. Decrement and reset are two steps, and a
 //!   completion that lands between them (a nested completion in the
@@ -64,7 +64,7 @@
 //! kernel does not have, a queue can be given a rescue timeout: a waiter
 //! still asleep after it wakes itself, tries again, and is counted in
 //! [`SbqStats::rescued`]: with the counter algorithm that number must stay
-//! zero; with `wait_cnt` it counts the lost wakeups the seed describes.
+//! zero; with `wait_cnt` it counts the lost wakeups that change describes.
 
 use crate::sync::{fence, Arc, AtomicBool, AtomicI32, AtomicU32, AtomicU64, Lock, Parker};
 use crossbeam_utils::CachePadded;
@@ -85,10 +85,10 @@ const HINT_SLOTS: usize = 64;
 /// How completions wake tag waiters. See the module documentation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum WakeupAlgo {
-    /// Per-bitmap `completion_cnt`/`wakeup_cnt` (seed 003, upstream today).
+    /// Per-bitmap `completion_cnt`/`wakeup_cnt` (upstream "sbitmap: Use single per-bitmap counting to wake up queued tags", upstream today).
     #[default]
     Counter,
-    /// Per-wait-queue `wait_cnt` countdown (before seed 003).
+    /// Per-wait-queue `wait_cnt` countdown (before that change).
     WaitCnt,
     /// `Counter` with a batch waking one wait queue only (before upstream's
     /// 2023 "fix batching wakeup"); may leave sleepers behind.
@@ -573,6 +573,11 @@ pub struct SbqWait {
     ws: Option<usize>,
     /// Tags the caller will take once woken, at least 1.
     want: u32,
+    /// Has this wait been prepared before (a retry of the same wait)?
+    prepared: bool,
+    /// It was woken by a completion, and is now preparing to sleep again:
+    /// if it does sleep, that wakeup was wasted.
+    rewait_after_wake: bool,
 }
 
 impl SbqWait {
@@ -583,6 +588,8 @@ impl SbqWait {
             active: false,
             ws: None,
             want: 1,
+            prepared: false,
+            rewait_after_wake: false,
         }
     }
 
@@ -594,6 +601,8 @@ impl SbqWait {
             active: false,
             ws: None,
             want: 1,
+            prepared: false,
+            rewait_after_wake: false,
         }
     }
 
@@ -637,11 +646,15 @@ pub struct SbqStats {
     pub wake_batches: u64,
     /// `WaitCnt`: completions whose wakeup credit found no queue to go to
     /// while a thread slept on one whose countdown was mid-reset (the
-    /// seed's lost wakeup; each may or may not be made up by later
+    /// lost wakeup the counter change removed; each may or may not be made up by later
     /// completions).
     pub dropped_credits: u64,
     /// Sleeps ended by the rescue timeout instead of a wakeup.
     pub rescued: u64,
+    /// Wasted wakeups: a thread woken by a completion that found no free
+    /// bit on its retries and went back to sleep. Counted on that second
+    /// sleep, so it costs nothing on the fast path.
+    pub wasted_wakeups: u64,
 }
 
 #[derive(Default)]
@@ -651,6 +664,7 @@ struct StatCounters {
     wake_batches: std::sync::atomic::AtomicU64,
     dropped_credits: std::sync::atomic::AtomicU64,
     rescued: std::sync::atomic::AtomicU64,
+    wasted_wakeups: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(test)]
@@ -784,6 +798,7 @@ impl SbitmapQueue {
             wake_batches: self.stats.wake_batches.load(Relaxed),
             dropped_credits: self.stats.dropped_credits.load(Relaxed),
             rescued: self.stats.rescued.load(Relaxed),
+            wasted_wakeups: self.stats.wasted_wakeups.load(Relaxed),
         }
     }
 
@@ -1048,7 +1063,7 @@ impl SbitmapQueue {
         let wake_batch = self.wake_batch.load(Relaxed);
         self.stats.wake_batches.fetch_add(1, Relaxed);
         self.wake_up_nr(i, wake_batch);
-        // The window the seed describes: wait_cnt is zero and not yet reset.
+        // The window the counter change describes: wait_cnt is zero and not yet reset.
         self.run_nested_hook();
         fence(SeqCst);
         // Move wake_index on before re-arming, so that concurrent callers do
@@ -1143,6 +1158,8 @@ impl SbitmapQueue {
             }
         }
         let st = &self.ws[ws];
+        wait.rewait_after_wake = wait.prepared && wait.waiter.woken.load(Relaxed);
+        wait.prepared = true;
         wait.waiter.woken.store(false, Relaxed);
         wait.waiter.want.store(wait.want, Relaxed);
         {
@@ -1187,6 +1204,9 @@ impl SbitmapQueue {
     /// Sleep until woken (kernel `io_schedule()` after
     /// `prepare_to_wait`). Returns at once if already woken.
     pub fn schedule(&self, wait: &SbqWait) {
+        if wait.rewait_after_wake {
+            self.stats.wasted_wakeups.fetch_add(1, Relaxed);
+        }
         self.stats.waits.fetch_add(1, Relaxed);
         #[cfg(not(loom))]
         if self.rescue_timeout_ns > 0 {
@@ -1286,6 +1306,44 @@ mod tests {
         assert_eq!(q.wait_cnt(3), 8);
         q.recalculate_wake_batch(4);
         assert_eq!(q.wait_cnt(3), 1);
+    }
+
+    /// A thread woken with no bit free retries, finds none and sleeps
+    /// again: one wasted wakeup, counted once; it then gets the bit freed
+    /// later (no lost wakeup).
+    #[test]
+    fn wakeup_that_finds_no_bit_is_counted_as_wasted() {
+        for algo in [WakeupAlgo::Counter, WakeupAlgo::WaitCnt] {
+            let q = std::sync::Arc::new(SbitmapQueue::new(1, false, algo));
+            let held = q.get().expect("the only bit");
+            let q2 = q.clone();
+            let waiter = std::thread::spawn(move || q2.get_blocking(&WaitIndex::new(), || ()));
+            let wait_until = |what: &str, f: &dyn Fn(&SbqStats) -> bool| {
+                let deadline = blkstack_core::clock::now_ns() + 5_000_000_000;
+                while !f(&q.stats()) {
+                    assert!(
+                        blkstack_core::clock::now_ns() < deadline,
+                        "{algo:?}: {what}"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            };
+            wait_until("waiter never slept", &|s| s.waits == 1);
+            assert_eq!(q.stats().wasted_wakeups, 0);
+            // Woken with the bitmap still full: it must sleep again.
+            q.wake_all();
+            wait_until("woken waiter did not sleep again", &|s| s.waits == 2);
+            assert_eq!(q.stats().wasted_wakeups, 1, "{algo:?}");
+            q.clear(held);
+            let got = waiter.join().expect("waiter panicked");
+            assert_eq!(got, held);
+            assert_eq!(
+                q.stats().wasted_wakeups,
+                1,
+                "{algo:?}: the last wakeup was not wasted"
+            );
+            assert_eq!(q.stats().rescued, 0);
+        }
     }
 
     #[test]

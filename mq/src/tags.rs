@@ -258,6 +258,7 @@ impl Tags {
             wake_batches: a.wake_batches + b.wake_batches,
             dropped_credits: a.dropped_credits + b.dropped_credits,
             rescued: a.rescued + b.rescued,
+            wasted_wakeups: a.wasted_wakeups + b.wasted_wakeups,
         }
     }
 

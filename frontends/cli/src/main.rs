@@ -30,7 +30,7 @@ struct Cli {
 enum Cmd {
     /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client).
     Serve(blkstack_nbd::NbdArgs),
-    /// Rerun the seed experiments, old vs new mechanism (`lab all --quick`).
+    /// Rerun five upstream block-layer experiments, old vs new mechanism, into one report page (`lab all --quick`; `lab compare A B`).
     Lab(blkstack_lab::LabArgs),
     /// dmsetup-style verbs against a running `blkstack serve` (create, remove, suspend, ...).
     #[command(flatten)]

@@ -54,7 +54,7 @@ pub fn status_counter(status: &str, key: &str) -> u64 {
         .sum()
 }
 
-/// A job as the seeds describe them: `rw`, block size, depth, job count,
+/// A job as the upstream reports describe them: `rw`, block size, depth, job count,
 /// time-based for `runtime`, reported as one group.
 pub fn job(rw: RwMode, bs: u64, iodepth: u32, numjobs: u32, runtime: Duration) -> JobSpec {
     JobSpec {
@@ -86,6 +86,7 @@ pub fn run_stack_inspect(
     job: &JobSpec,
     inspect: impl FnOnce(&Registry),
 ) -> Result<Measured> {
+    crate::progress::tick_stack(stack);
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack)
         .with_context(|| format!("building stack:\n{stack}"))?;

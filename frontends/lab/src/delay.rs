@@ -1,14 +1,14 @@
-//! `lab delay`: seed 000 (dm-delay: a kthread instead of timer + workqueue
+//! `lab delay`: upstream "dm: delay: use kthread instead of timers and wq" (dm-delay: a kthread instead of timer + workqueue
 //! for accurate short delays; the maintainer's reply asks for a hybrid)
 //! rerun with all three of the `delay` target's timing modes.
 //!
-//! As the seed: `zero` under `delay` at 0..20 ms, QD1 4 KiB random reads
+//! As upstream: `zero` under `delay` at 0..20 ms, QD1 4 KiB random reads
 //! and random writes, one job; the QD1 maximum is `1000 / delay_ms` IOPS.
 //! Columns: that theoretical figure, `timer` mode (the old design) at
-//! HZ=250 and HZ=1000, `kthread` (the seed's patch), `hybrid` (ours), and
+//! HZ=250 and HZ=1000, `kthread` (upstream's patch), `hybrid` (ours), and
 //! the process CPU time per delayed I/O of each, which is the cost the
-//! maintainer asked about and the seed did not measure. A QD32 row at 1 ms
-//! shows throughput (the seed's async job), and hybrid's CPU at 1 ms is
+//! maintainer asked about and upstream did not measure. A QD32 row at 1 ms
+//! shows throughput (upstream's async job), and hybrid's CPU at 1 ms is
 //! the median of several runs.
 //!
 //! A fifth column, `hybrid_unpinned`, is hybrid with `affinity=none`: one
@@ -29,7 +29,7 @@
 //! columns, e.g. `wake_pct=90`).
 
 use crate::common::{job, median, round, run_stack_inspect, Measured};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::Result;
 use blkstack_bench::{JobSpec, RwMode};
@@ -96,7 +96,7 @@ impl Run {
     }
 }
 
-/// The seed's figures (beaglebone black, one core, HZ=1000, fio psync
+/// Upstream's figures (beaglebone black, one core, HZ=1000, fio psync
 /// QD1): (rw, delay ms, theoretical, previous, kthread) IOPS. The seed
 /// prints 1000 as the theoretical maximum of its 10 ms read, a slip for
 /// 100.
@@ -315,7 +315,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let columns: Vec<&str> = columns.iter().map(String::as_str).collect();
     let mut r = LabReport::new(
         "delay",
-        "dm-delay at QD1: timer+workqueue (old, HZ 250/1000) vs kthread (seed 000) vs hybrid sleep-then-spin on the submitting CPU (ours; unpinned for comparison); delay-mechanism CPU µs per I/O (process CPU minus the bench job threads')",
+        "dm-delay at QD1: timer+workqueue (old, HZ 250/1000) vs kthread (upstream) vs hybrid sleep-then-spin on the submitting CPU (ours; unpinned for comparison); delay-mechanism CPU µs per I/O (process CPU minus the bench job threads')",
         &columns,
     );
 
@@ -326,6 +326,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let mut hybrid_1ms_cpu: Vec<f64> = Vec::new();
     let mut hybrid_1ms_job_cpu: Vec<f64> = Vec::new();
     let mut hybrid_1ms_stats: Vec<String> = Vec::new();
+    crate::progress::expect_runs((2 * delays.len() * MODES.len()) as u64);
     for rw in [RwMode::RandRead, RwMode::RandWrite] {
         for &d in &delays {
             let runtime = runtime_for(d, opts.quick, scale);
@@ -358,6 +359,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     }
     // More hybrid runs at 1 ms for a median of its CPU per I/O.
     if delays.contains(&1.0) {
+        crate::progress::expect_runs(repeats.max(2).saturating_sub(hybrid_1ms_cpu.len()) as u64);
         while hybrid_1ms_cpu.len() < repeats.max(2) {
             let run = measure(
                 &setup,
@@ -425,6 +427,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         ];
         let mut cpu = [0.0; N_MODES];
         let (mut late, mut spin) = (0.0, 0.0);
+        crate::progress::expect_runs(MODES.len() as u64);
         for (i, (_, mode_opts)) in MODES.iter().enumerate() {
             let run = measure(&setup, 1.0, mode_opts, RwMode::RandRead, 32, runtime)?;
             qd32[i] = run.m.iops;
@@ -453,7 +456,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     add_checks(&mut r, &results, &hybrid_1ms_cpu, with_qd32.then_some(qd32));
 
     r.seed = Some(SeedTable {
-        caption: "seed 000, beaglebone black (1 core), CONFIG_HZ_1000, fio QD1 4k, IOPS".into(),
+        caption: "upstream, beaglebone black (1 core), CONFIG_HZ_1000, fio QD1 4k, IOPS".into(),
         columns: [
             "rw",
             "delay_ms",
@@ -530,21 +533,6 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
          at delay 0 every mode passes bios straight through"
             .to_string(),
     );
-    r.plot = Some(PlotSpec {
-        x: "delay_ms".into(),
-        series: vec![
-            "theory_iops".into(),
-            "timer250_iops".into(),
-            "timer1000_iops".into(),
-            "kthread_iops".into(),
-            "hybrid_iops".into(),
-            "hybrid_unpinned_iops".into(),
-        ],
-        x_label: "delay (ms), QD1 4k random read".into(),
-        y_label: "IOPS".into(),
-        kind: PlotKind::Line,
-        filter: vec![("rw".into(), json!("randread")), ("qd".into(), json!(1))],
-    });
     Ok(r)
 }
 
@@ -573,7 +561,7 @@ fn add_checks(
         if d > 0.0 && d <= 2.0 {
             let theory = 1000.0 / d;
             r.check(
-                &format!("{rw} {d} ms: timer mode loses IOPS (seed's 'previous')"),
+                &format!("{rw} {d} ms: timer mode loses IOPS (upstream's 'previous')"),
                 iops[0] < 0.9 * theory && iops[1] < 0.9 * theory,
                 format!(
                     "timer HZ=250 {:.1}, HZ=1000 {:.1} of {theory:.1} IOPS",

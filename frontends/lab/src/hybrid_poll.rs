@@ -1,8 +1,8 @@
-//! `lab hybrid-poll`: seed 002 (io_uring hybrid polling: sleep about half
+//! `lab hybrid-poll`: upstream io_uring hybrid polling (IORING_SETUP_HYBRID_IOPOLL: sleep about half
 //! the expected completion time, then poll; merged upstream as
 //! `IORING_SETUP_HYBRID_IOPOLL`) rerun with the bench's three wait modes.
 //!
-//! The seed ran fio with `hipri=1 iodepth=64` on an NVMe disk without poll
+//! Upstream ran fio with `hipri=1 iodepth=64` on an NVMe disk without poll
 //! queues: 128 KiB sequential read and write with 1 job, 4 KiB random read
 //! and write with 16 jobs, and compared busy polling ("Native") with the
 //! patch ("Optimization") on bandwidth/IOPS and per-CPU utilisation. Here
@@ -13,15 +13,15 @@
 //! (spin) or `hybrid` (sleep part of the shortest completion time seen,
 //! then spin; see `blkstack_bench::WaitMode`).
 //!
-//! That is the seed's case: io_uring polling on a disk without poll queues,
+//! That is upstream's case: io_uring polling on a disk without poll queues,
 //! where the poller spins on completions that arrive as interrupts (here:
 //! from the disk's timer thread). `--set iopoll=1` runs the other case,
 //! a disk with poll queues (`null ... iopoll=1`): poll and hybrid then
 //! reap their own requests from the disk's poll list once due, and nothing
 //! wakes them from another thread. `--set timer_spin_ns=N` has the disk's
 //! timer thread spin up to N ns before each deadline (null's
-//! `timer_spin_ns`): on this VM an idle vCPU wakes tens to hundreds of µs
-//! late, so a disk that only sleeps is slower under the modes that let
+//! `timer_spin_ns`): on a VM an idle vCPU can wake late (see
+//! docs/BENCHMARKS.md), so a disk that only sleeps is slower under the modes that let
 //! vCPUs idle than under `poll`; the spin is left out of the CPU figures
 //! and shown in its own columns. Off by default: in alternated runs it
 //! helped in a calm stretch and made the disk later in a bad one, when
@@ -30,7 +30,7 @@
 //! CPU utilisation per job is the whole process's CPU time (job threads,
 //! the null device's completion thread, everything) over wall time,
 //! divided by the number of jobs, as the issue asks; the job threads' own
-//! CPU (what `htop` showed the seed's author per fio job) is shown beside
+//! CPU (what `htop` showed upstream's author per fio job) is shown beside
 //! it. The claim checked, on every workload whose service time is at least
 //! 20 µs: hybrid keeps at least 97 % of poll's IOPS/bandwidth at no more
 //! than 30 % of poll's CPU.
@@ -46,7 +46,7 @@
 //! denominator, was cut by other processes).
 
 use crate::common::{median, round, status_counter};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, Context, Result};
 use blkstack_bench::{
@@ -57,17 +57,17 @@ use blkstack_mapped::Registry;
 use serde_json::json;
 use std::time::Duration;
 
-/// One of the seed's four fio jobs.
+/// One of upstream's four fio jobs.
 #[derive(Clone, Copy, Debug)]
 struct Workload {
     name: &'static str,
     rw: RwMode,
     bs: u64,
-    /// Jobs: the seed's sequential jobs run 1; the random ones run "many"
-    /// (16 on the seed's 8-core VM), here `--jobs` (default 2 on 2 vCPUs).
+    /// Jobs: upstream's sequential jobs run 1; the random ones run "many"
+    /// (16 on upstream's 8-core VM), here `--jobs` (default 2 on 2 vCPUs).
     many_jobs: bool,
     /// Bandwidth (MB/s) for sequential jobs, kIOPS for random ones, as the
-    /// seed's table reports them.
+    /// upstream's table reports them.
     bandwidth: bool,
 }
 
@@ -104,11 +104,11 @@ const WORKLOADS: [Workload; 4] = [
 
 const WAITS: [WaitMode; 3] = [WaitMode::Interrupt, WaitMode::Poll, WaitMode::Hybrid];
 
-/// Per-I/O service times (ns) like an NVMe disk's at QD64: the seed's own
+/// Per-I/O service times (ns) like an NVMe disk's at QD64: upstream's own
 /// figures imply 0.6 ms (1680 KIOPS at 16x64 in flight) to 1.4 ms (6 GB/s
 /// of 128 KiB at QD64). Shorter times (`--set service_ns=20000,...`) keep
-/// the job thread CPU-bound at QD64 in every mode on this machine, so no
-/// wait strategy can save CPU there.
+/// the job thread CPU-bound at QD64 in every mode on a small machine, so
+/// no wait strategy can save CPU there.
 const SERVICE_NS: [u64; 3] = [500_000, 1_000_000, 2_000_000];
 /// The claim applies from this service time up.
 const CLAIM_MIN_SERVICE_NS: u64 = 20_000;
@@ -122,7 +122,7 @@ const DEFAULT_TIMER_SPIN_NS: u64 = 0;
 /// every few milliseconds; null stores nothing.
 const DEV_SECTORS: u64 = 2 * 1024 * 1024;
 
-/// The seed's table: (workload, unit, native perf, native CPU %,
+/// Upstream's table: (workload, unit, native perf, native CPU %,
 /// optimized perf, optimized CPU %).
 const SEED: [(&str, &str, &str, &str, &str, &str); 4] = [
     ("read", "BW/s", "10.9G", "100%", "10.8G", "44%"),
@@ -142,12 +142,12 @@ fn stack(backend: &str, service_ns: u64, tags: u32, disk: &DiskArgs) -> Result<S
         // zero_reads=0: null_blk's untouched buffer. A real NVMe disk DMAs
         // the data and the CPU never touches it; zero-filling 128 KiB per
         // read on the job thread would charge every wait mode for a copy
-        // the seed's host never made.
+        // upstream's host never made.
         "null" => format!(
             "dev: 0 {DEV_SECTORS} null irqmode=2 completion_nsec={service_ns} hw_queue_depth={tags} zero_reads=0 iopoll={} timer_spin_ns={}\n",
             disk.iopoll as u8, disk.timer_spin_ns
         ),
-        // Cross-check: dm-delay (seed 000's accurate delays) over an
+        // Cross-check: dm-delay (the kthread change's accurate delays) over an
         // inline null device.
         "delay" => format!(
             "base: 0 {DEV_SECTORS} null zero_reads=0\ndev: 0 {DEV_SECTORS} delay base 0 {}\n",
@@ -180,6 +180,7 @@ struct Figures {
 }
 
 fn measure(stack_text: &str, job: &JobSpec, w: &Workload, trace: bool) -> Result<Figures> {
+    crate::progress::tick(&format!("{} {:?}", w.name, job.wait));
     let reg = Registry::new();
     reg.create_stack(stack_text)
         .with_context(|| format!("building the device:\n{stack_text}"))?;
@@ -252,9 +253,9 @@ fn median_figures(runs: &[Figures]) -> Figures {
 pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let many_jobs = opts.jobs.unwrap_or(2) as u32;
     // Several short interleaved rounds rather than one long run per mode:
-    // on this shared 2-vCPU machine every mode's figure moves 15-55 %
-    // between rounds of one run (load 4-6 from other tenants' builds,
-    // 05:25 UTC), so a verdict needs paired rounds and medians.
+    // on a shared machine every mode's figure moves a lot between rounds
+    // of one run (other tenants' builds come and go), so a verdict needs
+    // paired rounds and medians.
     let repeats = opts.repeats.unwrap_or(if opts.quick { 3 } else { 5 });
     let runtime =
         Duration::from_millis(opts.param("runtime_ms", if opts.quick { 400 } else { 2000 })?);
@@ -264,7 +265,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let trace = opts.param::<u8>("trace", 0)? != 0;
     let services: Vec<u64> = opts.param_list("service_ns", &SERVICE_NS)?;
     let backend: String = opts.param("backend", "null".to_string())?;
-    // Default: the seed's disk without poll queues (io_uring IOPOLL there
+    // Default: upstream's disk without poll queues (io_uring IOPOLL there
     // spins on completions its interrupt delivers): poll and hybrid spin
     // on the job's completion queue, filled by the disk's timer thread.
     // `--set iopoll=1`: a disk with poll queues, whose poll list the job
@@ -335,7 +336,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let mut contended: Vec<String> = Vec::new();
     let mut r = LabReport::new(
         "hybrid-poll",
-        "wait for completions: interrupt vs poll vs hybrid (seed 002)",
+        "wait for completions: interrupt vs poll vs hybrid (upstream hybrid io_uring polling)",
         &[
             "case",
             "workload",
@@ -364,6 +365,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             "hybrid_disk_spin_pct",
         ],
     );
+    crate::progress::expect_runs((workloads.len() * services.len() * repeats * WAITS.len()) as u64);
     for w in &workloads {
         let jobs = if w.many_jobs { many_jobs } else { 1 };
         for &svc in &services {
@@ -516,7 +518,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     }
 
     r.seed = Some(SeedTable {
-        caption: "seed 002 (fio, NVMe without poll queues, 8-core VM, iodepth=64; \"Native\" = busy polling, \"Optimization\" = the patch; CPU = per-CPU utilisation in htop)".into(),
+        caption: "upstream (fio, NVMe without poll queues, 8-core VM, iodepth=64; \"Native\" = busy polling, \"Optimization\" = the patch; CPU = per-CPU utilisation in htop)".into(),
         columns: ["rw", "unit", "native", "native_cpu", "optimization", "optimization_cpu"]
             .iter()
             .map(|s| s.to_string())
@@ -531,20 +533,8 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             })
             .collect(),
     });
-    r.plot = Some(PlotSpec {
-        x: "case".into(),
-        series: vec![
-            "interrupt_cpu_pct".into(),
-            "poll_cpu_pct".into(),
-            "hybrid_cpu_pct".into(),
-        ],
-        x_label: "workload and service time".into(),
-        y_label: "CPU per job (% of one CPU, whole process)".into(),
-        kind: PlotKind::Bar,
-        filter: Vec::new(),
-    });
     r.note(format!(
-        "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (the seed used 16 on 8 cores; this machine has {} CPUs); {repeats} round(s) of {} ms per point (modes interleaved, order rotated), medians shown, checks on the median of per-round hybrid/poll ratios",
+        "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (upstream used 16 on 8 cores; this machine has {} CPUs); {repeats} round(s) of {} ms per point (modes interleaved, order rotated), medians shown, checks on the median of per-round hybrid/poll ratios",
         stack(&backend, services[0], tags, &disk)?.trim().replace('\n', " | "),
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         runtime.as_millis()
@@ -569,8 +559,8 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     ));
     r.note("perf columns are MB/s (10^6 B/s) for read/write and kIOPS for randread/randwrite; *_cpu_pct is process CPU over wall time divided by the job count, less the emulated disk's spin towards its deadlines (with --set timer_spin_ns=N; *_disk_spin_pct shows it, in % of one CPU), which a real disk's clock does not cost the host; *_thread_cpu_pct is the job threads' own CPU");
-    r.note("read rows: the null device runs with zero_reads=0 (null_blk's own behaviour: the read buffer is not touched), because a real NVMe disk DMAs the data and the seed's host CPU never touches it; with zero-filled reads (the null default) the job thread copies 128 KiB per read in every wait mode and no wait strategy can save that CPU.");
-    r.note("hybrid can only save CPU when the job thread has time to wait: when the service time is shorter than the CPU cost of keeping iodepth I/Os moving, every mode is CPU-bound and all three spend about the same CPU (the seed's randread row shows the same: 100% for both)");
+    r.note("read rows: the null device runs with zero_reads=0 (null_blk's own behaviour: the read buffer is not touched), because a real NVMe disk DMAs the data and upstream's host CPU never touches it; with zero-filled reads (the null default) the job thread copies 128 KiB per read in every wait mode and no wait strategy can save that CPU.");
+    r.note("hybrid can only save CPU when the job thread has time to wait: when the service time is shorter than the CPU cost of keeping iodepth I/Os moving, every mode is CPU-bound and all three spend about the same CPU (upstream's randread row shows the same: 100% for both)");
     Ok(r)
 }
 
@@ -581,7 +571,7 @@ mod tests {
     /// A tiny run: one workload, one service time, three modes. The
     /// figures are not judged here (timed assertions do not belong in unit
     /// tests); the shape is: one row with all three modes measured, one
-    /// check naming both ratios, the seed table beside it.
+    /// check naming both ratios, the upstream table beside it.
     #[test]
     fn one_point_produces_a_row_and_a_check() {
         let mut opts = LabOpts {

@@ -1,17 +1,24 @@
-//! `blkstack lab`: the five seed experiments, each rerun with the old and
-//! the new mechanism side by side, printed beside the seed's published
-//! figures, checked against the claims the issues make, and written as
-//! `NAME.json` and `NAME.svg`.
+//! `blkstack lab`: five upstream block-layer changes, each rerun with the
+//! old and the new mechanism side by side, printed beside the figures
+//! upstream published, checked against the claims the issues make, and
+//! written as `NAME.json`, `NAME.svg` and a section of `index.html` (one
+//! self-contained report page for every experiment run into the output
+//! directory). `lab compare A B` puts two runs side by side.
 //!
 //! An experiment is one module with `run(&LabOpts) -> Result<LabReport>`
-//! and one line in [`EXPERIMENTS`].
+//! and one line in [`EXPERIMENTS`]; its figures are in [`figures`].
 
 pub mod common;
+pub mod compare;
 pub mod delay;
+pub mod figures;
+pub mod html;
 pub mod hybrid_poll;
+pub mod machine;
 pub mod mpath;
 pub mod mq_run;
 pub mod plot;
+pub mod progress;
 pub mod report;
 pub mod sbitmap;
 
@@ -82,7 +89,7 @@ impl LabOpts {
     }
 }
 
-/// One experiment: name (the subcommand), the seed it reruns, its runner.
+/// One experiment: name (the subcommand), the upstream change it reruns, its runner.
 pub struct Experiment {
     pub name: &'static str,
     pub seed: &'static str,
@@ -90,7 +97,7 @@ pub struct Experiment {
     pub run: fn(&LabOpts) -> Result<LabReport>,
 }
 
-/// Every experiment, in seed order.
+/// Every experiment, in the order of the upstream changes' dates.
 pub static EXPERIMENTS: &[Experiment] = &[
     Experiment {
         name: "delay",
@@ -126,11 +133,16 @@ pub static EXPERIMENTS: &[Experiment] = &[
 
 #[derive(clap::Args, Debug)]
 #[command(
-    about = "Rerun the seed experiments (old vs new mechanism), print them beside the seed's figures, write JSON and SVG"
+    about = "Rerun the upstream experiments (old vs new mechanism) beside upstream's figures; write JSON, SVG and index.html",
+    after_help = "`lab compare A.json B.json` (or two output directories) shows two runs side by side."
 )]
 pub struct LabArgs {
-    /// Experiment name, or `all`. `--list` shows them.
+    /// Experiment name, `all`, or `compare`. `--list` shows them.
     pub experiment: Option<String>,
+    /// For `compare`: the two runs (two NAME.json files or two output
+    /// directories).
+    #[arg(value_name = "RUN")]
+    pub runs: Vec<PathBuf>,
     /// Short runs: each experiment under 60 s.
     #[arg(long)]
     pub quick: bool,
@@ -157,29 +169,87 @@ pub struct LabArgs {
 fn list() -> String {
     let mut s = String::from("experiments:\n");
     for e in EXPERIMENTS {
-        s.push_str(&format!("  {:<12} seed {}  {}\n", e.name, e.seed, e.about));
+        s.push_str(&format!("  {:<12} {}\n", e.name, e.about));
     }
     s.push_str("  all          every experiment above\n");
+    s.push_str("  compare A B  two runs side by side (NAME.json files or output directories)\n");
+    s.push_str(
+        "  report       redraw --out's figures and index.html from the NAME.json files there\n",
+    );
     s
 }
 
-/// Run one experiment and write its outputs.
+/// Run one experiment and write its outputs: `NAME.json`, its figures as
+/// `NAME*.svg`, and `index.html` rebuilt from every report in `out`.
 pub fn run_one(e: &Experiment, opts: &LabOpts, out: &std::path::Path) -> Result<LabReport> {
     let started = std::time::Instant::now();
-    let mut report = (e.run)(opts).with_context(|| format!("lab {}", e.name))?;
+    let load_before = machine::load_average();
+    progress::begin(e.name);
+    let result = (e.run)(opts);
+    progress::finish();
+    let mut report = result.with_context(|| format!("lab {}", e.name))?;
     if report.command.is_empty() {
         report.command = opts.command_for(e.name);
     }
+    report.machine = Some(machine::describe(load_before));
     report.note(format!("ran in {:.1} s", started.elapsed().as_secs_f64()));
+    write_outputs(&report, out)?;
+    Ok(report)
+}
+
+/// Write `report`'s JSON and SVG files into `out` and rebuild the page.
+pub fn write_outputs(report: &report::LabReport, out: &std::path::Path) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let json_path = out.join(format!("{}.json", e.name));
+    let json_path = out.join(format!("{}.json", report.experiment));
     std::fs::write(&json_path, serde_json::to_string_pretty(&report.to_json())?)
         .with_context(|| format!("writing {}", json_path.display()))?;
-    if let Some(spec) = &report.plot {
-        let svg_path = out.join(format!("{}.svg", e.name));
-        plot::write_svg(&report, spec, &svg_path)?;
+    write_figures(report, out)?;
+    html::write_index(out)?;
+    Ok(())
+}
+
+/// Draw `report`'s figures into `out` as `NAME.svg` (`NAME-SUFFIX.svg`).
+pub fn write_figures(report: &report::LabReport, out: &std::path::Path) -> Result<()> {
+    for fig in figures::figures_for(report) {
+        let stem = if fig.suffix.is_empty() {
+            report.experiment.clone()
+        } else {
+            format!("{}-{}", report.experiment, fig.suffix)
+        };
+        let svg_path = out.join(format!("{stem}.svg"));
+        std::fs::write(&svg_path, plot::render_svg(&fig, &report.rows)?)
+            .with_context(|| format!("writing {}", svg_path.display()))?;
     }
-    Ok(report)
+    Ok(())
+}
+
+/// `lab report`: redraw every saved report's figures in `out` and rebuild
+/// its page (after a change to the figures, or on copied JSON files).
+fn rebuild_report(out: &std::path::Path) -> Result<std::path::PathBuf> {
+    for (_, report) in html::load_reports(out)? {
+        if let Some(r) = report {
+            write_figures(&r, out)?;
+        }
+    }
+    html::write_index(out)
+}
+
+/// `lab compare` and `lab report`, which run no experiment; `None` for
+/// any other name.
+fn run_tool(name: &str, args: &LabArgs) -> Option<Result<()>> {
+    match name {
+        "compare" => Some(match args.runs.as_slice() {
+            [a, b] => compare::compare_paths(a, b).map(|text| print!("{text}")),
+            runs => Err(anyhow!(
+                "lab compare takes two runs (NAME.json files or output directories), got {}",
+                runs.len()
+            )),
+        }),
+        "report" => {
+            Some(rebuild_report(&args.out).map(|page| println!("wrote {}", page.display())))
+        }
+        _ => None,
+    }
 }
 
 pub fn run_cli(args: LabArgs) -> Result<()> {
@@ -190,6 +260,19 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
     let Some(name) = args.experiment.as_deref() else {
         bail!("name an experiment or `all`\n{}", list());
     };
+    if let Some(done) = run_tool(name, &args) {
+        return done;
+    }
+    if !args.runs.is_empty() {
+        bail!(
+            "unexpected argument(s) after '{name}': {} (only `lab compare` takes runs)",
+            args.runs
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
     let mut params = BTreeMap::new();
     for kv in &args.set {
         let (k, v) = kv
@@ -241,7 +324,11 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
             }
         }
     }
-    println!("outputs in {}", args.out.display());
+    println!(
+        "outputs in {} (report page: {})",
+        args.out.display(),
+        args.out.join("index.html").display()
+    );
     if unreproduced.is_empty() {
         println!("every check reproduced");
     } else {

@@ -1,8 +1,8 @@
-//! `lab mpath`: seed 004 (dm-mpath: nanosecond start times for the
+//! `lab mpath`: upstream dm-mpath HST (nanosecond start times for the
 //! historical-service-time selector in bio-based multipath) rerun with
 //! jiffies and nanosecond start times, beside service-time and the ideal.
 //!
-//! As the seed: ten paths to one device with unequal cost, 4 KiB random
+//! As upstream: ten paths to one device with unequal cost, 4 KiB random
 //! writes at queue depth 64, and per path its share of the I/O. Our
 //! "utilisation" is the share of completed I/Os each path served, read
 //! from the multipath's `path_stats` message after a warm-up (so the
@@ -12,12 +12,12 @@
 //! every I/O is delayed `cost * (1 + I/Os already in flight on that
 //! path)`. That is a server of fixed capacity `1/cost` I/Os per time unit
 //! whatever the queue on it (Little's law: n in flight, each taking
-//! `n * cost`), like the seed's disks, so the ideal split is each path's
+//! `n * cost`), like upstream's disks, so the ideal split is each path's
 //! capacity over the sum: `(1/cost_i) / sum(1/cost_j)`. Costs default to
-//! 1,1,1,4,8,8,16,16,1,1 times `fast_ms`, the ratios that give the seed's
+//! 1,1,1,4,8,8,16,16,1,1 times `fast_ms`, the ratios that give upstream's
 //! "Best" column (0.18 x5, 0.04, 0.02 x2, 0.01 x2).
 //!
-//! The jiffies run gives HST what bio-based dm gave it before the seed's
+//! The jiffies run gives HST what bio-based dm gave it before upstream's
 //! patch (the multipath feature `start_time jiffies:HZ`):
 //! `jiffies_to_nsecs(jiffies)`, emulated with the kernel's jiffies origin
 //! (`INITIAL_JIFFIES`, 300 s before the 32-bit wrap) and its 32-bit
@@ -26,7 +26,7 @@
 //! multiples of 71.6 min) in the past, so a path's first completion makes
 //! its history "300 s" and the slow paths never work theirs down (see the
 //! selector's documentation). The tick run (`start_time tick:HZ`) keeps
-//! only the precision loss the seed's text names: the start truncated to
+//! only the precision loss upstream's text names: the start truncated to
 //! its 4 ms tick on the right base. The ns run uses the target's default,
 //! `start_time ns`, the patch.
 //!
@@ -36,8 +36,7 @@
 //! worth one I/O only once the fast paths hold 15 or more each. One QD64
 //! job spread over ten paths keeps the fast ones near 11, so HST with ns
 //! start times leaves the 16x and 8x paths idle between stale probes
-//! (0.001 and 0.006-0.011 of the I/O against 0.011 and 0.022 ideal, three
-//! runs at 05:10 UTC). The seed's HST(ktime) column gives every slow disk
+//! (a small fraction of their ideal share in trial runs). Upstream's HST(ktime) column gives every slow disk
 //! at least its ideal share, so its "high-iops" load kept them busy; two
 //! QD64 jobs is the smallest load that does that here.
 //!
@@ -45,7 +44,7 @@
 //! `hz` (250), `iodepth` (64), `numjobs` (2), `runtime_ms`, `warmup_ms`.
 
 use crate::common::{job, mean_sd, round};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
 use blkstack_bench::{run_jobs, RunOptions, RwMode};
@@ -56,13 +55,13 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The seed's disks, in its table's order.
+/// Upstream's disks, in its table's order.
 const DISKS: [&str; 10] = [
     "sdd", "sde", "sdf", "sdg", "sdh", "sdi", "sdj", "sdk", "sdl", "sdm",
 ];
-/// Relative path costs that give the seed's "Best" column.
+/// Relative path costs that give upstream's "Best" column.
 const COSTS: [f64; 10] = [1.0, 1.0, 1.0, 4.0, 8.0, 8.0, 16.0, 16.0, 1.0, 1.0];
-/// Seed 004, per disk: ST, HST (orig), HST (ktime), Best.
+/// Upstream's figures, per disk: ST, HST (orig), HST (ktime), Best.
 const SEED: [[f64; 4]; 10] = [
     [0.17, 0.20, 0.17, 0.18],
     [0.17, 0.20, 0.17, 0.18],
@@ -137,6 +136,7 @@ fn run_policy(
     runtime: Duration,
     warmup: Duration,
 ) -> Result<Outcome> {
+    crate::progress::tick_stack(stack_text);
     let reg: Arc<Registry> = Registry::new();
     reg.create_stack(stack_text)
         .with_context(|| format!("building stack:\n{stack_text}"))?;
@@ -224,6 +224,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // shares[policy][repeat][path]
     let mut shares: Vec<Vec<Vec<f64>>> = vec![Vec::new(); policies.len()];
     let mut iops: Vec<Vec<f64>> = vec![Vec::new(); policies.len()];
+    crate::progress::expect_runs((repeats * policies.len()) as u64);
     for _ in 0..repeats {
         for (pi, p) in policies.iter().enumerate() {
             let o = run_policy(&stack(&costs_ms, p), n, qd, jobs, runtime, warmup)?;
@@ -285,11 +286,11 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let slow_sum = |pi: usize| slow.iter().map(|&p| mean_share(pi, p)).sum::<f64>();
     let ideal_slow: f64 = slow.iter().map(|&p| ideal[p]).sum();
     let (jiffies_slow, tick_slow, ns_slow) = (slow_sum(1), slow_sum(2), slow_sum(NS));
-    // The seed's slow disks are the same ones when the costs are the default.
+    // Upstream's slow disks are the same ones when the costs are the default.
     let seed_slow = if costs == COSTS {
         let col = |c: usize| slow.iter().map(|&p| SEED[p][c]).sum::<f64>();
         format!(
-            " (seed: orig {:.2}, ktime {:.2}, best {:.2})",
+            " (upstream: orig {:.2}, ktime {:.2}, best {:.2})",
             col(1),
             col(2),
             col(3)
@@ -298,7 +299,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         String::new()
     };
     r.check(
-        "HST with jiffies start times starves the slow paths (under a tenth of their ideal share, seed: 0.00)",
+        "HST with jiffies start times starves the slow paths (under a tenth of their ideal share, upstream: 0.00)",
         !slow.is_empty() && jiffies_slow < 0.1 * ideal_slow && jiffies_slow < ns_slow,
         format!(
             "slow paths' total share: jiffies {jiffies_slow:.3}, ns {ns_slow:.3}, ideal {ideal_slow:.3}{seed_slow}"
@@ -325,7 +326,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     ));
     r.note(start_time_note(hz));
     r.seed = Some(SeedTable {
-        caption: "seed 004: utilisation of a 10-disk multipath with asymmetric costs, fio randwrite QD64, bio-based mpath".into(),
+        caption: "upstream: utilisation of a 10-disk multipath with asymmetric costs, fio randwrite QD64, bio-based mpath".into(),
         columns: ["disk", "ST", "HST (orig)", "HST(ktime)", "Best"]
             .iter()
             .map(|s| s.to_string())
@@ -339,20 +340,6 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 row
             })
             .collect(),
-    });
-    r.plot = Some(PlotSpec {
-        x: "path".into(),
-        series: vec![
-            "ideal".into(),
-            "st".into(),
-            "hst_jiffies".into(),
-            "hst_tick".into(),
-            "hst_ns".into(),
-        ],
-        x_label: "path (seed disk)".into(),
-        y_label: "share of I/O".into(),
-        kind: PlotKind::Bar,
-        filter: vec![],
     });
     Ok(r)
 }

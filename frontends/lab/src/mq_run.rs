@@ -1,47 +1,57 @@
-//! `lab mq-run`: seed 001 (blk-mq: do not schedule the same hardware-queue
-//! run work again while one is pending) rerun with the queued-bit dedup
-//! off and on.
+//! `lab mq-run`: upstream "blk-mq: avoid repeatedly scheduling the same
+//! work to run hardware queue" rerun with the queued-bit dedup off and on.
 //!
-//! As the seed: 8 jobs of 4 KiB random reads on a RAM-backed device whose
+//! As upstream: 8 jobs of 4 KiB random reads on a RAM-backed device whose
 //! driver, like SCSI's `scsi_end_request`, asks for an asynchronous run of
 //! its hardware queues on every completion, at queue depths 16..1024.
-//! Without the dedup every completion posts a run to the kblockd pool;
-//! with it a run already pending absorbs the request.
+//! Without the dedup every completion posts the run work to kblockd, and
+//! the post is the kernel's `kblockd_mod_delayed_work_on`: grab the
+//! pending work, delete its timer entry and requeue it under the pool's
+//! lock (see `mq::kblockd`); with the dedup a run already pending absorbs
+//! the request and nothing is posted.
 //!
-//! Two devices are run. `memory`, as the issue words it, completes every
-//! request inside `queue_rq`, so nothing ever waits on a dispatch list and
-//! the posted runs find no work: the dedup can only save the posting cost.
-//! The seed's disk was RAM-backed but behind SCSI (storvsc), whose
-//! `can_queue` limit makes requests wait for a queue run; `null irqmode=1
-//! max_inflight=32` is that driver (busy above 32 in flight, completions on
-//! another thread), and the checks apply to it.
+//! Besides IOPS, every run reads the kblockd pool's counters, so the table
+//! shows the mechanism itself: posts per I/O, grabs of pending work per
+//! I/O and ns per post, for both modes. Those figures carry to a bigger
+//! machine even where this one shows no collapse in IOPS; a sweep over
+//! the number of posting threads (jobs) at the deepest queue shows how
+//! the posting cost grows with contention on the pool's lock.
 //!
-//! That driver leaves read buffers untouched (`zero_reads=0`), as the
-//! seed's did: there the host moved the data into the guest's buffers and
-//! the measured CPUs never touched them, as fio never touches what it
-//! reads. A driver that fills every buffer with the CPU (`memory`, or
-//! `--set null_zero_reads=1`) pays for the jobs' buffer footprint, which
-//! grows with the depth: 8 jobs x 1024 x 4 KiB is 32 MiB, far past this
-//! machine's caches, against 2 MiB at QD64. That cost is real but is not
-//! what the seed measures; docs/BENCHMARKS.md shows it separately.
+//! Two devices can be run. `can_queue32` (`null irqmode=1
+//! max_inflight=32`) is the checked one: upstream's disk was RAM-backed
+//! but behind SCSI (storvsc), whose `can_queue` limit makes requests wait
+//! for a queue run; this driver is busy above 32 in flight and completes
+//! on another thread. `memory` (`--set devices=memory,can_queue32`, not
+//! run in quick mode) completes every request inside `queue_rq`, so the
+//! posted runs find no work and the dedup can only save the posting cost.
+//!
+//! The null driver leaves read buffers untouched (`zero_reads=0`), as
+//! upstream's host moved the data into the guest's buffers without the
+//! measured CPUs touching them; `--set null_zero_reads=1` fills them
+//! (docs/BENCHMARKS.md shows that cost separately).
 //!
 //! Every point and mode runs once per round, rounds are repeated and
-//! every other one runs in reverse, and the check compares medians: the
-//! claim is a ratio between two depths, so drift on this shared machine
-//! must hit both depths alike.
+//! every other one runs in reverse, and the checks compare medians: the
+//! claims are ratios, so drift on a shared machine must hit both sides
+//! alike.
 
 use crate::common::{job, mean_sd, median, round, run_stack};
-use crate::report::{LabReport, PlotKind, PlotSpec, SeedTable};
+use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::Result;
 use blkstack_bench::RwMode;
+use blkstack_mq::Kblockd;
 use serde_json::json;
+use std::sync::Arc;
 use std::time::Duration;
 
 const DEPTHS: [u32; 4] = [16, 64, 256, 1024];
-/// The device the check applies to (see the module documentation).
+/// Posting threads swept at the deepest queue depth.
+const JOB_SWEEP: [u32; 4] = [1, 2, 4, 8];
+const JOB_SWEEP_QUICK: [u32; 2] = [1, 4];
+/// The device the checks apply to (see the module documentation).
 const CHECKED: &str = "can_queue32";
-/// Seed 001: IOPS in thousands, (pre-patch, after-patch).
+/// Upstream's IOPS in thousands, (pre-patch, after-patch).
 const SEED: [(u32, u32); 4] = [(190, 190), (235, 240), (180, 256), (156, 250)];
 
 /// (label, table without the dedup setting). The `null` line gets its
@@ -54,6 +64,43 @@ const DEVICES: [(&str, &str); 2] = [
     ),
 ];
 
+/// One run's figures: throughput and the kblockd pool's per-operation
+/// counters over the run.
+#[derive(Clone, Copy, Debug, Default)]
+struct Sample {
+    kiops: f64,
+    posts_per_io: f64,
+    grabs_per_io: f64,
+    ns_per_post: f64,
+}
+
+/// The settings every run shares.
+struct Setup {
+    repeats: usize,
+    info_repeats: usize,
+    null_zero_reads: u8,
+    kblockd: String,
+    runtime: Duration,
+    trace: bool,
+}
+
+/// A point of the table: which sweep, device, depth and job count.
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    sweep: &'static str,
+    label: &'static str,
+    device: &'static str,
+    qd: u32,
+    jobs: u32,
+}
+
+impl Point {
+    /// A point of the checked device's depth sweep (run every round).
+    fn is_checked(&self) -> bool {
+        self.label == CHECKED && self.sweep == "depth"
+    }
+}
+
 fn stack(device: &str, dedup: &str, null_zero_reads: u8, kblockd: &str) -> String {
     let zero_reads = if device.starts_with("null ") {
         format!(" zero_reads={null_zero_reads}")
@@ -63,14 +110,124 @@ fn stack(device: &str, dedup: &str, null_zero_reads: u8, kblockd: &str) -> Strin
     format!("dev: 0 2097152 {device} run_dedup={dedup} kblockd={kblockd}{zero_reads}\n")
 }
 
+fn new_report() -> LabReport {
+    LabReport::new(
+        "mq-run",
+        "queue runs posted on every completion: dedup off (old, kernel's mod_delayed_work_on per post) vs on",
+        &[
+            "sweep",
+            "device",
+            "jobs",
+            "iodepth",
+            "off_kiops",
+            "off_sd",
+            "on_kiops",
+            "on_sd",
+            "improvement_pct",
+            "off_posts_per_io",
+            "on_posts_per_io",
+            "off_grabs_per_io",
+            "off_ns_per_post",
+            "on_ns_per_post",
+            "seed_pre_kiops",
+            "seed_after_kiops",
+        ],
+    )
+}
+
+/// Every point and mode once per round, and every other round in
+/// reverse, so drift on a shared machine hits every point alike; the
+/// unchecked points only in the first `info_repeats` rounds.
+/// Returns samples[point][0 = off, 1 = on].
+fn measure_all(points: &[Point], s: &Setup) -> Result<Vec<[Vec<Sample>; 2]>> {
+    let runs: usize = (0..s.repeats)
+        .map(|r| {
+            points
+                .iter()
+                .filter(|p| p.is_checked() || r < s.info_repeats)
+                .count()
+                * 2
+        })
+        .sum();
+    crate::progress::expect_runs(runs as u64);
+    // samples[point][0 = off, 1 = on].
+    let mut samples = vec![[Vec::new(), Vec::new()]; points.len()];
+    // Every point and mode once per round, and every other round in
+    // reverse: drift on a shared machine must hit every point alike.
+    for round_nr in 0..s.repeats {
+        let mut order: Vec<(usize, usize)> = (0..points.len())
+            .filter(|&p| points[p].is_checked() || round_nr < s.info_repeats)
+            .flat_map(|p| [(p, 0), (p, 1)])
+            .collect();
+        if round_nr % 2 == 1 {
+            order.reverse();
+        }
+        for (p, i) in order {
+            let dedup = ["off", "on"][i];
+            let m = measure(&points[p], dedup, s)?;
+            if s.trace {
+                let pt = &points[p];
+                eprintln!(
+                    "{} QD{} {} jobs dedup={dedup}: {:.1}k IOPS, {:.3} posts/IO, {:.3} grabs/IO, {:.0} ns/post",
+                    pt.label, pt.qd, pt.jobs, m.kiops, m.posts_per_io, m.grabs_per_io, m.ns_per_post
+                );
+            }
+            samples[p][i].push(m);
+        }
+    }
+    Ok(samples)
+}
+
+fn pool(kind: &str) -> Arc<Kblockd> {
+    if kind == "unbound" {
+        Kblockd::global_unbound()
+    } else {
+        Kblockd::global()
+    }
+}
+
+fn measure(p: &Point, dedup: &str, s: &Setup) -> Result<Sample> {
+    let pool = pool(&s.kblockd);
+    let before = pool.stats();
+    let m = run_stack(
+        &stack(p.device, dedup, s.null_zero_reads, &s.kblockd),
+        &job(RwMode::RandRead, 4096, p.qd, p.jobs, s.runtime),
+    )?;
+    let after = pool.stats();
+    anyhow::ensure!(
+        m.errors == 0,
+        "{} QD{} {} jobs dedup={dedup}: {} I/O errors",
+        p.label,
+        p.qd,
+        p.jobs,
+        m.errors
+    );
+    let ios = m.ios.max(1) as f64;
+    let posts = after.posts.saturating_sub(before.posts);
+    Ok(Sample {
+        kiops: m.iops / 1000.0,
+        posts_per_io: posts as f64 / ios,
+        grabs_per_io: after.grabs.saturating_sub(before.grabs) as f64 / ios,
+        ns_per_post: after.post_ns.saturating_sub(before.post_ns) as f64 / posts.max(1) as f64,
+    })
+}
+
+/// Medians of each figure over the runs.
+fn medians(samples: &[Sample]) -> Sample {
+    let m = |f: fn(&Sample) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
+    Sample {
+        kiops: m(|s| s.kiops),
+        posts_per_io: m(|s| s.posts_per_io),
+        grabs_per_io: m(|s| s.grabs_per_io),
+        ns_per_post: m(|s| s.ns_per_post),
+    }
+}
+
 pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let jobs = opts.jobs.unwrap_or(8) as u32;
     // The checked device's runs spread widely at any depth (see
-    // docs/BENCHMARKS.md: slow runs when the host takes CPU away, and with
-    // `kblockd=unbound` a slow mode in which the worker keeps falling
-    // asleep and posted runs per I/O rise 4-5x), so its medians need five
-    // runs even in quick mode. `memory` carries no check and keeps three
-    // there, which holds the whole under 60 s.
+    // docs/BENCHMARKS.md), so its medians need five runs even in quick
+    // mode; the job sweep and `memory` carry no check and keep three.
     let repeats = opts.repeats.unwrap_or(5);
     let info_repeats = if opts.quick && opts.repeats.is_none() {
         3
@@ -80,10 +237,29 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let runtime =
         Duration::from_millis(opts.param("runtime_ms", if opts.quick { 750 } else { 4000 })?);
     let depths: Vec<u32> = opts.param_list("depths", &DEPTHS)?;
-    let devices: Vec<String> =
-        opts.param_list("devices", &DEVICES.map(|(label, _)| label.to_string()))?;
-    // `--set trace=1`: each run's figures and engine counters on stderr,
-    // to see where the time goes (tag waits, runs posted, requeues).
+    let default_devices: &[&str] = if opts.quick {
+        &[CHECKED]
+    } else {
+        &["memory", CHECKED]
+    };
+    let devices: Vec<String> = opts.param_list(
+        "devices",
+        &default_devices
+            .iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>(),
+    )?;
+    let sweep_default: &[u32] = if opts.quick {
+        &JOB_SWEEP_QUICK
+    } else {
+        &JOB_SWEEP
+    };
+    let job_sweep: Vec<u32> = opts.param_list("job_sweep", sweep_default)?;
+    anyhow::ensure!(
+        job_sweep.iter().all(|&j| j >= 1),
+        "--set job_sweep: every job count must be at least 1"
+    );
+    // `--set trace=1`: each run's figures on stderr.
     let trace: u8 = opts.param("trace", 0)?;
     let null_zero_reads: u8 = opts.param("null_zero_reads", 0)?;
     // `--set kblockd=unbound`: queue runs to a shared pool instead of the
@@ -93,112 +269,174 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         null_zero_reads <= 1,
         "--set null_zero_reads={null_zero_reads}: must be 0 or 1"
     );
-
-    let mut r = LabReport::new(
-        "mq-run",
-        "queue runs posted on every completion: dedup off (old) vs on (seed 001)",
-        &[
-            "device",
-            "iodepth",
-            "off_kiops",
-            "off_sd",
-            "on_kiops",
-            "on_sd",
-            "improvement_pct",
-            "seed_pre_kiops",
-            "seed_after_kiops",
-        ],
-    );
-    let mut on_by_depth = Vec::new();
-    let mut off_by_depth = Vec::new();
-    let points: Vec<(&str, &str, u32)> = DEVICES
+    let deepest = depths.iter().copied().max().unwrap_or(1024);
+    let mut points: Vec<Point> = DEVICES
         .iter()
         .filter(|(label, _)| devices.iter().any(|d| d == label))
-        .flat_map(|&(label, device)| depths.iter().map(move |&qd| (label, device, qd)))
+        .flat_map(|&(label, device)| {
+            depths.iter().map(move |&qd| Point {
+                sweep: "depth",
+                label,
+                device,
+                qd,
+                jobs,
+            })
+        })
         .collect();
-    // figures[point][0 = off, 1 = on]: KIOPS of each run.
-    let mut figures = vec![[Vec::new(), Vec::new()]; points.len()];
-    // Every point and mode once per round, rounds repeated, and every
-    // other round in reverse order: the claim compares QD1024 with QD64,
-    // so drift on this shared machine (other tenants' builds come and go)
-    // must hit both depths alike, not just both modes of one depth.
-    for round_nr in 0..repeats {
-        let mut order: Vec<(usize, usize)> = (0..points.len())
-            .filter(|&p| points[p].0 == CHECKED || round_nr < info_repeats)
-            .flat_map(|p| [(p, 0), (p, 1)])
-            .collect();
-        if round_nr % 2 == 1 {
-            order.reverse();
-        }
-        for (p, i) in order {
-            let (label, device, qd) = points[p];
-            let dedup = ["off", "on"][i];
-            let m = run_stack(
-                &stack(device, dedup, null_zero_reads, &kblockd),
-                &job(RwMode::RandRead, 4096, qd, jobs, runtime),
-            )?;
-            anyhow::ensure!(
-                m.errors == 0,
-                "{label} QD{qd} dedup={dedup}: {} I/O errors",
-                m.errors
-            );
-            if trace != 0 {
-                eprintln!(
-                    "{label} QD{qd} dedup={dedup}: {:.1}k IOPS, {:.0} ns CPU/IO ({:.0} in jobs), {:.2} CPUs | {}",
-                    m.iops / 1000.0,
-                    m.cpu_ns_per_io,
-                    m.job_cpu_ns_per_io,
-                    m.cpus,
-                    m.status.trim()
-                );
-            }
-            figures[p][i].push(m.iops / 1000.0);
-        }
+    points.extend(job_sweep.iter().filter(|&&j| j != jobs).map(|&j| Point {
+        sweep: "jobs",
+        label: CHECKED,
+        device: DEVICES[1].1,
+        qd: deepest,
+        jobs: j,
+    }));
+    let setup = Setup {
+        repeats,
+        info_repeats,
+        null_zero_reads,
+        kblockd: kblockd.clone(),
+        runtime,
+        trace: trace != 0,
+    };
+    let samples = measure_all(&points, &setup)?;
+    let mut r = new_report();
+    for (p, pt) in points.iter().enumerate() {
+        push_row(&mut r, pt, &samples[p]);
     }
-    for (p, &(label, _, qd)) in points.iter().enumerate() {
-        let figures = &figures[p];
-        // Medians: one run hit by another tenant's build must not move
-        // the point; the sd still shows how much the runs spread.
-        let (off, on) = (median(&figures[0]), median(&figures[1]));
-        let (off_sd, on_sd) = (mean_sd(&figures[0]).1, mean_sd(&figures[1]).1);
-        let seed = DEPTHS.iter().position(|&d| d == qd).map(|i| SEED[i]);
-        r.push_row([
-            ("device", json!(label)),
-            ("iodepth", json!(qd)),
-            ("off_kiops", json!(round(off, 1))),
-            ("off_sd", json!(round(off_sd, 1))),
-            ("on_kiops", json!(round(on, 1))),
-            ("on_sd", json!(round(on_sd, 1))),
-            (
-                "improvement_pct",
-                json!(round((on / off.max(1e-9) - 1.0) * 100.0, 1)),
-            ),
-            ("seed_pre_kiops", json!(seed.map(|s| s.0))),
-            ("seed_after_kiops", json!(seed.map(|s| s.1))),
-        ]);
-        if label == CHECKED {
-            on_by_depth.push((qd, on));
-            off_by_depth.push((qd, off));
-        }
+    // The 8-job point of the job sweep is the depth sweep's deepest one.
+    if let Some(p) = points
+        .iter()
+        .position(|p| p.is_checked() && p.qd == deepest)
+    {
+        let mut pt = points[p];
+        pt.sweep = "jobs";
+        push_row(&mut r, &pt, &samples[p]);
     }
-    let at = |v: &[(u32, f64)], d: u32| v.iter().find(|x| x.0 == d).map(|x| x.1);
-    if let (Some(on64), Some(on1024)) = (at(&on_by_depth, 64), at(&on_by_depth, 1024)) {
-        r.check(
-            "can_queue32, dedup on: QD1024 IOPS >= 95% of QD64's",
-            on1024 >= 0.95 * on64,
-            format!("{on1024:.1}k vs {on64:.1}k ({:.1}%)", on1024 / on64 * 100.0),
-        );
-    }
-    if let (Some(off64), Some(off1024)) = (at(&off_by_depth, 64), at(&off_by_depth, 1024)) {
-        let drop = (1.0 - off1024 / off64) * 100.0;
+    add_checks(&mut r, deepest);
+    r.seed = Some(seed_table());
+    r.note(
+        "ns per post: with dedup off most posts find the run pending and pay the grab and \
+         requeue under two pool locks; with dedup on a post happens only when no run is \
+         pending, so nearly every one also wakes the sleeping worker: fewer, dearer posts",
+    );
+    r.note(format!(
+        "{jobs} jobs in the depth sweep; KIOPS are the median (sd) of {repeats} runs ({CHECKED} depth sweep) and {info_repeats} runs (job sweep, memory) of {} ms per point, all points interleaved; per-post figures are medians of the kblockd pool's counters per run ({kblockd} pool)",
+        runtime.as_millis()
+    ));
+    Ok(r)
+}
+
+fn push_row(r: &mut LabReport, p: &Point, samples: &[Vec<Sample>; 2]) {
+    let (off, on) = (medians(&samples[0]), medians(&samples[1]));
+    let sd = |v: &[Sample]| mean_sd(&v.iter().map(|s| s.kiops).collect::<Vec<_>>()).1;
+    let seed = DEPTHS
+        .iter()
+        .position(|&d| d == p.qd && p.sweep == "depth" && p.label == CHECKED)
+        .map(|i| SEED[i]);
+    r.push_row([
+        ("sweep", json!(p.sweep)),
+        ("device", json!(p.label)),
+        ("jobs", json!(p.jobs)),
+        ("iodepth", json!(p.qd)),
+        ("off_kiops", json!(round(off.kiops, 1))),
+        ("off_sd", json!(round(sd(&samples[0]), 1))),
+        ("on_kiops", json!(round(on.kiops, 1))),
+        ("on_sd", json!(round(sd(&samples[1]), 1))),
+        (
+            "improvement_pct",
+            json!(round((on.kiops / off.kiops.max(1e-9) - 1.0) * 100.0, 1)),
+        ),
+        ("off_posts_per_io", json!(round(off.posts_per_io, 3))),
+        ("on_posts_per_io", json!(round(on.posts_per_io, 3))),
+        ("off_grabs_per_io", json!(round(off.grabs_per_io, 3))),
+        ("off_ns_per_post", json!(round(off.ns_per_post, 0))),
+        ("on_ns_per_post", json!(round(on.ns_per_post, 0))),
+        ("seed_pre_kiops", json!(seed.map(|s| s.0))),
+        ("seed_after_kiops", json!(seed.map(|s| s.1))),
+    ]);
+}
+
+/// The checks: dedup must make a difference in throughput at the deepest
+/// queue and in posts per I/O; the note says whether the collapse itself
+/// appeared, with the per-post figures either way.
+fn add_checks(r: &mut LabReport, deepest: u32) {
+    let rows = r.rows.clone();
+    let row = |sweep: &str, qd: u32| {
+        rows.iter()
+            .find(|x| {
+                x.get("sweep") == Some(&json!(sweep))
+                    && x.get("device") == Some(&json!(CHECKED))
+                    && x.get("iodepth") == Some(&json!(qd))
+            })
+            .cloned()
+    };
+    let f = |x: &crate::report::Row, c: &str| x.get(c).and_then(|v| v.as_f64()).unwrap_or(0.0);
+    let Some(deep) = row("depth", deepest) else {
+        return;
+    };
+    let (off, on) = (f(&deep, "off_kiops"), f(&deep, "on_kiops"));
+    r.check(
+        &format!(
+            "{CHECKED} QD{deepest}: dedup on >= 110% of dedup off's IOPS (upstream QD1024: +60%)"
+        ),
+        on >= 1.10 * off,
+        format!(
+            "on {on:.1}k vs off {off:.1}k ({:+.1}%)",
+            (on / off.max(1e-9) - 1.0) * 100.0
+        ),
+    );
+    let (pp_off, pp_on) = (f(&deep, "off_posts_per_io"), f(&deep, "on_posts_per_io"));
+    r.check(
+        &format!("{CHECKED} QD{deepest}: dedup on posts at most half as many runs per I/O"),
+        pp_off > 0.0 && pp_on <= 0.5 * pp_off,
+        format!(
+            "{pp_on:.3} vs {pp_off:.3} posts per I/O; off: {:.3} grabs of pending work per I/O, {:.0} ns per post (on: {:.0} ns)",
+            f(&deep, "off_grabs_per_io"),
+            f(&deep, "off_ns_per_post"),
+            f(&deep, "on_ns_per_post")
+        ),
+    );
+    if let Some(q64) = row("depth", 64) {
+        let change = (off / f(&q64, "off_kiops").max(1e-9) - 1.0) * 100.0;
+        let verdict = if change <= -10.0 {
+            "the collapse appears"
+        } else {
+            "the collapse does NOT appear on this machine"
+        };
         r.note(format!(
-            "can_queue32, dedup off: QD1024 is {:.1}% {} QD64 (seed: -34%)",
-            drop.abs(),
-            if drop >= 0.0 { "below" } else { "above" }
+            "{CHECKED}, dedup off: QD{deepest} is {change:+.1}% against QD64 (upstream: -34%): {verdict}; \
+             per post with dedup off {:.0} ns and {:.3} posts per I/O, with dedup on {:.0} ns and {:.3}",
+            f(&deep, "off_ns_per_post"),
+            pp_off,
+            f(&deep, "on_ns_per_post"),
+            pp_on
         ));
     }
-    r.seed = Some(SeedTable {
-        caption: "seed 001: RAM-backed virtual disk on Hyper-V, 8 fio jobs, 4k randread, IOPS"
+    let sweep: Vec<String> = r
+        .rows
+        .iter()
+        .filter(|x| x.get("sweep") == Some(&json!("jobs")))
+        .map(|x| {
+            format!(
+                "{} jobs: off {:.0} ns/post {:.1}k, on {:.1}k",
+                f(x, "jobs"),
+                f(x, "off_ns_per_post"),
+                f(x, "off_kiops"),
+                f(x, "on_kiops")
+            )
+        })
+        .collect();
+    if !sweep.is_empty() {
+        r.note(format!(
+            "job sweep at QD{deepest} (cost of a post as posting threads grow): {}",
+            sweep.join("; ")
+        ));
+    }
+}
+
+fn seed_table() -> SeedTable {
+    SeedTable {
+        caption: "upstream: RAM-backed virtual disk on Hyper-V, 8 fio jobs, 4k randread, IOPS"
             .into(),
         columns: vec![
             "queue_depth".into(),
@@ -218,18 +456,5 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 ]
             })
             .collect(),
-    });
-    r.note(format!(
-        "{jobs} jobs; KIOPS are the median (sd) of {repeats} runs ({CHECKED}) and {info_repeats} runs (memory) of {} ms per point, all points interleaved",
-        runtime.as_millis()
-    ));
-    r.plot = Some(PlotSpec {
-        x: "iodepth".into(),
-        series: vec!["off_kiops".into(), "on_kiops".into()],
-        x_label: "queue depth per job".into(),
-        y_label: "KIOPS".into(),
-        kind: PlotKind::Line,
-        filter: vec![("device".into(), json!(CHECKED))],
-    });
-    Ok(r)
+    }
 }

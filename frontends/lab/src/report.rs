@@ -1,20 +1,23 @@
-//! What an experiment produces: our table, the seed's published table
-//! beside it, the checks that say whether the seed's claim reproduced, and
-//! notes. Written as text (terminal), `NAME.json` and `NAME.svg`.
+//! What an experiment produces: our table, the upstream patch's published
+//! table beside it, the checks that say whether its claim reproduced,
+//! notes, and the machine it ran on. Written as text (terminal),
+//! `NAME.json`, `NAME*.svg` and a section of `index.html`.
 //!
 //! The JSON shape is fixed by the issue: an object with `experiment` and
 //! `rows`, one object per table row keyed by the table's column names
-//! (plus `title`, `columns`, `seed`, `checks`, `notes` for context).
+//! (plus `title`, `columns`, `seed`, `checks`, `notes`, `machine` for
+//! context). It reads back ([`LabReport::from_json`]) so that the report
+//! page and `lab compare` can be made from saved runs.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::fmt::Write as _;
 
 /// One row: column name -> value, in column order.
 pub type Row = Map<String, Value>;
 
-/// The seed's published figures, shown for shape beside ours.
-#[derive(Clone, Debug, Serialize, Default)]
+/// Upstream's published figures, shown for shape beside ours.
+#[derive(Clone, Debug, Serialize, Deserialize, Default)]
 pub struct SeedTable {
     pub caption: String,
     pub columns: Vec<String>,
@@ -22,48 +25,47 @@ pub struct SeedTable {
 }
 
 /// A claim of the issue checked against this run's figures.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Check {
     pub name: String,
     pub pass: bool,
     pub detail: String,
 }
 
-#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, Default)]
-pub enum PlotKind {
-    /// One line per series over the rows' x values.
-    #[default]
-    Line,
-    /// Grouped bars per x value (for categorical x such as path names).
-    Bar,
+/// Where a run happened: enough to tell whether two runs can be compared
+/// and whether other processes competed for the CPUs.
+#[derive(Clone, Debug, Serialize, Deserialize, Default, PartialEq)]
+pub struct Machine {
+    /// CPUs this process may run on.
+    pub cpus: usize,
+    /// `uname -sr`.
+    pub kernel: String,
+    /// CPU model name (`/proc/cpuinfo`), if known.
+    pub cpu_model: String,
+    /// 1-minute load average before and after the experiment.
+    pub load_before: f64,
+    pub load_after: f64,
+    /// UTC time the experiment finished, RFC 3339.
+    pub finished: String,
 }
 
-/// How to draw the SVG: which column is x, which columns are series.
-#[derive(Clone, Debug, Serialize, Default)]
-pub struct PlotSpec {
-    pub x: String,
-    pub series: Vec<String>,
-    pub x_label: String,
-    pub y_label: String,
-    pub kind: PlotKind,
-    /// Only rows where every `filter` column equals the value are drawn
-    /// (e.g. one table holds read and write rows; plot one of them).
-    pub filter: Vec<(String, Value)>,
-}
-
-#[derive(Clone, Debug, Serialize, Default)]
+#[derive(Clone, Debug, Serialize, Deserialize, Default)]
 pub struct LabReport {
     pub experiment: String,
     pub title: String,
     pub columns: Vec<String>,
     pub rows: Vec<Row>,
+    #[serde(default)]
     pub seed: Option<SeedTable>,
+    #[serde(default)]
     pub checks: Vec<Check>,
+    #[serde(default)]
     pub notes: Vec<String>,
-    #[serde(skip)]
-    pub plot: Option<PlotSpec>,
     /// The command that reproduces this run.
+    #[serde(default)]
     pub command: String,
+    #[serde(default)]
+    pub machine: Option<Machine>,
 }
 
 impl LabReport {
@@ -116,7 +118,17 @@ impl LabReport {
         serde_json::to_value(self).unwrap_or(Value::Null)
     }
 
-    /// Human-readable text: our table, the seed's, checks and notes.
+    /// A report read back from its `NAME.json`.
+    pub fn from_json(text: &str) -> Result<LabReport, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    /// A row's cell as text, as the tables print it.
+    pub fn cell(&self, row: &Row, column: &str) -> String {
+        fmt_value(row.get(column))
+    }
+
+    /// Human-readable text: our table, upstream's, checks and notes.
     pub fn to_text(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "== lab {}: {}", self.experiment, self.title);
@@ -127,7 +139,7 @@ impl LabReport {
             .collect();
         s.push_str(&render_grid(&self.columns, &cells));
         if let Some(seed) = &self.seed {
-            let _ = writeln!(s, "\n-- seed: {}", seed.caption);
+            let _ = writeln!(s, "\n-- upstream: {}", seed.caption);
             s.push_str(&render_grid(&seed.columns, &seed.rows));
         }
         if !self.checks.is_empty() {
@@ -148,6 +160,19 @@ impl LabReport {
         if !self.command.is_empty() {
             let _ = writeln!(s, "reproduce: {}", self.command);
         }
+        s
+    }
+}
+
+/// Format an axis or table number: no more digits than it needs.
+pub fn fmt_num(f: f64) -> String {
+    if f.fract() == 0.0 && f.abs() < 1e15 {
+        return format!("{f:.0}");
+    }
+    let s = fmt_value(serde_json::Number::from_f64(f).map(Value::Number).as_ref());
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
         s
     }
 }
