@@ -55,7 +55,7 @@ pub struct BenchArgs {
 /// First Ctrl-C: stop the jobs and report (as fio does); the handler then
 /// restores the default so a second Ctrl-C ends the process.
 extern "C" fn on_sigint(_sig: libc::c_int) {
-    crate::engine::request_stop();
+    crate::completion::request_stop();
     // SAFETY: signal() is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, libc::SIG_DFL);

@@ -45,23 +45,6 @@ pub struct CommandLine {
     pub eta: EtaMode,
 }
 
-/// Options that are booleans in fio: they may be given without a value.
-const BOOL_KEYS: &[&str] = &[
-    "time_based",
-    "norandommap",
-    "randrepeat",
-    "group_reporting",
-    "stonewall",
-    "wait_for_previous",
-    "new_group",
-    "verify_fatal",
-    "do_verify",
-    "direct",
-    "buffered",
-    "thread",
-    "invalidate",
-];
-
 /// Parse the arguments after `blkstack bench`.
 pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
     let mut cl = CommandLine {
@@ -92,7 +75,7 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
         if key.is_empty() {
             bail!("'{arg}': missing option name");
         }
-        let is_bool = BOOL_KEYS.contains(&key.as_str());
+        let is_bool = crate::options::BOOL_KEYS.contains(&key.as_str());
         // Non-boolean options take the next argument when not written with '='.
         let value = match inline_value {
             Some(v) => Some(v),

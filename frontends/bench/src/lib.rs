@@ -32,20 +32,33 @@
 //! [`run_on_device`] runs against a [`DeviceRef`](blkstack_core::DeviceRef)
 //! you built yourself; [`run_jobs_with`] takes any resolver.
 
+pub mod buffers;
 pub mod cli;
 pub mod cmdline;
+mod completion;
+mod controls;
+pub mod distribution;
 mod engine;
+mod geometry;
+mod job;
 pub mod jobfile;
+pub mod logs;
 mod offsets;
+pub mod option_table;
+pub mod options;
 pub mod output;
+pub mod parse;
+pub mod rate;
 mod run;
 pub mod spec;
 pub mod stats;
 pub mod verify;
+pub mod verify_algo;
 
 pub use cli::{run_cli, BenchArgs};
 pub use cmdline::{parse_command_line, CommandLine, EtaMode, OutputFormat};
-pub use engine::{request_stop, Geometry, JobProgress};
+pub use completion::{request_stop, JobProgress};
+pub use geometry::Geometry;
 pub use jobfile::{parse_job_file, JobFileError};
 pub use output::{write_json, write_normal, write_normal_header};
 pub use run::{run_jobs, run_jobs_with, run_on_device, RunOptions};

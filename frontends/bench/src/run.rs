@@ -8,7 +8,10 @@
 //! While threads run, the calling thread draws the progress bar (when
 //! asked) from counters the job loops publish once per completion batch.
 
-use crate::engine::{clear_stop, run_thread, Geometry, JobProgress, ThreadSetup};
+use crate::completion::{clear_segment_stop, clear_stop, JobProgress};
+use crate::engine::ThreadSetup;
+use crate::geometry::Geometry;
+use crate::job::run_thread;
 use crate::spec::JobSpec;
 use crate::stats::{BenchReport, JobResult};
 use anyhow::{bail, Context};
@@ -46,7 +49,7 @@ pub fn run_jobs(
 ) -> anyhow::Result<BenchReport> {
     let resolve = |job: &JobSpec| -> anyhow::Result<(String, DeviceRef)> {
         let name = match &job.filename {
-            Some(f) => f.clone(),
+            Some(f) => device_name_for(registry, f),
             None if registry.get(&job.name).is_some() => job.name.clone(),
             None => opts.default_filename.clone().with_context(|| {
                 format!(
@@ -61,6 +64,17 @@ pub fn run_jobs(
         Ok((name, dev))
     };
     run_jobs_with(&resolve, jobs, opts)
+}
+
+/// fio's `filename=/dev/NAME`: the stack's device `NAME` when there is
+/// one (`/dev/mapper/NAME` the registry resolves itself), else as given.
+fn device_name_for(registry: &Registry, filename: &str) -> String {
+    if let Some(rest) = filename.strip_prefix("/dev/") {
+        if !rest.starts_with("mapper/") && registry.get(rest).is_some() {
+            return rest.to_string();
+        }
+    }
+    filename.to_string()
 }
 
 /// Run every job against `device` (called `name` in the report), ignoring
@@ -101,7 +115,7 @@ pub fn run_jobs_with(
             bail!("job '{}': time_based needs a runtime", job.name);
         }
         let (dev_name, dev) = resolve(job)?;
-        if job.rw.writes() && dev.features().read_only {
+        if (job.rw.writes() || job.rw.trims()) && dev.features().read_only {
             bail!(
                 "job '{}': {dev_name} is read-only and the job writes",
                 job.name
@@ -132,6 +146,7 @@ pub fn run_jobs_with(
         let (now, later): (Vec<Planned>, Vec<Planned>) =
             rest.into_iter().partition(|p| p.segment == seg);
         rest = later;
+        clear_segment_stop();
         results.extend(run_segment(now, opts)?);
     }
     Ok(BenchReport::from_threads(results))

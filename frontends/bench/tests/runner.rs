@@ -174,6 +174,7 @@ fn verify_with_norandommap_overwrites_and_mixed_sizes_stays_clean() {
         norandommap: true,
         bs: BlockSizes {
             split: vec![(4096, 50), (16384, 50)],
+            range: None,
         },
         iodepth: 16,
         runtime: Some(Duration::from_millis(300)),
@@ -460,6 +461,7 @@ fn registry_stacks_verify_clean() {
             iodepth: 16,
             bs: BlockSizes {
                 split: vec![(4096, 70), (65536, 30)],
+                range: None,
             },
             runtime: Some(Duration::from_millis(300)),
             time_based: true,
@@ -600,6 +602,7 @@ fn odd_block_size_mixes_end_exactly_at_the_io_limit() {
         rw: RwMode::RandRw,
         bs: BlockSizes {
             split: vec![(3072, 50), (4096, 50)],
+            range: None,
         },
         io_size: Some(SizeSpec::Bytes(300 << 10)),
         ..JobSpec::default()
