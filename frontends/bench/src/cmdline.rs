@@ -4,7 +4,10 @@
 //! As in fio (`parse_cmd_line`), options before the first `--name` are the
 //! defaults every job starts from (job files included: their `[global]`
 //! builds on them), and each `--name` opens a job that the options after it
-//! change. Boolean options may stand alone (`--time_based`). blkstack adds
+//! change. Boolean options may stand alone (`--time_based`). Job options
+//! given after a job file (and before any `--name`) override that file's
+//! settings for every job it defines, so `--filename`, `--runtime` or
+//! `--size` can retarget a job file without editing it. blkstack adds
 //! `--stack FILE` / `--concise STRING` (devices to create first) and
 //! `--wait=interrupt|poll|hybrid`.
 
@@ -40,6 +43,9 @@ pub struct CommandLine {
     pub defaults: JobSpec,
     /// Jobs opened with `--name`.
     pub named_jobs: Vec<JobSpec>,
+    /// Job options given after a job file, before any `--name`: applied
+    /// over each job of the files, in order.
+    pub overrides: Vec<(String, Option<String>)>,
     pub output_formats: Vec<OutputFormat>,
     pub output: Option<PathBuf>,
     pub eta: EtaMode,
@@ -53,6 +59,7 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
         job_files: Vec::new(),
         defaults: JobSpec::default(),
         named_jobs: Vec::new(),
+        overrides: Vec::new(),
         output_formats: vec![OutputFormat::Normal],
         output: None,
         eta: EtaMode::Auto,
@@ -125,7 +132,18 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                 cl.named_jobs.push(job);
             }
             _ => {
+                let override_files = cl.named_jobs.is_empty() && !cl.job_files.is_empty();
                 let target = cl.named_jobs.last_mut().unwrap_or(&mut cl.defaults);
+                if override_files {
+                    // Checked now on a scratch job so a bad value is
+                    // reported here, naming the option.
+                    let mut probe = target.clone();
+                    probe
+                        .apply(&key, value.as_deref())
+                        .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
+                    cl.overrides.push((key, value));
+                    continue;
+                }
                 target
                     .apply(&key, value.as_deref())
                     .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
@@ -142,8 +160,14 @@ impl CommandLine {
         for path in &self.job_files {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading job file {}", path.display()))?;
-            let parsed = parse_job_file(&text, &self.defaults)
+            let mut parsed = parse_job_file(&text, &self.defaults)
                 .with_context(|| format!("job file {}", path.display()))?;
+            for job in &mut parsed {
+                for (k, v) in &self.overrides {
+                    job.apply(k, v.as_deref())
+                        .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
+                }
+            }
             jobs.extend(parsed);
         }
         jobs.extend(self.named_jobs.iter().cloned());
@@ -245,6 +269,13 @@ mod tests {
             cl.output_formats,
             vec![OutputFormat::Normal, OutputFormat::Json]
         );
+        // Options after the file override it.
+        let mut b = args("--iodepth=8");
+        b.push(path.display().to_string());
+        b.extend(args("--bs=64k --filename=/dev/m0"));
+        let over = parse_command_line(&b).unwrap().jobs().unwrap();
+        assert_eq!(over[0].bs, BlockSizes::single(65536));
+        assert_eq!(over[0].filename.as_deref(), Some("/dev/m0"));
         std::fs::write(&path, "[one]\nrw=upwards\n").unwrap();
         let e = cl.jobs().unwrap_err();
         let text = format!("{e:#}");

@@ -89,6 +89,8 @@ pub(crate) struct ThreadSetup {
     /// fio's thread number (seeds the random generators).
     pub thread_number: u32,
     pub progress: Arc<JobProgress>,
+    /// Threads of the `wait_for` job: start once they are all done.
+    pub wait_for: Vec<Arc<JobProgress>>,
 }
 
 pub(crate) struct Engine {
@@ -123,6 +125,8 @@ pub(crate) struct Engine {
     pub ctl: Controls,
     verifier: Verifier,
     filler: BufferFiller,
+    /// The rest of a trim split at the device's largest request.
+    trim_rest: Option<Req>,
     /// Percent of written units trimmed instead of read back in the
     /// verify phase (fio `trim_percentage`).
     trim_pct: u32,
@@ -198,7 +202,11 @@ impl Engine {
             inflight: 0,
             depth,
             wait: spec.wait,
-            gen: IoGen::new(spec, g, setup.thread_number),
+            gen: IoGen::new(spec, g, setup.thread_number).with_zones(
+                spec,
+                &setup.device_name,
+                g.dev_size,
+            ),
             log,
             verify_reads_in_work: verify && !spec.rw.writes(),
             stop_on_error: !spec.continue_on_error,
@@ -213,6 +221,7 @@ impl Engine {
             verifier: Verifier::new(spec.verify, &spec.verify_pattern),
             filler,
             trim_pct: spec.trim_percentage,
+            trim_rest: None,
             rng_state: spec.randseed | 1,
             first_error: 0,
             failed: false,
@@ -230,6 +239,21 @@ impl Engine {
             sample_prev: [(0, 0); 3],
             sample_dirs: [spec.rw.reads(), spec.rw.writes(), spec.rw.trims()],
         })
+    }
+
+    /// A trim larger than the device's largest request goes out in pieces
+    /// (the kernel splits a discard at `max_discard_sectors`).
+    fn split_trim(&mut self, r: Req) -> Req {
+        let max = self.dev.max_io_bytes();
+        if r.dir != Ddir::Trim || r.len <= max {
+            return r;
+        }
+        self.trim_rest = Some(Req {
+            offset: r.offset + max,
+            len: r.len - max,
+            ..r
+        });
+        Req { len: max, ..r }
     }
 
     /// Does a write to `off..off+len` overlap a write in flight? (verify
@@ -251,15 +275,18 @@ impl Engine {
         if bytes_left == 0 {
             return None;
         }
+        if let Some(r) = self.trim_rest.take() {
+            return Some(self.split_trim(r));
+        }
         for _ in 0..8 {
-            let r = self.gen.next();
+            let r = self.gen.next()?;
             if r.dir != Ddir::Read
                 && self.log.is_some()
                 && self.overlaps_inflight_write(r.offset, r.len)
             {
                 continue;
             }
-            return Some(r);
+            return Some(self.split_trim(r));
         }
         None
     }

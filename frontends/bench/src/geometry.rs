@@ -36,10 +36,23 @@ impl Geometry {
         let dev_size = dev.size();
         let lbs = dev.logical_block_size().max(1) as u64;
         let (min_bs, max_bs) = spec.bs_bounds();
-        let sizes: Vec<u64> = std::iter::once(&spec.bs)
-            .chain(spec.bs_dir.iter().flatten())
-            .flat_map(|b| b.sizes())
-            .collect();
+        // Trims larger than a request are split; data I/O is not.
+        let data_dirs: &[usize] = match (spec.rw.reads(), spec.rw.writes()) {
+            (true, true) => &[0, 1],
+            (true, false) => &[0],
+            (false, true) => &[1],
+            (false, false) => &[],
+        };
+        let sizes: Vec<u64> = data_dirs.iter().flat_map(|&d| spec.bs_for(d).sizes()).collect();
+        let trim_sizes = if spec.rw.trims() { spec.bs_for(2).sizes() } else { Vec::new() };
+        for &b in &trim_sizes {
+            if !b.is_multiple_of(lbs) {
+                bail!(
+                    "job '{}': trim size {b} is not a multiple of {dev_name}'s logical block size {lbs}",
+                    spec.name
+                );
+            }
+        }
         for &b in &sizes {
             if !b.is_multiple_of(lbs) {
                 bail!(
@@ -105,7 +118,7 @@ impl Geometry {
                 spec.name
             );
         }
-        let size = match spec.size {
+        let size = match spec.filesize.or(spec.size) {
             Some(s) => s.resolve(dev_size),
             None => dev_size - start,
         };
@@ -125,7 +138,11 @@ impl Geometry {
         }
         let end = start + size;
         // Whole blocks here too, so the last (clipped) I/O stays aligned.
-        let io_limit = spec.io_limit(size, dev_size);
+        let io_limit = match (spec.filesize, spec.size, spec.io_size) {
+            // With filesize the region is the file; size bounds the I/O.
+            (Some(_), Some(total), None) => total.resolve(dev_size).saturating_mul(spec.loops as u64),
+            _ => spec.io_limit(size, dev_size),
+        };
         let io_limit = (io_limit - io_limit % min_bs).max(min_bs);
         Ok(Geometry {
             start,

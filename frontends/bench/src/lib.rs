@@ -54,6 +54,7 @@ pub mod spec;
 pub mod stats;
 pub mod verify;
 pub mod verify_algo;
+mod zbd;
 
 pub use cli::{run_cli, BenchArgs};
 pub use cmdline::{parse_command_line, CommandLine, EtaMode, OutputFormat};

@@ -26,6 +26,7 @@ use crate::distribution::BlockSampler;
 use crate::engine::Req;
 use crate::geometry::Geometry;
 use crate::spec::{BlockSizes, Ddir, JobSpec, RwMode, RwModifier};
+use crate::zbd::{zone_set, ZoneCursor};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -157,6 +158,13 @@ pub(crate) struct IoGen {
     sampler: Option<BlockSampler>,
     /// `trimwrite`: the write that follows a trim of the same block.
     pending_write: Option<Req>,
+    /// `zonemode=strided`: `(zonesize, zonerange, zoneskip)`, and per
+    /// direction the current zone's start and bytes done in it.
+    zones: Option<(u64, u64, u64)>,
+    zone_start: [u64; 3],
+    zone_done: [u64; 3],
+    /// `zonemode=zbd`: the emulated zones' write pointers.
+    zbd: Option<ZoneCursor>,
 }
 
 impl IoGen {
@@ -199,6 +207,49 @@ impl IoGen {
             perm,
             sampler,
             pending_write: None,
+            zones: spec.strided_zones.filter(|z| z.0 > 0 && !spec.zbd),
+            zone_start: [g.start; 3],
+            zone_done: [0; 3],
+            zbd: None,
+        }
+    }
+
+    /// `zonemode=zbd` on `device`: writes, reads and trims follow the
+    /// emulated zones of `zone_size`.
+    pub fn with_zones(mut self, spec: &JobSpec, device: &str, dev_size: u64) -> IoGen {
+        if let (true, Some((zs, _, _))) = (spec.zbd, spec.strided_zones) {
+            if zs > 0 {
+                let set = zone_set(device, dev_size, zs);
+                self.zbd = Some(ZoneCursor::new(
+                    set,
+                    self.start,
+                    self.end,
+                    spec.max_open_zones,
+                    spec.read_beyond_wp,
+                ));
+            }
+        }
+        self
+    }
+
+    /// The offset of a zoned I/O, `None` when there is nothing to read.
+    fn next_zoned(&mut self, dir: Ddir, bs: u64) -> Option<u64> {
+        let random = self.rw.is_random();
+        let z = self.zbd.as_mut()?;
+        match dir {
+            Ddir::Write => Some(z.write(bs, random, &mut self.rng)),
+            Ddir::Read => z.read(bs, random, &mut self.rng),
+            Ddir::Trim => {
+                let off = if random {
+                    z.random_zone(&mut self.rng)
+                } else {
+                    self.seq_pos[2].max(self.start)
+                };
+                let off = if off + bs > self.end { self.start } else { off };
+                self.seq_pos[2] = off + bs;
+                z.trim(off, bs);
+                Some(off)
+            }
         }
     }
 
@@ -231,6 +282,21 @@ impl IoGen {
             pos
         };
         self.seq_pos[d] = (off + bs).saturating_add_signed(self.skip);
+        if let Some((size, range, skip)) = self.zones {
+            if off < self.zone_start[d] {
+                // Wrapped: the first zone again.
+                (self.zone_start[d], self.zone_done[d]) = (self.start, 0);
+            }
+            self.zone_done[d] += bs;
+            if self.zone_done[d] >= size {
+                let mut next = self.zone_start[d] + range.max(size) + skip;
+                if next + bs > self.end {
+                    next = self.start;
+                }
+                (self.zone_start[d], self.zone_done[d]) = (next, 0);
+                self.seq_pos[d] = next;
+            }
+        }
         off
     }
 
@@ -268,15 +334,18 @@ impl IoGen {
         true
     }
 
+    /// The next request; `None` when a zoned read finds no data.
     #[inline]
-    pub fn next(&mut self) -> Req {
+    pub fn next(&mut self) -> Option<Req> {
         if let Some(w) = self.pending_write.take() {
-            return w;
+            return Some(w);
         }
         let dir = self.pick_dir();
         let d = dir as usize;
         let bs = self.bs[d].pick(&mut self.rng);
-        let offset = if self.rw.is_random() && self.take_random() {
+        let offset = if self.zbd.is_some() {
+            self.next_zoned(dir, bs)?
+        } else if self.rw.is_random() && self.take_random() {
             let off = self.next_random(bs);
             self.seq_pos[d] = off + bs;
             off
@@ -294,7 +363,7 @@ impl IoGen {
                 ..req
             });
         }
-        req
+        Some(req)
     }
 }
 
@@ -345,7 +414,7 @@ mod tests {
             let mut gen = IoGen::new(&spec, &g, 0);
             let (mut reads, mut writes) = (0, 0);
             for _ in 0..5000 {
-                let r = gen.next();
+                let r = gen.next().unwrap();
                 assert_eq!(r.offset % 4096, 0);
                 assert!(r.offset >= g.start && r.offset + r.len <= g.end);
                 if r.dir == Ddir::Write {
@@ -359,6 +428,48 @@ mod tests {
     }
 
     #[test]
+    fn modifiers_strides_zones_and_trimwrite() {
+        let g = geom(0, 1 << 20, 4096);
+        let offs = |spec: &JobSpec, n: usize| -> Vec<(Ddir, u64)> {
+            let mut gen = IoGen::new(spec, &g, 0);
+            (0..n).map(|_| gen.next().unwrap()).map(|r| (r.dir, r.offset)).collect()
+        };
+        // fio's backwards-read.fio: rw=read:-8k with bs=4k steps back 4k.
+        let mut back = JobSpec::default();
+        back.apply("rw", Some("read:-8k")).unwrap();
+        let o = offs(&back, 3);
+        assert_eq!(o[1].1, o[0].1 - 4096);
+        assert_eq!(o[2].1, o[1].1 - 4096);
+        // cross-stripe-verify.fio: rw=write:112k with bs=16k strides 128k.
+        let mut fwd = JobSpec::default();
+        fwd.apply("rw", Some("write:112k")).unwrap();
+        fwd.apply("bs", Some("16k")).unwrap();
+        let g16 = geom(0, 1 << 20, 16384);
+        let mut gen = IoGen::new(&fwd, &g16, 0);
+        let o: Vec<u64> = (0..3).map(|_| gen.next().unwrap().offset).collect();
+        assert_eq!(o, vec![0, 131072, 262144]);
+        // zonemode=strided: 8k per zone, then skip 16k.
+        let mut z = JobSpec::default();
+        for (k, v) in [("zonemode", "strided"), ("zonesize", "8k"), ("zoneskip", "16k")] {
+            z.apply(k, Some(v)).unwrap();
+        }
+        let o: Vec<u64> = offs(&z, 4).iter().map(|x| x.1).collect();
+        assert_eq!(o, vec![0, 4096, 24576, 28672]);
+        // trimwrite: a trim, then a write of the same block.
+        let mut tw = JobSpec::default();
+        tw.apply("rw", Some("trimwrite")).unwrap();
+        let o = offs(&tw, 4);
+        assert_eq!((o[0].0, o[1].0), (Ddir::Trim, Ddir::Write));
+        assert_eq!(o[0].1, o[1].1);
+        // percentage_random=0 on a random job is sequential.
+        let mut pr = JobSpec::default();
+        pr.apply("rw", Some("randread")).unwrap();
+        pr.apply("percentage_random", Some("0")).unwrap();
+        let o: Vec<u64> = offs(&pr, 3).iter().map(|x| x.1).collect();
+        assert_eq!(o, vec![0, 4096, 8192]);
+    }
+
+    #[test]
     fn sequential_wraps_and_randrepeat_repeats() {
         let spec = JobSpec {
             rw: RwMode::Write,
@@ -366,7 +477,7 @@ mod tests {
         };
         let g = geom(0, 3 * 4096, 4096);
         let mut gen = IoGen::new(&spec, &g, 0);
-        let offs: Vec<u64> = (0..4).map(|_| gen.next().offset).collect();
+        let offs: Vec<u64> = (0..4).map(|_| gen.next().unwrap().offset).collect();
         assert_eq!(offs, vec![0, 4096, 8192, 0]);
 
         let spec = JobSpec {
@@ -380,11 +491,11 @@ mod tests {
         let g = geom(0, 1 << 20, 4096);
         let a: Vec<Req> = {
             let mut gen = IoGen::new(&spec, &g, 3);
-            (0..100).map(|_| gen.next()).collect()
+            (0..100).map(|_| gen.next().unwrap()).collect()
         };
         let b: Vec<Req> = {
             let mut gen = IoGen::new(&spec, &g, 3);
-            (0..100).map(|_| gen.next()).collect()
+            (0..100).map(|_| gen.next().unwrap()).collect()
         };
         assert_eq!(a, b);
         assert!(a

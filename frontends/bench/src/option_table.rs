@@ -119,6 +119,15 @@ pub const IMPLEMENTED: &[&str] = &[
     "hybrid_sleep_pct",
     "hybrid_estimator",
     "ioengine",
+    "zonemode",
+    "zonesize",
+    "zonerange",
+    "zoneskip",
+    "filesize",
+    "wait_for",
+    "max_open_zones",
+    "job_max_open_zones",
+    "read_beyond_wp",
 ];
 
 /// Accepted, changing nothing in process: `(option, why)`.
@@ -231,7 +240,6 @@ pub const NOT_APPLICABLE: &[(&str, &str)] = &[
     ("ignore_error", "continue_on_error decides"),
     ("exit_what", "exitall stops every job"),
     ("exitall_on_error", "a failed job fails the run"),
-    ("wait_for", "jobs run in stonewall segments"),
     ("stats", "statistics are always kept"),
     ("per_job_logs", "logs are per job thread"),
     ("log_max_value", "log format"),
@@ -268,62 +276,28 @@ pub const NOT_APPLICABLE: &[(&str, &str)] = &[
     ("end_syncfs", "devices, not file systems"),
     ("sync_file_range", "devices, not files: use fsync"),
     ("comm", "thread names are blkstack's"),
+    ("zone_reset_threshold", "emulated zones are reset when a write finds all full"),
+    ("zone_reset_frequency", "emulated zones are reset when a write finds all full"),
     ("profile", "no built-in profiles"),
 ];
 
 /// Refused, with why.
 pub const REFUSED: &[(&str, &str)] = &[
     (
-        "zonemode",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "zonesize",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "zonerange",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "zoneskip",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
         "zonecapacity",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "max_open_zones",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "job_max_open_zones",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
+        "not implemented in blkstack's zone emulation (zonemode=zbd)",
     ),
     (
         "ignore_zone_limits",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "zone_reset_threshold",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "zone_reset_frequency",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
-    ),
-    (
-        "read_beyond_wp",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
+        "not implemented in blkstack's zone emulation (zonemode=zbd)",
     ),
     (
         "write_zone_remainder",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
+        "not implemented in blkstack's zone emulation (zonemode=zbd)",
     ),
     (
         "recover_zbd_write_error",
-        "zoned block devices (ZBD) need zoned hardware blkstack does not model",
+        "not implemented in blkstack's zone emulation (zonemode=zbd)",
     ),
     (
         "fdp",
@@ -403,10 +377,6 @@ pub const REFUSED: &[(&str, &str)] = &[
     ),
     (
         "nr_files",
-        "one device per job: fio's file sets are not modelled",
-    ),
-    (
-        "filesize",
         "one device per job: fio's file sets are not modelled",
     ),
     (
@@ -532,7 +502,6 @@ pub const BOOL_KEYS: &[&str] = &[
     "stats",
     "per_job_logs",
     "verify_dump",
-    "verify_async",
     "verify_write_sequence",
     "atomic",
     "allow_file_create",

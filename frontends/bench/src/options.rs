@@ -27,7 +27,9 @@ use crate::parse::{
     parse_time, TimeUnit,
 };
 use crate::rate::{LatencyTarget, RateProcess, SteadyState};
-use crate::spec::{BlockSizes, HybridEstimator, JobSpec, RwMode, RwModifier, VerifyMode, WaitMode};
+use crate::spec::{
+    BlockSizes, HybridEstimator, JobSpec, RwMode, RwModifier, SizeSpec, VerifyMode, WaitMode,
+};
 use std::fmt;
 use std::time::Duration;
 
@@ -100,6 +102,23 @@ fn bs_of(key: &str, s: &str) -> Result<BlockSizes, KeyError> {
 }
 
 impl JobSpec {
+    /// A size, a percentage, or with zones a count of zones (`128z`).
+    fn size_spec_of(&self, key: &str, value: Option<&str>) -> Result<SizeSpec, KeyError> {
+        let v = need(key, value)?;
+        if let Some(n) = v.strip_suffix(['z', 'Z']) {
+            let zs = self.strided_zones.map_or(0, |z| z.0);
+            if zs == 0 {
+                return Err(key_err(key, format!("'{v}': a size in zones needs zonesize first")));
+            }
+            let n = parse_int(n).map_err(|m| key_err(key, m))?;
+            return n
+                .checked_mul(zs)
+                .map(SizeSpec::Bytes)
+                .ok_or_else(|| key_err(key, format!("'{v}' is out of range")));
+        }
+        parse_size_spec(&v).map_err(|m| key_err(key, m))
+    }
+
     /// Set one fio option. `value` is `None` for a bare key (`time_based`).
     /// A refused value changes nothing.
     pub fn apply(&mut self, key: &str, value: Option<&str>) -> Result<(), KeyError> {
@@ -251,21 +270,21 @@ impl JobSpec {
                 self.numjobs = n as u32;
             }
             "size" => {
-                self.size = Some(parse_size_spec(&need(key, value)?).map_err(|m| key_err(key, m))?)
+                self.size = Some(self.size_spec_of(key, value)?)
             }
             "io_size" | "io_limit" => {
                 self.io_size =
-                    Some(parse_size_spec(&need(key, value)?).map_err(|m| key_err(key, m))?)
+                    Some(self.size_spec_of(key, value)?)
             }
             "offset" | "fileoffset" => {
-                self.offset = parse_size_spec(&need(key, value)?).map_err(|m| key_err(key, m))?
+                self.offset = self.size_spec_of(key, value)?
             }
             "offset_align" => {
                 let _ = parse_size(&need(key, value)?).map_err(|m| key_err(key, m))?;
             }
             "offset_increment" => {
                 self.offset_increment =
-                    parse_size_spec(&need(key, value)?).map_err(|m| key_err(key, m))?
+                    self.size_spec_of(key, value)?
             }
             "loops" => {
                 let n = int_of(key, value)?;
@@ -274,6 +293,38 @@ impl JobSpec {
                 }
                 self.loops = n.min(u32::MAX as u64) as u32;
             }
+            "filesize" => {
+                let v = need(key, value)?;
+                // A range (`filesize=1G-2G`) picks sizes per file; one
+                // device per job: its low end.
+                let first = v.split('-').next().unwrap_or("");
+                self.filesize = Some(parse_size_spec(first).map_err(|m| key_err(key, m))?);
+            }
+            "zonemode" => {
+                let v = need(key, value)?;
+                match v.as_str() {
+                    "none" => (self.strided_zones, self.zbd) = (None, false),
+                    "strided" | "zbd" => {
+                        self.strided_zones.get_or_insert((0, 0, 0));
+                        self.zbd = v == "zbd";
+                    }
+                    o => return Err(key_err(key, format!("'{o}' is not one of none, strided, zbd"))),
+                }
+            }
+            "zonesize" | "zonerange" | "zoneskip" => {
+                let b = parse_size(&need(key, value)?).map_err(|m| key_err(key, m))?;
+                let z = self.strided_zones.get_or_insert((0, 0, 0));
+                match key {
+                    "zonesize" => z.0 = b,
+                    "zonerange" => z.1 = b,
+                    _ => z.2 = b,
+                }
+            }
+            "wait_for" => self.wait_for = Some(need(key, value)?),
+            "max_open_zones" | "job_max_open_zones" => {
+                self.max_open_zones = int_of(key, value)?.min(u32::MAX as u64) as u32
+            }
+            "read_beyond_wp" => self.read_beyond_wp = bool_of(key, value)?,
             "number_ios" => {
                 let n = int_of(key, value)?;
                 self.number_ios = if n == 0 { None } else { Some(n) };

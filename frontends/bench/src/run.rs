@@ -121,6 +121,23 @@ pub fn run_jobs_with(
                 job.name
             );
         }
+        let wait_for = match &job.wait_for {
+            Some(name) => {
+                let ahead: Vec<Arc<JobProgress>> = planned
+                    .iter()
+                    .filter(|p: &&Planned| &p.setup.spec.name == name)
+                    .map(|p| p.setup.progress.clone())
+                    .collect();
+                if ahead.is_empty() {
+                    bail!(
+                        "job '{}': wait_for={name}: no job of that name before it",
+                        job.name
+                    );
+                }
+                ahead
+            }
+            None => Vec::new(),
+        };
         for clone in 0..job.numjobs {
             let geometry = Geometry::resolve(job, &dev, &dev_name, clone)?;
             thread_number += 1;
@@ -133,6 +150,7 @@ pub fn run_jobs_with(
                     groupid,
                     thread_number,
                     progress: Arc::new(JobProgress::default()),
+                    wait_for: wait_for.clone(),
                 },
                 segment,
             });

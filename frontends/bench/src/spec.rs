@@ -432,6 +432,22 @@ pub struct JobSpec {
     /// The `ioengine` the job file named (shown in the header line; the
     /// engine is always blkstack's own).
     pub ioengine: String,
+    /// The job's file size (fio `filesize`): with one device per job, the
+    /// region the job covers, `size` then bounding the I/O done.
+    pub filesize: Option<SizeSpec>,
+    /// `zonemode=strided`: `(zonesize, zonerange, zoneskip)`; sequential
+    /// I/O does `zonesize` bytes per zone, then moves `zoneskip` past the
+    /// zone's `zonerange`.
+    pub strided_zones: Option<(u64, u64, u64)>,
+    /// `zonemode=zbd`: emulated sequential-write-required zones of
+    /// `zonesize` (the first field of `strided_zones`).
+    pub zbd: bool,
+    /// `max_open_zones` (0: no limit).
+    pub max_open_zones: u32,
+    /// `read_beyond_wp`: reads may go past a zone's write pointer.
+    pub read_beyond_wp: bool,
+    /// Start only once the job of this name has finished (fio `wait_for`).
+    pub wait_for: Option<String>,
     /// Options accepted that have no counterpart in process (engine and
     /// OS tuning), named in the job's header line as fio options that do
     /// not apply here.
@@ -497,6 +513,12 @@ impl Default for JobSpec {
             logs: LogSpec::default(),
             nice: 0,
             ioengine: "psync".to_string(),
+            filesize: None,
+            strided_zones: None,
+            zbd: false,
+            max_open_zones: 0,
+            read_beyond_wp: false,
+            wait_for: None,
             not_applicable: Vec::new(),
         }
     }

@@ -206,30 +206,40 @@ pub fn unit_header(
     Ok(())
 }
 
-/// Per-unit record of the last completed write (0 = never written).
+/// Per-unit record of the last completed write (0 = never written): a
+/// dense array for regions up to [`DENSE_UNITS`] units, beyond that an
+/// ordered map of the units written, like fio's `io_hist` tree, so a job
+/// over a large device logs only what it wrote.
 pub struct WriteLog {
     pub start: u64,
     pub unit: u64,
-    seqs: Vec<u64>,
+    units: u64,
+    seqs: Seqs,
     next_seq: u64,
 }
 
-/// Refuse logs past this many units (8 bytes each: 2 GiB of log).
-const MAX_UNITS: u64 = 1 << 28;
+enum Seqs {
+    Dense(Vec<u64>),
+    Sparse(std::collections::BTreeMap<u64, u64>),
+}
+
+/// Regions of more units than this (8 bytes each: 256 MiB of log) keep a
+/// sparse log.
+const DENSE_UNITS: u64 = 1 << 25;
 
 impl WriteLog {
     pub fn new(start: u64, len: u64, unit: u64) -> anyhow::Result<WriteLog> {
         let units = len / unit;
-        if units > MAX_UNITS {
-            anyhow::bail!(
-                "verify over {len} bytes in {unit}-byte blocks needs a log of {units} entries; \
-                 use a smaller size= or a larger block size"
-            );
-        }
+        let seqs = if units > DENSE_UNITS {
+            Seqs::Sparse(Default::default())
+        } else {
+            Seqs::Dense(vec![0; units as usize])
+        };
         Ok(WriteLog {
             start,
             unit,
-            seqs: vec![0; units as usize],
+            units,
+            seqs,
             next_seq: 1,
         })
     }
@@ -252,30 +262,45 @@ impl WriteLog {
     pub fn written(&mut self, offset: u64, len: u64, seq: u64) {
         let first = self.index(offset);
         let n = (len / self.unit) as usize;
-        for s in &mut self.seqs[first..first + n] {
-            *s = seq;
+        match &mut self.seqs {
+            Seqs::Dense(v) => v[first..first + n].fill(seq),
+            Seqs::Sparse(m) => {
+                for i in first as u64..(first + n) as u64 {
+                    if seq == 0 {
+                        m.remove(&i);
+                    } else {
+                        m.insert(i, seq);
+                    }
+                }
+            }
         }
     }
 
     pub fn seq_at(&self, idx: usize) -> u64 {
-        self.seqs[idx]
+        match &self.seqs {
+            Seqs::Dense(v) => v[idx],
+            Seqs::Sparse(m) => m.get(&(idx as u64)).copied().unwrap_or(0),
+        }
     }
 
     pub fn units(&self) -> usize {
-        self.seqs.len()
+        self.units as usize
+    }
+
+    /// The first written unit at or after `from`.
+    fn next_written(&self, from: usize) -> Option<usize> {
+        match &self.seqs {
+            Seqs::Dense(v) => (from..v.len()).find(|&i| v[i] != 0),
+            Seqs::Sparse(m) => m.range(from as u64..).next().map(|(&i, _)| i as usize),
+        }
     }
 
     /// The next run of written units at or after `*cursor`, at most
     /// `max_units` long: `(offset, len)` to read back. Advances the cursor.
     pub fn next_run(&self, cursor: &mut usize, max_units: usize) -> Option<(u64, u64)> {
-        while *cursor < self.seqs.len() && self.seqs[*cursor] == 0 {
-            *cursor += 1;
-        }
-        if *cursor >= self.seqs.len() {
-            return None;
-        }
-        let first = *cursor;
-        while *cursor < self.seqs.len() && self.seqs[*cursor] != 0 && *cursor - first < max_units {
+        let first = self.next_written(*cursor)?;
+        *cursor = first;
+        while *cursor < self.units() && self.seq_at(*cursor) != 0 && *cursor - first < max_units {
             *cursor += 1;
         }
         Some((
