@@ -21,6 +21,8 @@ use std::path::PathBuf;
 pub enum OutputFormat {
     Normal,
     Json,
+    /// JSON with fio's latency bins.
+    JsonPlus,
 }
 
 /// Whether to show the progress bar (fio's `--eta`).
@@ -107,9 +109,10 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                 for f in text.split(',').map(str::trim) {
                     formats.push(match f {
                         "normal" => OutputFormat::Normal,
-                        "json" | "json+" => OutputFormat::Json,
+                        "json" => OutputFormat::Json,
+                        "json+" => OutputFormat::JsonPlus,
                         other => bail!(
-                            "--output-format: '{other}' is not supported (use normal, json, or normal,json)"
+                            "--output-format: '{other}' is not supported (use normal, json, json+, or a comma-separated list)"
                         ),
                     });
                 }

@@ -43,8 +43,15 @@ impl Geometry {
             (false, true) => &[1],
             (false, false) => &[],
         };
-        let sizes: Vec<u64> = data_dirs.iter().flat_map(|&d| spec.bs_for(d).sizes()).collect();
-        let trim_sizes = if spec.rw.trims() { spec.bs_for(2).sizes() } else { Vec::new() };
+        let sizes: Vec<u64> = data_dirs
+            .iter()
+            .flat_map(|&d| spec.bs_for(d).sizes())
+            .collect();
+        let trim_sizes = if spec.rw.trims() {
+            spec.bs_for(2).sizes()
+        } else {
+            Vec::new()
+        };
         for &b in &trim_sizes {
             if !b.is_multiple_of(lbs) {
                 bail!(
@@ -140,7 +147,9 @@ impl Geometry {
         // Whole blocks here too, so the last (clipped) I/O stays aligned.
         let io_limit = match (spec.filesize, spec.size, spec.io_size) {
             // With filesize the region is the file; size bounds the I/O.
-            (Some(_), Some(total), None) => total.resolve(dev_size).saturating_mul(spec.loops as u64),
+            (Some(_), Some(total), None) => {
+                total.resolve(dev_size).saturating_mul(spec.loops as u64)
+            }
             _ => spec.io_limit(size, dev_size),
         };
         let io_limit = (io_limit - io_limit % min_bs).max(min_bs);

@@ -45,7 +45,12 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
         }
     }
     // fio's wait_for: poll the other job's done flags (it ends once).
-    while !setup.wait_for.iter().all(|p| p.done.load(Ordering::Acquire)) && !stop_requested() {
+    while !setup
+        .wait_for
+        .iter()
+        .all(|p| p.done.load(Ordering::Acquire))
+        && !stop_requested()
+    {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     if !spec.startdelay.is_zero() {

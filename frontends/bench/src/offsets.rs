@@ -199,7 +199,8 @@ impl IoGen {
             end: g.end,
             min_bs,
             blockalign: spec.blockalign,
-            seq_pos: [g.start; 3],
+            // Backwards jobs start from the end (fio).
+            seq_pos: [if skip < 0 { g.end } else { g.start }; 3],
             skip,
             random_every,
             run_left: 0,
@@ -273,15 +274,21 @@ impl IoGen {
         let pos = self.seq_pos[d];
         let off = if pos < self.start || pos + bs > self.end {
             if self.skip < 0 {
-                // Going backwards: wrap to the last whole block.
-                self.start + (self.end - self.start - bs) / bs * bs
+                // Going backwards: from the end, as fio's
+                // get_next_seq_offset wraps (end + skip).
+                let back = self.end.checked_add_signed(self.skip).unwrap_or(self.start);
+                back.clamp(self.start, self.end - bs)
             } else {
                 self.start
             }
         } else {
             pos
         };
-        self.seq_pos[d] = (off + bs).saturating_add_signed(self.skip);
+        // Past the start going backwards: `end` forces the wrap above.
+        self.seq_pos[d] = (off + bs)
+            .checked_add_signed(self.skip)
+            .filter(|&p| p >= self.start)
+            .unwrap_or(self.end);
         if let Some((size, range, skip)) = self.zones {
             if off < self.zone_start[d] {
                 // Wrapped: the first zone again.
@@ -432,7 +439,10 @@ mod tests {
         let g = geom(0, 1 << 20, 4096);
         let offs = |spec: &JobSpec, n: usize| -> Vec<(Ddir, u64)> {
             let mut gen = IoGen::new(spec, &g, 0);
-            (0..n).map(|_| gen.next().unwrap()).map(|r| (r.dir, r.offset)).collect()
+            (0..n)
+                .map(|_| gen.next().unwrap())
+                .map(|r| (r.dir, r.offset))
+                .collect()
         };
         // fio's backwards-read.fio: rw=read:-8k with bs=4k steps back 4k.
         let mut back = JobSpec::default();
@@ -450,7 +460,11 @@ mod tests {
         assert_eq!(o, vec![0, 131072, 262144]);
         // zonemode=strided: 8k per zone, then skip 16k.
         let mut z = JobSpec::default();
-        for (k, v) in [("zonemode", "strided"), ("zonesize", "8k"), ("zoneskip", "16k")] {
+        for (k, v) in [
+            ("zonemode", "strided"),
+            ("zonesize", "8k"),
+            ("zoneskip", "16k"),
+        ] {
             z.apply(k, Some(v)).unwrap();
         }
         let o: Vec<u64> = offs(&z, 4).iter().map(|x| x.1).collect();

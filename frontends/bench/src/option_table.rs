@@ -276,8 +276,14 @@ pub const NOT_APPLICABLE: &[(&str, &str)] = &[
     ("end_syncfs", "devices, not file systems"),
     ("sync_file_range", "devices, not files: use fsync"),
     ("comm", "thread names are blkstack's"),
-    ("zone_reset_threshold", "emulated zones are reset when a write finds all full"),
-    ("zone_reset_frequency", "emulated zones are reset when a write finds all full"),
+    (
+        "zone_reset_threshold",
+        "emulated zones are reset when a write finds all full",
+    ),
+    (
+        "zone_reset_frequency",
+        "emulated zones are reset when a write finds all full",
+    ),
     ("profile", "no built-in profiles"),
 ];
 

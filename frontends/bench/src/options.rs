@@ -108,7 +108,10 @@ impl JobSpec {
         if let Some(n) = v.strip_suffix(['z', 'Z']) {
             let zs = self.strided_zones.map_or(0, |z| z.0);
             if zs == 0 {
-                return Err(key_err(key, format!("'{v}': a size in zones needs zonesize first")));
+                return Err(key_err(
+                    key,
+                    format!("'{v}': a size in zones needs zonesize first"),
+                ));
             }
             let n = parse_int(n).map_err(|m| key_err(key, m))?;
             return n
@@ -269,23 +272,13 @@ impl JobSpec {
                 }
                 self.numjobs = n as u32;
             }
-            "size" => {
-                self.size = Some(self.size_spec_of(key, value)?)
-            }
-            "io_size" | "io_limit" => {
-                self.io_size =
-                    Some(self.size_spec_of(key, value)?)
-            }
-            "offset" | "fileoffset" => {
-                self.offset = self.size_spec_of(key, value)?
-            }
+            "size" => self.size = Some(self.size_spec_of(key, value)?),
+            "io_size" | "io_limit" => self.io_size = Some(self.size_spec_of(key, value)?),
+            "offset" | "fileoffset" => self.offset = self.size_spec_of(key, value)?,
             "offset_align" => {
                 let _ = parse_size(&need(key, value)?).map_err(|m| key_err(key, m))?;
             }
-            "offset_increment" => {
-                self.offset_increment =
-                    self.size_spec_of(key, value)?
-            }
+            "offset_increment" => self.offset_increment = self.size_spec_of(key, value)?,
             "loops" => {
                 let n = int_of(key, value)?;
                 if n == 0 {
@@ -308,7 +301,12 @@ impl JobSpec {
                         self.strided_zones.get_or_insert((0, 0, 0));
                         self.zbd = v == "zbd";
                     }
-                    o => return Err(key_err(key, format!("'{o}' is not one of none, strided, zbd"))),
+                    o => {
+                        return Err(key_err(
+                            key,
+                            format!("'{o}' is not one of none, strided, zbd"),
+                        ))
+                    }
                 }
             }
             "zonesize" | "zonerange" | "zoneskip" => {

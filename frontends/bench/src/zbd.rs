@@ -63,7 +63,11 @@ impl ZoneCursor {
             set,
             first,
             last,
-            max_open: if max_open == 0 { usize::MAX } else { max_open as usize },
+            max_open: if max_open == 0 {
+                usize::MAX
+            } else {
+                max_open as usize
+            },
             open: Vec::new(),
             seq_zone: [first; 2],
             read_pos: 0,
@@ -86,7 +90,10 @@ impl ZoneCursor {
                 let n = self.last - self.first;
                 let pick = self.first + rng.gen_range(0..n);
                 // The first zone from `pick` on with room.
-                if let Some(f) = (0..n).map(|i| self.first + (pick - self.first + i) % n).find(|&z| fits(&wp, z)) {
+                if let Some(f) = (0..n)
+                    .map(|i| self.first + (pick - self.first + i) % n)
+                    .find(|&z| fits(&wp, z))
+                {
                     if !self.open.contains(&f) {
                         self.open.push(f);
                     }
@@ -100,7 +107,11 @@ impl ZoneCursor {
             let mut z = self.seq_zone[1];
             let mut tried = 0;
             while !fits(&wp, z) && tried < self.last - self.first {
-                z = if z + 1 >= self.last { self.first } else { z + 1 };
+                z = if z + 1 >= self.last {
+                    self.first
+                } else {
+                    z + 1
+                };
                 tried += 1;
             }
             self.seq_zone[1] = z;
@@ -147,7 +158,11 @@ impl ZoneCursor {
             let off = self.read_pos;
             self.read_pos += bs;
             if self.read_pos + bs > zstart + zdata {
-                self.seq_zone[0] = if z + 1 >= self.last { self.first } else { z + 1 };
+                self.seq_zone[0] = if z + 1 >= self.last {
+                    self.first
+                } else {
+                    z + 1
+                };
             }
             off
         };
@@ -182,7 +197,11 @@ mod tests {
         let set = zone_set("zbd-test", 1 << 20, 1 << 16);
         let mut rng = SmallRng::seed_from_u64(1);
         let mut c = ZoneCursor::new(set, 0, 1 << 20, 2, false);
-        assert_eq!(c.read(4096, true, &mut rng), None, "empty zones hold nothing");
+        assert_eq!(
+            c.read(4096, true, &mut rng),
+            None,
+            "empty zones hold nothing"
+        );
         let a = c.write(4096, false, &mut rng);
         let b = c.write(4096, false, &mut rng);
         assert_eq!((a, b), (0, 4096));
