@@ -36,6 +36,81 @@ impl Geometry {
         let dev_size = dev.size();
         let lbs = dev.logical_block_size().max(1) as u64;
         let (min_bs, max_bs) = spec.bs_bounds();
+        let unit = Self::check_block_sizes(spec, dev, dev_name, lbs, min_bs)?;
+        let mut start = spec.offset.resolve(dev_size);
+        if matches!(spec.offset, crate::spec::SizeSpec::Percent(_)) {
+            // fio aligns percentage offsets down to the block size.
+            start -= start % min_bs;
+        }
+        // fio's offset_increment: clone k starts k increments further.
+        let incr = spec.offset_increment.resolve(dev_size);
+        start = start.saturating_add(incr.saturating_mul(clone_index as u64));
+        if !start.is_multiple_of(lbs) {
+            bail!(
+                "job '{}': offset {start} is not a multiple of {dev_name}'s logical block size {lbs}",
+                spec.name
+            );
+        }
+        if start >= dev_size {
+            bail!(
+                "job '{}': offset {start} is at or past the end of {dev_name} ({dev_size} bytes)",
+                spec.name
+            );
+        }
+        let size = match spec.filesize.or(spec.size) {
+            Some(s) => s.resolve(dev_size),
+            None => dev_size - start,
+        };
+        if start.checked_add(size).is_none_or(|e| e > dev_size) {
+            bail!(
+                "job '{}': offset {start} + size {size} is past the end of {dev_name} ({dev_size} bytes)",
+                spec.name
+            );
+        }
+        // Whole blocks only, as fio trims a region to the block size.
+        let size = size - size % min_bs;
+        if size < max_bs {
+            bail!(
+                "job '{}': region of {size} bytes is smaller than the block size {max_bs}",
+                spec.name
+            );
+        }
+        let end = start + size;
+        // Whole blocks here too, so the last (clipped) I/O stays aligned.
+        let io_limit = match (spec.filesize, spec.size, spec.io_size) {
+            // With filesize the region is the file; size bounds the I/O.
+            (Some(_), Some(total), None) => {
+                total.resolve(dev_size).saturating_mul(spec.loops as u64)
+            }
+            _ => spec.io_limit(size, dev_size),
+        };
+        let io_limit = (io_limit - io_limit % min_bs).max(min_bs);
+        Ok(Geometry {
+            start,
+            end,
+            dev_size,
+            unit: if spec.verify == VerifyMode::None {
+                min_bs
+            } else {
+                unit
+            },
+            lbs,
+            max_bs,
+            io_limit,
+        })
+    }
+
+    /// Every block size fits the device (multiple of its logical block
+    /// size, at most its largest request) and verify's unit; returns the
+    /// verify unit.
+    fn check_block_sizes(
+        spec: &JobSpec,
+        dev: &DeviceRef,
+        dev_name: &str,
+        lbs: u64,
+        min_bs: u64,
+    ) -> anyhow::Result<u64> {
+        use anyhow::bail;
         // Trims larger than a request are split; data I/O is not.
         let data_dirs: &[usize] = match (spec.rw.reads(), spec.rw.writes()) {
             (true, true) => &[0, 1],
@@ -105,66 +180,6 @@ impl Geometry {
                 );
             }
         }
-        let mut start = spec.offset.resolve(dev_size);
-        if matches!(spec.offset, crate::spec::SizeSpec::Percent(_)) {
-            // fio aligns percentage offsets down to the block size.
-            start -= start % min_bs;
-        }
-        // fio's offset_increment: clone k starts k increments further.
-        let incr = spec.offset_increment.resolve(dev_size);
-        start = start.saturating_add(incr.saturating_mul(clone_index as u64));
-        if !start.is_multiple_of(lbs) {
-            bail!(
-                "job '{}': offset {start} is not a multiple of {dev_name}'s logical block size {lbs}",
-                spec.name
-            );
-        }
-        if start >= dev_size {
-            bail!(
-                "job '{}': offset {start} is at or past the end of {dev_name} ({dev_size} bytes)",
-                spec.name
-            );
-        }
-        let size = match spec.filesize.or(spec.size) {
-            Some(s) => s.resolve(dev_size),
-            None => dev_size - start,
-        };
-        if start.checked_add(size).is_none_or(|e| e > dev_size) {
-            bail!(
-                "job '{}': offset {start} + size {size} is past the end of {dev_name} ({dev_size} bytes)",
-                spec.name
-            );
-        }
-        // Whole blocks only, as fio trims a region to the block size.
-        let size = size - size % min_bs;
-        if size < max_bs {
-            bail!(
-                "job '{}': region of {size} bytes is smaller than the block size {max_bs}",
-                spec.name
-            );
-        }
-        let end = start + size;
-        // Whole blocks here too, so the last (clipped) I/O stays aligned.
-        let io_limit = match (spec.filesize, spec.size, spec.io_size) {
-            // With filesize the region is the file; size bounds the I/O.
-            (Some(_), Some(total), None) => {
-                total.resolve(dev_size).saturating_mul(spec.loops as u64)
-            }
-            _ => spec.io_limit(size, dev_size),
-        };
-        let io_limit = (io_limit - io_limit % min_bs).max(min_bs);
-        Ok(Geometry {
-            start,
-            end,
-            dev_size,
-            unit: if spec.verify == VerifyMode::None {
-                min_bs
-            } else {
-                unit
-            },
-            lbs,
-            max_bs,
-            io_limit,
-        })
+        Ok(unit)
     }
 }

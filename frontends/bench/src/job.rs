@@ -24,8 +24,9 @@ fn thread_rusage_counts() -> [u64; 3] {
     ]
 }
 
-/// Run one job thread to the end: ramp, work, verify.
-pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
+/// What happens before a job's first I/O: timer slack, `nice`,
+/// `wait_for`, `startdelay`.
+fn before_start(setup: &ThreadSetup) -> anyhow::Result<()> {
     let spec = &setup.spec;
     if spec.wait == WaitMode::Hybrid || spec.rate.limited() || !spec.thinktime.time.is_zero() {
         // Hybrid sleeps and paced gaps are short; the default 50 µs slack
@@ -59,6 +60,13 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
             sleep_until_ns(until.min(now_ns() + 100_000_000));
         }
     }
+    Ok(())
+}
+
+/// Run one job thread to the end: ramp, work, verify.
+pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
+    let spec = &setup.spec;
+    before_start(&setup)?;
     let mut eng = Engine::new(&setup)?;
     let cpu0 = blkstack_core::cpu::thread_cpu();
     let ru0 = thread_rusage_counts();

@@ -128,6 +128,8 @@ impl JobSpec {
         let key_norm = key.trim().to_ascii_lowercase();
         let key = key_norm.as_str();
         if self.apply_layout(key, value)?
+            || self.apply_block_sizes(key, value)?
+            || self.apply_region(key, value)?
             || self.apply_pattern(key, value)?
             || self.apply_pacing(key, value)?
             || self.apply_data(key, value)?
@@ -151,7 +153,7 @@ impl JobSpec {
         Err(key_err(key, "unknown option"))
     }
 
-    /// Where and how big: rw, block sizes, region, depth, clones.
+    /// What: name, device, rw and its modifier.
     fn apply_layout(&mut self, key: &str, value: Option<&str>) -> Result<bool, KeyError> {
         match key {
             "name" => self.name = need(key, value)?,
@@ -196,6 +198,15 @@ impl JobSpec {
                     ));
                 }
             }
+            "blocksize_unaligned" | "bs_unaligned" => self.bs_unaligned = bool_of(key, value)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Block sizes: `bs` per direction, `bssplit`, `bsrange`, `blockalign`.
+    fn apply_block_sizes(&mut self, key: &str, value: Option<&str>) -> Result<bool, KeyError> {
+        match key {
             "bs" | "blocksize" => {
                 let v = need(key, value)?;
                 let parts: Vec<&str> = v.split(',').collect();
@@ -257,7 +268,14 @@ impl JobSpec {
                 let a = parse_size(first).map_err(|m| key_err(key, m))?;
                 self.blockalign = if a == 0 { None } else { Some(a) };
             }
-            "blocksize_unaligned" | "bs_unaligned" => self.bs_unaligned = bool_of(key, value)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// How much and how many: depth, clones, region, zones, limits.
+    fn apply_region(&mut self, key: &str, value: Option<&str>) -> Result<bool, KeyError> {
+        match key {
             "iodepth" => {
                 let d = int_of(key, value)?;
                 if d == 0 || d > 65536 {

@@ -273,6 +273,19 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
             d[0], d[1], d[2], d[3], d[4], d[5], d[6]
         );
     }
+    write_issued_normal(out, job);
+    if job.spec.verify != crate::spec::VerifyMode::None {
+        let _ = writeln!(
+            out,
+            "  verify       : checked={}, errors={}",
+            job.verify_checked, job.verify_errors
+        );
+    }
+}
+
+/// fio's `issued rwts` and `latency` lines (and whether steady state
+/// ended the job).
+fn write_issued_normal(out: &mut String, job: &JobResult) {
     let _ = writeln!(
         out,
         "     issued rwts: total={},{},{},0 short={},{},{},0 dropped={},{},{},0",
@@ -300,13 +313,6 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
     );
     if job.steady_attained {
         let _ = writeln!(out, "  steadystate  : attained");
-    }
-    if job.spec.verify != crate::spec::VerifyMode::None {
-        let _ = writeln!(
-            out,
-            "  verify       : checked={}, errors={}",
-            job.verify_checked, job.verify_errors
-        );
     }
 }
 

@@ -160,12 +160,8 @@ fn dir_json(d: &DirStats, agg_bytes: u64, plist: &[f64], plus: bool) -> J {
     ])
 }
 
-fn job_json(report: &BenchReport, job: &JobResult, plus: bool) -> J {
-    let s = &job.spec;
-    let group = report.groups.iter().find(|g| g.groupid == job.groupid);
-    let (agg_r, agg_w, agg_t) = group
-        .map(|g| (g.read.agg_bw, g.write.agg_bw, g.trim.agg_bw))
-        .unwrap_or((0, 0, 0));
+/// fio's `job options` object.
+fn job_options(s: &crate::spec::JobSpec, job: &JobResult) -> Vec<(&'static str, J)> {
     let mut opts = vec![
         ("name", J::S(s.name.clone())),
         ("filename", J::S(job.device.clone())),
@@ -198,6 +194,16 @@ fn job_json(report: &BenchReport, job: &JobResult, plus: bool) -> J {
     }
     opts.push(("ioengine", J::S(s.ioengine.clone())));
     opts.push(("wait", J::S(s.wait.name().into())));
+    opts
+}
+
+fn job_json(report: &BenchReport, job: &JobResult, plus: bool) -> J {
+    let s = &job.spec;
+    let group = report.groups.iter().find(|g| g.groupid == job.groupid);
+    let (agg_r, agg_w, agg_t) = group
+        .map(|g| (g.read.agg_bw, g.write.agg_bw, g.trim.agg_bw))
+        .unwrap_or((0, 0, 0));
+    let opts = job_options(s, job);
     let pct_map = |v: &[u64; 7], labels: [&str; 7]| -> J {
         let total: u64 = v.iter().sum();
         J::Obj(

@@ -307,7 +307,7 @@ pub fn parse_pattern(s: &str) -> Result<Vec<u8>, String> {
             let end = q
                 .find(quote)
                 .ok_or_else(|| format!("'{s}': unterminated string"))?;
-            out.extend_from_slice(q[..end].as_bytes());
+            out.extend_from_slice(&q.as_bytes()[..end]);
             rest = q[end + 1..].trim_start();
             continue;
         }

@@ -48,7 +48,7 @@ fn sequential_share(offs: &[u64]) -> f64 {
 }
 
 /// Run `job` through fio's nbd engine and through blkstack bench; return
-/// the two lat-log paths and the two JSON reports.
+/// the offsets each logged and the two JSON reports.
 fn both(
     srv: &ServerProc,
     dir: &Scratch,
@@ -93,11 +93,11 @@ fn both(
     let ours_json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     [
         (
-            offsets(&Path::new(&format!("{}_lat.1.log", fio_prefix.display())).to_path_buf()),
+            offsets(Path::new(&format!("{}_lat.1.log", fio_prefix.display()))),
             fio_json,
         ),
         (
-            offsets(&Path::new(&format!("{}_lat.1.log", ours_prefix.display())).to_path_buf()),
+            offsets(Path::new(&format!("{}_lat.1.log", ours_prefix.display()))),
             ours_json,
         ),
     ]
