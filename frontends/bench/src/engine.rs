@@ -8,8 +8,9 @@
 //! once at submission (stored as `start_ns`) and once at completion (in
 //! `end_io`), and the difference goes into an HdrHistogram. Both reads are
 //! of the TSC where the kernel trusts it ([`CycleClock`], fio's
-//! `clocksource=cpu`): at two reads per I/O, `clock_gettime` was a tenth of
-//! an in-process null I/O.
+//! `clocksource=cpu`): at two reads per I/O, a system call per read would
+//! be a large share of an in-process null I/O (figures in
+//! docs/BENCHMARKS.md).
 //!
 //! Completions may arrive inline inside `submit` (null, memory) or later on
 //! another thread (mq workers). Either way `end_io` only queues the bio on

@@ -353,11 +353,11 @@ pub struct JobSpec {
     pub wait: WaitMode,
     /// `wait=hybrid`: sleep this percentage of the estimated completion time
     /// (counted from the oldest in-flight submission) before polling.
-    /// Upstream io_uring sleeps 50 %; the default here is 90 %, measured on
-    /// 128 KiB writes at QD64 against a 1 ms device (docs/BENCHMARKS.md):
-    /// 50 % kept the job thread 53 % busy, 90 % 11-13 %, at the same
-    /// bandwidth as polling; 98 % saved a little more but leaves no room
-    /// for a device whose latency jitters below the minimum seen.
+    /// Upstream io_uring sleeps 50 %; the default here is 90 %: on a
+    /// device with a steady completion time it keeps the job thread far
+    /// less busy at the same bandwidth as polling (figures in
+    /// docs/BENCHMARKS.md), while leaving room for a device whose latency
+    /// jitters below the minimum seen.
     pub hybrid_sleep_pct: u32,
     /// `wait=hybrid`: how the completion time is estimated.
     pub hybrid_estimator: HybridEstimator,
