@@ -31,6 +31,7 @@ after a job file override its settings; each --name starts a new job. A job's
 filename /dev/NAME is the stack's device NAME.
 
 Report options: --output-format=normal|json|json+ (comma-separated)  --output=FILE
+--status-interval=TIME (progress so far, on stdout)
 --eta=auto|always|never (progress bar on stderr).
 
 Example: blkstack bench --stack examples/striped-memory.stack --name=x --rw=randrw
@@ -94,6 +95,16 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<()> {
     let opts = RunOptions {
         progress,
         default_filename: created.last().cloned(),
+        status: cl
+            .status_interval
+            .map(|interval| crate::status::StatusSink {
+                interval,
+                sink: std::sync::Arc::new(|text: &str| {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(text.as_bytes());
+                    let _ = out.flush();
+                }),
+            }),
     };
 
     let mut sink: Box<dyn Write> = match &cl.output {

@@ -51,6 +51,8 @@ pub struct CommandLine {
     pub output_formats: Vec<OutputFormat>,
     pub output: Option<PathBuf>,
     pub eta: EtaMode,
+    /// fio's `--status-interval`.
+    pub status_interval: Option<std::time::Duration>,
 }
 
 /// Parse the arguments after `blkstack bench`.
@@ -65,6 +67,7 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
         output_formats: vec![OutputFormat::Normal],
         output: None,
         eta: EtaMode::Auto,
+        status_interval: None,
     };
     let mut i = 0;
     while i < args.len() {
@@ -117,6 +120,15 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                     });
                 }
                 cl.output_formats = formats;
+            }
+            "status-interval" | "status_interval" => {
+                let v = value.unwrap_or_default();
+                let d = crate::parse::parse_time(&v, crate::parse::TimeUnit::Seconds)
+                    .map_err(|m| anyhow::anyhow!("--status-interval: {m}"))?;
+                if d.is_zero() {
+                    bail!("--status-interval: must be more than 0");
+                }
+                cl.status_interval = Some(d);
             }
             "eta" => {
                 cl.eta = match value.as_deref().unwrap_or("") {

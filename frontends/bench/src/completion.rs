@@ -220,6 +220,8 @@ pub struct JobProgress {
     pub bytes: AtomicU64,
     pub read_ios: AtomicU64,
     pub write_ios: AtomicU64,
+    pub read_bytes: AtomicU64,
+    pub write_bytes: AtomicU64,
     /// The job has finished (all phases).
     pub done: AtomicBool,
     /// 0 = ramp, 1 = I/O, 2 = verify.

@@ -573,6 +573,8 @@ impl Engine {
         let p = &self.progress;
         p.read_ios.store(self.read.total_ios, Ordering::Relaxed);
         p.write_ios.store(self.write.total_ios, Ordering::Relaxed);
+        p.read_bytes.store(self.read.io_bytes, Ordering::Relaxed);
+        p.write_bytes.store(self.write.io_bytes, Ordering::Relaxed);
         p.ios.store(
             self.read.total_ios + self.write.total_ios,
             Ordering::Relaxed,

@@ -53,6 +53,7 @@ pub mod rate;
 mod run;
 pub mod spec;
 pub mod stats;
+pub mod status;
 pub mod verify;
 pub mod verify_algo;
 mod zbd;

@@ -31,6 +31,8 @@ pub struct RunOptions {
     /// Device for jobs without `filename` (and without a device named like
     /// the job): the CLI passes the last device `--stack`/`--concise` made.
     pub default_filename: Option<String>,
+    /// fio's `--status-interval`: report progress this often.
+    pub status: Option<crate::status::StatusSink>,
 }
 
 /// A job thread ready to start.
@@ -175,6 +177,14 @@ fn run_segment(threads: Vec<Planned>, opts: &RunOptions) -> anyhow::Result<Vec<J
     let progress: Vec<Arc<JobProgress>> =
         threads.iter().map(|p| p.setup.progress.clone()).collect();
     let plan = ProgressPlan::new(&threads);
+    let watched: Vec<crate::status::Watched> = threads
+        .iter()
+        .map(|p| crate::status::Watched {
+            name: p.setup.spec.name.clone(),
+            groupid: p.setup.groupid,
+            progress: p.setup.progress.clone(),
+        })
+        .collect();
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for (k, p) in threads.into_iter().enumerate() {
@@ -192,7 +202,9 @@ fn run_segment(threads: Vec<Planned>, opts: &RunOptions) -> anyhow::Result<Vec<J
                 .context("spawning a job thread")?;
             handles.push(h);
         }
-        if opts.progress {
+        if let Some(st) = &opts.status {
+            crate::status::report_status(&watched, st);
+        } else if opts.progress {
             draw_progress(&progress, &plan);
         }
         let mut out = Vec::with_capacity(handles.len());
