@@ -30,7 +30,7 @@ Options before the first --name apply to every job (and to job files); options
 after a job file override its settings; each --name starts a new job. A job's
 filename /dev/NAME is the stack's device NAME.
 
-Report options: --output-format=normal|json|json+ (comma-separated)  --output=FILE
+Report options: --output-format=normal|terse|json|json+ (comma-separated), --terse-version=3|4|5  --output=FILE
 --status-interval=TIME (progress so far, on stdout)
 --eta=auto|always|never (progress bar on stderr).
 
@@ -142,6 +142,9 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<()> {
             }
             OutputFormat::Json => sink.write_all(write_json(&report).as_bytes())?,
             OutputFormat::JsonPlus => sink.write_all(write_json_plus(&report).as_bytes())?,
+            OutputFormat::Terse => sink.write_all(
+                crate::output_terse::write_terse(&report, cl.terse_version).as_bytes(),
+            )?,
         }
     }
     sink.flush()?;

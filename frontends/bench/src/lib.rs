@@ -48,6 +48,7 @@ pub mod option_table;
 pub mod options;
 pub mod output;
 pub mod output_json;
+pub mod output_terse;
 pub mod parse;
 pub mod rate;
 mod run;

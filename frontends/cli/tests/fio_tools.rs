@@ -141,3 +141,74 @@ fn json_plus_and_logs_are_read_by_fios_tools() {
     assert!(run2.status.success());
     log_lines(&dir.path("u_bw.1.log"), 6);
 }
+
+/// `--output-format=terse` lines have fio's fields for each terse version
+/// (counted against fio's own line for the same job), and `--minimal` is
+/// terse as in fio.
+#[test]
+fn terse_lines_have_fios_fields() {
+    for ver in ["3", "4", "5"] {
+        let v = format!("--terse-version={ver}");
+        let fio = run_ok(
+            Command::new(tool("fio")).args([
+                "--name=f",
+                "--ioengine=null",
+                "--size=64m",
+                "--rw=randrw",
+                "--runtime=200ms",
+                "--time_based",
+                "--output-format=terse",
+                &v,
+            ]),
+            T,
+        );
+        let fio_line = String::from_utf8_lossy(&fio.stdout)
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_string();
+        let ours = run_ok(
+            Command::new(BIN).args([
+                "bench",
+                "--concise",
+                "m0,,,rw,0 131072 memory",
+                "--eta=never",
+                "--name=t",
+                "--rw=randrw",
+                "--runtime=200ms",
+                "--time_based",
+                "--output-format=terse",
+                &v,
+            ]),
+            T,
+        );
+        let line = String::from_utf8_lossy(&ours.stdout).trim_end().to_string();
+        let fields: Vec<&str> = line.split(';').collect();
+        assert_eq!(
+            fields.len(),
+            fio_line.split(';').count(),
+            "v{ver}:\nours {line}\nfio  {fio_line}"
+        );
+        assert_eq!(
+            (fields[0], fields[2], fields[3], fields[4]),
+            (ver, "t", "0", "0")
+        );
+        let read_kib: u64 = fields[5].parse().unwrap();
+        assert!(read_kib > 0, "read KiB field: {line}");
+    }
+    let m = run_ok(
+        Command::new(BIN).args([
+            "bench",
+            "--concise",
+            "m0,,,rw,0 131072 memory",
+            "--eta=never",
+            "--minimal",
+            "--name=t",
+            "--rw=read",
+            "--runtime=100ms",
+            "--time_based",
+        ]),
+        T,
+    );
+    assert!(String::from_utf8_lossy(&m.stdout).starts_with("3;"));
+}
