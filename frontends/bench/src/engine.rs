@@ -52,18 +52,18 @@ pub(crate) struct Req {
 }
 
 pub(crate) struct Slot {
-    buf: AlignedBuf,
+    pub(crate) buf: AlignedBuf,
     /// The bio this slot reuses, present while it is idle.
-    bio: Option<Bio>,
-    busy: bool,
-    dir: Ddir,
+    pub(crate) bio: Option<Bio>,
+    pub(crate) busy: bool,
+    pub(crate) dir: Ddir,
     /// An empty flush (fsync), counted in no direction.
-    flush: bool,
-    offset: u64,
-    len: u64,
+    pub(crate) flush: bool,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
     /// Write number (verify mode).
-    seq: u64,
-    start_ns: u64,
+    pub(crate) seq: u64,
+    pub(crate) start_ns: u64,
 }
 
 /// What the pump loop is doing.
@@ -78,7 +78,7 @@ pub(crate) enum Phase {
 /// Spins of the completion-queue check before a poller yields the CPU.
 const POLL_SPINS: u32 = 256;
 /// Verify failures described in the result (the count is always exact).
-const MAX_FAILURE_TEXTS: usize = 10;
+pub(crate) const MAX_FAILURE_TEXTS: usize = 10;
 
 /// Everything one job thread needs.
 pub(crate) struct ThreadSetup {
@@ -95,60 +95,63 @@ pub(crate) struct ThreadSetup {
 }
 
 pub(crate) struct Engine {
-    dev: DeviceRef,
-    cq: Arc<CompletionQueue>,
-    sink: Arc<dyn EndIo>,
-    slots: Vec<Slot>,
-    free: Vec<usize>,
+    pub(crate) dev: DeviceRef,
+    pub(crate) cq: Arc<CompletionQueue>,
+    pub(crate) sink: Arc<dyn EndIo>,
+    pub(crate) slots: Vec<Slot>,
+    pub(crate) free: Vec<usize>,
     /// Bios issued since the last flush (the kernel's plug).
-    plug: Vec<Bio>,
-    drained: DoneList,
-    clock: &'static CycleClock,
-    pub inflight: u32,
-    depth: u32,
-    wait: WaitMode,
-    gen: IoGen,
-    log: Option<WriteLog>,
-    verify_reads_in_work: bool,
-    stop_on_error: bool,
-    verify_fatal: bool,
-    unit: u64,
-    device_name: String,
-    pub read: DirStats,
-    pub write: DirStats,
-    pub trim: DirStats,
-    pub depths: DepthStats,
-    pub first_error: i32,
-    pub failed: bool,
-    pub verify_errors: u64,
-    pub verify_checked: u64,
-    pub verify_failures: Vec<String>,
-    pub ctl: Controls,
-    verifier: Verifier,
-    filler: BufferFiller,
+    pub(crate) plug: Vec<Bio>,
+    pub(crate) drained: DoneList,
+    pub(crate) clock: &'static CycleClock,
+    pub(crate) inflight: u32,
+    pub(crate) depth: u32,
+    pub(crate) wait: WaitMode,
+    pub(crate) gen: IoGen,
+    pub(crate) log: Option<WriteLog>,
+    pub(crate) verify_reads_in_work: bool,
+    pub(crate) stop_on_error: bool,
+    pub(crate) verify_fatal: bool,
+    pub(crate) unit: u64,
+    pub(crate) device_name: String,
+    pub(crate) read: DirStats,
+    pub(crate) write: DirStats,
+    pub(crate) trim: DirStats,
+    pub(crate) depths: DepthStats,
+    pub(crate) first_error: i32,
+    pub(crate) failed: bool,
+    pub(crate) verify_errors: u64,
+    pub(crate) verify_checked: u64,
+    pub(crate) verify_failures: Vec<String>,
+    pub(crate) ctl: Controls,
+    pub(crate) verifier: Verifier,
+    pub(crate) filler: BufferFiller,
+    /// `verify_backlog`: writes completed since the last read-back.
+    pub(crate) backlog: Vec<(u64, u64)>,
+    pub(crate) backlog_every: u64,
     /// The rest of a trim split at the device's largest request.
-    trim_rest: Option<Req>,
+    pub(crate) trim_rest: Option<Req>,
     /// Percent of written units trimmed instead of read back in the
     /// verify phase (fio `trim_percentage`).
-    trim_pct: u32,
-    rng_state: u64,
-    min_lat_ns: u64,
+    pub(crate) trim_pct: u32,
+    pub(crate) rng_state: u64,
+    pub(crate) min_lat_ns: u64,
     /// Moving average of completion times (`hybrid_estimator=ewma`).
-    ewma_lat_ns: u64,
+    pub(crate) ewma_lat_ns: u64,
     /// `wait=poll|hybrid` on a device that polls (`Device::polls`): bios
     /// go out `POLLED`, and the wait loop calls `Device::poll`, which
     /// completes them once due (io_uring IOPOLL: the submitter reaps its
     /// own I/O; nothing wakes it from another thread).
-    dev_polls: bool,
-    hybrid_sleep_pct: u64,
-    hybrid_estimator: HybridEstimator,
-    progress: Arc<JobProgress>,
+    pub(crate) dev_polls: bool,
+    pub(crate) hybrid_sleep_pct: u64,
+    pub(crate) hybrid_estimator: HybridEstimator,
+    pub(crate) progress: Arc<JobProgress>,
     /// When the next bandwidth/IOPS sample is due, and the counters at the
     /// previous one: `[read, write, trim]` as `(bytes, ios)`.
-    sample_due_ns: u64,
-    sample_prev_ns: u64,
-    sample_prev: [(u64, u64); 3],
-    sample_dirs: [bool; 3],
+    pub(crate) sample_due_ns: u64,
+    pub(crate) sample_prev_ns: u64,
+    pub(crate) sample_prev: [(u64, u64); 3],
+    pub(crate) sample_dirs: [bool; 3],
 }
 
 impl Engine {
@@ -223,6 +226,8 @@ impl Engine {
             filler,
             trim_pct: spec.trim_percentage,
             trim_rest: None,
+            backlog: Vec::new(),
+            backlog_every: if verify { spec.verify_backlog } else { 0 },
             rng_state: spec.randseed | 1,
             first_error: 0,
             failed: false,
@@ -292,7 +297,7 @@ impl Engine {
         None
     }
 
-    fn issue(&mut self, slot_idx: usize, req: Req) {
+    pub(crate) fn issue(&mut self, slot_idx: usize, req: Req) {
         let seq = match (&mut self.log, req.dir) {
             (Some(log), Ddir::Write) => log.next_seq(),
             _ => 0,
@@ -370,7 +375,7 @@ impl Engine {
     /// Submit what the refill loop issued: one bio alone, several with one
     /// `submit_batch` (the kernel's `blk_finish_plug`), so each layer pays
     /// its per-submission costs once per refill.
-    fn flush_plug(&mut self) {
+    pub(crate) fn flush_plug(&mut self) {
         let n = self.plug.len();
         if n == 0 {
             return;
@@ -387,7 +392,7 @@ impl Engine {
     }
 
     /// Wait for at least one completion according to the wait mode.
-    fn wait_for_completions(&mut self) -> usize {
+    pub(crate) fn wait_for_completions(&mut self) -> usize {
         let n = self.cq.try_take(&mut self.drained);
         if n > 0 {
             return n;
@@ -452,7 +457,7 @@ impl Engine {
     }
 
     /// Handle everything in `drained`. Returns the latest completion time.
-    fn process_completions(&mut self, phase: Phase) -> u64 {
+    pub(crate) fn process_completions(&mut self, phase: Phase) -> u64 {
         let mut last_ns = 0;
         let n = self.drained.len() as u32;
         self.depths.complete[DepthStats::batch_bucket(n)] += 1;
@@ -495,6 +500,9 @@ impl Engine {
                 (Phase::Work { .. }, Ddir::Write) => {
                     if let Some(log) = &mut self.log {
                         log.written(offset, len, seq);
+                        if self.backlog_every > 0 {
+                            self.backlog.push((offset, len));
+                        }
                     }
                 }
                 (Phase::Work { .. }, Ddir::Trim) => {
@@ -539,33 +547,6 @@ impl Engine {
         }
         if self.stop_on_error {
             self.failed = true;
-        }
-    }
-
-    /// Verify the units a completed read brought back.
-    fn check_read(&mut self, idx: usize, offset: u64, len: u64, against_log: bool) {
-        let unit = self.unit as usize;
-        let data = &self.slots[idx].buf.as_slice()[..len as usize];
-        for (i, u) in data.chunks(unit).enumerate() {
-            let off = offset + (i * unit) as u64;
-            let want = match (&self.log, against_log) {
-                (Some(log), true) => Some(log.seq_at(log.index(off))),
-                _ => None,
-            };
-            self.verify_checked += 1;
-            if let Err(f) = self.verifier.check(u, off, want) {
-                self.verify_errors += 1;
-                if self.verify_failures.len() < MAX_FAILURE_TEXTS {
-                    self.verify_failures
-                        .push(f.describe(&self.device_name, off, unit));
-                }
-                if self.first_error == 0 {
-                    self.first_error = libc::EILSEQ;
-                }
-                if self.verify_fatal {
-                    self.failed = true;
-                }
-            }
         }
     }
 
@@ -626,7 +607,7 @@ impl Engine {
         loop {
             let mut not_before = 0u64;
             let depth = self.ctl.depth(self.depth);
-            while !stop && !self.failed && self.inflight < depth {
+            while !stop && !self.failed && self.inflight < depth && !self.backlog_due() {
                 if self.ctl.sync_owed {
                     self.ctl.sync_owed = false;
                     let slot = self.free.pop().expect("a free slot below iodepth");
@@ -675,6 +656,10 @@ impl Engine {
             }
             self.flush_plug();
             if self.inflight == 0 {
+                if self.backlog_due() && !self.failed {
+                    self.pump_backlog();
+                    continue;
+                }
                 if stop || self.failed || not_before == 0 || stop_requested() {
                     break;
                 }
@@ -740,63 +725,6 @@ impl Engine {
         while self.inflight > 0 {
             self.wait_for_completions();
             self.process_completions(Phase::Verify);
-        }
-    }
-
-    /// The next read-back of the verify phase, or with `trim_percentage`
-    /// a trim of that run instead (which the log then forgets).
-    fn next_verify_req(&mut self, cursor: &mut usize, max_units: usize) -> Option<Req> {
-        let (offset, len) = self.log.as_ref()?.next_run(cursor, max_units)?;
-        if self.trim_pct > 0 {
-            // xorshift: cheap and reproducible.
-            self.rng_state ^= self.rng_state << 13;
-            self.rng_state ^= self.rng_state >> 7;
-            self.rng_state ^= self.rng_state << 17;
-            if (self.rng_state % 100) < self.trim_pct as u64 {
-                if let Some(log) = &mut self.log {
-                    log.written(offset, len, 0);
-                }
-                return Some(Req {
-                    dir: Ddir::Trim,
-                    offset,
-                    len,
-                });
-            }
-        }
-        Some(Req {
-            dir: Ddir::Read,
-            offset,
-            len,
-        })
-    }
-
-    /// Read back every written unit and check it.
-    pub fn pump_verify(&mut self) {
-        if self.log.is_none() {
-            return;
-        }
-        let max_units = (self.slots[0].buf.len() as u64 / self.unit).max(1) as usize;
-        let mut cursor = 0usize;
-        let mut exhausted = false;
-        loop {
-            if stop_requested() {
-                exhausted = true;
-            }
-            while !exhausted && !self.failed && self.inflight < self.depth {
-                let Some(req) = self.next_verify_req(&mut cursor, max_units) else {
-                    exhausted = true;
-                    break;
-                };
-                let slot = self.free.pop().expect("a free slot below iodepth");
-                self.issue(slot, req);
-            }
-            self.flush_plug();
-            if self.inflight == 0 {
-                break;
-            }
-            self.wait_for_completions();
-            self.process_completions(Phase::Verify);
-            self.publish_progress();
         }
     }
 }

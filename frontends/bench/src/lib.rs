@@ -39,6 +39,7 @@ mod completion;
 mod controls;
 pub mod distribution;
 mod engine;
+mod engine_verify;
 mod geometry;
 mod job;
 pub mod jobfile;

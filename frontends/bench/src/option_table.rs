@@ -125,6 +125,7 @@ pub const IMPLEMENTED: &[&str] = &[
     "zoneskip",
     "filesize",
     "wait_for",
+    "verify_backlog",
     "max_open_zones",
     "job_max_open_zones",
     "read_beyond_wp",
@@ -223,7 +224,6 @@ pub const NOT_APPLICABLE: &[(&str, &str)] = &[
     ),
     ("verify_async", "verify runs in the job thread"),
     ("verify_async_cpus", "verify runs in the job thread"),
-    ("verify_backlog", "verify reads follow the write phase"),
     (
         "verify_backlog_batch",
         "verify reads follow the write phase",

@@ -507,6 +507,7 @@ impl JobSpec {
                 self.verify_pattern =
                     parse_pattern(&need(key, value)?).map_err(|m| key_err(key, m))?
             }
+            "verify_backlog" => self.verify_backlog = int_of(key, value)?,
             "verify_interval" => {
                 let n = parse_size(&need(key, value)?).map_err(|m| key_err(key, m))?;
                 self.verify_interval = if n == 0 { None } else { Some(n) };

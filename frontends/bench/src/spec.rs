@@ -423,6 +423,9 @@ pub struct JobSpec {
     /// `verify_pattern` bytes (for `verify=pattern`, and after the header
     /// of the checksummed modes when given).
     pub verify_pattern: Vec<u8>,
+    /// Read back and check every this many writes as the job runs (fio
+    /// `verify_backlog`; 0: only after the writes).
+    pub verify_backlog: u64,
     /// Verify unit (fio `verify_interval`); default the smallest block.
     pub verify_interval: Option<u64>,
     /// `write_bw_log`, `write_lat_log`, `write_iops_log`, `log_avg_msec`.
@@ -510,6 +513,7 @@ impl Default for JobSpec {
             buffers: BufferSpec::default(),
             verify_pattern: Vec::new(),
             verify_interval: None,
+            verify_backlog: 0,
             logs: LogSpec::default(),
             nice: 0,
             ioengine: "psync".to_string(),

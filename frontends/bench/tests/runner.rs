@@ -649,3 +649,36 @@ fn iopoll_null_device_completes_in_every_wait_mode() {
     let status = reg.status_text("pl").unwrap();
     assert!(status.contains("iopoll=1"), "{status}");
 }
+
+/// fio's `verify_backlog`: written blocks are read back and checked while
+/// the job runs (with `do_verify=0` there is no verify phase at all), and
+/// every algorithm of `verify=` catches a device that corrupts data.
+#[test]
+fn verify_backlog_and_every_algorithm() {
+    let mut job = verify_job(RwMode::RandWrite);
+    job.apply("verify_backlog", Some("16")).unwrap();
+    job.apply("do_verify", Some("0")).unwrap();
+    job.apply("number_ios", Some("256")).unwrap();
+    let dev: DeviceRef = TestDev::new(2 << 20, Fault::None, true);
+    let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
+    let j = &r.jobs[0];
+    assert_eq!(j.write.total_ios, 256);
+    assert_eq!(j.read.total_ios, 256, "each write read back once");
+    assert_eq!((j.verify_checked, j.verify_errors), (256, 0));
+    for algo in [
+        "md5", "crc64", "sha256", "sha512", "sha1", "meta", "pattern",
+    ] {
+        let mut job = verify_job(RwMode::Write);
+        job.apply("verify", Some(algo)).unwrap();
+        job.apply("verify_pattern", Some("0xaa555aa5")).unwrap();
+        let good: DeviceRef = TestDev::new(1 << 20, Fault::None, false);
+        let r = run_on_device(good, "ram", &[job.clone()], &quiet()).unwrap();
+        assert_eq!(r.jobs[0].verify_errors, 0, "{algo} on a good device");
+        assert!(r.jobs[0].verify_checked > 0, "{algo}");
+        let bad: DeviceRef = TestDev::new(1 << 20, Fault::FlipByte, false);
+        let r = run_on_device(bad, "ram", &[job], &quiet()).unwrap();
+        if algo != "meta" {
+            assert!(r.jobs[0].verify_errors > 0, "{algo} misses a flipped bit");
+        }
+    }
+}
