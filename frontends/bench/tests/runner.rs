@@ -663,8 +663,12 @@ fn verify_backlog_and_every_algorithm() {
     let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
     let j = &r.jobs[0];
     assert_eq!(j.write.total_ios, 256);
-    assert_eq!(j.read.total_ios, 256, "each write read back once");
-    assert_eq!((j.verify_checked, j.verify_errors), (256, 0));
+    // Checked in batches of at least 16 once nothing is in flight; what
+    // is left at the end (fewer than 16) waits for a verify phase, as in
+    // fio, and do_verify=0 has none.
+    let read = j.read.total_ios;
+    assert!((241..=256).contains(&read), "{read} of 256 writes read back");
+    assert_eq!((j.verify_checked, j.verify_errors), (read, 0));
     for algo in [
         "md5", "crc64", "sha256", "sha512", "sha1", "meta", "pattern",
     ] {
