@@ -34,11 +34,8 @@ fn lat_fields(out: &mut String, l: &LatStats) {
 
 fn ddir_fields(out: &mut String, d: &DirStats, agg_bytes: u64, plist: &[f64], ver: u32) {
     let runt = d.runtime_ms();
-    let (bw, iops) = if runt > 0 {
-        (d.io_bytes * 1000 / runt / 1024, d.total_ios * 1000 / runt)
-    } else {
-        (0, 0)
-    };
+    let bw = (d.io_bytes * 1000).checked_div(runt).unwrap_or(0) / 1024;
+    let iops = (d.total_ios * 1000).checked_div(runt).unwrap_or(0);
     let _ = write!(out, ";{};{bw};{iops};{runt}", d.io_bytes >> 10);
     lat_fields(out, &LatStats::default());
     lat_fields(out, &d.clat);

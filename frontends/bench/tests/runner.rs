@@ -667,7 +667,10 @@ fn verify_backlog_and_every_algorithm() {
     // is left at the end (fewer than 16) waits for a verify phase, as in
     // fio, and do_verify=0 has none.
     let read = j.read.total_ios;
-    assert!((241..=256).contains(&read), "{read} of 256 writes read back");
+    assert!(
+        (241..=256).contains(&read),
+        "{read} of 256 writes read back"
+    );
     assert_eq!((j.verify_checked, j.verify_errors), (read, 0));
     for algo in [
         "md5", "crc64", "sha256", "sha512", "sha1", "meta", "pattern",
