@@ -69,10 +69,6 @@ impl Jiffies {
     }
 }
 
-// Kept so that callers not yet moved to [`crate::timing`] build; new code
-// calls `timing::prepare_precise_thread` / `prepare_precise_worker`.
-pub use crate::timing::{set_thread_sched_slice_ns, set_thread_timer_slack_ns};
-
 /// Kernel `calc_wheel_index` for a timer added at wheel clock `clk`: the
 /// jiffy at which its bucket runs. Level `n` has a granularity of `8^n`
 /// ticks and covers deltas below `63 << 3n`; the bucket is rounded up past

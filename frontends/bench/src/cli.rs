@@ -7,7 +7,8 @@
 //! job hit an I/O error or a verify failure, as fio's is.
 
 use crate::cmdline::{parse_command_line, EtaMode, OutputFormat};
-use crate::output::{write_json, write_normal, write_normal_header};
+use crate::output::{write_normal, write_normal_header};
+use crate::output_json::{write_json, write_json_plus};
 use crate::run::{run_jobs, RunOptions};
 use anyhow::{bail, Context};
 use blkstack_mapped::Registry;
@@ -21,15 +22,16 @@ and/or --concise 'NAME,,,rw,0 2048 memory;...'. A job's `filename` names a devic
 (NAME or /dev/mapper/NAME); without one, the device named like the job, else the
 last device created.
 
-Job options (job file keys or --key=value): name filename rw(read write randread
-randwrite rw readwrite randrw) bs bssplit iodepth numjobs runtime time_based size
-io_size offset offset_increment loops ramp_time rwmixread rwmixwrite norandommap randrepeat randseed
-verify(crc32c) do_verify verify_fatal continue_on_error group_reporting stonewall
-new_group percentile_list wait(interrupt poll hybrid) cpus_allowed. Sizes take k/m/g/t (x1024) and %; times take
-us/ms/s/m/h. Options before the first --name apply to every job (and to job files);
-each --name starts a new job.
+Job options (job file keys or --key=value): fio's, as its HOWTO defines them;
+docs/FIO.md lists which are implemented, accepted as not applicable in process,
+or refused. blkstack adds wait(interrupt poll hybrid), hybrid_sleep_pct,
+hybrid_estimator. Sizes take k/m/g/t (x1024) and %; times take us/ms/s/m/h.
+Options before the first --name apply to every job (and to job files); options
+after a job file override its settings; each --name starts a new job. A job's
+filename /dev/NAME is the stack's device NAME.
 
-Report options: --output-format=normal|json|normal,json  --output=FILE
+Report options: --output-format=normal|terse|json|json+ (comma-separated), --terse-version=3|4|5  --output=FILE
+--status-interval=TIME (progress so far, on stdout)
 --eta=auto|always|never (progress bar on stderr).
 
 Example: blkstack bench --stack examples/striped-memory.stack --name=x --rw=randrw
@@ -55,7 +57,7 @@ pub struct BenchArgs {
 /// First Ctrl-C: stop the jobs and report (as fio does); the handler then
 /// restores the default so a second Ctrl-C ends the process.
 extern "C" fn on_sigint(_sig: libc::c_int) {
-    crate::engine::request_stop();
+    crate::completion::request_stop();
     // SAFETY: signal() is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, libc::SIG_DFL);
@@ -93,6 +95,16 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<()> {
     let opts = RunOptions {
         progress,
         default_filename: created.last().cloned(),
+        status: cl
+            .status_interval
+            .map(|interval| crate::status::StatusSink {
+                interval,
+                sink: std::sync::Arc::new(|text: &str| {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(text.as_bytes());
+                    let _ = out.flush();
+                }),
+            }),
     };
 
     let mut sink: Box<dyn Write> = match &cl.output {
@@ -129,6 +141,10 @@ pub fn run_cli(args: BenchArgs) -> anyhow::Result<()> {
                 sink.write_all(write_normal(&report).as_bytes())?;
             }
             OutputFormat::Json => sink.write_all(write_json(&report).as_bytes())?,
+            OutputFormat::JsonPlus => sink.write_all(write_json_plus(&report).as_bytes())?,
+            OutputFormat::Terse => sink.write_all(
+                crate::output_terse::write_terse(&report, cl.terse_version).as_bytes(),
+            )?,
         }
     }
     sink.flush()?;

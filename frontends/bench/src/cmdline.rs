@@ -4,7 +4,10 @@
 //! As in fio (`parse_cmd_line`), options before the first `--name` are the
 //! defaults every job starts from (job files included: their `[global]`
 //! builds on them), and each `--name` opens a job that the options after it
-//! change. Boolean options may stand alone (`--time_based`). blkstack adds
+//! change. Boolean options may stand alone (`--time_based`). Job options
+//! given after a job file (and before any `--name`) override that file's
+//! settings for every job it defines, so `--filename`, `--runtime` or
+//! `--size` can retarget a job file without editing it. blkstack adds
 //! `--stack FILE` / `--concise STRING` (devices to create first) and
 //! `--wait=interrupt|poll|hybrid`.
 
@@ -18,6 +21,10 @@ use std::path::PathBuf;
 pub enum OutputFormat {
     Normal,
     Json,
+    /// JSON with fio's latency bins.
+    JsonPlus,
+    /// fio's semicolon-separated lines (`--terse-version`, default 3).
+    Terse,
 }
 
 /// Whether to show the progress bar (fio's `--eta`).
@@ -40,27 +47,17 @@ pub struct CommandLine {
     pub defaults: JobSpec,
     /// Jobs opened with `--name`.
     pub named_jobs: Vec<JobSpec>,
+    /// Job options given after a job file, before any `--name`: applied
+    /// over each job of the files, in order.
+    pub overrides: Vec<(String, Option<String>)>,
     pub output_formats: Vec<OutputFormat>,
     pub output: Option<PathBuf>,
     pub eta: EtaMode,
+    /// fio's `--status-interval`.
+    pub status_interval: Option<std::time::Duration>,
+    /// fio's `--terse-version` (3, 4 or 5).
+    pub terse_version: u32,
 }
-
-/// Options that are booleans in fio: they may be given without a value.
-const BOOL_KEYS: &[&str] = &[
-    "time_based",
-    "norandommap",
-    "randrepeat",
-    "group_reporting",
-    "stonewall",
-    "wait_for_previous",
-    "new_group",
-    "verify_fatal",
-    "do_verify",
-    "direct",
-    "buffered",
-    "thread",
-    "invalidate",
-];
 
 /// Parse the arguments after `blkstack bench`.
 pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
@@ -70,9 +67,12 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
         job_files: Vec::new(),
         defaults: JobSpec::default(),
         named_jobs: Vec::new(),
+        overrides: Vec::new(),
         output_formats: vec![OutputFormat::Normal],
         output: None,
         eta: EtaMode::Auto,
+        status_interval: None,
+        terse_version: 3,
     };
     let mut i = 0;
     while i < args.len() {
@@ -92,7 +92,7 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
         if key.is_empty() {
             bail!("'{arg}': missing option name");
         }
-        let is_bool = BOOL_KEYS.contains(&key.as_str());
+        let is_bool = crate::options::BOOL_KEYS.contains(&key.as_str()) || key == "minimal";
         // Non-boolean options take the next argument when not written with '='.
         let value = match inline_value {
             Some(v) => Some(v),
@@ -117,13 +117,34 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                 for f in text.split(',').map(str::trim) {
                     formats.push(match f {
                         "normal" => OutputFormat::Normal,
-                        "json" | "json+" => OutputFormat::Json,
+                        "json" => OutputFormat::Json,
+                        "json+" => OutputFormat::JsonPlus,
+                        "terse" => OutputFormat::Terse,
                         other => bail!(
-                            "--output-format: '{other}' is not supported (use normal, json, or normal,json)"
+                            "--output-format: '{other}' is not supported (use normal, terse, json, json+, or a comma-separated list)"
                         ),
                     });
                 }
                 cl.output_formats = formats;
+            }
+            "terse-version" | "terse_version" => {
+                let v = value.unwrap_or_default();
+                cl.terse_version = match v.trim() {
+                    "3" => 3,
+                    "4" => 4,
+                    "5" => 5,
+                    o => bail!("--terse-version: '{o}' is not one of 3, 4, 5"),
+                };
+            }
+            "minimal" => cl.output_formats = vec![OutputFormat::Terse],
+            "status-interval" | "status_interval" => {
+                let v = value.unwrap_or_default();
+                let d = crate::parse::parse_time(&v, crate::parse::TimeUnit::Seconds)
+                    .map_err(|m| anyhow::anyhow!("--status-interval: {m}"))?;
+                if d.is_zero() {
+                    bail!("--status-interval: must be more than 0");
+                }
+                cl.status_interval = Some(d);
             }
             "eta" => {
                 cl.eta = match value.as_deref().unwrap_or("") {
@@ -142,7 +163,18 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                 cl.named_jobs.push(job);
             }
             _ => {
+                let override_files = cl.named_jobs.is_empty() && !cl.job_files.is_empty();
                 let target = cl.named_jobs.last_mut().unwrap_or(&mut cl.defaults);
+                if override_files {
+                    // Checked now on a scratch job so a bad value is
+                    // reported here, naming the option.
+                    let mut probe = target.clone();
+                    probe
+                        .apply(&key, value.as_deref())
+                        .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
+                    cl.overrides.push((key, value));
+                    continue;
+                }
                 target
                     .apply(&key, value.as_deref())
                     .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
@@ -159,8 +191,14 @@ impl CommandLine {
         for path in &self.job_files {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading job file {}", path.display()))?;
-            let parsed = parse_job_file(&text, &self.defaults)
+            let mut parsed = parse_job_file(&text, &self.defaults)
                 .with_context(|| format!("job file {}", path.display()))?;
+            for job in &mut parsed {
+                for (k, v) in &self.overrides {
+                    job.apply(k, v.as_deref())
+                        .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
+                }
+            }
             jobs.extend(parsed);
         }
         jobs.extend(self.named_jobs.iter().cloned());
@@ -236,8 +274,8 @@ mod tests {
         assert!(e.to_string().contains("--bogus: unknown option"), "{e}");
         let e = parse_command_line(&args("--name=a --rw")).unwrap_err();
         assert!(e.to_string().contains("--rw needs a value"), "{e}");
-        let e = parse_command_line(&args("--output-format=terse")).unwrap_err();
-        assert!(e.to_string().contains("terse"), "{e}");
+        let e = parse_command_line(&args("--output-format=xml")).unwrap_err();
+        assert!(e.to_string().contains("xml"), "{e}");
         let e = parse_command_line(&args("-x")).unwrap_err();
         assert!(e.to_string().contains("--key=value"), "{e}");
         let cl = parse_command_line(&args("--bs=4k")).unwrap();
@@ -262,6 +300,13 @@ mod tests {
             cl.output_formats,
             vec![OutputFormat::Normal, OutputFormat::Json]
         );
+        // Options after the file override it.
+        let mut b = args("--iodepth=8");
+        b.push(path.display().to_string());
+        b.extend(args("--bs=64k --filename=/dev/m0"));
+        let over = parse_command_line(&b).unwrap().jobs().unwrap();
+        assert_eq!(over[0].bs, BlockSizes::single(65536));
+        assert_eq!(over[0].filename.as_deref(), Some("/dev/m0"));
         std::fs::write(&path, "[one]\nrw=upwards\n").unwrap();
         let e = cl.jobs().unwrap_err();
         let text = format!("{e:#}");

@@ -199,7 +199,8 @@ wait=poll
         assert_eq!(
             w.bs,
             BlockSizes {
-                split: vec![(4096, 50), (65536, 50)]
+                split: vec![(4096, 50), (65536, 50)],
+                range: None,
             }
         );
         assert_eq!(w.size, Some(SizeSpec::Percent(50.0)));

@@ -32,22 +32,41 @@
 //! [`run_on_device`] runs against a [`DeviceRef`](blkstack_core::DeviceRef)
 //! you built yourself; [`run_jobs_with`] takes any resolver.
 
+pub mod buffers;
 pub mod cli;
 pub mod cmdline;
+mod completion;
+mod controls;
+pub mod distribution;
 mod engine;
+mod engine_verify;
+mod geometry;
+mod job;
 pub mod jobfile;
+pub mod logs;
 mod offsets;
+pub mod option_table;
+pub mod options;
 pub mod output;
+pub mod output_json;
+pub mod output_terse;
+pub mod parse;
+pub mod rate;
 mod run;
 pub mod spec;
 pub mod stats;
+pub mod status;
 pub mod verify;
+pub mod verify_algo;
+mod zbd;
 
 pub use cli::{run_cli, BenchArgs};
 pub use cmdline::{parse_command_line, CommandLine, EtaMode, OutputFormat};
-pub use engine::{request_stop, Geometry, JobProgress};
+pub use completion::{request_stop, JobProgress};
+pub use geometry::Geometry;
 pub use jobfile::{parse_job_file, JobFileError};
-pub use output::{write_json, write_normal, write_normal_header};
+pub use output::{write_normal, write_normal_header};
+pub use output_json::{write_json, write_json_plus};
 pub use run::{run_jobs, run_jobs_with, run_on_device, RunOptions};
 pub use spec::{BlockSizes, HybridEstimator, JobSpec, RwMode, SizeSpec, VerifyMode, WaitMode};
 pub use stats::{BenchReport, DirStats, GroupStats, JobResult, LatStats};

@@ -1,4 +1,5 @@
-//! fio's two report formats, from a [`BenchReport`].
+//! fio's normal text report, from a [`BenchReport`] ([`crate::output_json`]
+//! writes the JSON ones).
 //!
 //! The normal text follows fio 3.x `stat.c` (`show_thread_status_normal`,
 //! `show_ddir_status`, `show_clat_percentiles`, `show_latencies`,
@@ -13,7 +14,6 @@
 //! samples as `clat_ns`.
 
 use crate::stats::{sample_stats, BenchReport, DirStats, GroupDir, JobResult, LatStats};
-use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use std::fmt::Write as _;
 
 /// Units `num2str` appends.
@@ -105,7 +105,11 @@ pub fn write_normal(report: &BenchReport) -> String {
     }
     for g in &report.groups {
         let _ = writeln!(out, "\nRun status group {} (all jobs):", g.groupid);
-        for (label, d) in [("   READ", &g.read), ("  WRITE", &g.write)] {
+        for (label, d) in [
+            ("   READ", &g.read),
+            ("  WRITE", &g.write),
+            ("   TRIM", &g.trim),
+        ] {
             if d.max_run_ms == 0 {
                 continue;
             }
@@ -125,15 +129,20 @@ pub fn write_normal_header(jobs: &[crate::spec::JobSpec]) -> String {
             groupid += 1;
         }
         threads += j.numjobs;
-        let r = j.bs.range_text();
-        let _ = writeln!(
+        let [r, w, t] = [0, 1, 2].map(|d| j.bs_for(d).range_text());
+        let _ = write!(
             out,
-            "{}: (g={groupid}): rw={}, bs=(R) {r}, (W) {r}, (T) {r}, ioengine=blkstack, iodepth={}, wait={}",
+            "{}: (g={groupid}): rw={}, bs=(R) {r}, (W) {w}, (T) {t}, ioengine=blkstack({}), iodepth={}, wait={}",
             j.name,
             j.rw.name(),
+            j.ioengine,
             j.iodepth,
             j.wait.name()
         );
+        if !j.not_applicable.is_empty() {
+            let _ = write!(out, ", not applicable: {}", j.not_applicable.join(" "));
+        }
+        out.push('\n');
     }
     let _ = writeln!(out, "blkstack-{}", env!("CARGO_PKG_VERSION"));
     let _ = writeln!(
@@ -161,7 +170,7 @@ fn write_group_dir(out: &mut String, label: &str, d: &GroupDir) {
     );
 }
 
-fn ctime_now() -> String {
+pub(crate) fn ctime_now() -> String {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as libc::time_t)
@@ -218,6 +227,7 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
             &job.write,
             group.map(|g| g.write.agg_bw).unwrap_or(0),
         ),
+        ("trim", &job.trim, group.map(|g| g.trim.agg_bw).unwrap_or(0)),
     ] {
         if d.io_bytes > 0 {
             write_dir_normal(out, name, d, agg, &job.spec.percentile_list);
@@ -263,21 +273,7 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
             d[0], d[1], d[2], d[3], d[4], d[5], d[6]
         );
     }
-    let _ = writeln!(
-        out,
-        "     issued rwts: total={},{},0,0 short={},{},0,0 dropped={},{},0,0",
-        job.read.total_ios + job.read.errors,
-        job.write.total_ios + job.write.errors,
-        job.read.short_ios,
-        job.write.short_ios,
-        job.read.drop_ios,
-        job.write.drop_ios
-    );
-    let _ = writeln!(
-        out,
-        "     latency   : target=0, window=0, percentile=100.00%, depth={}",
-        job.spec.iodepth
-    );
+    write_issued_normal(out, job);
     if job.spec.verify != crate::spec::VerifyMode::None {
         let _ = writeln!(
             out,
@@ -287,9 +283,42 @@ fn write_job_normal(out: &mut String, report: &BenchReport, job: &JobResult) {
     }
 }
 
+/// fio's `issued rwts` and `latency` lines (and whether steady state
+/// ended the job).
+fn write_issued_normal(out: &mut String, job: &JobResult) {
+    let _ = writeln!(
+        out,
+        "     issued rwts: total={},{},{},0 short={},{},{},0 dropped={},{},{},0",
+        job.read.total_ios + job.read.errors,
+        job.write.total_ios + job.write.errors,
+        job.trim.total_ios + job.trim.errors,
+        job.read.short_ios,
+        job.write.short_ios,
+        job.trim.short_ios,
+        job.read.drop_ios,
+        job.write.drop_ios,
+        job.trim.drop_ios
+    );
+    let (target, window, pct) = job.spec.latency_target.as_ref().map_or((0, 0, 100.0), |t| {
+        (
+            t.target.as_micros() as u64,
+            t.window.as_micros() as u64,
+            t.percentile,
+        )
+    });
+    let _ = writeln!(
+        out,
+        "     latency   : target={target}, window={window}, percentile={pct:.2}%, depth={}",
+        job.spec.iodepth
+    );
+    if job.steady_attained {
+        let _ = writeln!(out, "  steadystate  : attained");
+    }
+}
+
 /// fio's `per=`: this job's mean bandwidth as a share of its group's
 /// aggregate (`convert_agg_kbytes_percent`).
-fn percent_of_agg(mean_kib: f64, agg_bytes: u64) -> f64 {
+pub(crate) fn percent_of_agg(mean_kib: f64, agg_bytes: u64) -> f64 {
     if agg_bytes > 1024 {
         (mean_kib * 100.0 / (agg_bytes as f64 / 1024.0)).min(100.0)
     } else {
@@ -427,9 +456,11 @@ fn write_percentiles(out: &mut String, name: &str, l: &LatStats, plist: &[f64]) 
 const LAT_BOUNDS: [u64; 10] = [2, 4, 10, 20, 50, 100, 250, 500, 750, 1000];
 
 /// `(unit, [(label, count)])` rows of fio's `show_latencies`.
-fn latency_rows(job: &JobResult) -> Vec<(&'static str, Vec<(String, u64)>)> {
+pub(crate) fn latency_rows(job: &JobResult) -> Vec<(&'static str, Vec<(String, u64)>)> {
     let count = |lo: u64, hi: u64| {
-        job.read.clat.count_between(lo, hi) + job.write.clat.count_between(lo, hi)
+        job.read.clat.count_between(lo, hi)
+            + job.write.clat.count_between(lo, hi)
+            + job.trim.clat.count_between(lo, hi)
     };
     let mut rows = Vec::new();
     for (unit, scale) in [("nsec", 1u64), ("usec", 1000), ("msec", 1_000_000)] {
@@ -450,7 +481,7 @@ fn latency_rows(job: &JobResult) -> Vec<(&'static str, Vec<(String, u64)>)> {
 }
 
 fn write_latency_distribution(out: &mut String, job: &JobResult) {
-    let total = job.read.clat.samples + job.write.clat.samples;
+    let total = job.read.clat.samples + job.write.clat.samples + job.trim.clat.samples;
     if total == 0 {
         return;
     }
@@ -484,239 +515,6 @@ fn write_latency_distribution(out: &mut String, job: &JobResult) {
             out.push('\n');
         }
     }
-}
-
-/// An ordered JSON value (fio's key order), serialised by serde_json.
-enum J {
-    Obj(Vec<(String, J)>),
-    Arr(Vec<J>),
-    U(u64),
-    I(i64),
-    F(f64),
-    S(String),
-}
-
-impl Serialize for J {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self {
-            J::Obj(kv) => {
-                let mut m = s.serialize_map(Some(kv.len()))?;
-                for (k, v) in kv {
-                    m.serialize_entry(k, v)?;
-                }
-                m.end()
-            }
-            J::Arr(items) => {
-                let mut q = s.serialize_seq(Some(items.len()))?;
-                for i in items {
-                    q.serialize_element(i)?;
-                }
-                q.end()
-            }
-            J::U(v) => s.serialize_u64(*v),
-            J::I(v) => s.serialize_i64(*v),
-            J::F(v) => s.serialize_f64(if v.is_finite() { *v } else { 0.0 }),
-            J::S(v) => s.serialize_str(v),
-        }
-    }
-}
-
-fn obj(kv: Vec<(&str, J)>) -> J {
-    J::Obj(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
-}
-
-fn lat_json(l: &LatStats, percentiles: Option<&[f64]>) -> J {
-    let mut kv = vec![
-        ("min", J::U(l.min())),
-        ("max", J::U(l.max_ns)),
-        ("mean", J::F(l.mean())),
-        ("stddev", J::F(l.stddev())),
-        ("N", J::U(l.samples)),
-    ];
-    if let (Some(list), true) = (percentiles, l.samples > 0) {
-        let p = l
-            .percentiles_of(list)
-            .into_iter()
-            .map(|(p, v)| (format!("{p:.6}"), J::U(v)))
-            .collect();
-        kv.push(("percentile", J::Obj(p)));
-    }
-    obj(kv)
-}
-
-fn dir_json(d: &DirStats, agg_bytes: u64, plist: &[f64]) -> J {
-    let (bmin, bmax, bmean, bdev) = sample_stats(&d.bw_samples).unwrap_or((0, 0, 0.0, 0.0));
-    let (imin, imax, imean, idev) = sample_stats(&d.iops_samples).unwrap_or((0, 0, 0.0, 0.0));
-    let bw_agg = if d.bw_samples.is_empty() {
-        0.0
-    } else {
-        percent_of_agg(bmean, agg_bytes)
-    };
-    obj(vec![
-        ("io_bytes", J::U(d.io_bytes)),
-        ("io_kbytes", J::U(d.io_bytes >> 10)),
-        ("bw_bytes", J::U(d.bw_bytes())),
-        ("bw", J::U(d.bw_kib())),
-        ("iops", J::F(d.iops())),
-        ("runtime", J::U(d.runtime_ms())),
-        ("total_ios", J::U(d.total_ios)),
-        ("short_ios", J::U(d.short_ios)),
-        ("drop_ios", J::U(d.drop_ios)),
-        ("slat_ns", lat_json(&LatStats::default(), None)),
-        ("clat_ns", lat_json(&d.clat, Some(plist))),
-        ("lat_ns", lat_json(&d.clat, None)),
-        ("bw_min", J::U(bmin)),
-        ("bw_max", J::U(bmax)),
-        ("bw_agg", J::F(bw_agg)),
-        ("bw_mean", J::F(bmean)),
-        ("bw_dev", J::F(bdev)),
-        ("bw_samples", J::U(d.bw_samples.len() as u64)),
-        ("iops_min", J::U(imin)),
-        ("iops_max", J::U(imax)),
-        ("iops_mean", J::F(imean)),
-        ("iops_stddev", J::F(idev)),
-        ("iops_samples", J::U(d.iops_samples.len() as u64)),
-        ("errors", J::U(d.errors)),
-    ])
-}
-
-fn job_json(report: &BenchReport, job: &JobResult) -> J {
-    let s = &job.spec;
-    let group = report.groups.iter().find(|g| g.groupid == job.groupid);
-    let (agg_r, agg_w) = group
-        .map(|g| (g.read.agg_bw, g.write.agg_bw))
-        .unwrap_or((0, 0));
-    let mut opts = vec![
-        ("name", J::S(s.name.clone())),
-        ("filename", J::S(job.device.clone())),
-        ("rw", J::S(s.rw.name().to_string())),
-    ];
-    if s.bs.split.len() == 1 {
-        opts.push(("bs", J::S(s.bs.min().to_string())));
-    } else {
-        let text =
-            s.bs.split
-                .iter()
-                .map(|(b, p)| format!("{b}/{p}"))
-                .collect::<Vec<_>>()
-                .join(":");
-        opts.push(("bssplit", J::S(text)));
-    }
-    opts.push(("iodepth", J::S(s.iodepth.to_string())));
-    opts.push(("numjobs", J::S(s.numjobs.to_string())));
-    if let Some(r) = s.runtime {
-        opts.push(("runtime", J::S(format!("{}ms", r.as_millis()))));
-    }
-    if s.time_based {
-        opts.push(("time_based", J::S("1".into())));
-    }
-    if s.rw.is_mixed() {
-        opts.push(("rwmixread", J::S(s.rwmixread.to_string())));
-    }
-    if s.verify != crate::spec::VerifyMode::None {
-        opts.push(("verify", J::S("crc32c".into())));
-    }
-    opts.push(("wait", J::S(s.wait.name().into())));
-    let pct_map = |v: &[u64; 7], labels: [&str; 7]| -> J {
-        let total: u64 = v.iter().sum();
-        J::Obj(
-            labels
-                .iter()
-                .zip(v.iter())
-                .map(|(l, &c)| {
-                    let p = if total == 0 {
-                        0.0
-                    } else {
-                        c as f64 * 100.0 / total as f64
-                    };
-                    (l.to_string(), J::F(p))
-                })
-                .collect(),
-        )
-    };
-    let total = (job.read.clat.samples + job.write.clat.samples).max(1) as f64;
-    let lat_maps: Vec<(String, J)> = latency_rows(job)
-        .into_iter()
-        .map(|(unit, cells)| {
-            let key = match unit {
-                "nsec" => "latency_ns",
-                "usec" => "latency_us",
-                _ => "latency_ms",
-            };
-            (
-                key.to_string(),
-                J::Obj(
-                    cells
-                        .into_iter()
-                        .map(|(l, c)| (l, J::F(c as f64 * 100.0 / total)))
-                        .collect(),
-                ),
-            )
-        })
-        .collect();
-    let mut kv = vec![
-        ("jobname", J::S(job.name.clone())),
-        ("groupid", J::U(job.groupid as u64)),
-        ("error", J::I(job.error as i64)),
-        ("elapsed", J::U(job.elapsed_ns.div_ceil(1_000_000_000))),
-        ("job options", obj(opts)),
-        ("read", dir_json(&job.read, agg_r, &s.percentile_list)),
-        ("write", dir_json(&job.write, agg_w, &s.percentile_list)),
-        ("job_runtime", J::U(job.runtime_ns / 1_000_000)),
-        ("usr_cpu", J::F(job.usr_cpu_pct())),
-        ("sys_cpu", J::F(job.sys_cpu_pct())),
-        ("ctx", J::U(job.ctx)),
-        ("majf", J::U(job.majf)),
-        ("minf", J::U(job.minf)),
-        (
-            "iodepth_level",
-            pct_map(&job.depths.depth, ["1", "2", "4", "8", "16", "32", ">=64"]),
-        ),
-        (
-            "iodepth_submit",
-            pct_map(
-                &job.depths.submit,
-                ["0", "4", "8", "16", "32", "64", ">=64"],
-            ),
-        ),
-        (
-            "iodepth_complete",
-            pct_map(
-                &job.depths.complete,
-                ["0", "4", "8", "16", "32", "64", ">=64"],
-            ),
-        ),
-    ];
-    let mut j = match obj(std::mem::take(&mut kv)) {
-        J::Obj(v) => v,
-        _ => unreachable!("obj builds an object"),
-    };
-    j.extend(lat_maps);
-    j.push(("latency_depth".into(), J::U(s.iodepth as u64)));
-    j.push(("device".into(), J::S(job.device.clone())));
-    j.push(("wait".into(), J::S(s.wait.name().into())));
-    j.push(("verify_errors".into(), J::U(job.verify_errors)));
-    j.push(("verify_checked".into(), J::U(job.verify_checked)));
-    J::Obj(j)
-}
-
-/// Render a report as fio-shaped JSON.
-pub fn write_json(report: &BenchReport) -> String {
-    let time = ctime_now().trim_end().to_string();
-    let root = obj(vec![
-        ("fio version", J::S(report.version.clone())),
-        ("timestamp", J::U(report.timestamp)),
-        ("timestamp_ms", J::U(report.timestamp * 1000)),
-        ("time", J::S(time)),
-        (
-            "jobs",
-            J::Arr(report.jobs.iter().map(|j| job_json(report, j)).collect()),
-        ),
-    ]);
-    let mut s =
-        serde_json::to_string_pretty(&root).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
-    s.push('\n');
-    s
 }
 
 #[cfg(test)]

@@ -8,7 +8,10 @@
 //! While threads run, the calling thread draws the progress bar (when
 //! asked) from counters the job loops publish once per completion batch.
 
-use crate::engine::{clear_stop, run_thread, Geometry, JobProgress, ThreadSetup};
+use crate::completion::{clear_segment_stop, clear_stop, JobProgress};
+use crate::engine::ThreadSetup;
+use crate::geometry::Geometry;
+use crate::job::run_thread;
 use crate::spec::JobSpec;
 use crate::stats::{BenchReport, JobResult};
 use anyhow::{bail, Context};
@@ -28,6 +31,8 @@ pub struct RunOptions {
     /// Device for jobs without `filename` (and without a device named like
     /// the job): the CLI passes the last device `--stack`/`--concise` made.
     pub default_filename: Option<String>,
+    /// fio's `--status-interval`: report progress this often.
+    pub status: Option<crate::status::StatusSink>,
 }
 
 /// A job thread ready to start.
@@ -46,7 +51,7 @@ pub fn run_jobs(
 ) -> anyhow::Result<BenchReport> {
     let resolve = |job: &JobSpec| -> anyhow::Result<(String, DeviceRef)> {
         let name = match &job.filename {
-            Some(f) => f.clone(),
+            Some(f) => device_name_for(registry, f),
             None if registry.get(&job.name).is_some() => job.name.clone(),
             None => opts.default_filename.clone().with_context(|| {
                 format!(
@@ -61,6 +66,17 @@ pub fn run_jobs(
         Ok((name, dev))
     };
     run_jobs_with(&resolve, jobs, opts)
+}
+
+/// fio's `filename=/dev/NAME`: the stack's device `NAME` when there is
+/// one (`/dev/mapper/NAME` the registry resolves itself), else as given.
+fn device_name_for(registry: &Registry, filename: &str) -> String {
+    if let Some(rest) = filename.strip_prefix("/dev/") {
+        if !rest.starts_with("mapper/") && registry.get(rest).is_some() {
+            return rest.to_string();
+        }
+    }
+    filename.to_string()
 }
 
 /// Run every job against `device` (called `name` in the report), ignoring
@@ -101,12 +117,29 @@ pub fn run_jobs_with(
             bail!("job '{}': time_based needs a runtime", job.name);
         }
         let (dev_name, dev) = resolve(job)?;
-        if job.rw.writes() && dev.features().read_only {
+        if (job.rw.writes() || job.rw.trims()) && dev.features().read_only {
             bail!(
                 "job '{}': {dev_name} is read-only and the job writes",
                 job.name
             );
         }
+        let wait_for = match &job.wait_for {
+            Some(name) => {
+                let ahead: Vec<Arc<JobProgress>> = planned
+                    .iter()
+                    .filter(|p: &&Planned| &p.setup.spec.name == name)
+                    .map(|p| p.setup.progress.clone())
+                    .collect();
+                if ahead.is_empty() {
+                    bail!(
+                        "job '{}': wait_for={name}: no job of that name before it",
+                        job.name
+                    );
+                }
+                ahead
+            }
+            None => Vec::new(),
+        };
         for clone in 0..job.numjobs {
             let geometry = Geometry::resolve(job, &dev, &dev_name, clone)?;
             thread_number += 1;
@@ -119,6 +152,7 @@ pub fn run_jobs_with(
                     groupid,
                     thread_number,
                     progress: Arc::new(JobProgress::default()),
+                    wait_for: wait_for.clone(),
                 },
                 segment,
             });
@@ -132,6 +166,7 @@ pub fn run_jobs_with(
         let (now, later): (Vec<Planned>, Vec<Planned>) =
             rest.into_iter().partition(|p| p.segment == seg);
         rest = later;
+        clear_segment_stop();
         results.extend(run_segment(now, opts)?);
     }
     Ok(BenchReport::from_threads(results))
@@ -142,6 +177,14 @@ fn run_segment(threads: Vec<Planned>, opts: &RunOptions) -> anyhow::Result<Vec<J
     let progress: Vec<Arc<JobProgress>> =
         threads.iter().map(|p| p.setup.progress.clone()).collect();
     let plan = ProgressPlan::new(&threads);
+    let watched: Vec<crate::status::Watched> = threads
+        .iter()
+        .map(|p| crate::status::Watched {
+            name: p.setup.spec.name.clone(),
+            groupid: p.setup.groupid,
+            progress: p.setup.progress.clone(),
+        })
+        .collect();
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for (k, p) in threads.into_iter().enumerate() {
@@ -159,7 +202,9 @@ fn run_segment(threads: Vec<Planned>, opts: &RunOptions) -> anyhow::Result<Vec<J
                 .context("spawning a job thread")?;
             handles.push(h);
         }
-        if opts.progress {
+        if let Some(st) = &opts.status {
+            crate::status::report_status(&watched, st);
+        } else if opts.progress {
             draw_progress(&progress, &plan);
         }
         let mut out = Vec::with_capacity(handles.len());

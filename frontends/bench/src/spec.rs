@@ -1,19 +1,33 @@
-//! What one fio job asks for ([`JobSpec`]), and how fio's `key=value` text
-//! becomes one.
+//! What one fio job asks for ([`JobSpec`]): the job's fields with fio's
+//! defaults (`thread_options` in fio's `thread_options.h`).
 //!
-//! The same setter ([`JobSpec::apply`]) serves the job file and the command
-//! line, as in fio, where every option can be given either way. Values follow
-//! fio's parser (`parse.c`): sizes take `k/m/g/t/p` suffixes in powers of
-//! 1024 (fio's default `kb_base=1024`, so `4k`, `4kb` and `4KiB` are all
-//! 4096) and `size`/`offset`/`io_size` also take a percentage of the device;
-//! times are seconds unless suffixed (`us`, `ms`, `s`, `m`, `h`, `d`);
-//! booleans accept `0/1`, `true/false`, `yes/no`, `on/off`, and a bare key
-//! means "set". Keys fio has that make no difference in-process (`ioengine`,
-//! `direct`, `thread`, ...) are accepted and ignored; any other key is an
-//! error naming it, as fio refuses unknown options.
+//! How fio's `key=value` text becomes a `JobSpec` lives in
+//! [`crate::options`] (the option table) and [`crate::parse`] (values);
+//! the mechanisms that options configure have their own modules
+//! ([`crate::distribution`], [`crate::rate`], [`crate::buffers`],
+//! [`crate::logs`]).
 
+use crate::buffers::BufferSpec;
+use crate::distribution::Distribution;
+use crate::logs::LogSpec;
+use crate::rate::{FlowSpec, LatencyTarget, RateSpec, SteadyState, ThinkTime};
 use std::fmt;
 use std::time::Duration;
+
+pub use crate::options::KeyError;
+pub use crate::parse::{
+    parse_bool, parse_bssplit, parse_cpu_list, parse_int, parse_percentile_list, parse_size,
+    parse_size_spec, parse_time, TimeUnit, MAX_CPU,
+};
+
+/// A data direction, fio's `enum fio_ddir` (its index is fio's `ddir`
+/// number in log files).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ddir {
+    Read = 0,
+    Write = 1,
+    Trim = 2,
+}
 
 /// The I/O pattern, fio's `rw=`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,6 +41,12 @@ pub enum RwMode {
     ReadWrite,
     /// Random mixed reads and writes, split by `rwmixread`.
     RandRw,
+    /// Sequential trims (discards).
+    Trim,
+    /// Random trims.
+    RandTrim,
+    /// Trim a block, then write it (fio `trimwrite`).
+    TrimWrite,
 }
 
 impl RwMode {
@@ -38,6 +58,9 @@ impl RwMode {
             "randwrite" => RwMode::RandWrite,
             "rw" | "readwrite" => RwMode::ReadWrite,
             "randrw" => RwMode::RandRw,
+            "trim" => RwMode::Trim,
+            "randtrim" => RwMode::RandTrim,
+            "trimwrite" => RwMode::TrimWrite,
             _ => return None,
         })
     }
@@ -50,19 +73,39 @@ impl RwMode {
             RwMode::RandWrite => "randwrite",
             RwMode::ReadWrite => "rw",
             RwMode::RandRw => "randrw",
+            RwMode::Trim => "trim",
+            RwMode::RandTrim => "randtrim",
+            RwMode::TrimWrite => "trimwrite",
         }
     }
 
     pub fn is_random(self) -> bool {
-        matches!(self, RwMode::RandRead | RwMode::RandWrite | RwMode::RandRw)
+        matches!(
+            self,
+            RwMode::RandRead | RwMode::RandWrite | RwMode::RandRw | RwMode::RandTrim
+        )
     }
 
     pub fn reads(self) -> bool {
-        !matches!(self, RwMode::Write | RwMode::RandWrite)
+        matches!(
+            self,
+            RwMode::Read | RwMode::RandRead | RwMode::ReadWrite | RwMode::RandRw
+        )
     }
 
     pub fn writes(self) -> bool {
-        !matches!(self, RwMode::Read | RwMode::RandRead)
+        matches!(
+            self,
+            RwMode::Write
+                | RwMode::RandWrite
+                | RwMode::ReadWrite
+                | RwMode::RandRw
+                | RwMode::TrimWrite
+        )
+    }
+
+    pub fn trims(self) -> bool {
+        matches!(self, RwMode::Trim | RwMode::RandTrim | RwMode::TrimWrite)
     }
 
     pub fn is_mixed(self) -> bool {
@@ -81,7 +124,7 @@ pub enum WaitMode {
     Poll,
     /// Sleep `hybrid_sleep_pct` of the estimated completion time, measured
     /// from the oldest in-flight submission, then poll (io_uring hybrid
-    /// polling, seed 002).
+    /// polling, upstream IORING_SETUP_HYBRID_IOPOLL).
     Hybrid,
 }
 
@@ -124,6 +167,60 @@ pub enum VerifyMode {
     /// Each block carries a header (offset, write number, length) and a
     /// crc32c of the block; read back and checked.
     Crc32c,
+    /// As crc32c with fio's other checksums over the data after the header.
+    Crc64,
+    Md5,
+    Sha1,
+    Sha256,
+    Sha512,
+    /// Header only: offset, length and write number, no data checksum.
+    Meta,
+    /// No header: every byte must equal `verify_pattern`.
+    Pattern,
+}
+
+impl VerifyMode {
+    pub fn parse(s: &str) -> Option<VerifyMode> {
+        Some(match s {
+            "0" | "none" => VerifyMode::None,
+            "crc32c" | "crc32c-intel" | "crc32" | "1" => VerifyMode::Crc32c,
+            "crc64" => VerifyMode::Crc64,
+            "md5" => VerifyMode::Md5,
+            "sha1" => VerifyMode::Sha1,
+            "sha256" => VerifyMode::Sha256,
+            "sha512" => VerifyMode::Sha512,
+            "meta" => VerifyMode::Meta,
+            "pattern" => VerifyMode::Pattern,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            VerifyMode::None => "none",
+            VerifyMode::Crc32c => "crc32c",
+            VerifyMode::Crc64 => "crc64",
+            VerifyMode::Md5 => "md5",
+            VerifyMode::Sha1 => "sha1",
+            VerifyMode::Sha256 => "sha256",
+            VerifyMode::Sha512 => "sha512",
+            VerifyMode::Meta => "meta",
+            VerifyMode::Pattern => "pattern",
+        }
+    }
+}
+
+/// fio's `rw=MODE:N` modifier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RwModifier {
+    #[default]
+    None,
+    /// Sequential: after each I/O move this many bytes further (negative:
+    /// back), on top of the block itself (`rw=read:-8k`, `rw=write:112k`).
+    Skip(i64),
+    /// Random: draw a new random offset only every N I/Os, going on
+    /// sequentially in between (`rw=randread:8`).
+    RandomEvery(u32),
 }
 
 /// A size given either in bytes or as a percentage of the device.
@@ -153,26 +250,46 @@ impl fmt::Display for SizeSpec {
     }
 }
 
-/// Block sizes: one size, or fio's `bssplit` weighted list.
+/// Block sizes: one size, fio's `bssplit` weighted list, or fio's
+/// `bsrange` (any multiple of the smallest between two bounds).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockSizes {
     /// `(bytes, percent)` pairs; the percents add up to 100.
     pub split: Vec<(u64, u32)>,
+    /// `bsrange=MIN-MAX`: uniform over the multiples of `MIN` (of the
+    /// logical block size with `blocksize_unaligned`) up to `MAX`; when set,
+    /// `split` is empty.
+    pub range: Option<(u64, u64)>,
 }
 
 impl BlockSizes {
     pub fn single(bytes: u64) -> BlockSizes {
         BlockSizes {
             split: vec![(bytes, 100)],
+            range: None,
         }
     }
 
     pub fn min(&self) -> u64 {
+        if let Some((lo, _)) = self.range {
+            return lo;
+        }
         self.split.iter().map(|s| s.0).min().unwrap_or(4096)
     }
 
     pub fn max(&self) -> u64 {
+        if let Some((_, hi)) = self.range {
+            return hi;
+        }
         self.split.iter().map(|s| s.0).max().unwrap_or(4096)
+    }
+
+    /// Every size a job may issue (the bounds only, for a range).
+    pub fn sizes(&self) -> Vec<u64> {
+        match self.range {
+            Some((lo, hi)) => vec![lo, hi],
+            None => self.split.iter().map(|s| s.0).collect(),
+        }
     }
 
     /// fio's `bs=(R) 4096B-4096B` notation (min-max).
@@ -182,6 +299,7 @@ impl BlockSizes {
 }
 
 impl Default for BlockSizes {
+    /// fio's default `bs=4k`.
     fn default() -> Self {
         BlockSizes::single(4096)
     }
@@ -235,11 +353,11 @@ pub struct JobSpec {
     pub wait: WaitMode,
     /// `wait=hybrid`: sleep this percentage of the estimated completion time
     /// (counted from the oldest in-flight submission) before polling.
-    /// Upstream io_uring sleeps 50 %; the default here is 90 %, measured on
-    /// 128 KiB writes at QD64 against a 1 ms device (docs/BENCHMARKS.md):
-    /// 50 % kept the job thread 53 % busy, 90 % 11-13 %, at the same
-    /// bandwidth as polling; 98 % saved a little more but leaves no room
-    /// for a device whose latency jitters below the minimum seen.
+    /// Upstream io_uring sleeps 50 %; the default here is 90 %: on a
+    /// device with a steady completion time it keeps the job thread far
+    /// less busy at the same bandwidth as polling (figures in
+    /// docs/BENCHMARKS.md), while leaving room for a device whose latency
+    /// jitters below the minimum seen.
     pub hybrid_sleep_pct: u32,
     /// `wait=hybrid`: how the completion time is estimated.
     pub hybrid_estimator: HybridEstimator,
@@ -255,6 +373,88 @@ pub struct JobSpec {
     /// default `cpus_allowed_policy=shared`: every thread gets the whole
     /// set); `None` leaves the scheduler free.
     pub cpus_allowed: Option<Vec<usize>>,
+    /// Per-direction block sizes `[write, trim]` (fio `bs=R,W,T`);
+    /// `None`: as `bs`.
+    pub bs_dir: [Option<BlockSizes>; 2],
+    /// `rw=MODE:N`.
+    pub rw_modifier: RwModifier,
+    /// Offsets align to this instead of the block size (fio `blockalign`).
+    pub blockalign: Option<u64>,
+    /// `bsrange` sizes need not be multiples of the smallest
+    /// (fio `blocksize_unaligned`): multiples of the logical block size.
+    pub bs_unaligned: bool,
+    /// Where random offsets fall (fio `random_distribution`).
+    pub distribution: Distribution,
+    /// Percent of a random job's I/Os that are random; the rest go on
+    /// sequentially from the last one (fio `percentage_random`).
+    pub percentage_random: u32,
+    /// Stop after this many I/Os (fio `number_ios`).
+    pub number_ios: Option<u64>,
+    /// Wait this long before starting (fio `startdelay`).
+    pub startdelay: Duration,
+    /// `rate`, `rate_iops`, `rate_min`, `rate_iops_min`, `rate_process`.
+    pub rate: RateSpec,
+    /// `thinktime`, `thinktime_spin`, `thinktime_blocks`.
+    pub thinktime: ThinkTime,
+    /// Flush after this many writes (fio `fsync`; 0: never).
+    pub fsync: u32,
+    /// The same for `fdatasync` (a flush here too: no metadata to skip).
+    pub fdatasync: u32,
+    /// Flush once when the job's writes are done (fio `end_fsync`).
+    pub end_fsync: bool,
+    /// Percent of verified blocks trimmed before the read-back (fio
+    /// `trim_percentage`, with `trim_backlog`): they must read back as
+    /// anything, so the verify skips them.
+    pub trim_percentage: u32,
+    /// When this job ends, stop every other job (fio `exitall`).
+    pub exitall: bool,
+    /// `flow`, `flow_id`, `flow_sleep`.
+    pub flow: FlowSpec,
+    /// `steadystate`, `ss_dur`, `ss_ramp`: end the job once steady.
+    pub steadystate: Option<SteadyState>,
+    /// `latency_target`, `latency_window`, `latency_percentile`.
+    pub latency_target: Option<LatencyTarget>,
+    /// Report total-latency percentiles (fio `lat_percentiles`): in
+    /// process the submission latency is part of the completion latency,
+    /// so the two lists are the same.
+    pub lat_percentiles: bool,
+    /// What written buffers hold.
+    pub buffers: BufferSpec,
+    /// `verify_pattern` bytes (for `verify=pattern`, and after the header
+    /// of the checksummed modes when given).
+    pub verify_pattern: Vec<u8>,
+    /// Read back and check every this many writes as the job runs (fio
+    /// `verify_backlog`; 0: only after the writes).
+    pub verify_backlog: u64,
+    /// Verify unit (fio `verify_interval`); default the smallest block.
+    pub verify_interval: Option<u64>,
+    /// `write_bw_log`, `write_lat_log`, `write_iops_log`, `log_avg_msec`.
+    pub logs: LogSpec,
+    /// Nice value of the job's threads (fio `nice`).
+    pub nice: i32,
+    /// The `ioengine` the job file named (shown in the header line; the
+    /// engine is always blkstack's own).
+    pub ioengine: String,
+    /// The job's file size (fio `filesize`): with one device per job, the
+    /// region the job covers, `size` then bounding the I/O done.
+    pub filesize: Option<SizeSpec>,
+    /// `zonemode=strided`: `(zonesize, zonerange, zoneskip)`; sequential
+    /// I/O does `zonesize` bytes per zone, then moves `zoneskip` past the
+    /// zone's `zonerange`.
+    pub strided_zones: Option<(u64, u64, u64)>,
+    /// `zonemode=zbd`: emulated sequential-write-required zones of
+    /// `zonesize` (the first field of `strided_zones`).
+    pub zbd: bool,
+    /// `max_open_zones` (0: no limit).
+    pub max_open_zones: u32,
+    /// `read_beyond_wp`: reads may go past a zone's write pointer.
+    pub read_beyond_wp: bool,
+    /// Start only once the job of this name has finished (fio `wait_for`).
+    pub wait_for: Option<String>,
+    /// Options accepted that have no counterpart in process (engine and
+    /// OS tuning), named in the job's header line as fio options that do
+    /// not apply here.
+    pub not_applicable: Vec<String>,
 }
 
 impl Default for JobSpec {
@@ -291,289 +491,58 @@ impl Default for JobSpec {
             stonewall: false,
             new_group: false,
             cpus_allowed: None,
+            bs_dir: [None, None],
+            rw_modifier: RwModifier::None,
+            blockalign: None,
+            bs_unaligned: false,
+            distribution: Distribution::Random,
+            percentage_random: 100,
+            number_ios: None,
+            startdelay: Duration::ZERO,
+            rate: RateSpec::default(),
+            thinktime: ThinkTime::default(),
+            fsync: 0,
+            fdatasync: 0,
+            end_fsync: false,
+            trim_percentage: 0,
+            exitall: false,
+            flow: FlowSpec::default(),
+            steadystate: None,
+            latency_target: None,
+            lat_percentiles: false,
+            buffers: BufferSpec::default(),
+            verify_pattern: Vec::new(),
+            verify_interval: None,
+            verify_backlog: 0,
+            logs: LogSpec::default(),
+            nice: 0,
+            ioengine: "psync".to_string(),
+            filesize: None,
+            strided_zones: None,
+            zbd: false,
+            max_open_zones: 0,
+            read_beyond_wp: false,
+            wait_for: None,
+            not_applicable: Vec::new(),
         }
-    }
-}
-
-/// Keys fio accepts that change nothing for an in-process run: the engine is
-/// always blkstack's, there is no page cache to bypass, and jobs are always
-/// threads.
-const IGNORED_KEYS: &[&str] = &[
-    "ioengine",
-    "direct",
-    "buffered",
-    "thread",
-    "invalidate",
-    "description",
-    "iodepth_batch",
-    "iodepth_batch_submit",
-    "iodepth_batch_complete",
-    "iodepth_batch_complete_min",
-    "iodepth_batch_complete_max",
-    "iodepth_low",
-    "unified_rw_reporting",
-    "disable_slat",
-    "gtod_reduce",
-    "clat_percentiles",
-    "kb_base",
-    "unit_base",
-    "allow_file_create",
-    "fallocate",
-    "create_on_open",
-    "random_generator",
-];
-
-/// fio options that change what is measured but that blkstack bench does
-/// not implement: refused with a message saying so, never ignored.
-const UNSUPPORTED_KEYS: &[&str] = &[
-    "lat_percentiles",
-    "slat_percentiles",
-    "rate",
-    "rate_iops",
-    "rate_min",
-    "rate_iops_min",
-    "thinktime",
-    "bsrange",
-    "blocksize_range",
-    "blockalign",
-    "verify_backlog",
-    "verify_interval",
-    "verify_pattern",
-    "verify_offset",
-    "verify_only",
-    "fsync",
-    "fdatasync",
-    "end_fsync",
-    "zonemode",
-    "zonesize",
-    "random_distribution",
-    "nrfiles",
-    "filesize",
-    "trim_percentage",
-];
-
-/// What went wrong applying one key.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyError {
-    pub key: String,
-    pub message: String,
-}
-
-impl fmt::Display for KeyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "option '{}': {}", self.key, self.message)
-    }
-}
-
-impl std::error::Error for KeyError {}
-
-fn key_err(key: &str, message: impl Into<String>) -> KeyError {
-    KeyError {
-        key: key.to_string(),
-        message: message.into(),
     }
 }
 
 impl JobSpec {
-    /// Set one fio option. `value` is `None` for a bare key (`time_based`).
-    pub fn apply(&mut self, key: &str, value: Option<&str>) -> Result<(), KeyError> {
-        let key_norm = key.trim().to_ascii_lowercase();
-        let key = key_norm.as_str();
-        let need = |v: Option<&str>| -> Result<String, KeyError> {
-            match v.map(str::trim) {
-                Some(s) if !s.is_empty() => Ok(s.to_string()),
-                _ => Err(key_err(key, "needs a value")),
-            }
-        };
-        let bool_of = |v: Option<&str>| -> Result<bool, KeyError> {
-            match v.map(str::trim) {
-                None | Some("") => Ok(true),
-                Some(s) => parse_bool(s).ok_or_else(|| {
-                    key_err(
-                        key,
-                        format!("'{s}' is not a boolean (0/1, true/false, yes/no, on/off)"),
-                    )
-                }),
-            }
-        };
-        let wrap = |r: Result<u64, String>| r.map_err(|m| key_err(key, m));
-        match key {
-            "name" => self.name = need(value)?,
-            "filename" => {
-                let v = need(value)?;
-                if v.contains(':') {
-                    return Err(key_err(
-                        key,
-                        format!("'{v}': one device per job (fio's ':'-separated file lists are not supported)"),
-                    ));
-                }
-                self.filename = Some(v);
-            }
-            "rw" | "readwrite" => {
-                let v = need(value)?;
-                // fio allows `rw=randread:8` (offset modifier); not supported.
-                self.rw = RwMode::parse(&v).ok_or_else(|| {
-                    key_err(
-                        key,
-                        format!("'{v}' is not one of read, write, randread, randwrite, rw, readwrite, randrw"),
-                    )
-                })?;
-            }
-            "bs" | "blocksize" => {
-                let v = need(value)?;
-                // fio allows `bs=4k,8k` (read,write); one size for both here.
-                if v.contains(',') {
-                    return Err(key_err(
-                        key,
-                        format!("'{v}': per-direction block sizes are not supported"),
-                    ));
-                }
-                let b = wrap(parse_size(&v))?;
-                if b == 0 {
-                    return Err(key_err(key, "block size must be greater than 0"));
-                }
-                self.bs = BlockSizes::single(b);
-            }
-            "bssplit" => {
-                let v = need(value)?;
-                self.bs = parse_bssplit(&v).map_err(|m| key_err(key, m))?;
-            }
-            "iodepth" => {
-                let d = wrap(parse_int(&need(value)?))?;
-                if d == 0 || d > 65536 {
-                    return Err(key_err(key, format!("{d} is outside 1..65536")));
-                }
-                self.iodepth = d as u32;
-            }
-            "numjobs" => {
-                let n = wrap(parse_int(&need(value)?))?;
-                if n == 0 || n > 4096 {
-                    return Err(key_err(key, format!("{n} is outside 1..4096")));
-                }
-                self.numjobs = n as u32;
-            }
-            "runtime" | "timeout" => {
-                let d =
-                    parse_time(&need(value)?, TimeUnit::Seconds).map_err(|m| key_err(key, m))?;
-                self.runtime = if d.is_zero() { None } else { Some(d) };
-            }
-            "ramp_time" => {
-                self.ramp_time =
-                    parse_time(&need(value)?, TimeUnit::Seconds).map_err(|m| key_err(key, m))?;
-            }
-            "time_based" => self.time_based = bool_of(value)?,
-            "size" => {
-                self.size = Some(parse_size_spec(&need(value)?).map_err(|m| key_err(key, m))?)
-            }
-            "io_size" | "io_limit" => {
-                self.io_size = Some(parse_size_spec(&need(value)?).map_err(|m| key_err(key, m))?)
-            }
-            "offset" => {
-                self.offset = parse_size_spec(&need(value)?).map_err(|m| key_err(key, m))?
-            }
-            "offset_increment" => {
-                self.offset_increment =
-                    parse_size_spec(&need(value)?).map_err(|m| key_err(key, m))?
-            }
-            "loops" => {
-                let n = wrap(parse_int(&need(value)?))?;
-                if n == 0 {
-                    return Err(key_err(key, "must be at least 1"));
-                }
-                self.loops = n.min(u32::MAX as u64) as u32;
-            }
-            "rwmixread" => {
-                let n = wrap(parse_int(&need(value)?))?;
-                if n > 100 {
-                    return Err(key_err(key, format!("{n} is not a percentage (0..100)")));
-                }
-                self.rwmixread = n as u32;
-            }
-            "rwmixwrite" => {
-                let n = wrap(parse_int(&need(value)?))?;
-                if n > 100 {
-                    return Err(key_err(key, format!("{n} is not a percentage (0..100)")));
-                }
-                self.rwmixread = 100 - n as u32;
-            }
-            "norandommap" => self.norandommap = bool_of(value)?,
-            "randrepeat" => self.randrepeat = bool_of(value)?,
-            "randseed" => self.randseed = wrap(parse_int(&need(value)?))?,
-            "verify" => {
-                let v = need(value)?;
-                self.verify = match v.as_str() {
-                    "0" | "none" => VerifyMode::None,
-                    "crc32c" | "crc32c-intel" => VerifyMode::Crc32c,
-                    other => {
-                        return Err(key_err(
-                            key,
-                            format!("'{other}' is not supported (use crc32c or none)"),
-                        ))
-                    }
-                };
-            }
-            "do_verify" => self.do_verify = bool_of(value)?,
-            "verify_fatal" => self.verify_fatal = bool_of(value)?,
-            "continue_on_error" => {
-                let v = value.map(str::trim).unwrap_or("all");
-                self.continue_on_error = match v {
-                    "none" | "0" => false,
-                    "read" | "write" | "io" | "verify" | "all" | "1" => true,
-                    other => {
-                        return Err(key_err(
-                            key,
-                            format!("'{other}' is not one of none, read, write, io, verify, all"),
-                        ))
-                    }
-                };
-            }
-            "wait" => {
-                let v = need(value)?;
-                self.wait = WaitMode::parse(&v).ok_or_else(|| {
-                    key_err(key, format!("'{v}' is not one of interrupt, poll, hybrid"))
-                })?;
-            }
-            "hybrid_sleep_pct" => {
-                let v = need(value)?;
-                match v.parse::<u32>() {
-                    Ok(p) if (1..=100).contains(&p) => self.hybrid_sleep_pct = p,
-                    _ => {
-                        return Err(key_err(
-                            key,
-                            format!("'{v}' is not a percentage in 1..=100"),
-                        ))
-                    }
-                }
-            }
-            "hybrid_estimator" => {
-                let v = need(value)?;
-                self.hybrid_estimator = match v.as_str() {
-                    "min" => HybridEstimator::Min,
-                    "ewma" => HybridEstimator::Ewma,
-                    _ => return Err(key_err(key, format!("'{v}' is not one of min, ewma"))),
-                };
-            }
-            "percentile_list" => {
-                let v = need(value)?;
-                self.percentile_list = parse_percentile_list(&v).map_err(|m| key_err(key, m))?;
-            }
-            "group_reporting" => self.group_reporting = bool_of(value)?,
-            "stonewall" | "wait_for_previous" => self.stonewall = bool_of(value)?,
-            "new_group" => self.new_group = bool_of(value)?,
-            "cpus_allowed" => {
-                let v = need(value)?;
-                self.cpus_allowed = Some(parse_cpu_list(&v).map_err(|m| key_err(key, m))?);
-            }
-            k if IGNORED_KEYS.contains(&k) => {}
-            k if UNSUPPORTED_KEYS.contains(&k) => {
-                return Err(key_err(
-                    key,
-                    "is a fio option blkstack bench does not implement",
-                ))
-            }
-            _ => return Err(key_err(key, "unknown option")),
+    /// The block sizes of direction `dir` (0 read, 1 write, 2 trim).
+    pub fn bs_for(&self, dir: usize) -> &BlockSizes {
+        match dir {
+            1 | 2 => self.bs_dir[dir - 1].as_ref().unwrap_or(&self.bs),
+            _ => &self.bs,
         }
-        Ok(())
+    }
+
+    /// Smallest and largest block size over every direction.
+    pub fn bs_bounds(&self) -> (u64, u64) {
+        let all = std::iter::once(&self.bs).chain(self.bs_dir.iter().flatten());
+        all.fold((u64::MAX, 0), |(lo, hi), b| {
+            (lo.min(b.min()), hi.max(b.max()))
+        })
     }
 
     /// Bytes of I/O the job does when not time based, given its region.
@@ -583,301 +552,9 @@ impl JobSpec {
     }
 }
 
-/// fio's boolean spellings.
-pub fn parse_bool(s: &str) -> Option<bool> {
-    match s.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Some(true),
-        "0" | "false" | "no" | "off" => Some(false),
-        _ => None,
-    }
-}
-
-/// A plain integer, decimal or `0x` hex.
-pub fn parse_int(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let r = if let Some(h) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
-        u64::from_str_radix(h, 16)
-    } else {
-        t.parse::<u64>()
-    };
-    r.map_err(|_| format!("'{s}' is not a non-negative integer"))
-}
-
-/// A byte count with fio's suffixes: `k`, `m`, `g`, `t`, `p` (optionally
-/// followed by `b`/`ib`, any case) in powers of 1024; a trailing `b` alone
-/// means bytes.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let digits_end = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'x' || c == 'X'))
-        .unwrap_or(t.len());
-    let (num, suffix) = t.split_at(digits_end);
-    if num.is_empty() {
-        return Err(format!("'{s}' is not a size (e.g. 4096, 4k, 1m, 2g)"));
-    }
-    let mult: u64 = match suffix.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        "p" | "pb" | "pib" => 1 << 50,
-        other => {
-            return Err(format!(
-                "'{s}': unknown size suffix '{other}' (use k, m, g, t, p)"
-            ))
-        }
-    };
-    if num.contains('.') {
-        let f: f64 = num
-            .parse()
-            .map_err(|_| format!("'{s}' is not a size (e.g. 4096, 4k, 1m, 2g)"))?;
-        let v = f * mult as f64;
-        if !(0.0..1.8e19).contains(&v) {
-            return Err(format!("'{s}' is out of range"));
-        }
-        return Ok(v as u64);
-    }
-    let n = parse_int(num).map_err(|_| format!("'{s}' is not a size (e.g. 4096, 4k, 1m, 2g)"))?;
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("'{s}' is out of range"))
-}
-
-/// A size or a percentage of the device (`size=50%`).
-pub fn parse_size_spec(s: &str) -> Result<SizeSpec, String> {
-    let t = s.trim();
-    if let Some(p) = t.strip_suffix('%') {
-        let v: f64 = p
-            .trim()
-            .parse()
-            .map_err(|_| format!("'{s}' is not a percentage"))?;
-        if !(v > 0.0 && v <= 100.0) {
-            return Err(format!("'{s}': a percentage must be in (0, 100]"));
-        }
-        return Ok(SizeSpec::Percent(v));
-    }
-    parse_size(t).map(SizeSpec::Bytes)
-}
-
-/// The unit a bare number of a time option is in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TimeUnit {
-    Seconds,
-    Micros,
-}
-
-/// A duration with fio's suffixes (`us`/`usec`, `ms`/`msec`, `s`/`sec`,
-/// `m`/`min`, `h`, `d`); a bare number is in `bare` units.
-pub fn parse_time(s: &str, bare: TimeUnit) -> Result<Duration, String> {
-    let t = s.trim();
-    let digits_end = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, suffix) = t.split_at(digits_end);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a time (e.g. 10, 10s, 500ms, 2m)"))?;
-    let ns_per: f64 = match suffix.to_ascii_lowercase().as_str() {
-        "" => match bare {
-            TimeUnit::Seconds => 1e9,
-            TimeUnit::Micros => 1e3,
-        },
-        "ns" | "nsec" => 1.0,
-        "us" | "usec" => 1e3,
-        "ms" | "msec" => 1e6,
-        "s" | "sec" => 1e9,
-        "m" | "min" => 60e9,
-        "h" | "hour" => 3600e9,
-        "d" | "day" => 86400e9,
-        other => {
-            return Err(format!(
-                "'{s}': unknown time unit '{other}' (use us, ms, s, m, h, d)"
-            ))
-        }
-    };
-    let ns = v * ns_per;
-    if !(0.0..1.8e19).contains(&ns) {
-        return Err(format!("'{s}' is out of range"));
-    }
-    Ok(Duration::from_nanos(ns as u64))
-}
-
-/// The most CPUs a `cpus_allowed` list may name (glibc's `CPU_SETSIZE`).
-pub const MAX_CPU: usize = 1024;
-
-/// fio's `cpus_allowed=0-3,6`: CPU numbers and inclusive ranges, comma
-/// separated; returned sorted, without duplicates.
-pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
-    let num = |t: &str| -> Result<usize, String> {
-        let n: usize = t
-            .trim()
-            .parse()
-            .map_err(|_| format!("'{t}' is not a CPU number"))?;
-        if n >= MAX_CPU {
-            return Err(format!("CPU {n} is out of range (at most {})", MAX_CPU - 1));
-        }
-        Ok(n)
-    };
-    let mut cpus = Vec::new();
-    for part in s.split(',').map(str::trim) {
-        if part.is_empty() {
-            return Err(format!("'{s}': empty entry in the CPU list"));
-        }
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b) = (num(a)?, num(b)?);
-                if a > b {
-                    return Err(format!("'{part}': a range must go up"));
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(num(part)?),
-        }
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Ok(cpus)
-}
-
-/// fio's `percentile_list=50:99:99.9`: at most 20 values in (0, 100],
-/// reported in ascending order.
-pub fn parse_percentile_list(s: &str) -> Result<Vec<f64>, String> {
-    let mut list = Vec::new();
-    for part in s.split(':').map(str::trim).filter(|p| !p.is_empty()) {
-        let v: f64 = part
-            .parse()
-            .map_err(|_| format!("'{part}' is not a number"))?;
-        if !(v > 0.0 && v <= 100.0) {
-            return Err(format!("{part} is not a percentile in (0, 100]"));
-        }
-        list.push(v);
-    }
-    if list.is_empty() || list.len() > 20 {
-        return Err(format!("'{s}': give 1 to 20 percentiles separated by ':'"));
-    }
-    list.sort_by(f64::total_cmp);
-    Ok(list)
-}
-
-/// fio's `bssplit=4k/50:64k/50`. A size without a percentage shares what
-/// the others leave, as in fio.
-pub fn parse_bssplit(s: &str) -> Result<BlockSizes, String> {
-    if s.contains(',') {
-        return Err(format!(
-            "'{s}': per-direction bssplit lists are not supported (one list for reads and writes)"
-        ));
-    }
-    let mut split = Vec::new();
-    let mut open = Vec::new();
-    let mut total = 0u32;
-    for part in s.split(':').map(str::trim).filter(|p| !p.is_empty()) {
-        let (size_text, pct) = match part.split_once('/') {
-            Some((a, b)) => (a, Some(b)),
-            None => (part, None),
-        };
-        let size = parse_size(size_text)?;
-        if size == 0 {
-            return Err(format!("'{part}': block size must be greater than 0"));
-        }
-        match pct {
-            Some(p) => {
-                let p = p
-                    .trim()
-                    .parse::<u32>()
-                    .map_err(|_| format!("'{part}': '{p}' is not a whole percentage"))?;
-                total += p;
-                if p > 0 {
-                    split.push((size, p));
-                }
-            }
-            None => open.push(size),
-        }
-    }
-    if total > 100 {
-        return Err(format!(
-            "'{s}': percentages add up to {total}, more than 100"
-        ));
-    }
-    if !open.is_empty() {
-        let left = 100 - total;
-        let n = open.len() as u32;
-        for (i, size) in open.into_iter().enumerate() {
-            // Spread the remainder so the shares still sum to 100.
-            let share = left / n + u32::from((i as u32) < left % n);
-            if share > 0 {
-                split.push((size, share));
-            }
-        }
-    } else if total != 100 {
-        return Err(format!("'{s}': percentages add up to {total}, not 100"));
-    }
-    if split.is_empty() {
-        return Err(format!("'{s}': no block size with a non-zero share"));
-    }
-    Ok(BlockSizes { split })
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_follow_fio_suffixes() {
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("4k").unwrap(), 4096);
-        assert_eq!(parse_size("4K").unwrap(), 4096);
-        assert_eq!(parse_size("4KiB").unwrap(), 4096);
-        assert_eq!(parse_size("1m").unwrap(), 1 << 20);
-        assert_eq!(parse_size("2g").unwrap(), 2 << 30);
-        assert_eq!(parse_size("1.5k").unwrap(), 1536);
-        assert_eq!(parse_size("0x1000").unwrap(), 4096);
-        assert!(parse_size("4q").unwrap_err().contains("suffix 'q'"));
-        assert!(parse_size("k").is_err());
-        assert_eq!(parse_size_spec("50%").unwrap(), SizeSpec::Percent(50.0));
-        assert!(parse_size_spec("150%").is_err());
-        assert_eq!(SizeSpec::Percent(25.0).resolve(1 << 20), 1 << 18);
-    }
-
-    #[test]
-    fn times_take_units() {
-        assert_eq!(
-            parse_time("5", TimeUnit::Seconds).unwrap(),
-            Duration::from_secs(5)
-        );
-        assert_eq!(
-            parse_time("5s", TimeUnit::Seconds).unwrap(),
-            Duration::from_secs(5)
-        );
-        assert_eq!(
-            parse_time("1m", TimeUnit::Seconds).unwrap(),
-            Duration::from_secs(60)
-        );
-        assert_eq!(
-            parse_time("250ms", TimeUnit::Seconds).unwrap(),
-            Duration::from_millis(250)
-        );
-        assert_eq!(
-            parse_time("10us", TimeUnit::Seconds).unwrap(),
-            Duration::from_micros(10)
-        );
-        assert!(parse_time("5 parsecs", TimeUnit::Seconds).is_err());
-        assert!(parse_time("fast", TimeUnit::Seconds).is_err());
-    }
-
-    #[test]
-    fn bssplit_parses_and_checks_shares() {
-        let b = parse_bssplit("4k/50:64k/50").unwrap();
-        assert_eq!(b.split, vec![(4096, 50), (65536, 50)]);
-        assert_eq!(b.min(), 4096);
-        assert_eq!(b.max(), 65536);
-        let b = parse_bssplit("4k/10:8k:16k").unwrap();
-        assert_eq!(b.split.iter().map(|s| s.1).sum::<u32>(), 100);
-        assert!(parse_bssplit("4k/60:8k/60").unwrap_err().contains("120"));
-        assert!(parse_bssplit("4k/50:8k/30")
-            .unwrap_err()
-            .contains("not 100"));
-        assert!(parse_bssplit("4k/x").is_err());
-    }
+    use crate::spec::*;
 
     #[test]
     fn apply_sets_and_rejects() {

@@ -289,7 +289,10 @@ pub struct JobResult {
     pub error: i32,
     pub read: DirStats,
     pub write: DirStats,
+    pub trim: DirStats,
     pub depths: DepthStats,
+    /// The job ended because `steadystate` was attained.
+    pub steady_attained: bool,
     pub usr_cpu_ns: u64,
     pub sys_cpu_ns: u64,
     /// Voluntary + involuntary context switches of the job thread(s).
@@ -320,7 +323,9 @@ impl JobResult {
             error: 0,
             read: DirStats::default(),
             write: DirStats::default(),
+            trim: DirStats::default(),
             depths: DepthStats::default(),
+            steady_attained: false,
             usr_cpu_ns: 0,
             sys_cpu_ns: 0,
             ctx: 0,
@@ -357,6 +362,8 @@ impl JobResult {
         }
         self.read.merge(&o.read);
         self.write.merge(&o.write);
+        self.trim.merge(&o.trim);
+        self.steady_attained |= o.steady_attained;
         self.depths.merge(&o.depths);
         self.usr_cpu_ns += o.usr_cpu_ns;
         self.sys_cpu_ns += o.sys_cpu_ns;
@@ -409,6 +416,7 @@ pub struct GroupStats {
     pub groupid: u32,
     pub read: GroupDir,
     pub write: GroupDir,
+    pub trim: GroupDir,
 }
 
 impl GroupStats {
@@ -421,12 +429,16 @@ impl GroupStats {
             groupid,
             ..GroupStats::default()
         };
-        for gd in [&mut g.read, &mut g.write] {
+        for gd in [&mut g.read, &mut g.write, &mut g.trim] {
             gd.min_bw = u64::MAX;
             gd.min_run_ms = u64::MAX;
         }
         for t in threads {
-            for (gd, d) in [(&mut g.read, &t.read), (&mut g.write, &t.write)] {
+            for (gd, d) in [
+                (&mut g.read, &t.read),
+                (&mut g.write, &t.write),
+                (&mut g.trim, &t.trim),
+            ] {
                 let run = d.runtime_ms();
                 if run == 0 {
                     continue;
@@ -439,7 +451,7 @@ impl GroupStats {
                 gd.io_bytes += d.io_bytes;
             }
         }
-        for gd in [&mut g.read, &mut g.write] {
+        for gd in [&mut g.read, &mut g.write, &mut g.trim] {
             if gd.max_run_ms == 0 {
                 *gd = GroupDir::default();
             } else {

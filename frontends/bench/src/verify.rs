@@ -1,4 +1,7 @@
-//! Data verification as fio's `verify=crc32c` does it.
+//! Data verification as fio's `verify=crc32c` does it: the unit header,
+//! the per-unit write log and the failure descriptions
+//! ([`crate::verify_algo`] adds fio's other checksums, `meta` and
+//! `pattern` on the same header).
 //!
 //! Every written block (a "unit": the smallest block size of the job, fio's
 //! `verify_interval` default) starts with a header naming what should be
@@ -54,6 +57,28 @@ fn unit_crc(unit: &[u8]) -> u32 {
     crc32c::crc32c_append(crc32c::crc32c(&unit[..CRC_AT]), &unit[HEADER_LEN..])
 }
 
+/// The header's crc32c: over header and data (`whole`), or the header only
+/// (when a digest of the data follows it).
+fn header_crc(unit: &[u8], whole: bool) -> u32 {
+    if whole {
+        unit_crc(unit)
+    } else {
+        crc32c::crc32c(&unit[..CRC_AT])
+    }
+}
+
+/// Write the header of a unit whose data (and digest) are in place.
+pub fn write_header(unit: &mut [u8], offset: u64, seq: u64, kind: u32, whole_crc: bool) {
+    let len = unit.len();
+    unit[0..4].copy_from_slice(&VERIFY_MAGIC.to_le_bytes());
+    unit[4..8].copy_from_slice(&(len as u32).to_le_bytes());
+    unit[8..16].copy_from_slice(&offset.to_le_bytes());
+    unit[16..24].copy_from_slice(&seq.to_le_bytes());
+    unit[24..28].copy_from_slice(&kind.to_le_bytes());
+    let crc = header_crc(unit, whole_crc);
+    unit[CRC_AT..HEADER_LEN].copy_from_slice(&crc.to_le_bytes());
+}
+
 fn le32(b: &[u8]) -> u32 {
     u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
@@ -86,6 +111,16 @@ pub enum VerifyFailure {
         found: u32,
         computed: u32,
     },
+    /// The data's digest (`verify=md5|sha256|...`) does not match.
+    BadDigest {
+        algo: &'static str,
+    },
+    /// `verify=pattern`: byte `at` differs.
+    BadPattern {
+        at: usize,
+        found: u8,
+        wanted: u8,
+    },
 }
 
 impl VerifyFailure {
@@ -107,6 +142,10 @@ impl VerifyFailure {
             VerifyFailure::BadCrc { found, computed } => {
                 format!("bad crc32c {found:08x}, computed {computed:08x}")
             }
+            VerifyFailure::BadDigest { algo } => format!("bad {algo} digest"),
+            VerifyFailure::BadPattern { at, found, wanted } => {
+                format!("bad pattern at byte {at}: {found:02x}, wanted {wanted:02x}")
+            }
         };
         format!("verify: {what} at file {device} offset {offset}, length {len}")
     }
@@ -121,6 +160,17 @@ impl fmt::Display for VerifyFailure {
 /// Check one unit read back from `offset`. `want_seq` is the write that
 /// should be there, or `None` when any intact header will do.
 pub fn check_unit(unit: &[u8], offset: u64, want_seq: Option<u64>) -> Result<(), VerifyFailure> {
+    unit_header(unit, offset, want_seq, true)
+}
+
+/// Check a unit's header (magic, length, offset, crc32c, write number);
+/// `whole_crc` as in [`write_header`].
+pub fn unit_header(
+    unit: &[u8],
+    offset: u64,
+    want_seq: Option<u64>,
+    whole_crc: bool,
+) -> Result<(), VerifyFailure> {
     let magic = le32(&unit[0..4]);
     if magic != VERIFY_MAGIC {
         return Err(VerifyFailure::BadMagic { found: magic });
@@ -137,7 +187,7 @@ pub fn check_unit(unit: &[u8], offset: u64, want_seq: Option<u64>) -> Result<(),
         return Err(VerifyFailure::BadOffset { found: off });
     }
     let stored = le32(&unit[CRC_AT..HEADER_LEN]);
-    let computed = unit_crc(unit);
+    let computed = header_crc(unit, whole_crc);
     if stored != computed {
         return Err(VerifyFailure::BadCrc {
             found: stored,
@@ -156,30 +206,40 @@ pub fn check_unit(unit: &[u8], offset: u64, want_seq: Option<u64>) -> Result<(),
     Ok(())
 }
 
-/// Per-unit record of the last completed write (0 = never written).
+/// Per-unit record of the last completed write (0 = never written): a
+/// dense array for regions up to [`DENSE_UNITS`] units, beyond that an
+/// ordered map of the units written, like fio's `io_hist` tree, so a job
+/// over a large device logs only what it wrote.
 pub struct WriteLog {
     pub start: u64,
     pub unit: u64,
-    seqs: Vec<u64>,
+    units: u64,
+    seqs: Seqs,
     next_seq: u64,
 }
 
-/// Refuse logs past this many units (8 bytes each: 2 GiB of log).
-const MAX_UNITS: u64 = 1 << 28;
+enum Seqs {
+    Dense(Vec<u64>),
+    Sparse(std::collections::BTreeMap<u64, u64>),
+}
+
+/// Regions of more units than this (8 bytes each: 256 MiB of log) keep a
+/// sparse log.
+const DENSE_UNITS: u64 = 1 << 25;
 
 impl WriteLog {
     pub fn new(start: u64, len: u64, unit: u64) -> anyhow::Result<WriteLog> {
         let units = len / unit;
-        if units > MAX_UNITS {
-            anyhow::bail!(
-                "verify over {len} bytes in {unit}-byte blocks needs a log of {units} entries; \
-                 use a smaller size= or a larger block size"
-            );
-        }
+        let seqs = if units > DENSE_UNITS {
+            Seqs::Sparse(Default::default())
+        } else {
+            Seqs::Dense(vec![0; units as usize])
+        };
         Ok(WriteLog {
             start,
             unit,
-            seqs: vec![0; units as usize],
+            units,
+            seqs,
             next_seq: 1,
         })
     }
@@ -202,30 +262,45 @@ impl WriteLog {
     pub fn written(&mut self, offset: u64, len: u64, seq: u64) {
         let first = self.index(offset);
         let n = (len / self.unit) as usize;
-        for s in &mut self.seqs[first..first + n] {
-            *s = seq;
+        match &mut self.seqs {
+            Seqs::Dense(v) => v[first..first + n].fill(seq),
+            Seqs::Sparse(m) => {
+                for i in first as u64..(first + n) as u64 {
+                    if seq == 0 {
+                        m.remove(&i);
+                    } else {
+                        m.insert(i, seq);
+                    }
+                }
+            }
         }
     }
 
     pub fn seq_at(&self, idx: usize) -> u64 {
-        self.seqs[idx]
+        match &self.seqs {
+            Seqs::Dense(v) => v[idx],
+            Seqs::Sparse(m) => m.get(&(idx as u64)).copied().unwrap_or(0),
+        }
     }
 
     pub fn units(&self) -> usize {
-        self.seqs.len()
+        self.units as usize
+    }
+
+    /// The first written unit at or after `from`.
+    fn next_written(&self, from: usize) -> Option<usize> {
+        match &self.seqs {
+            Seqs::Dense(v) => (from..v.len()).find(|&i| v[i] != 0),
+            Seqs::Sparse(m) => m.range(from as u64..).next().map(|(&i, _)| i as usize),
+        }
     }
 
     /// The next run of written units at or after `*cursor`, at most
     /// `max_units` long: `(offset, len)` to read back. Advances the cursor.
     pub fn next_run(&self, cursor: &mut usize, max_units: usize) -> Option<(u64, u64)> {
-        while *cursor < self.seqs.len() && self.seqs[*cursor] == 0 {
-            *cursor += 1;
-        }
-        if *cursor >= self.seqs.len() {
-            return None;
-        }
-        let first = *cursor;
-        while *cursor < self.seqs.len() && self.seqs[*cursor] != 0 && *cursor - first < max_units {
+        let first = self.next_written(*cursor)?;
+        *cursor = first;
+        while *cursor < self.units() && self.seq_at(*cursor) != 0 && *cursor - first < max_units {
             *cursor += 1;
         }
         Some((

@@ -264,3 +264,78 @@ fn ctrl_c_stops_the_jobs_and_still_reports() {
     assert!(runtime < 30_000, "stopped early, ran {runtime} ms");
     assert!(v["jobs"][0]["read"]["total_ios"].as_u64().unwrap() > 0);
 }
+
+/// fio's `filename=/dev/NAME` names the stack's device NAME; engine tuning
+/// is accepted and named in the header line; `hipri` is polled
+/// completion; a misspelt option is an error naming it.
+#[test]
+fn dev_names_engine_options_and_misspellings() {
+    let out = bench(&[
+        "--concise",
+        "m0,,,rw,0 65536 memory;m1,,,rw,0 65536 memory",
+        "--eta=never",
+        "--name=x",
+        "--filename=/dev/m0",
+        "--rw=randwrite",
+        "--ioengine=io_uring",
+        "--sqthread_poll",
+        "--fixedbufs",
+        "--hipri",
+        "--number_ios=100",
+        "--output-format=normal,json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let header = text.lines().next().unwrap_or("");
+    assert!(
+        header.contains("ioengine=blkstack(io_uring)")
+            && header.contains("not applicable: sqthread_poll fixedbufs")
+            && header.contains("wait=poll"),
+        "{header}"
+    );
+    let json = &text[text.find("{\n").expect("json after the normal report")..];
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(v["jobs"][0]["device"], "m0");
+    assert_eq!(v["jobs"][0]["write"]["total_ios"], 100, "number_ios=100");
+    let bad = bench(&[
+        "--concise",
+        "m0,,,rw,0 2048 memory",
+        "--name=x",
+        "--bsize=4k",
+    ]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--bsize: unknown option"), "{err}");
+}
+
+/// `--status-interval` prints fio-shaped progress blocks while jobs run.
+#[test]
+fn status_interval_reports_while_running() {
+    let out = bench(&[
+        "--concise",
+        "m0,,,rw,0 65536 memory",
+        "--eta=never",
+        "--name=s",
+        "--rw=randread",
+        "--runtime=1",
+        "--time_based",
+        "--status-interval=250ms",
+        "--output-format=json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let blocks = text.matches("s: (groupid=0, jobs=1): err= 0").count();
+    assert!(
+        (2..=5).contains(&blocks),
+        "{blocks} status blocks in a second:\n{text}"
+    );
+    assert!(text.contains("  read: IOPS="));
+}

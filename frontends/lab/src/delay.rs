@@ -159,7 +159,7 @@ fn measure(
 /// how late the wakes came (p50, p90, p99, ns). Hybrid at QD1 sleeps
 /// twice per I/O: the delay worker and the bench job thread.
 fn sleep_wake_floor(n: usize) -> (f64, [f64; 3]) {
-    blkstack_core::clock::set_thread_timer_slack_ns(1);
+    blkstack_core::timing::prepare_precise_thread();
     let mut late = Vec::with_capacity(n);
     let costs: Vec<f64> = (0..n)
         .map(|_| {
@@ -222,7 +222,7 @@ fn wake_floor(cross: bool, n: usize) -> Option<([f64; 2], f64)> {
         // pin every bench job it starts later.
         let worker = s.spawn(|| {
             pin(0);
-            blkstack_core::clock::set_thread_timer_slack_ns(1);
+            blkstack_core::timing::prepare_precise_thread();
             let c0 = blkstack_core::cpu::thread_cpu();
             for i in 1..=n {
                 blkstack_core::clock::sleep_ns(1_000_000);
