@@ -1414,7 +1414,7 @@ mod tests {
             .collect()
     }
 
-    /// Seed 003's nested completion: completion A is between its first
+    /// The nested completion the upstream counter change was made for: completion A is between its first
     /// atomic step and the end of its wakeup when completion B arrives.
     /// Returns how many of two waiters were woken by two completions.
     fn nested_completion(algo: WakeupAlgo) -> (usize, SbqStats) {

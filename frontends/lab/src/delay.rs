@@ -97,7 +97,7 @@ impl Run {
 }
 
 /// Upstream's figures (beaglebone black, one core, HZ=1000, fio psync
-/// QD1): (rw, delay ms, theoretical, previous, kthread) IOPS. The seed
+/// QD1): (rw, delay ms, theoretical, previous, kthread) IOPS. The patch
 /// prints 1000 as the theoretical maximum of its 10 ms read, a slip for
 /// 100.
 const SEED: [(&str, u32, u32, u32, u32); 4] = [
