@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Default bound of a reader's busy-poll (see `spin.rs`).
 pub const DEFAULT_POLL_NS: u64 = 50_000;
@@ -250,7 +251,10 @@ impl Server {
     }
 
     /// No new connections, no new requests, in-flight ones answered, and
-    /// every writable export flushed.
+    /// every writable export flushed — each step bounded by
+    /// [`STOP_GRACE`], so a stop never hangs on a client or on a device
+    /// that holds its I/O (a suspended one): past the bound, sockets are
+    /// shut both ways and the connections left behind.
     fn stop_gracefully(self, live: &Live, threads: Vec<JoinHandle<()>>) {
         for (_, l) in &self.listeners {
             if let Listener::Unix(_, p) = l {
@@ -261,18 +265,69 @@ impl Server {
         for s in live.lock().values() {
             s.shutdown(std::net::Shutdown::Read);
         }
-        for t in threads {
-            let _ = t.join();
+        let deadline = Instant::now() + STOP_GRACE;
+        if !join_until(threads, deadline) {
+            let stuck = live.lock();
+            tracing::warn!(
+                connections = stuck.len(),
+                "nbd: stop: requests still in flight after the grace period; disconnecting"
+            );
+            for s in stuck.values() {
+                s.shutdown(std::net::Shutdown::Both);
+            }
         }
         for e in self.exports.snapshot().iter() {
-            if !e.read_only {
-                let st = submit_and_wait(&*e.dev, Op::Flush, 0, 0, &mut []);
-                if !st.is_ok() {
-                    tracing::warn!(export = %e.name, status = %st, "nbd: flush at stop failed");
-                }
+            if !e.read_only && !flush_until(e, deadline.max(Instant::now() + FLUSH_GRACE)) {
+                tracing::warn!(export = %e.name, "nbd: stop: flush did not finish in time");
             }
         }
     }
+}
+
+/// How long a stop waits for in-flight requests before disconnecting.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// At least this long is left for each export's final flush.
+const FLUSH_GRACE: Duration = Duration::from_secs(2);
+
+/// Join `threads`, giving up at `deadline`; whether all finished.
+fn join_until(threads: Vec<JoinHandle<()>>, deadline: Instant) -> bool {
+    let mut left = threads;
+    loop {
+        let (done, rest): (Vec<_>, Vec<_>) = left.into_iter().partition(|t| t.is_finished());
+        for t in done {
+            let _ = t.join();
+        }
+        if rest.is_empty() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        left = rest;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Flush `e`'s device, waiting no later than `deadline`; whether the
+/// flush completed (a suspended device holds it: then it is abandoned).
+fn flush_until(e: &Export, deadline: Instant) -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dev = e.dev.clone();
+    let name = e.name.clone();
+    let spawned = std::thread::Builder::new()
+        .name("nbd-stop-flush".into())
+        .spawn(move || {
+            let st = submit_and_wait(&*dev, Op::Flush, 0, 0, &mut []);
+            if !st.is_ok() {
+                tracing::warn!(export = %name, status = %st, "nbd: flush at stop failed");
+            }
+            let _ = tx.send(());
+        });
+    if spawned.is_err() {
+        return false;
+    }
+    rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .is_ok()
 }
 
 /// The connections being served, by id (the graceful stop shuts them).
