@@ -19,6 +19,7 @@ pub mod conn;
 /// Live control (blkstack-control): runtime export/unexport.
 pub mod control;
 pub mod export;
+pub mod limits;
 pub mod proto;
 pub mod server;
 pub mod sock;
@@ -91,6 +92,18 @@ pub struct NbdArgs {
     /// resumes when it pays again.
     #[arg(long, value_name = "US", default_value_t = server::DEFAULT_POLL_NS / 1000)]
     pub poll_us: u64,
+
+    /// Most connections served at once; more are closed as soon as they
+    /// are accepted.
+    #[arg(long, value_name = "N", default_value_t = limits::DEFAULT_MAX_CONNECTIONS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_connections: usize,
+
+    /// Longest a client may take over the whole handshake (greeting to
+    /// export chosen), in seconds, however it paces its bytes.
+    #[arg(long, value_name = "SECS", default_value_t = limits::DEFAULT_HANDSHAKE_DEADLINE.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout: u64,
 }
 
 /// Parse `--export`/`--readonly` into (name, read_only) pairs.
@@ -156,6 +169,11 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     }
     let mut server = Server::bind(list, &listen)?;
     server.set_poll_ns(args.poll_us.saturating_mul(1000));
+    server.set_limits(limits::Limits {
+        max_connections: args.max_connections,
+        handshake_deadline: std::time::Duration::from_secs(args.handshake_timeout),
+        ..limits::Limits::default()
+    });
     // Live control (blkstack-control): the control socket lives as long
     // as the server runs.
     let host = control::NbdExportHost::new(server.export_table(), server.addresses(), held);

@@ -11,6 +11,7 @@
 
 use crate::conn;
 use crate::export::{Export, ExportTable};
+use crate::limits::{AcceptBackoff, Limits};
 use crate::sock::Sock;
 use crate::uri::ListenUri;
 use blkstack_core::sync::submit_and_wait;
@@ -85,6 +86,7 @@ pub struct Server {
     /// Bound of each connection reader's busy-poll before it blocks
     /// (see `spin.rs`); 0 disables polling.
     poll_ns: u64,
+    limits: Limits,
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -143,6 +145,7 @@ impl Server {
             stop_r,
             stop_w: Arc::new(stop_w),
             poll_ns: DEFAULT_POLL_NS,
+            limits: Limits::default(),
         })
     }
 
@@ -167,6 +170,11 @@ impl Server {
         self.poll_ns = ns;
     }
 
+    /// Connection cap, handshake deadline, idle trim (see `limits.rs`).
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
     pub fn stopper(&self) -> Stopper {
         Stopper {
             w: self.stop_w.clone(),
@@ -179,6 +187,7 @@ impl Server {
         let live: Live = Arc::default();
         let mut threads: Vec<JoinHandle<()>> = Vec::new();
         let mut summary = ServeSummary::default();
+        let mut backoff = AcceptBackoff::default();
         let mut pfds: Vec<libc::pollfd> = self
             .listeners
             .iter()
@@ -203,26 +212,52 @@ impl Server {
             if pfds[pfds.len() - 1].revents != 0 {
                 break;
             }
+            let mut pause = Duration::ZERO;
             for (i, (_, l)) in self.listeners.iter().enumerate() {
                 if pfds[i].revents == 0 {
                     continue;
                 }
                 let fd = match l.accept() {
                     Ok(fd) => fd,
-                    // A client that went away before accept, or a transient
-                    // shortage of fds: keep serving the others.
+                    // A client that went away before accept: keep serving.
+                    // Out of descriptors: the listener stays readable, so
+                    // wait before trying again (see limits.rs).
                     Err(e) => {
-                        tracing::warn!(error = %e, "nbd: accept failed");
+                        pause = pause.max(backoff.failed(&e));
                         continue;
                     }
                 };
+                backoff.succeeded();
+                if live.lock().len() >= self.limits.max_connections {
+                    // Closed at once: the client sees EOF before the
+                    // greeting instead of waiting in a queue.
+                    drop(fd);
+                    backoff.refused(self.limits.max_connections);
+                    continue;
+                }
                 summary.connections += 1;
                 threads.push(self.spawn_connection(summary.connections, fd, &live)?);
             }
             threads.retain(|t| !t.is_finished());
+            if !pause.is_zero() && self.wait_for_stop(pause) {
+                break;
+            }
         }
         self.stop_gracefully(&live, threads);
         Ok(summary)
+    }
+
+    /// Sleep `d` unless a stop is asked for first; whether it was.
+    fn wait_for_stop(&self, d: Duration) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.stop_r.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = d.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        r > 0 && pfd.revents != 0
     }
 
     /// Serve connection `id` on its own thread, listed in `live` while it
@@ -233,10 +268,11 @@ impl Server {
         let exports = self.exports.snapshot();
         let live = live.clone();
         let poll_ns = self.poll_ns;
+        let limits = self.limits;
         std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
-                if let Err(e) = conn::serve(sock, &exports, poll_ns) {
+                if let Err(e) = conn::serve(sock, &exports, poll_ns, &limits) {
                     if !matches!(
                         e.kind(),
                         io::ErrorKind::UnexpectedEof

@@ -333,7 +333,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let peer = std::thread::spawn(move || client(&mut RawClient::new(b)));
         let sock = Sock::new(a.into());
-        let r = handshake(&sock, &mut InBuf::new(), &[]);
+        let r = handshake(&sock, &mut InBuf::new().expect("receive buffer"), &[]);
         drop(sock);
         let _ = peer.join().unwrap();
         r
