@@ -104,6 +104,23 @@ pub struct NbdArgs {
     #[arg(long, value_name = "SECS", default_value_t = limits::DEFAULT_HANDSHAKE_DEADLINE.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_timeout: u64,
+
+    /// Permissions of the NBD Unix sockets, in octal: whoever may connect
+    /// may read and write every export.
+    #[arg(long, value_name = "OCTAL", default_value = "0600", value_parser = parse_mode)]
+    pub socket_mode: u32,
+}
+
+/// An octal file mode such as `0660`, permission bits only.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let m = u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .map_err(|_| format!("{s:?} is not an octal mode (e.g. 0600)"))?;
+    if m > 0o777 {
+        return Err(format!(
+            "{s}: only permission bits (at most 0777) are allowed"
+        ));
+    }
+    Ok(m)
 }
 
 /// Parse `--export`/`--readonly` into (name, read_only) pairs.
@@ -169,6 +186,7 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     }
     let mut server = Server::bind(list, &listen)?;
     server.set_poll_ns(args.poll_us.saturating_mul(1000));
+    server.set_socket_mode(args.socket_mode)?;
     server.set_limits(limits::Limits {
         max_connections: args.max_connections,
         handshake_deadline: std::time::Duration::from_secs(args.handshake_timeout),

@@ -89,6 +89,20 @@ pub struct Server {
     limits: Limits,
 }
 
+/// Unix sockets are private to their owner unless asked otherwise (the
+/// umask would otherwise decide, 0777 at umask 0), as the control socket.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+fn set_mode(p: &std::path::Path, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot set mode {mode:o} on {}: {e}", p.display()),
+        )
+    })
+}
+
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0 as libc::c_int; 2];
     // SAFETY: fds is a valid array of two ints.
@@ -118,6 +132,13 @@ impl Server {
                         io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"))
                     })?;
                     let bound = l.local_addr()?;
+                    if !bound.ip().is_loopback() {
+                        tracing::warn!(
+                            address = %a,
+                            "nbd: listening on a non-loopback address without TLS: \
+                             anyone who can reach it can read and write the exports"
+                        );
+                    }
                     (ListenUri::Tcp(bound), Listener::Tcp(l))
                 }
                 ListenUri::Unix(p) => {
@@ -133,6 +154,7 @@ impl Server {
                     let l = UnixListener::bind(p).map_err(|e| {
                         io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"))
                     })?;
+                    set_mode(p, DEFAULT_SOCKET_MODE)?;
                     (a.clone(), Listener::Unix(l, p.clone()))
                 }
             };
@@ -168,6 +190,17 @@ impl Server {
     /// poll, always block).
     pub fn set_poll_ns(&mut self, ns: u64) {
         self.poll_ns = ns;
+    }
+
+    /// Permissions of the Unix sockets (default [`DEFAULT_SOCKET_MODE`]):
+    /// whoever may connect may read and write every export.
+    pub fn set_socket_mode(&self, mode: u32) -> io::Result<()> {
+        for (_, l) in &self.listeners {
+            if let Listener::Unix(_, p) = l {
+                set_mode(p, mode)?;
+            }
+        }
+        Ok(())
     }
 
     /// Connection cap, handshake deadline, idle trim (see `limits.rs`).
