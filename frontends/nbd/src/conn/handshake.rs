@@ -23,6 +23,9 @@ pub(super) struct Negotiated {
     pub(super) export: usize,
     pub(super) structured: bool,
     pub(super) base_allocation: bool,
+    /// The client was told the block sizes (NBD_OPT_GO always sends
+    /// NBD_INFO_BLOCK_SIZE; NBD_OPT_EXPORT_NAME cannot).
+    pub(super) knows_block_size: bool,
 }
 
 /// Why a handshake ended without an export.
@@ -157,9 +160,10 @@ impl Haggle<'_> {
         Ok(idx)
     }
 
-    fn negotiated(&self, export: usize) -> Negotiated {
+    fn negotiated(&self, export: usize, knows_block_size: bool) -> Negotiated {
         Negotiated {
             export,
+            knows_block_size,
             structured: self.structured,
             base_allocation: matches!(self.meta, Some((i, true)) if i == export),
         }
@@ -179,7 +183,7 @@ impl Haggle<'_> {
             self.no_zeroes,
         );
         self.sock.send_all(&v)?;
-        Ok(Next::Transmit(self.negotiated(idx)))
+        Ok(Next::Transmit(self.negotiated(idx, false)))
     }
 
     /// NBD_OPT_ABORT: acknowledge (the client may already have closed;
@@ -236,15 +240,15 @@ impl Haggle<'_> {
             encode_info_string(&mut p, INFO_DESCRIPTION, &e.description);
             self.reply(opt, REP_INFO, &p)?;
         }
-        // Always sent: misaligned requests are refused, so every client
-        // must learn the minimum (they all honour it).
+        // Always sent: misaligned requests from a client that went
+        // through NBD_OPT_GO are refused, so it must learn the minimum.
         let (min, pref, max) = e.block_sizes();
         p.clear();
         encode_info_block_size(&mut p, min, pref, max);
         self.reply(opt, REP_INFO, &p)?;
         self.reply(opt, REP_ACK, &[])?;
         if opt == OPT_GO {
-            return Ok(Next::Transmit(self.negotiated(idx)));
+            return Ok(Next::Transmit(self.negotiated(idx, true)));
         }
         Ok(Next::Haggle)
     }

@@ -42,6 +42,7 @@ mod handshake;
 mod inbuf;
 mod reply;
 mod transmission;
+mod unaligned;
 
 pub use handshake::HandshakeError;
 
@@ -152,6 +153,7 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64, limits: &Limits)
         export,
         inb,
         base_allocation: neg.base_allocation,
+        any_alignment: !neg.knows_block_size,
         lbs: export.dev.logical_block_size().max(1) as u64,
         max_request: export.max_request(),
         size: export.dev.size(),

@@ -206,6 +206,27 @@ impl Shared {
         }
     }
 
+    /// Answer a READ served outside the slots (an emulated unaligned one)
+    /// with `data`, from `offset`.
+    pub(super) fn reply_read_now(&self, handle: u64, offset: u64, data: &[u8]) {
+        let mut out = self.out.lock();
+        if self.structured {
+            encode_data_chunk_header(
+                &mut out.buf,
+                REPLY_FLAG_DONE,
+                handle,
+                offset,
+                data.len() as u32,
+            );
+        } else {
+            encode_simple_reply(&mut out.buf, 0, handle);
+        }
+        self.push_data(&mut out, data);
+        if !out.batching {
+            self.flush(&mut out);
+        }
+    }
+
     pub(super) fn push_data(&self, out: &mut Out, data: &[u8]) {
         if data.len() <= COPY_LIMIT {
             out.buf.extend_from_slice(data);

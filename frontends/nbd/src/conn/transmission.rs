@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 /// Read a WRITE's payload into `dst`, from the receive buffer and then
 /// straight from the socket (no second copy for large writes).
-fn read_payload(inb: &mut InBuf, shared: &Shared, dst: &mut [u8]) -> io::Result<()> {
+pub(super) fn read_payload(inb: &mut InBuf, shared: &Shared, dst: &mut [u8]) -> io::Result<()> {
     let n = inb.available().min(dst.len());
     dst[..n].copy_from_slice(&inb.buf[inb.start..inb.start + n]);
     inb.start += n;
@@ -57,6 +57,9 @@ pub(super) struct Transmission<'a> {
     pub(super) export: &'a Export,
     pub(super) inb: InBuf,
     pub(super) base_allocation: bool,
+    /// The client never learnt the block sizes (NBD_OPT_EXPORT_NAME):
+    /// unaligned requests are served, not refused (`unaligned.rs`).
+    pub(super) any_alignment: bool,
     pub(super) lbs: u64,
     pub(super) max_request: u32,
     pub(super) size: u64,
@@ -251,6 +254,10 @@ impl Transmission<'_> {
                 self.shared.reply_now(req.handle, err, msg);
                 continue;
             }
+            if self.is_emulated_unaligned(&req) {
+                self.serve_unaligned(&req)?;
+                continue;
+            }
             match req.cmd {
                 CMD_CACHE => self.shared.reply_now(req.handle, 0, ""),
                 CMD_BLOCK_STATUS => self.block_status(&req),
@@ -288,8 +295,10 @@ impl Transmission<'_> {
             return Err(Refusal(EINVAL, "zero-length request"));
         }
         if matches!(r.cmd, CMD_READ | CMD_WRITE) && r.len > self.max_request {
+            // EINVAL, not EOVERFLOW: the protocol keeps EOVERFLOW for a
+            // READ with DF whose reply would need fragmenting.
             return Err(Refusal(
-                EOVERFLOW,
+                EINVAL,
                 "request larger than the maximum block size",
             ));
         }
@@ -304,7 +313,9 @@ impl Transmission<'_> {
         if matches!(r.cmd, CMD_CACHE | CMD_BLOCK_STATUS) {
             return Ok(());
         }
-        if !r.offset.is_multiple_of(self.lbs) || !(r.len as u64).is_multiple_of(self.lbs) {
+        if (!r.offset.is_multiple_of(self.lbs) || !(r.len as u64).is_multiple_of(self.lbs))
+            && !self.is_emulated_unaligned(r)
+        {
             return Err(Refusal(
                 EINVAL,
                 "request not aligned to the minimum block size",
