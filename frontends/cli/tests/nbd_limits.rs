@@ -84,8 +84,8 @@ fn connections_over_the_cap_are_closed_at_once() {
     }
 }
 
-#[test]
-fn a_handshake_trickled_byte_by_byte_is_cut_at_the_deadline() {
+/// A server whose handshake deadline is 2 s, and a client connected to it.
+fn with_handshake_deadline_2s() -> (ServerProc, RawClient<UnixStream>) {
     let srv = ServerProc::start_args(&[
         "--concise",
         STACK,
@@ -94,7 +94,13 @@ fn a_handshake_trickled_byte_by_byte_is_cut_at_the_deadline() {
         "--handshake-timeout",
         "2",
     ]);
-    let mut c = RawClient::new(connect(&srv));
+    let c = RawClient::new(connect(&srv));
+    (srv, c)
+}
+
+#[test]
+fn a_handshake_trickled_byte_by_byte_is_cut_at_the_deadline() {
+    let (_srv, mut c) = with_handshake_deadline_2s();
     c.greeting().expect("greeting");
     let t0 = Instant::now();
     // Client flags, then an option header: far more bytes than fit in the
@@ -118,6 +124,36 @@ fn a_handshake_trickled_byte_by_byte_is_cut_at_the_deadline() {
         cut >= Duration::from_millis(1500),
         "cut before the deadline: {cut:?}"
     );
+    assert!(
+        cut < Duration::from_secs(15),
+        "cut far after the deadline: {cut:?}"
+    );
+}
+
+#[test]
+fn a_handshake_client_that_never_reads_replies_is_cut_at_the_deadline() {
+    let (_srv, mut c) = with_handshake_deadline_2s();
+    c.start().expect("greeting");
+    c.s.set_write_timeout(Some(Duration::from_millis(200)))
+        .expect("write timeout");
+    // NBD_OPT_LIST over and over, never reading a reply: both socket
+    // buffers fill and the server's replies block.
+    let mut opt = Vec::new();
+    opt.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    opt.extend_from_slice(&OPT_LIST.to_be_bytes());
+    opt.extend_from_slice(&0u32.to_be_bytes());
+    let t0 = Instant::now();
+    let cut = loop {
+        match c.s.write(&opt) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => break t0.elapsed(),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the server kept a client that never reads for 20 s"
+        );
+    };
     assert!(
         cut < Duration::from_secs(15),
         "cut far after the deadline: {cut:?}"

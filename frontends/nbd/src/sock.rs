@@ -163,6 +163,16 @@ impl Sock {
     /// Bound how long a `recv` may block (None: forever). Used so that a
     /// client that stalls mid-handshake cannot pin a thread for ever.
     pub fn set_recv_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_timeout(libc::SO_RCVTIMEO, t)
+    }
+
+    /// Bound how long a `send` may block without progress (None: forever):
+    /// a handshake client that never reads its replies.
+    pub fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_timeout(libc::SO_SNDTIMEO, t)
+    }
+
+    fn set_timeout(&self, opt: libc::c_int, t: Option<Duration>) -> io::Result<()> {
         let tv = match t {
             Some(d) => libc::timeval {
                 tv_sec: d.as_secs() as libc::time_t,
@@ -173,12 +183,12 @@ impl Sock {
                 tv_usec: 0,
             },
         };
-        // SAFETY: tv is a valid timeval for SO_RCVTIMEO.
+        // SAFETY: tv is a valid timeval for SO_RCVTIMEO/SO_SNDTIMEO.
         let r = unsafe {
             libc::setsockopt(
                 self.raw(),
                 libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
+                opt,
                 (&tv as *const libc::timeval).cast(),
                 std::mem::size_of::<libc::timeval>() as libc::socklen_t,
             )

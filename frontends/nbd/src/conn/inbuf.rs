@@ -161,8 +161,11 @@ impl InBuf {
                         "handshake not finished in time",
                     ));
                 }
-                // (A zero timeout would mean none at all.)
-                sock.set_recv_timeout(Some(left.max(Duration::from_millis(1))))?;
+                // (A zero timeout would mean none at all.) Replies sent
+                // until the next read are bounded by what is left too.
+                let left = Some(left.max(Duration::from_millis(1)));
+                sock.set_recv_timeout(left)?;
+                sock.set_send_timeout(left)?;
             }
             if self.available() == 0 {
                 match self.fill(sock) {

@@ -102,6 +102,7 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64, limits: &Limits)
         }
     };
     inb.deadline = None;
+    sock.set_send_timeout(None)?;
     // Idle connections give their buffers back (`Transmission::fill`).
     sock.set_recv_timeout(Some(limits.idle_trim))?;
     // The reader's wake-up is on every request's path: see spin.rs.
