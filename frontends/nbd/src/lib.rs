@@ -12,7 +12,8 @@
 //! READ (OFFSET_DATA and, where the device knows its holes, OFFSET_HOLE),
 //! WRITE, FLUSH, FUA, TRIM, WRITE_ZEROES (NO_HOLE, FAST_ZERO), CACHE,
 //! BLOCK_STATUS, DISC; replies out of order; many connections.
-//! Not supported: TLS, extended headers, RESIZE.
+//! NBD_OPT_STARTTLS with rustls ([`tls`]). Not supported: TLS-PSK,
+//! extended headers, RESIZE.
 
 pub mod client;
 pub mod conn;
@@ -24,6 +25,7 @@ pub mod proto;
 pub mod server;
 pub mod sock;
 pub mod spin;
+pub mod tls;
 pub mod uri;
 
 #[cfg(test)]
@@ -109,6 +111,20 @@ pub struct NbdArgs {
     /// may read and write every export.
     #[arg(long, value_name = "OCTAL", default_value = "0600", value_parser = parse_mode)]
     pub socket_mode: u32,
+
+    /// TLS (STARTTLS): off, on (clients choose) or require (every option
+    /// but STARTTLS and ABORT is refused before TLS).
+    #[arg(long, value_enum, value_name = "MODE", default_value = "off")]
+    pub tls: tls::TlsMode,
+
+    /// Directory with server-cert.pem and server-key.pem (and ca-cert.pem
+    /// for --tls-verify-peer), as qemu-nbd and nbdkit lay it out.
+    #[arg(long, value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+
+    /// Require client certificates signed by DIR/ca-cert.pem.
+    #[arg(long)]
+    pub tls_verify_peer: bool,
 }
 
 /// An octal file mode such as `0660`, permission bits only.
@@ -187,6 +203,14 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     let mut server = Server::bind(list, &listen)?;
     server.set_poll_ns(args.poll_us.saturating_mul(1000));
     server.set_socket_mode(args.socket_mode)?;
+    server.set_tls(
+        tls::TlsPolicy::load(
+            args.tls,
+            args.tls_certificates.as_deref(),
+            args.tls_verify_peer,
+        )
+        .context("--tls")?,
+    );
     server.set_limits(limits::Limits {
         max_connections: args.max_connections,
         handshake_deadline: std::time::Duration::from_secs(args.handshake_timeout),

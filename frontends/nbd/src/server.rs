@@ -13,6 +13,7 @@ use crate::conn;
 use crate::export::{Export, ExportTable};
 use crate::limits::{AcceptBackoff, Limits};
 use crate::sock::Sock;
+use crate::tls::{TlsMode, TlsPolicy};
 use crate::uri::ListenUri;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::Op;
@@ -87,6 +88,7 @@ pub struct Server {
     /// (see `spin.rs`); 0 disables polling.
     poll_ns: u64,
     limits: Limits,
+    tls: TlsPolicy,
 }
 
 /// Unix sockets are private to their owner unless asked otherwise (the
@@ -132,13 +134,6 @@ impl Server {
                         io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"))
                     })?;
                     let bound = l.local_addr()?;
-                    if !bound.ip().is_loopback() {
-                        tracing::warn!(
-                            address = %a,
-                            "nbd: listening on a non-loopback address without TLS: \
-                             anyone who can reach it can read and write the exports"
-                        );
-                    }
                     (ListenUri::Tcp(bound), Listener::Tcp(l))
                 }
                 ListenUri::Unix(p) => {
@@ -168,6 +163,7 @@ impl Server {
             stop_w: Arc::new(stop_w),
             poll_ns: DEFAULT_POLL_NS,
             limits: Limits::default(),
+            tls: TlsPolicy::default(),
         })
     }
 
@@ -206,6 +202,28 @@ impl Server {
     /// Connection cap, handshake deadline, idle trim (see `limits.rs`).
     pub fn set_limits(&mut self, limits: Limits) {
         self.limits = limits;
+    }
+
+    /// STARTTLS policy (see `tls.rs`).
+    pub fn set_tls(&mut self, tls: TlsPolicy) {
+        if tls.mode != TlsMode::Require {
+            self.warn_open_tcp();
+        }
+        self.tls = tls;
+    }
+
+    /// Say so when a TCP listener is reachable from other hosts while
+    /// clients may skip TLS.
+    fn warn_open_tcp(&self) {
+        for (a, _) in &self.listeners {
+            if matches!(a, ListenUri::Tcp(sa) if !sa.ip().is_loopback()) {
+                tracing::warn!(
+                    address = %a,
+                    "nbd: listening on a non-loopback address without TLS required: \
+                     anyone who can reach it can read and write the exports"
+                );
+            }
+        }
     }
 
     pub fn stopper(&self) -> Stopper {
@@ -302,10 +320,11 @@ impl Server {
         let live = live.clone();
         let poll_ns = self.poll_ns;
         let limits = self.limits;
+        let tls = self.tls.clone();
         std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
-                if let Err(e) = conn::serve(sock, &exports, poll_ns, &limits) {
+                if let Err(e) = conn::serve(sock, &exports, poll_ns, &limits, &tls) {
                     if !matches!(
                         e.kind(),
                         io::ErrorKind::UnexpectedEof

@@ -16,6 +16,7 @@ use super::{BASE_ALLOCATION_ID, MAX_OPTIONS, MAX_OPTION_LEN};
 use crate::export::Export;
 use crate::proto::*;
 use crate::sock::Sock;
+use crate::tls::{TlsMode, TlsPolicy, TlsSession};
 use std::io;
 
 /// What the handshake settled on.
@@ -43,6 +44,10 @@ pub enum HandshakeError {
     /// NBD_OPT_EXPORT_NAME has no way to report an error: hang up.
     #[error("NBD_OPT_EXPORT_NAME asks for unknown export {0:?}")]
     UnknownExport(String),
+    #[error("TLS is required, and the client chose an export without it")]
+    TlsRequired,
+    #[error("the client sent data after NBD_OPT_STARTTLS before the reply")]
+    DataAfterStartTls,
     #[error("the client sent NBD_OPT_ABORT")]
     Aborted,
     #[error("the client sent more than {MAX_OPTIONS} options")]
@@ -57,6 +62,8 @@ enum Next {
     Haggle,
     /// Go to the transmission phase with this export.
     Transmit(Negotiated),
+    /// STARTTLS accepted: acknowledge it, then speak TLS.
+    StartTls,
 }
 
 /// Run the handshake on a fresh connection.
@@ -64,6 +71,7 @@ pub(super) fn handshake(
     sock: &Sock,
     inb: &mut InBuf,
     exports: &[Export],
+    tls: &TlsPolicy,
 ) -> Result<Negotiated, HandshakeError> {
     let mut v = Vec::new();
     encode_greeting(&mut v, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
@@ -80,11 +88,25 @@ pub(super) fn handshake(
         no_zeroes: cflags & FLAG_C_NO_ZEROES != 0,
         structured: false,
         meta: None,
+        tls,
     };
     for _ in 0..MAX_OPTIONS {
         let (opt, data) = read_option(sock, inb)?;
-        if let Next::Transmit(n) = haggle.option(opt, &data)? {
-            return Ok(n);
+        match haggle.option(opt, &data)? {
+            Next::Transmit(n) => return Ok(n),
+            Next::Haggle => {}
+            Next::StartTls => {
+                // The spec: nothing may follow STARTTLS before its reply.
+                if inb.available() > 0 {
+                    return Err(HandshakeError::DataAfterStartTls);
+                }
+                haggle.reply(OPT_STARTTLS, REP_ACK, &[])?;
+                let config = tls.config.clone().ok_or(HandshakeError::TlsRequired)?;
+                sock.start_tls(TlsSession::new(config)?)?;
+                // Nothing negotiated in the clear carries over.
+                haggle.structured = false;
+                haggle.meta = None;
+            }
         }
     }
     Err(HandshakeError::TooManyOptions)
@@ -122,15 +144,30 @@ struct Haggle<'a> {
     structured: bool,
     /// Export index and whether base:allocation was selected for it.
     meta: Option<(usize, bool)>,
+    tls: &'a TlsPolicy,
 }
 
 impl Haggle<'_> {
     fn option(&mut self, opt: u32, data: &[u8]) -> Result<Next, HandshakeError> {
+        if self.tls.mode == TlsMode::Require
+            && !self.sock.is_tls()
+            && !matches!(opt, OPT_STARTTLS | OPT_ABORT)
+        {
+            // FORCEDTLS: EXPORT_NAME cannot be answered with an error.
+            if opt == OPT_EXPORT_NAME {
+                return Err(HandshakeError::TlsRequired);
+            }
+            return self.refuse(
+                opt,
+                REP_ERR_TLS_REQD,
+                "TLS is required: use NBD_OPT_STARTTLS",
+            );
+        }
         match opt {
             OPT_EXPORT_NAME => self.export_name(data),
             OPT_ABORT => self.abort(),
             OPT_LIST => self.list(data),
-            OPT_STARTTLS => self.starttls(),
+            OPT_STARTTLS => self.starttls(data),
             OPT_INFO | OPT_GO => self.info_or_go(opt, data),
             OPT_STRUCTURED_REPLY => self.structured_reply(data),
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(opt, data),
@@ -207,12 +244,26 @@ impl Haggle<'_> {
         Ok(Next::Haggle)
     }
 
-    fn starttls(&mut self) -> Result<Next, HandshakeError> {
-        self.refuse(
-            OPT_STARTTLS,
-            REP_ERR_POLICY,
-            "this server does not offer TLS",
-        )
+    /// NBD_OPT_STARTTLS: upgrade, when TLS is on and not yet up.
+    fn starttls(&mut self, data: &[u8]) -> Result<Next, HandshakeError> {
+        if self.tls.mode == TlsMode::Off || self.tls.config.is_none() {
+            return self.refuse(
+                OPT_STARTTLS,
+                REP_ERR_POLICY,
+                "this server does not offer TLS",
+            );
+        }
+        if !data.is_empty() {
+            return self.refuse(
+                OPT_STARTTLS,
+                REP_ERR_INVALID,
+                "NBD_OPT_STARTTLS takes no data",
+            );
+        }
+        if self.sock.is_tls() {
+            return self.refuse(OPT_STARTTLS, REP_ERR_INVALID, "TLS is already negotiated");
+        }
+        Ok(Next::StartTls)
     }
 
     /// NBD_OPT_INFO / NBD_OPT_GO: the export's size and flags, the
@@ -337,7 +388,12 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let peer = std::thread::spawn(move || client(&mut RawClient::new(b)));
         let sock = Sock::new(a.into());
-        let r = handshake(&sock, &mut InBuf::new().expect("receive buffer"), &[]);
+        let r = handshake(
+            &sock,
+            &mut InBuf::new().expect("receive buffer"),
+            &[],
+            &TlsPolicy::default(),
+        );
         drop(sock);
         let _ = peer.join().unwrap();
         r

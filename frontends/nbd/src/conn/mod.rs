@@ -50,6 +50,7 @@ use crate::export::Export;
 use crate::limits::Limits;
 use crate::sock::Sock;
 use crate::spin::SpinPolicy;
+use crate::tls::TlsPolicy;
 use inbuf::InBuf;
 use parking_lot::{Condvar, Mutex};
 use reply::{IdleWake, Out, Shared, Slot, SlotMeta, Slots};
@@ -89,10 +90,16 @@ const MAX_DESCRIPTORS: usize = 1024;
 ///
 /// `poll_ns` bounds the reader's busy-poll of the socket before it blocks
 /// (0: never poll); [`SpinPolicy`] decides when polling is worth it.
-pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64, limits: &Limits) -> io::Result<()> {
+pub fn serve(
+    sock: Arc<Sock>,
+    exports: &[Export],
+    poll_ns: u64,
+    limits: &Limits,
+    tls: &TlsPolicy,
+) -> io::Result<()> {
     let mut inb = InBuf::new()?;
     inb.deadline = Some(Instant::now() + limits.handshake_deadline);
-    let neg = match handshake::handshake(&sock, &mut inb, exports) {
+    let neg = match handshake::handshake(&sock, &mut inb, exports, tls) {
         Ok(neg) => neg,
         Err(HandshakeError::Io(e)) => return Err(e),
         Err(e) => {
