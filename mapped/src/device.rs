@@ -188,6 +188,9 @@ struct Core {
     suspended: AtomicBool,
     inflight: AtomicU64,
     held: Mutex<Vec<Bio>>,
+    /// Set once the device is removed: held and later bios fail with EIO
+    /// instead of waiting for a resume that can no longer come.
+    removed: AtomicBool,
     drain_lock: Mutex<()>,
     drained: Condvar,
     read_only: AtomicBool,
@@ -255,6 +258,7 @@ impl MappedDevice {
                 suspended: AtomicBool::new(false),
                 inflight: AtomicU64::new(0),
                 held: Mutex::new(Vec::new()),
+                removed: AtomicBool::new(false),
                 drain_lock: Mutex::new(()),
                 drained: Condvar::new(),
                 read_only: AtomicBool::new(read_only),
@@ -369,6 +373,21 @@ impl MappedDevice {
         swapped
     }
 
+    /// The device is gone (removed from its registry): fail every held
+    /// bio and every later one with EIO, as `dmsetup remove --force`
+    /// does by loading an `error` table before removing, so a client
+    /// waiting on a suspended device gets an answer.
+    pub fn fail_held(&self) {
+        let held = {
+            let mut h = self.core.held.lock();
+            self.core.removed.store(true, Ordering::SeqCst);
+            std::mem::take(&mut *h)
+        };
+        for bio in held {
+            bio.complete(Status::IoError);
+        }
+    }
+
     pub fn table_text(&self) -> String {
         self.live_table().table_text()
     }
@@ -408,6 +427,11 @@ impl Device for MappedDevice {
             }
             core.put_inflight();
             let mut held = core.held.lock();
+            if core.removed.load(Ordering::SeqCst) {
+                drop(held);
+                bio.complete(Status::IoError);
+                return;
+            }
             if core.suspended.load(Ordering::SeqCst) {
                 held.push(bio);
                 return;

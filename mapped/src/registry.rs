@@ -343,8 +343,10 @@ impl Registry {
         }
         state.devices.remove(&dev.name);
         drop(state);
-        // Drain what is in flight before the targets go away.
+        // Drain what is in flight before the targets go away; what a
+        // suspend held can never be resumed now: it fails.
         dev.suspend();
+        dev.fail_held();
         Ok(())
     }
 

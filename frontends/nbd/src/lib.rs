@@ -12,17 +12,20 @@
 //! READ (OFFSET_DATA and, where the device knows its holes, OFFSET_HOLE),
 //! WRITE, FLUSH, FUA, TRIM, WRITE_ZEROES (NO_HOLE, FAST_ZERO), CACHE,
 //! BLOCK_STATUS, DISC; replies out of order; many connections.
-//! Not supported: TLS, extended headers, RESIZE.
+//! NBD_OPT_STARTTLS with rustls ([`tls`]). Not supported: TLS-PSK,
+//! extended headers, RESIZE.
 
 pub mod client;
 pub mod conn;
 /// Live control (blkstack-control): runtime export/unexport.
 pub mod control;
 pub mod export;
+pub mod limits;
 pub mod proto;
 pub mod server;
 pub mod sock;
 pub mod spin;
+pub mod tls;
 pub mod uri;
 
 #[cfg(test)]
@@ -91,6 +94,49 @@ pub struct NbdArgs {
     /// resumes when it pays again.
     #[arg(long, value_name = "US", default_value_t = server::DEFAULT_POLL_NS / 1000)]
     pub poll_us: u64,
+
+    /// Most connections served at once; more are closed as soon as they
+    /// are accepted.
+    #[arg(long, value_name = "N", default_value_t = limits::DEFAULT_MAX_CONNECTIONS,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_connections: usize,
+
+    /// Longest a client may take over the whole handshake (greeting to
+    /// export chosen), in seconds, however it paces its bytes.
+    #[arg(long, value_name = "SECS", default_value_t = limits::DEFAULT_HANDSHAKE_DEADLINE.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout: u64,
+
+    /// Permissions of the NBD Unix sockets, in octal: whoever may connect
+    /// may read and write every export.
+    #[arg(long, value_name = "OCTAL", default_value = "0600", value_parser = parse_mode)]
+    pub socket_mode: u32,
+
+    /// TLS (STARTTLS): off, on (clients choose) or require (every option
+    /// but STARTTLS and ABORT is refused before TLS).
+    #[arg(long, value_enum, value_name = "MODE", default_value = "off")]
+    pub tls: tls::TlsMode,
+
+    /// Directory with server-cert.pem and server-key.pem (and ca-cert.pem
+    /// for --tls-verify-peer), as qemu-nbd and nbdkit lay it out.
+    #[arg(long, value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+
+    /// Require client certificates signed by DIR/ca-cert.pem.
+    #[arg(long)]
+    pub tls_verify_peer: bool,
+}
+
+/// An octal file mode such as `0660`, permission bits only.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let m = u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .map_err(|_| format!("{s:?} is not an octal mode (e.g. 0600)"))?;
+    if m > 0o777 {
+        return Err(format!(
+            "{s}: only permission bits (at most 0777) are allowed"
+        ));
+    }
+    Ok(m)
 }
 
 /// Parse `--export`/`--readonly` into (name, read_only) pairs.
@@ -156,6 +202,20 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     }
     let mut server = Server::bind(list, &listen)?;
     server.set_poll_ns(args.poll_us.saturating_mul(1000));
+    server.set_socket_mode(args.socket_mode)?;
+    server.set_tls(
+        tls::TlsPolicy::load(
+            args.tls,
+            args.tls_certificates.as_deref(),
+            args.tls_verify_peer,
+        )
+        .context("--tls")?,
+    );
+    server.set_limits(limits::Limits {
+        max_connections: args.max_connections,
+        handshake_deadline: std::time::Duration::from_secs(args.handshake_timeout),
+        ..limits::Limits::default()
+    });
     // Live control (blkstack-control): the control socket lives as long
     // as the server runs.
     let host = control::NbdExportHost::new(server.export_table(), server.addresses(), held);

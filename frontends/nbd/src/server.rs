@@ -11,7 +11,9 @@
 
 use crate::conn;
 use crate::export::{Export, ExportTable};
+use crate::limits::{AcceptBackoff, Limits};
 use crate::sock::Sock;
+use crate::tls::{TlsMode, TlsPolicy};
 use crate::uri::ListenUri;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::Op;
@@ -25,6 +27,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Default bound of a reader's busy-poll (see `spin.rs`).
 pub const DEFAULT_POLL_NS: u64 = 50_000;
@@ -84,6 +87,22 @@ pub struct Server {
     /// Bound of each connection reader's busy-poll before it blocks
     /// (see `spin.rs`); 0 disables polling.
     poll_ns: u64,
+    limits: Limits,
+    tls: TlsPolicy,
+}
+
+/// Unix sockets are private to their owner unless asked otherwise (the
+/// umask would otherwise decide, 0777 at umask 0), as the control socket.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+fn set_mode(p: &std::path::Path, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("cannot set mode {mode:o} on {}: {e}", p.display()),
+        )
+    })
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -130,6 +149,7 @@ impl Server {
                     let l = UnixListener::bind(p).map_err(|e| {
                         io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"))
                     })?;
+                    set_mode(p, DEFAULT_SOCKET_MODE)?;
                     (a.clone(), Listener::Unix(l, p.clone()))
                 }
             };
@@ -142,6 +162,8 @@ impl Server {
             stop_r,
             stop_w: Arc::new(stop_w),
             poll_ns: DEFAULT_POLL_NS,
+            limits: Limits::default(),
+            tls: TlsPolicy::default(),
         })
     }
 
@@ -166,6 +188,44 @@ impl Server {
         self.poll_ns = ns;
     }
 
+    /// Permissions of the Unix sockets (default [`DEFAULT_SOCKET_MODE`]):
+    /// whoever may connect may read and write every export.
+    pub fn set_socket_mode(&self, mode: u32) -> io::Result<()> {
+        for (_, l) in &self.listeners {
+            if let Listener::Unix(_, p) = l {
+                set_mode(p, mode)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Connection cap, handshake deadline, idle trim (see `limits.rs`).
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
+    /// STARTTLS policy (see `tls.rs`).
+    pub fn set_tls(&mut self, tls: TlsPolicy) {
+        if tls.mode != TlsMode::Require {
+            self.warn_open_tcp();
+        }
+        self.tls = tls;
+    }
+
+    /// Say so when a TCP listener is reachable from other hosts while
+    /// clients may skip TLS.
+    fn warn_open_tcp(&self) {
+        for (a, _) in &self.listeners {
+            if matches!(a, ListenUri::Tcp(sa) if !sa.ip().is_loopback()) {
+                tracing::warn!(
+                    address = %a,
+                    "nbd: listening on a non-loopback address without TLS required: \
+                     anyone who can reach it can read and write the exports"
+                );
+            }
+        }
+    }
+
     pub fn stopper(&self) -> Stopper {
         Stopper {
             w: self.stop_w.clone(),
@@ -178,6 +238,7 @@ impl Server {
         let live: Live = Arc::default();
         let mut threads: Vec<JoinHandle<()>> = Vec::new();
         let mut summary = ServeSummary::default();
+        let mut backoff = AcceptBackoff::default();
         let mut pfds: Vec<libc::pollfd> = self
             .listeners
             .iter()
@@ -202,26 +263,52 @@ impl Server {
             if pfds[pfds.len() - 1].revents != 0 {
                 break;
             }
+            let mut pause = Duration::ZERO;
             for (i, (_, l)) in self.listeners.iter().enumerate() {
                 if pfds[i].revents == 0 {
                     continue;
                 }
                 let fd = match l.accept() {
                     Ok(fd) => fd,
-                    // A client that went away before accept, or a transient
-                    // shortage of fds: keep serving the others.
+                    // A client that went away before accept: keep serving.
+                    // Out of descriptors: the listener stays readable, so
+                    // wait before trying again (see limits.rs).
                     Err(e) => {
-                        tracing::warn!(error = %e, "nbd: accept failed");
+                        pause = pause.max(backoff.failed(&e));
                         continue;
                     }
                 };
+                backoff.succeeded();
+                if live.lock().len() >= self.limits.max_connections {
+                    // Closed at once: the client sees EOF before the
+                    // greeting instead of waiting in a queue.
+                    drop(fd);
+                    backoff.refused(self.limits.max_connections);
+                    continue;
+                }
                 summary.connections += 1;
                 threads.push(self.spawn_connection(summary.connections, fd, &live)?);
             }
             threads.retain(|t| !t.is_finished());
+            if !pause.is_zero() && self.wait_for_stop(pause) {
+                break;
+            }
         }
         self.stop_gracefully(&live, threads);
         Ok(summary)
+    }
+
+    /// Sleep `d` unless a stop is asked for first; whether it was.
+    fn wait_for_stop(&self, d: Duration) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.stop_r.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = d.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut pfd, 1, ms) };
+        r > 0 && pfd.revents != 0
     }
 
     /// Serve connection `id` on its own thread, listed in `live` while it
@@ -232,10 +319,12 @@ impl Server {
         let exports = self.exports.snapshot();
         let live = live.clone();
         let poll_ns = self.poll_ns;
+        let limits = self.limits;
+        let tls = self.tls.clone();
         std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
-                if let Err(e) = conn::serve(sock, &exports, poll_ns) {
+                if let Err(e) = conn::serve(sock, &exports, poll_ns, &limits, &tls) {
                     if !matches!(
                         e.kind(),
                         io::ErrorKind::UnexpectedEof
@@ -250,7 +339,10 @@ impl Server {
     }
 
     /// No new connections, no new requests, in-flight ones answered, and
-    /// every writable export flushed.
+    /// every writable export flushed — each step bounded by
+    /// [`STOP_GRACE`], so a stop never hangs on a client or on a device
+    /// that holds its I/O (a suspended one): past the bound, sockets are
+    /// shut both ways and the connections left behind.
     fn stop_gracefully(self, live: &Live, threads: Vec<JoinHandle<()>>) {
         for (_, l) in &self.listeners {
             if let Listener::Unix(_, p) = l {
@@ -261,18 +353,69 @@ impl Server {
         for s in live.lock().values() {
             s.shutdown(std::net::Shutdown::Read);
         }
-        for t in threads {
-            let _ = t.join();
+        let deadline = Instant::now() + STOP_GRACE;
+        if !join_until(threads, deadline) {
+            let stuck = live.lock();
+            tracing::warn!(
+                connections = stuck.len(),
+                "nbd: stop: requests still in flight after the grace period; disconnecting"
+            );
+            for s in stuck.values() {
+                s.shutdown(std::net::Shutdown::Both);
+            }
         }
         for e in self.exports.snapshot().iter() {
-            if !e.read_only {
-                let st = submit_and_wait(&*e.dev, Op::Flush, 0, 0, &mut []);
-                if !st.is_ok() {
-                    tracing::warn!(export = %e.name, status = %st, "nbd: flush at stop failed");
-                }
+            if !e.read_only && !flush_until(e, deadline.max(Instant::now() + FLUSH_GRACE)) {
+                tracing::warn!(export = %e.name, "nbd: stop: flush did not finish in time");
             }
         }
     }
+}
+
+/// How long a stop waits for in-flight requests before disconnecting.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+/// At least this long is left for each export's final flush.
+const FLUSH_GRACE: Duration = Duration::from_secs(2);
+
+/// Join `threads`, giving up at `deadline`; whether all finished.
+fn join_until(threads: Vec<JoinHandle<()>>, deadline: Instant) -> bool {
+    let mut left = threads;
+    loop {
+        let (done, rest): (Vec<_>, Vec<_>) = left.into_iter().partition(|t| t.is_finished());
+        for t in done {
+            let _ = t.join();
+        }
+        if rest.is_empty() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        left = rest;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Flush `e`'s device, waiting no later than `deadline`; whether the
+/// flush completed (a suspended device holds it: then it is abandoned).
+fn flush_until(e: &Export, deadline: Instant) -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dev = e.dev.clone();
+    let name = e.name.clone();
+    let spawned = std::thread::Builder::new()
+        .name("nbd-stop-flush".into())
+        .spawn(move || {
+            let st = submit_and_wait(&*dev, Op::Flush, 0, 0, &mut []);
+            if !st.is_ok() {
+                tracing::warn!(export = %name, status = %st, "nbd: flush at stop failed");
+            }
+            let _ = tx.send(());
+        });
+    if spawned.is_err() {
+        return false;
+    }
+    rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        .is_ok()
 }
 
 /// The connections being served, by id (the graceful stop shuts them).

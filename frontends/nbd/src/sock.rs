@@ -6,19 +6,120 @@
 //! `TcpStream`/`UnixStream`, gives one type for both families, lets replies
 //! go out with `MSG_NOSIGNAL` (a vanished client must not kill the server
 //! with SIGPIPE) and lets a header and a read's data leave in one
-//! `sendmsg` without copying the data.
+//! `sendmsg` without copying the data. After STARTTLS the same calls go
+//! through the connection's TLS session (`tls.rs`).
 
-use std::io;
+use crate::tls::TlsSession;
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 pub struct Sock {
     fd: OwnedFd,
+    /// Set once the client upgraded with STARTTLS: from then on every
+    /// byte goes through it (see `tls.rs`).
+    tls: OnceLock<TlsSession>,
+    /// The receive timeout in milliseconds (0: none), for the TLS path,
+    /// which waits in `poll` rather than in a blocking `recv`.
+    recv_timeout_ms: AtomicU64,
+}
+
+/// Non-blocking reads of the raw socket, for rustls's `read_tls`.
+struct RawReader<'a>(&'a Sock);
+
+impl Read for RawReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.0.raw_recv_nowait(buf)? {
+            Some(n) => Ok(n),
+            None => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    }
 }
 
 impl Sock {
     pub fn new(fd: OwnedFd) -> Sock {
-        Sock { fd }
+        Sock {
+            fd,
+            tls: OnceLock::new(),
+            recv_timeout_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Switch to TLS (after NBD_OPT_STARTTLS was acknowledged).
+    pub fn start_tls(&self, session: TlsSession) -> io::Result<()> {
+        self.tls
+            .set(session)
+            .map_err(|_| io::Error::other("TLS already started"))
+    }
+
+    pub fn is_tls(&self) -> bool {
+        self.tls.get().is_some()
+    }
+
+    /// Receive through TLS: plaintext rustls already holds, else records
+    /// read without blocking while the session is locked; `block` waits
+    /// for the socket (bounded by the receive timeout: then WouldBlock).
+    /// `Ok(None)`: nothing yet and `block` is false.
+    fn tls_recv(&self, t: &TlsSession, buf: &mut [u8], block: bool) -> io::Result<Option<usize>> {
+        loop {
+            let mut conn = t.conn.lock();
+            match conn.reader().read(buf) {
+                Ok(n) => return Ok(Some(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+            match conn.read_tls(&mut RawReader(self)) {
+                Ok(0) => return Ok(Some(0)),
+                Ok(_) => {
+                    let processed = conn.process_new_packets().map(|_| ());
+                    // Handshake messages, or the alert for a bad record.
+                    t.flush(conn, |d| self.raw_send_all2(d, &[]))?;
+                    processed.map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    drop(conn);
+                    if !block {
+                        return Ok(None);
+                    }
+                    if !self.poll_in(self.recv_timeout())? {
+                        return Err(io::ErrorKind::WouldBlock.into());
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn recv_timeout(&self) -> Option<Duration> {
+        match self.recv_timeout_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    /// Wait until the socket is readable or `t` passes; whether readable.
+    fn poll_in(&self, t: Option<Duration>) -> io::Result<bool> {
+        let ms = t.map_or(-1, |d| {
+            d.as_millis().clamp(1, i32::MAX as u128) as libc::c_int
+        });
+        let mut pfd = libc::pollfd {
+            fd: self.raw(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        loop {
+            // SAFETY: one valid pollfd.
+            let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if n >= 0 {
+                return Ok(n > 0);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
     }
 
     pub fn raw(&self) -> RawFd {
@@ -27,6 +128,9 @@ impl Sock {
 
     /// One `recv`; `Ok(0)` is end of stream. Retries on EINTR.
     pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(t) = self.tls.get() {
+            return Ok(self.tls_recv(t, buf, true)?.unwrap_or(0));
+        }
         loop {
             // SAFETY: buf is valid writable memory of buf.len() bytes.
             let n = unsafe { libc::recv(self.raw(), buf.as_mut_ptr().cast(), buf.len(), 0) };
@@ -43,6 +147,13 @@ impl Sock {
     /// One non-blocking `recv`: `Ok(None)` when nothing is queued yet,
     /// `Ok(Some(0))` at end of stream. Used by the reader's bounded poll.
     pub fn recv_nowait(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        match self.tls.get() {
+            Some(t) => self.tls_recv(t, buf, false),
+            None => self.raw_recv_nowait(buf),
+        }
+    }
+
+    fn raw_recv_nowait(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
         loop {
             // SAFETY: buf is valid writable memory of buf.len() bytes.
             let n = unsafe {
@@ -68,6 +179,16 @@ impl Sock {
     /// Sleep until this socket or `other` is readable (or hung up);
     /// `Ok(true)` when the socket is. Retries on EINTR.
     pub fn wait_readable(&self, other: RawFd) -> io::Result<bool> {
+        if let Some(t) = self.tls.get() {
+            let mut conn = t.conn.lock();
+            let buffered = conn
+                .process_new_packets()
+                .map(|s| s.plaintext_bytes_to_read() > 0)
+                .unwrap_or(true); // an error: let the reader see it
+            if buffered {
+                return Ok(true);
+            }
+        }
         let mut fds = [
             libc::pollfd {
                 fd: self.raw(),
@@ -107,7 +228,18 @@ impl Sock {
 
     /// Send all of `a` then all of `b`, with as few syscalls as the kernel
     /// allows (one `sendmsg` in the common case).
-    pub fn send_all2(&self, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+    pub fn send_all2(&self, a: &[u8], b: &[u8]) -> io::Result<()> {
+        let Some(t) = self.tls.get() else {
+            return self.raw_send_all2(a, b);
+        };
+        let mut conn = t.conn.lock();
+        let mut w = conn.writer();
+        std::io::Write::write_all(&mut w, a)?;
+        std::io::Write::write_all(&mut w, b)?;
+        t.flush(conn, |d| self.raw_send_all2(d, &[]))
+    }
+
+    fn raw_send_all2(&self, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
         while !a.is_empty() || !b.is_empty() {
             let iov = [
                 libc::iovec {
@@ -163,6 +295,18 @@ impl Sock {
     /// Bound how long a `recv` may block (None: forever). Used so that a
     /// client that stalls mid-handshake cannot pin a thread for ever.
     pub fn set_recv_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        let ms = t.map_or(0, |d| d.as_millis().clamp(1, u64::MAX as u128) as u64);
+        self.recv_timeout_ms.store(ms, Ordering::Relaxed);
+        self.set_timeout(libc::SO_RCVTIMEO, t)
+    }
+
+    /// Bound how long a `send` may block without progress (None: forever):
+    /// a handshake client that never reads its replies.
+    pub fn set_send_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        self.set_timeout(libc::SO_SNDTIMEO, t)
+    }
+
+    fn set_timeout(&self, opt: libc::c_int, t: Option<Duration>) -> io::Result<()> {
         let tv = match t {
             Some(d) => libc::timeval {
                 tv_sec: d.as_secs() as libc::time_t,
@@ -173,12 +317,12 @@ impl Sock {
                 tv_usec: 0,
             },
         };
-        // SAFETY: tv is a valid timeval for SO_RCVTIMEO.
+        // SAFETY: tv is a valid timeval for SO_RCVTIMEO/SO_SNDTIMEO.
         let r = unsafe {
             libc::setsockopt(
                 self.raw(),
                 libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
+                opt,
                 (&tv as *const libc::timeval).cast(),
                 std::mem::size_of::<libc::timeval>() as libc::socklen_t,
             )

@@ -396,9 +396,10 @@ fn large_write_zeroes_is_split_at_the_device_limit() {
         .filter(|(op, _, _)| *op == Op::WriteZeroes)
         .count();
     assert_eq!(pieces, 16);
-    // And a READ above the limit is refused with EOVERFLOW.
+    // And a READ above the limit is refused with EINVAL (the protocol
+    // keeps EOVERFLOW for DF reads that would need fragmenting).
     c.request(&req(CMD_READ, 0, 2, 0, 128 << 10), &[]).unwrap();
-    assert_eq!(c.status_reply().unwrap(), (2, EOVERFLOW));
+    assert_eq!(c.status_reply().unwrap(), (2, EINVAL));
     run.stop();
 }
 
@@ -416,7 +417,7 @@ fn bad_requests_get_errors_and_the_stream_stays_in_sync() {
         (req(CMD_READ, 0, 3, 100, 512), EINVAL),     // misaligned offset
         (req(CMD_READ, 0, 4, 0, 100), EINVAL),       // misaligned length
         (req(CMD_READ, 0, 5, 0, 0), EINVAL),         // empty
-        (req(CMD_READ, 0, 6, 0, 64 << 20), EOVERFLOW), // too big
+        (req(CMD_READ, 0, 6, 0, 64 << 20), EINVAL),  // too big
         (req(99, 0, 7, 0, 512), EINVAL),             // unknown command
         (req(CMD_READ, 1 << 9, 8, 0, 512), EINVAL),  // unknown flag
         (req(CMD_READ, CMD_FLAG_DF, 9, 0, 512), EINVAL), // DF without structured
@@ -690,5 +691,50 @@ fn data_in_flight_per_connection_is_bounded() {
     }
     // 128 MiB of data in flight at most: four 32 MiB reads, not six.
     assert_eq!(dev.max_outstanding.load(Ordering::SeqCst), 4);
+    run.stop();
+}
+
+/// A client that chose its export with NBD_OPT_EXPORT_NAME (so it never
+/// learnt the block sizes) on the default export.
+fn export_name_client(run: &Running) -> RawClient<UnixStream> {
+    let mut c = run.connect();
+    c.start().unwrap();
+    c.option(OPT_EXPORT_NAME, b"").unwrap();
+    let mut b = [0u8; 10];
+    std::io::Read::read_exact(&mut c.s, &mut b).unwrap();
+    c
+}
+
+#[test]
+fn an_export_name_client_may_read_and_write_at_any_alignment() {
+    let dev = VecDev::new(1 << 20);
+    let run = serve(vec![Export::new("a", dev.clone(), false)]);
+    let mut c = export_name_client(&run);
+    let pattern: Vec<u8> = (0..2048u32).map(|i| (i * 7 + 3) as u8).collect();
+    c.request(&req(CMD_WRITE, 0, 1, 0, 2048), &pattern).unwrap();
+    assert_eq!(c.simple_reply().unwrap().error, 0);
+    // A 1-byte read, and reads straddling block boundaries.
+    assert_eq!(read_simple(&mut c, 2, 5, 1), vec![pattern[5]]);
+    assert_eq!(read_simple(&mut c, 3, 500, 30), pattern[500..530].to_vec());
+    // An unaligned write changes exactly its bytes (read-modify-write).
+    c.request(&req(CMD_WRITE, 0, 4, 510, 4), b"WXYZ").unwrap();
+    assert_eq!(c.simple_reply().unwrap().error, 0);
+    let mut want = pattern.clone();
+    want[510..514].copy_from_slice(b"WXYZ");
+    assert_eq!(read_simple(&mut c, 5, 0, 2048), want);
+    assert_eq!(dev.data.lock()[..2048], want[..]);
+    // Unaligned zeroing likewise; an unaligned trim reports success and
+    // leaves the partial blocks' data alone.
+    c.request(&req(CMD_WRITE_ZEROES, 0, 6, 1000, 100), &[])
+        .unwrap();
+    assert_eq!(c.simple_reply().unwrap().error, 0);
+    want[1000..1100].fill(0);
+    c.request(&req(CMD_TRIM, 0, 7, 1, 100), &[]).unwrap();
+    assert_eq!(c.simple_reply().unwrap().error, 0);
+    assert_eq!(read_simple(&mut c, 8, 0, 2048), want);
+    // Past the end is still refused.
+    c.request(&req(CMD_READ, 0, 9, (1 << 20) - 1, 2), &[])
+        .unwrap();
+    assert_eq!(c.status_reply().unwrap(), (9, EINVAL));
     run.stop();
 }

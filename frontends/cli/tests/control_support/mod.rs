@@ -206,6 +206,16 @@ impl Serve {
     }
 }
 
+impl Serve {
+    /// SIGTERM, then the server must exit within `limit` (killed and a
+    /// panic past that): a stop that never hangs.
+    pub fn terminate_within(&mut self, limit: Duration) -> ExitStatus {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc_kill(self.child.id() as i32, 15) };
+        wait_bounded(&mut self.child, limit, "blkstack serve after SIGTERM")
+    }
+}
+
 impl Drop for Serve {
     fn drop(&mut self) {
         // SIGTERM for a graceful stop, then make sure it is gone.

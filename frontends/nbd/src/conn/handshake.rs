@@ -16,6 +16,7 @@ use super::{BASE_ALLOCATION_ID, MAX_OPTIONS, MAX_OPTION_LEN};
 use crate::export::Export;
 use crate::proto::*;
 use crate::sock::Sock;
+use crate::tls::{TlsMode, TlsPolicy, TlsSession};
 use std::io;
 
 /// What the handshake settled on.
@@ -23,6 +24,9 @@ pub(super) struct Negotiated {
     pub(super) export: usize,
     pub(super) structured: bool,
     pub(super) base_allocation: bool,
+    /// The client was told the block sizes (NBD_OPT_GO always sends
+    /// NBD_INFO_BLOCK_SIZE; NBD_OPT_EXPORT_NAME cannot).
+    pub(super) knows_block_size: bool,
 }
 
 /// Why a handshake ended without an export.
@@ -40,6 +44,10 @@ pub enum HandshakeError {
     /// NBD_OPT_EXPORT_NAME has no way to report an error: hang up.
     #[error("NBD_OPT_EXPORT_NAME asks for unknown export {0:?}")]
     UnknownExport(String),
+    #[error("TLS is required, and the client chose an export without it")]
+    TlsRequired,
+    #[error("the client sent data after NBD_OPT_STARTTLS before the reply")]
+    DataAfterStartTls,
     #[error("the client sent NBD_OPT_ABORT")]
     Aborted,
     #[error("the client sent more than {MAX_OPTIONS} options")]
@@ -54,6 +62,8 @@ enum Next {
     Haggle,
     /// Go to the transmission phase with this export.
     Transmit(Negotiated),
+    /// STARTTLS accepted: acknowledge it, then speak TLS.
+    StartTls,
 }
 
 /// Run the handshake on a fresh connection.
@@ -61,6 +71,7 @@ pub(super) fn handshake(
     sock: &Sock,
     inb: &mut InBuf,
     exports: &[Export],
+    tls: &TlsPolicy,
 ) -> Result<Negotiated, HandshakeError> {
     let mut v = Vec::new();
     encode_greeting(&mut v, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
@@ -77,11 +88,25 @@ pub(super) fn handshake(
         no_zeroes: cflags & FLAG_C_NO_ZEROES != 0,
         structured: false,
         meta: None,
+        tls,
     };
     for _ in 0..MAX_OPTIONS {
         let (opt, data) = read_option(sock, inb)?;
-        if let Next::Transmit(n) = haggle.option(opt, &data)? {
-            return Ok(n);
+        match haggle.option(opt, &data)? {
+            Next::Transmit(n) => return Ok(n),
+            Next::Haggle => {}
+            Next::StartTls => {
+                // The spec: nothing may follow STARTTLS before its reply.
+                if inb.available() > 0 {
+                    return Err(HandshakeError::DataAfterStartTls);
+                }
+                haggle.reply(OPT_STARTTLS, REP_ACK, &[])?;
+                let config = tls.config.clone().ok_or(HandshakeError::TlsRequired)?;
+                sock.start_tls(TlsSession::new(config)?)?;
+                // Nothing negotiated in the clear carries over.
+                haggle.structured = false;
+                haggle.meta = None;
+            }
         }
     }
     Err(HandshakeError::TooManyOptions)
@@ -119,15 +144,30 @@ struct Haggle<'a> {
     structured: bool,
     /// Export index and whether base:allocation was selected for it.
     meta: Option<(usize, bool)>,
+    tls: &'a TlsPolicy,
 }
 
 impl Haggle<'_> {
     fn option(&mut self, opt: u32, data: &[u8]) -> Result<Next, HandshakeError> {
+        if self.tls.mode == TlsMode::Require
+            && !self.sock.is_tls()
+            && !matches!(opt, OPT_STARTTLS | OPT_ABORT)
+        {
+            // FORCEDTLS: EXPORT_NAME cannot be answered with an error.
+            if opt == OPT_EXPORT_NAME {
+                return Err(HandshakeError::TlsRequired);
+            }
+            return self.refuse(
+                opt,
+                REP_ERR_TLS_REQD,
+                "TLS is required: use NBD_OPT_STARTTLS",
+            );
+        }
         match opt {
             OPT_EXPORT_NAME => self.export_name(data),
             OPT_ABORT => self.abort(),
             OPT_LIST => self.list(data),
-            OPT_STARTTLS => self.starttls(),
+            OPT_STARTTLS => self.starttls(data),
             OPT_INFO | OPT_GO => self.info_or_go(opt, data),
             OPT_STRUCTURED_REPLY => self.structured_reply(data),
             OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => self.meta_context(opt, data),
@@ -157,9 +197,10 @@ impl Haggle<'_> {
         Ok(idx)
     }
 
-    fn negotiated(&self, export: usize) -> Negotiated {
+    fn negotiated(&self, export: usize, knows_block_size: bool) -> Negotiated {
         Negotiated {
             export,
+            knows_block_size,
             structured: self.structured,
             base_allocation: matches!(self.meta, Some((i, true)) if i == export),
         }
@@ -179,7 +220,7 @@ impl Haggle<'_> {
             self.no_zeroes,
         );
         self.sock.send_all(&v)?;
-        Ok(Next::Transmit(self.negotiated(idx)))
+        Ok(Next::Transmit(self.negotiated(idx, false)))
     }
 
     /// NBD_OPT_ABORT: acknowledge (the client may already have closed;
@@ -203,12 +244,26 @@ impl Haggle<'_> {
         Ok(Next::Haggle)
     }
 
-    fn starttls(&mut self) -> Result<Next, HandshakeError> {
-        self.refuse(
-            OPT_STARTTLS,
-            REP_ERR_POLICY,
-            "this server does not offer TLS",
-        )
+    /// NBD_OPT_STARTTLS: upgrade, when TLS is on and not yet up.
+    fn starttls(&mut self, data: &[u8]) -> Result<Next, HandshakeError> {
+        if self.tls.mode == TlsMode::Off || self.tls.config.is_none() {
+            return self.refuse(
+                OPT_STARTTLS,
+                REP_ERR_POLICY,
+                "this server does not offer TLS",
+            );
+        }
+        if !data.is_empty() {
+            return self.refuse(
+                OPT_STARTTLS,
+                REP_ERR_INVALID,
+                "NBD_OPT_STARTTLS takes no data",
+            );
+        }
+        if self.sock.is_tls() {
+            return self.refuse(OPT_STARTTLS, REP_ERR_INVALID, "TLS is already negotiated");
+        }
+        Ok(Next::StartTls)
     }
 
     /// NBD_OPT_INFO / NBD_OPT_GO: the export's size and flags, the
@@ -236,15 +291,15 @@ impl Haggle<'_> {
             encode_info_string(&mut p, INFO_DESCRIPTION, &e.description);
             self.reply(opt, REP_INFO, &p)?;
         }
-        // Always sent: misaligned requests are refused, so every client
-        // must learn the minimum (they all honour it).
+        // Always sent: misaligned requests from a client that went
+        // through NBD_OPT_GO are refused, so it must learn the minimum.
         let (min, pref, max) = e.block_sizes();
         p.clear();
         encode_info_block_size(&mut p, min, pref, max);
         self.reply(opt, REP_INFO, &p)?;
         self.reply(opt, REP_ACK, &[])?;
         if opt == OPT_GO {
-            return Ok(Next::Transmit(self.negotiated(idx)));
+            return Ok(Next::Transmit(self.negotiated(idx, true)));
         }
         Ok(Next::Haggle)
     }
@@ -333,7 +388,12 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let peer = std::thread::spawn(move || client(&mut RawClient::new(b)));
         let sock = Sock::new(a.into());
-        let r = handshake(&sock, &mut InBuf::new(), &[]);
+        let r = handshake(
+            &sock,
+            &mut InBuf::new().expect("receive buffer"),
+            &[],
+            &TlsPolicy::default(),
+        );
         drop(sock);
         let _ = peer.join().unwrap();
         r

@@ -17,10 +17,12 @@
 //!
 //! Each request in flight owns a slot (its index is the bio's cookie, as a
 //! blk-mq tag is a request's index): a reusable, page-aligned data buffer
-//! and the few fields needed to write the reply. Slots are preallocated up
-//! to [`MAX_INFLIGHT`] per connection, so in steady state no I/O allocates
-//! in this file (the one exception: a structured READ on a device that
-//! knows its holes asks for the device's extent map, a `Vec`, to answer
+//! and the few fields needed to write the reply. The [`MAX_INFLIGHT`] slots
+//! of a connection exist from the start, but a slot's buffer is allocated
+//! when a request first needs it and kept for the next one; a connection
+//! idle for [`Limits::idle_trim`] gives every buffer back, so an idle
+//! client costs little memory. In steady state no I/O allocates in this
+//! file (the one exception: a structured READ on a device that knows its holes asks for the device's extent map, a `Vec`, to answer
 //! with OFFSET_HOLE chunks instead of zeroes). Slot accounting has its own
 //! lock, apart from the writer lock, so the reader keeps starting requests
 //! while a completer is busy sending a large reply. Before blocking for
@@ -40,20 +42,22 @@ mod handshake;
 mod inbuf;
 mod reply;
 mod transmission;
+mod unaligned;
 
 pub use handshake::HandshakeError;
 
 use crate::export::Export;
+use crate::limits::Limits;
 use crate::sock::Sock;
 use crate::spin::SpinPolicy;
-use blkstack_core::AlignedBuf;
+use crate::tls::TlsPolicy;
 use inbuf::InBuf;
 use parking_lot::{Condvar, Mutex};
 use reply::{IdleWake, Out, Shared, Slot, SlotMeta, Slots};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 use transmission::Transmission;
 
 /// Requests one connection may have in flight at once.
@@ -64,8 +68,6 @@ const MAX_OPTION_LEN: u32 = 1 << 20;
 /// Options one connection may send before being cut off (a client looping
 /// on NBD_OPT_LIST must not keep a thread for ever).
 const MAX_OPTIONS: u32 = 10_000;
-/// A client silent this long during the handshake is dropped.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Reads larger than this are sent straight from the slot's buffer with
 /// `sendmsg` instead of being copied into the output buffer.
 const COPY_LIMIT: usize = 64 << 10;
@@ -88,10 +90,16 @@ const MAX_DESCRIPTORS: usize = 1024;
 ///
 /// `poll_ns` bounds the reader's busy-poll of the socket before it blocks
 /// (0: never poll); [`SpinPolicy`] decides when polling is worth it.
-pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64) -> io::Result<()> {
-    let mut inb = InBuf::new();
-    sock.set_recv_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    let neg = match handshake::handshake(&sock, &mut inb, exports) {
+pub fn serve(
+    sock: Arc<Sock>,
+    exports: &[Export],
+    poll_ns: u64,
+    limits: &Limits,
+    tls: &TlsPolicy,
+) -> io::Result<()> {
+    let mut inb = InBuf::new()?;
+    inb.deadline = Some(Instant::now() + limits.handshake_deadline);
+    let neg = match handshake::handshake(&sock, &mut inb, exports, tls) {
         Ok(neg) => neg,
         Err(HandshakeError::Io(e)) => return Err(e),
         Err(e) => {
@@ -100,7 +108,10 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64) -> io::Result<()
             return Ok(());
         }
     };
-    sock.set_recv_timeout(None)?;
+    inb.deadline = None;
+    sock.set_send_timeout(None)?;
+    // Idle connections give their buffers back (`Transmission::fill`).
+    sock.set_recv_timeout(Some(limits.idle_trim))?;
     // The reader's wake-up is on every request's path: see spin.rs.
     crate::spin::ask_short_slice();
     let export = &exports[neg.export];
@@ -114,7 +125,7 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64) -> io::Result<()
                 flags: 0,
                 offset: 0,
                 len: 0,
-                buf: AlignedBuf::new(0),
+                buf: None,
                 extents: Vec::new(),
             }),
             pending: AtomicU32::new(0),
@@ -126,7 +137,8 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64) -> io::Result<()
         structured: neg.structured,
         slots,
         out: Mutex::new(Out {
-            buf: Vec::with_capacity(COPY_LIMIT * 2),
+            // Grows on demand; an idle connection gives it back.
+            buf: Vec::new(),
             batching: false,
             dead: false,
         }),
@@ -149,12 +161,15 @@ pub fn serve(sock: Arc<Sock>, exports: &[Export], poll_ns: u64) -> io::Result<()
         export,
         inb,
         base_allocation: neg.base_allocation,
+        any_alignment: !neg.knows_block_size,
         lbs: export.dev.logical_block_size().max(1) as u64,
         max_request: export.max_request(),
         size: export.dev.size(),
         features: export.dev.features(),
         spin: SpinPolicy::new(poll_ns),
         wake_spin: SpinPolicy::new(poll_ns),
+        idle_trim: limits.idle_trim,
+        trimmed: false,
     };
     let r = t.run();
     t.drain();

@@ -22,7 +22,9 @@ pub(super) struct SlotMeta {
     pub(super) flags: u16,
     pub(super) offset: u64,
     pub(super) len: u32,
-    pub(super) buf: AlignedBuf,
+    /// Allocated on first use, kept between requests, freed when the
+    /// connection goes idle (see the parent module).
+    pub(super) buf: Option<AlignedBuf>,
     /// Holes and data of a READ's range when the device knows them, so the
     /// reply can use OFFSET_HOLE chunks (empty: all data).
     pub(super) extents: Vec<Extent>,
@@ -177,7 +179,10 @@ impl Shared {
 
     /// Write the reply of a finished READ. Writer lock held.
     pub(super) fn push_read(&self, out: &mut Out, m: &SlotMeta) {
-        let data = &m.buf.as_slice()[..m.len as usize];
+        let data = match &m.buf {
+            Some(b) => &b.as_slice()[..m.len as usize],
+            None => &[][..],
+        };
         if !self.structured {
             encode_simple_reply(&mut out.buf, 0, m.handle);
             self.push_data(out, data);
@@ -198,6 +203,27 @@ impl Shared {
                 encode_data_chunk_header(&mut out.buf, flags, m.handle, e.offset, e.len as u32);
                 self.push_data(out, &data[rel..rel + e.len as usize]);
             }
+        }
+    }
+
+    /// Answer a READ served outside the slots (an emulated unaligned one)
+    /// with `data`, from `offset`.
+    pub(super) fn reply_read_now(&self, handle: u64, offset: u64, data: &[u8]) {
+        let mut out = self.out.lock();
+        if self.structured {
+            encode_data_chunk_header(
+                &mut out.buf,
+                REPLY_FLAG_DONE,
+                handle,
+                offset,
+                data.len() as u32,
+            );
+        } else {
+            encode_simple_reply(&mut out.buf, 0, handle);
+        }
+        self.push_data(&mut out, data);
+        if !out.batching {
+            self.flush(&mut out);
         }
     }
 
@@ -258,8 +284,8 @@ impl EndIo for Shared {
         }
         drop(out);
         let bytes = data_bytes(&m);
-        if m.buf.len() > KEEP_BUF {
-            m.buf = AlignedBuf::new(0);
+        if m.buf.as_ref().is_some_and(|b| b.len() > KEEP_BUF) {
+            m.buf = None;
         }
         drop(m);
         self.release(idx, bytes);

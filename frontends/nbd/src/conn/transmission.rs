@@ -20,15 +20,34 @@ use std::sync::Arc;
 
 /// Read a WRITE's payload into `dst`, from the receive buffer and then
 /// straight from the socket (no second copy for large writes).
-fn read_payload(inb: &mut InBuf, shared: &Shared, dst: &mut [u8]) -> io::Result<()> {
+pub(super) fn read_payload(inb: &mut InBuf, shared: &Shared, dst: &mut [u8]) -> io::Result<()> {
     let n = inb.available().min(dst.len());
     dst[..n].copy_from_slice(&inb.buf[inb.start..inb.start + n]);
     inb.start += n;
-    if n < dst.len() {
+    let mut rest = &mut dst[n..];
+    if !rest.is_empty() {
         shared.set_batching(false);
-        shared.sock.recv_exact(&mut dst[n..])?;
+    }
+    while !rest.is_empty() {
+        // The socket's idle timeout may fire mid-payload (a slow client):
+        // that is not an error, keep waiting for the data.
+        match shared.sock.recv(rest) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => rest = &mut rest[k..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
+}
+
+/// The slot's data buffer, allocated (or grown) to hold `len` bytes.
+fn slot_buf(m: &mut SlotMeta, len: usize) -> &mut AlignedBuf {
+    if m.buf.as_ref().is_some_and(|b| b.len() < len) {
+        m.buf = None;
+    }
+    m.buf
+        .get_or_insert_with(|| AlignedBuf::new(len.next_power_of_two()))
 }
 
 pub(super) struct Transmission<'a> {
@@ -38,6 +57,9 @@ pub(super) struct Transmission<'a> {
     pub(super) export: &'a Export,
     pub(super) inb: InBuf,
     pub(super) base_allocation: bool,
+    /// The client never learnt the block sizes (NBD_OPT_EXPORT_NAME):
+    /// unaligned requests are served, not refused (`unaligned.rs`).
+    pub(super) any_alignment: bool,
     pub(super) lbs: u64,
     pub(super) max_request: u32,
     pub(super) size: u64,
@@ -47,6 +69,12 @@ pub(super) struct Transmission<'a> {
     /// Polls after an [`IdleWake`]: kept apart because at a high device
     /// latency the first kind always misses while this one pays.
     pub(super) wake_spin: SpinPolicy,
+    /// Idle this long with nothing in flight, the connection frees its
+    /// buffers ([`Transmission::trim`]).
+    pub(super) idle_trim: std::time::Duration,
+    /// Buffers were freed and the socket's idle timeout is off until the
+    /// next request arrives.
+    pub(super) trimmed: bool,
 }
 
 /// A request refused before it reaches the device.
@@ -92,7 +120,45 @@ impl Transmission<'_> {
                 }
             }
         }
-        self.inb.fill(&shared.sock)
+        self.fill_or_trim()
+    }
+
+    /// Block for input; when none comes for the idle time (the socket's
+    /// receive timeout) and nothing is in flight, free the connection's
+    /// buffers and block without a timeout until the client speaks again.
+    fn fill_or_trim(&mut self) -> io::Result<bool> {
+        loop {
+            match self.inb.fill(&self.shared.sock) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if self.shared.accounting.lock().inflight == 0 {
+                        self.trim();
+                        self.shared.sock.set_recv_timeout(None)?;
+                        self.trimmed = true;
+                    }
+                }
+                Ok(more) => {
+                    if self.trimmed {
+                        self.shared.sock.set_recv_timeout(Some(self.idle_trim))?;
+                        self.trimmed = false;
+                    }
+                    return Ok(more);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Give back every slot's data buffer, the receive buffer and the
+    /// reply buffer: an idle connection keeps only its bookkeeping.
+    fn trim(&mut self) {
+        for slot in self.shared.slots.iter() {
+            slot.meta.lock().buf = None;
+        }
+        self.inb.release_if_empty();
+        let mut out = self.shared.out.lock();
+        if out.buf.is_empty() {
+            out.buf = Vec::new();
+        }
     }
 
     /// Busy-poll the socket for at most the bound [`SpinPolicy`] allows
@@ -188,6 +254,10 @@ impl Transmission<'_> {
                 self.shared.reply_now(req.handle, err, msg);
                 continue;
             }
+            if self.is_emulated_unaligned(&req) {
+                self.serve_unaligned(&req)?;
+                continue;
+            }
             match req.cmd {
                 CMD_CACHE => self.shared.reply_now(req.handle, 0, ""),
                 CMD_BLOCK_STATUS => self.block_status(&req),
@@ -225,8 +295,10 @@ impl Transmission<'_> {
             return Err(Refusal(EINVAL, "zero-length request"));
         }
         if matches!(r.cmd, CMD_READ | CMD_WRITE) && r.len > self.max_request {
+            // EINVAL, not EOVERFLOW: the protocol keeps EOVERFLOW for a
+            // READ with DF whose reply would need fragmenting.
             return Err(Refusal(
-                EOVERFLOW,
+                EINVAL,
                 "request larger than the maximum block size",
             ));
         }
@@ -241,7 +313,9 @@ impl Transmission<'_> {
         if matches!(r.cmd, CMD_CACHE | CMD_BLOCK_STATUS) {
             return Ok(());
         }
-        if !r.offset.is_multiple_of(self.lbs) || !(r.len as u64).is_multiple_of(self.lbs) {
+        if (!r.offset.is_multiple_of(self.lbs) || !(r.len as u64).is_multiple_of(self.lbs))
+            && !self.is_emulated_unaligned(r)
+        {
             return Err(Refusal(
                 EINVAL,
                 "request not aligned to the minimum block size",
@@ -316,11 +390,8 @@ impl Transmission<'_> {
         }
         let (op, buf) = match r.cmd {
             CMD_READ | CMD_WRITE => {
-                if m.buf.len() < len {
-                    m.buf = AlignedBuf::new(len.next_power_of_two());
-                }
                 if r.cmd == CMD_WRITE {
-                    let dst = &mut m.buf.as_mut_slice()[..len];
+                    let dst = &mut slot_buf(&mut m, len).as_mut_slice()[..len];
                     if let Err(e) = read_payload(&mut self.inb, shared, dst) {
                         drop(m);
                         shared.release(idx, bytes);
@@ -336,7 +407,7 @@ impl Transmission<'_> {
                 // request until its completion frees it; `Shared`, which
                 // owns the slots, outlives the bio through the `owner`
                 // Arc the bio carries.
-                let buf = unsafe { m.buf.io_buf(0, len) };
+                let buf = unsafe { slot_buf(&mut m, len).io_buf(0, len) };
                 let op = if r.cmd == CMD_READ {
                     Op::Read
                 } else {

@@ -1,0 +1,240 @@
+//! TLS (NBD_OPT_STARTTLS) with real clients: nbdinfo and nbdcopy over
+//! `nbds://` and `nbds+unix://` (libnbd's `tls-certificates=DIR`), and
+//! qemu-io with a `tls-creds-x509` object. Certificates are made by
+//! openssl in the test: a CA, a server certificate for localhost and
+//! 127.0.0.1, and a client certificate for `--tls-verify-peer`.
+
+mod nbd_common;
+
+use blkstack_nbd::client::RawClient;
+use blkstack_nbd::proto::*;
+use nbd_common::*;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+const STACK: &str = "mem,,,rw,0 8192 memory";
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn openssl(dir: &Path, args: &[&str]) {
+    run_ok(
+        Command::new(tool("openssl")).current_dir(dir).args(args),
+        LIMIT,
+    );
+}
+
+/// A certificate `name`-cert.pem / `name`-key.pem signed by the CA.
+fn signed(dir: &Path, name: &str, cn: &str, ext: &str) {
+    let (key, csr, cert) = (
+        format!("{name}-key.pem"),
+        format!("{name}.csr"),
+        format!("{name}-cert.pem"),
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &format!("/CN={cn}"),
+        ],
+    );
+    let extfile = format!("{name}.ext");
+    std::fs::write(dir.join(&extfile), ext).expect("ext file");
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca-cert.pem",
+            "-CAkey",
+            "ca-key.pem",
+            "-CAcreateserial",
+            "-out",
+            &cert,
+            "-days",
+            "2",
+            "-extfile",
+            &extfile,
+        ],
+    );
+}
+
+/// The qemu/libnbd layout: ca-cert.pem, server-*.pem, client-*.pem.
+fn certificates(dir: &Path) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca-key.pem",
+            "-out",
+            "ca-cert.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=blkstack test CA",
+        ],
+    );
+    signed(dir, "server", "localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n");
+    signed(
+        dir,
+        "client",
+        "client",
+        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+    );
+}
+
+fn tls_server(certs: &Path, extra: &[&str]) -> ServerProc {
+    let dir = certs.to_str().expect("utf-8 path");
+    let mut args = vec![
+        "--concise",
+        STACK,
+        "--export",
+        "mem",
+        "--tls",
+        "require",
+        "--tls-certificates",
+        dir,
+    ];
+    args.extend_from_slice(extra);
+    ServerProc::start_args(&args)
+}
+
+fn nbdinfo(uri: &str) -> std::process::Output {
+    run(Command::new(tool("nbdinfo")).arg(uri), LIMIT)
+}
+
+#[test]
+fn require_serves_tls_clients_and_refuses_plain_ones() {
+    let scratch = Scratch::new("tls");
+    certificates(&scratch.0);
+    let srv = tls_server(&scratch.0, &[]);
+    let q = format!("tls-certificates={}", scratch.0.display());
+    let unix = format!("nbds+unix:///mem?socket={}&{q}", srv.socket.display());
+    let out = nbdinfo(&unix);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("with TLS"), "{text}");
+    assert!(text.contains("export-size: 4194304"), "{text}");
+    // Without TLS: refused.
+    let plain = nbdinfo(&srv.unix_uri("mem"));
+    assert!(!plain.status.success(), "a plain client must be refused");
+
+    // Data round trip over TCP with nbdcopy.
+    let (src, back) = (scratch.path("src"), scratch.path("back"));
+    pattern_file(&src, 4 << 20, 7);
+    let tcp = format!("nbds://{}/mem?{q}", srv.tcp);
+    run_ok(Command::new(tool("nbdcopy")).arg(&src).arg(&tcp), LIMIT);
+    run_ok(Command::new(tool("nbdcopy")).arg(&tcp).arg(&back), LIMIT);
+    assert!(
+        std::fs::read(&src).expect("src") == std::fs::read(&back).expect("back"),
+        "data read back over TLS differs"
+    );
+
+    // qemu-io with x509 credentials, over the Unix socket.
+    let out = run_ok(
+        Command::new(tool("qemu-io"))
+            .arg("--object")
+            .arg(format!(
+                "tls-creds-x509,id=tls0,endpoint=client,dir={}",
+                scratch.0.display()
+            ))
+            .arg("--image-opts")
+            .arg(format!(
+                "driver=nbd,path={},export=mem,tls-creds=tls0,tls-hostname=localhost",
+                srv.socket.display()
+            ))
+            .args(["-c", "write -P 0x5a 1M 256k", "-c", "read -P 0x5a 1M 256k"]),
+        LIMIT,
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("read 262144/262144"), "{text}");
+    assert!(!text.contains("Pattern verification failed"), "{text}");
+}
+
+#[test]
+fn require_refuses_every_option_but_starttls_and_abort_before_tls() {
+    let scratch = Scratch::new("tls-raw");
+    certificates(&scratch.0);
+    let srv = tls_server(&scratch.0, &[]);
+    let connect = || {
+        let s = UnixStream::connect(&srv.socket).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        let mut c = RawClient::new(s);
+        c.start().expect("greeting");
+        c
+    };
+    let mut c = connect();
+    for (opt, data) in [
+        (OPT_LIST, &b""[..]),
+        (OPT_STRUCTURED_REPLY, b""),
+        (OPT_GO, &[0, 0, 0, 3, b'm', b'e', b'm', 0, 0]),
+    ] {
+        c.option(opt, data).expect("option");
+        assert_eq!(
+            c.option_reply().expect("reply").0.rep,
+            REP_ERR_TLS_REQD,
+            "option {opt}"
+        );
+    }
+    c.option(OPT_ABORT, b"").expect("abort");
+    assert_eq!(c.option_reply().expect("reply").0.rep, REP_ACK);
+    // EXPORT_NAME cannot carry an error: the connection is dropped.
+    let mut c = connect();
+    c.option(OPT_EXPORT_NAME, b"mem").expect("export name");
+    let mut b = [0u8; 1];
+    assert!(matches!(std::io::Read::read(&mut c.s, &mut b), Ok(0)));
+    // STARTTLS is acknowledged (the TLS handshake would follow).
+    let mut c = connect();
+    c.option(OPT_STARTTLS, b"").expect("starttls");
+    assert_eq!(c.option_reply().expect("reply").0.rep, REP_ACK);
+}
+
+#[test]
+fn verify_peer_needs_a_client_certificate_from_the_ca() {
+    let scratch = Scratch::new("tls-peer");
+    certificates(&scratch.0);
+    let srv = tls_server(&scratch.0, &["--tls-verify-peer"]);
+    // With the client certificate in the directory: served.
+    let uri = |dir: &Path| {
+        format!(
+            "nbds+unix:///mem?socket={}&tls-certificates={}",
+            srv.socket.display(),
+            dir.display()
+        )
+    };
+    let out = nbdinfo(&uri(&scratch.0));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Only the CA: no client certificate, refused.
+    let bare = Scratch::new("tls-bare");
+    std::fs::copy(scratch.path("ca-cert.pem"), bare.path("ca-cert.pem")).expect("copy ca");
+    let out = nbdinfo(&uri(&bare.0));
+    assert!(
+        !out.status.success(),
+        "a client without a certificate must be refused"
+    );
+}
