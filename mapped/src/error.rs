@@ -105,8 +105,22 @@ pub enum LineError {
     Number { what: &'static str, value: String },
     #[error("zero-length target")]
     ZeroLength,
-    #[error("start {start} + length {len} overflows")]
+    #[error("start sector {start} + length {len} overflows u64")]
     Overflow { start: u64, len: u64 },
+    /// The length in bytes does not fit in u64 (it would wrap to a small
+    /// device).
+    #[error("length {len} sectors x 512 bytes overflows u64")]
+    LengthBytesOverflow { len: u64 },
+    /// The device would end past 2^63 bytes, where a signed 64-bit size
+    /// (`off_t`, the kernel's `loff_t`, NBD clients' `int64_t`) goes
+    /// negative.
+    #[error("start sector {start} + length {len} ends at sector {end}, past the device limit of {max} sectors (2^63 bytes)")]
+    TooLarge {
+        start: u64,
+        len: u64,
+        end: u64,
+        max: u64,
+    },
     #[error("sectors {start}..{end} overlap line {prev_line}, which ends at {prev_end}")]
     Overlap {
         start: u64,
