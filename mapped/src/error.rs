@@ -37,6 +37,16 @@ pub enum DmError {
     UuidInUse { name: String, uuid: String },
     #[error("device {name}: minor {minor} is already in use")]
     MinorInUse { name: String, minor: u32 },
+    /// A reload or remove would discard data only RAM holds.
+    #[error(
+        "device {name}: {verb} would discard data held in RAM: {}; use --force to discard it",
+        join_losses(lost)
+    )]
+    WouldLoseData {
+        name: String,
+        verb: &'static str,
+        lost: Vec<crate::device::RamLoss>,
+    },
     #[error("device {name}: table would make a cycle through {through}")]
     Cycle { name: String, through: String },
     #[error(transparent)]
@@ -52,6 +62,13 @@ pub enum DmError {
         #[source]
         source: Box<TargetError>,
     },
+}
+
+fn join_losses(lost: &[crate::device::RamLoss]) -> String {
+    lost.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn device_prefix(device: &Option<String>) -> String {
