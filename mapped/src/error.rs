@@ -128,10 +128,10 @@ pub enum LineError {
     /// device).
     #[error("length {len} sectors x 512 bytes overflows u64")]
     LengthBytesOverflow { len: u64 },
-    /// The device would end past 2^63 bytes, where a signed 64-bit size
+    /// The device would reach 2^63 bytes, where a signed 64-bit size
     /// (`off_t`, the kernel's `loff_t`, NBD clients' `int64_t`) goes
     /// negative.
-    #[error("start sector {start} + length {len} ends at sector {end}, past the device limit of {max} sectors (2^63 bytes)")]
+    #[error("start sector {start} + length {len} ends at sector {end}, past the device limit of {max} sectors (below 2^63 bytes)")]
     TooLarge {
         start: u64,
         len: u64,

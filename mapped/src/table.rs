@@ -81,10 +81,11 @@ pub fn split_args(s: &str) -> Vec<String> {
 
 const SECTOR_BYTES: u64 = 512;
 
-/// The largest device end, in sectors: 2^63 bytes. Past it a size no longer
-/// fits the signed 64-bit sizes (`loff_t`, `off_t`) the kernel and NBD
-/// clients use, so a larger table would show a negative size.
-pub const MAX_SECTORS: u64 = (1u64 << 63) / SECTOR_BYTES;
+/// The largest device end, in sectors: the last whole sector below 2^63
+/// bytes. From 2^63 on a size no longer fits the signed 64-bit sizes
+/// (`loff_t`, `off_t`) the kernel and NBD clients use, so a larger table
+/// would show a negative size.
+pub const MAX_SECTORS: u64 = (i64::MAX as u64) / SECTOR_BYTES;
 
 fn parse_u64(what: &'static str, s: &str, line: usize) -> Result<u64, DmError> {
     s.parse::<u64>().map_err(|_| {
@@ -474,19 +475,20 @@ mod tests {
             e.contains("line 2") && e.contains("start sector 100 + length"),
             "{e}"
         );
-        // One sector past 2^63 bytes, reached by a start and a length that
+        // One sector past the limit, reached by a start and a length that
         // each fit.
         let half = MAX_SECTORS / 2;
-        let text = format!("0 {half} zero\n{half} {} zero\n", half + 1);
+        let rest = MAX_SECTORS - half;
+        let text = format!("0 {half} zero\n{half} {} zero\n", rest + 1);
         let e = parse_table(&text).unwrap_err().report();
         assert!(
             e.contains("line 2")
-                && e.contains("2^63 bytes")
+                && e.contains("below 2^63 bytes")
                 && e.contains(&format!("sector {}", MAX_SECTORS + 1)),
             "{e}"
         );
-        // Exactly 2^63 bytes is the largest device.
-        let t = parse_table(&format!("0 {half} zero\n{half} {half} zero\n")).unwrap();
+        // The last sector below 2^63 bytes ends the largest device.
+        let t = parse_table(&format!("0 {half} zero\n{half} {rest} zero\n")).unwrap();
         assert_eq!(t[1].start + t[1].len, MAX_SECTORS);
     }
 

@@ -54,8 +54,8 @@ fn overflowing_sizes_are_refused_naming_line_and_field() {
             "line 2: start sector 8 + length 18446744073709551610 overflows u64",
         ),
         (
-            "0 18014398509481985 zero",
-            "past the device limit of 18014398509481984 sectors (2^63 bytes)",
+            "0 18014398509481984 zero",
+            "ends at sector 18014398509481984, past the device limit of 18014398509481983 sectors (below 2^63 bytes)",
         ),
     ];
     for (table, want) in cases {
@@ -66,11 +66,14 @@ fn overflowing_sizes_are_refused_naming_line_and_field() {
         assert!(err.contains(want), "reload {table}: {err}");
     }
     assert_eq!(srv.snapshot(), before);
-    // The largest device, exactly 2^63 bytes, is accepted (sparse zero).
-    srv.ok("create", &["big", "--table", "0 18014398509481984 zero"]);
-    assert!(srv
-        .ok("info", &["big"])
-        .contains("Name:              big\n"));
+    // The largest device, 2^63 - 512 bytes, is accepted (sparse zero) and
+    // a real client sees its size positive.
+    srv.ok("create", &["big", "--table", "0 18014398509481983 zero"]);
+    srv.ok("export", &["big"]);
+    let mut c = Command::new("nbdinfo");
+    c.args(["--size", &srv.uri("big")]);
+    let o = run_bounded(&mut c, None, Duration::from_secs(60), "nbdinfo");
+    assert_eq!(o.stdout.trim(), "9223372036854775296", "{}", o.stderr);
 }
 
 #[test]
