@@ -59,6 +59,9 @@ impl std::fmt::Display for RamLoss {
 /// A constructed table: lines in sector order, tiling `0..size`.
 pub struct Table {
     pub entries: Vec<TableEntry>,
+    /// Staged with `force`: it may drop data the live table holds in RAM
+    /// when it goes live.
+    pub drops_ram: bool,
 }
 
 impl Table {

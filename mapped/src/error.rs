@@ -37,10 +37,11 @@ pub enum DmError {
     UuidInUse { name: String, uuid: String },
     #[error("device {name}: minor {minor} is already in use")]
     MinorInUse { name: String, minor: u32 },
-    /// A reload or remove would discard data only RAM holds.
+    /// A reload, resume or remove would discard data only RAM holds.
     #[error(
-        "device {name}: {verb} would discard data held in RAM: {}; use --force to discard it",
-        join_losses(lost)
+        "device {name}: {verb} would discard data held in RAM: {}; {}",
+        join_losses(lost),
+        force_hint(verb)
     )]
     WouldLoseData {
         name: String,
@@ -62,6 +63,13 @@ pub enum DmError {
         #[source]
         source: Box<TargetError>,
     },
+}
+
+fn force_hint(verb: &str) -> &'static str {
+    match verb {
+        "resume" => "it was written since the reload; reload with --force (or clear) first",
+        _ => "use --force to discard it",
+    }
 }
 
 fn join_losses(lost: &[crate::device::RamLoss]) -> String {

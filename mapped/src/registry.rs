@@ -158,7 +158,10 @@ impl Registry {
             }
             entries.push(TableEntry { line, target, deps });
         }
-        Ok(Table { entries })
+        Ok(Table {
+            entries,
+            drops_ram: false,
+        })
     }
 
     /// Create one device from a table text.
@@ -293,7 +296,8 @@ impl Registry {
             .resolve(&[], name)
             .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
         let live = dev.live_table();
-        let t = Self::build_table(&state, &[], &dev.name, table, Some(&live))?;
+        let mut t = Self::build_table(&state, &[], &dev.name, table, Some(&live))?;
+        t.drops_ram = force;
         let lost = live.ram_lost_to(Some(&t));
         if !lost.is_empty() && !force {
             return Err(DmError::WouldLoseData {
@@ -333,8 +337,21 @@ impl Registry {
         Ok(())
     }
 
+    /// Resume, swapping in a staged table. A table staged without force
+    /// whose swap would now drop RAM-held data (written since the reload)
+    /// is refused, and the device stays as it was.
     pub fn resume(&self, name: &str) -> Result<(), DmError> {
         let dev = self.must_get(name)?;
+        if let Some(staged) = dev.inactive_table().filter(|t| !t.drops_ram) {
+            let lost = dev.live_table().ram_lost_to(Some(&staged));
+            if !lost.is_empty() {
+                return Err(DmError::WouldLoseData {
+                    name: dev.name.clone(),
+                    verb: "resume",
+                    lost,
+                });
+            }
+        }
         dev.resume();
         Ok(())
     }

@@ -106,6 +106,33 @@ fn a_reload_that_drops_ram_data_is_refused_unless_forced() {
 }
 
 #[test]
+fn data_written_between_reload_and_resume_is_not_dropped_silently() {
+    let reg = Registry::new();
+    reg.create("mm", "0 8192 memory").unwrap();
+    let dev = reg.device("mm").unwrap();
+    // Nothing held yet, so the reload is accepted...
+    reg.reload("mm", "0 8192 zero").unwrap();
+    let data = pattern(4096, 5);
+    assert_eq!(write(&*dev, 0, &data), Status::Ok);
+    // ...but by resume the live table holds data the staged one drops.
+    let msg = reg.resume("mm").unwrap_err().report();
+    assert!(
+        msg.contains("device mm: resume would discard data held in RAM")
+            && msg.contains("'0 8192 memory' holds 4096 bytes")
+            && msg.contains("reload with --force"),
+        "{msg}"
+    );
+    assert_eq!(reg.table_text("mm").unwrap(), "0 8192 memory\n");
+    assert_eq!(reg.info("mm").unwrap().event_nr, 0);
+    assert!(!reg.info("mm").unwrap().suspended);
+    assert_eq!(read(&*dev, 0, 4096), data);
+    // A forced reload lets the swap happen.
+    reg.reload_forced("mm", "0 8192 zero", true).unwrap();
+    reg.resume("mm").unwrap();
+    assert_eq!(reg.table_text("mm").unwrap(), "0 8192 zero\n");
+}
+
+#[test]
 fn removing_a_device_holding_ram_data_needs_force() {
     let reg = Registry::new();
     reg.create_stack("mm: 0 2048 memory\nmm: 2048 2048 zero\ne: 0 2048 memory\n")
