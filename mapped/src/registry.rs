@@ -339,8 +339,9 @@ impl Registry {
 
     /// Resume, swapping in a staged table. A table staged without force
     /// whose swap would now drop RAM-held data (written since the reload)
-    /// is refused, and the device stays as it was.
-    pub fn resume(&self, name: &str) -> Result<(), DmError> {
+    /// is refused, and the device stays as it was. Whether a table was
+    /// swapped in.
+    pub fn resume(&self, name: &str) -> Result<bool, DmError> {
         let dev = self.must_get(name)?;
         if let Some(staged) = dev.inactive_table().filter(|t| !t.drops_ram) {
             let lost = dev.live_table().ram_lost_to(Some(&staged));
@@ -352,8 +353,7 @@ impl Registry {
                 });
             }
         }
-        dev.resume();
-        Ok(())
+        Ok(dev.resume())
     }
 
     /// Drop a staged table (dmsetup `clear`).

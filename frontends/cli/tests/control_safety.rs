@@ -132,6 +132,24 @@ fn reload_keeps_memory_data_and_refuses_to_drop_it_unless_forced() {
     srv.ok("resume", &["mm"]);
     assert_eq!(field(&srv.ok("status", &["mm"]), "allocated_bytes="), 0);
     qemu_io_ok(&srv, "mm", "read -P 0 4k 8k");
+
+    // Empty, so a reload dropping it is accepted; data written before the
+    // resume makes the resume refuse, keeping the device as it was.
+    srv.ok("reload", &["mm", "--table", "0 16384 zero"]);
+    qemu_io_ok(&srv, "mm", "write -P 0x6b 0 4k");
+    let before = srv.snapshot();
+    let err = srv.fails("resume", &["mm"]);
+    assert!(
+        err.contains(
+            "device mm: resume would discard data held in RAM: '0 16384 memory' holds 4096 bytes"
+        ) && err.contains("reload with --force"),
+        "{err}"
+    );
+    assert_eq!(srv.snapshot(), before);
+    qemu_io_ok(&srv, "mm", "read -P 0x6b 0 4k");
+    srv.ok("clear", &["mm"]);
+    srv.ok("resume", &["mm"]);
+    qemu_io_ok(&srv, "mm", "read -P 0x6b 0 4k");
 }
 
 #[test]

@@ -221,10 +221,7 @@ impl Control {
                 let p: NameParams = params(p)?;
                 let (name, lock) = self.device_lock(&p.name)?;
                 let _g = lock.lock();
-                let dev = self.reg.get(&name).ok_or_else(|| {
-                    RpcError::from(blkstack_mapped::DmError::NoSuchDevice(name.clone()))
-                })?;
-                let swapped = dev.resume();
+                let swapped = self.reg.resume(&name)?;
                 Ok(json!({ "name": name, "table_swapped": swapped }))
             }
             "remove" => self.remove(params(p)?),
