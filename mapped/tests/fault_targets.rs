@@ -226,6 +226,7 @@ fn flakey_random_write_corrupt_matches_its_probability() {
             submit_and_wait(&*rw, Op::Write, 0, 4096, &mut w),
             Status::Ok
         );
+        assert_eq!(w, data, "the submitter's buffer keeps what it wrote");
         let d = diff(&read(&*m, 0).1, &data);
         assert!(d <= 1, "one byte at most is corrupted, {d} were");
         hits += d;
@@ -234,6 +235,18 @@ fn flakey_random_write_corrupt_matches_its_probability() {
     // Reads pass untouched.
     let stored = read(&*m, 0).1;
     assert_eq!(read(&*rw, 0), (Status::Ok, stored));
+    // A fixed write corruption reaches the medium, not the caller's buffer.
+    reg.create("fw", "0 4096 flakey m 0 0 1 5 corrupt_bio_byte 3 w 200 0")
+        .unwrap();
+    let fw = reg.device("fw").unwrap();
+    let mut w = vec![7u8; 4096];
+    assert_eq!(
+        submit_and_wait(&*fw, Op::Write, 8192, 4096, &mut w),
+        Status::Ok
+    );
+    assert_eq!(w, vec![7u8; 4096]);
+    let got = read(&*m, 8192).1;
+    assert_eq!((got[1], got[2], got[3]), (7, 200, 7));
 }
 
 #[test]

@@ -16,6 +16,9 @@
 //!   `p`/1000000000, upstream "dm flakey: introduce random_read_corrupt and
 //!   random_write_corrupt options").
 //!
+//! A corrupted write goes down as a corrupted copy, the submitter's buffer
+//! untouched, as the kernel clones the bio's pages for it.
+//!
 //! With none of error_reads, drop_writes, error_writes, corrupt_bio_byte or
 //! the random corruptions, reads and writes both fail, as the kernel sets
 //! both error bits then (without printing them in the table). Intervals
@@ -25,7 +28,8 @@
 use crate::error::TargetError;
 use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::clock::now_ns;
-use blkstack_core::{Bio, EndIo, Features, Op, Status, SECTOR_SIZE};
+use blkstack_core::{AlignedBuf, Bio, EndIo, Features, IoBuf, Op, Status, SECTOR_SIZE};
+use parking_lot::Mutex;
 use std::sync::Arc;
 
 pub const TYPE: TargetType = TargetType {
@@ -281,18 +285,24 @@ impl Flakey {
         self.dev.dev.submit(bio);
     }
 
-    /// Apply the fixed and the random corruption configured for `dir`.
-    fn corrupt_bio(&self, bio: &Bio, dir: Dir) {
-        if let Some(c) = &self.corrupt {
-            if c.dir == dir && self.corrupt_matches(c, bio) {
-                Self::corrupt_data(c, bio);
-            }
-        }
+    /// Which corruptions apply to this bio in `dir`: (fixed byte, random
+    /// byte). The random one is rolled here, once per bio.
+    fn corruptions(&self, bio: &Bio, dir: Dir) -> (bool, bool) {
+        let fixed = self
+            .corrupt
+            .is_some_and(|c| c.dir == dir && self.corrupt_matches(&c, bio));
         let p = match dir {
             Dir::Read => self.random_read,
             Dir::Write => self.random_write,
         };
-        if Self::roll(p) {
+        (fixed, Self::roll(p))
+    }
+
+    fn apply(&self, bio: &Bio, (fixed, random): (bool, bool)) {
+        if let (true, Some(c)) = (fixed, &self.corrupt) {
+            Self::corrupt_data(c, bio);
+        }
+        if random {
             Self::corrupt_random(bio);
         }
     }
@@ -307,8 +317,47 @@ impl Flakey {
             bio.complete(Status::IoError);
             return;
         }
-        self.corrupt_bio(&bio, Dir::Write);
-        self.remap(bio);
+        let which = self.corruptions(&bio, Dir::Write);
+        if bio.op.has_data() && (which.0 || which.1) {
+            self.submit_corrupted_copy(bio, which);
+        } else {
+            self.remap(bio);
+        }
+    }
+
+    /// Corrupt a copy of a write and send that down, so the submitter's
+    /// buffer keeps what it wrote (the kernel clones the bio's pages for
+    /// the same reason: the page cache must not see the corruption).
+    fn submit_corrupted_copy(&self, bio: Bio, which: (bool, bool)) {
+        let mut copy = AlignedBuf::new(bio.len as usize);
+        copy.as_mut_slice().copy_from_slice(bio.data());
+        // SAFETY: the copy's heap memory lives in `WriteCopy`, which the
+        // clone's completion frame keeps alive until the clone is done,
+        // and nothing else touches it meanwhile.
+        let buf = unsafe { IoBuf::from_raw(copy.as_mut_slice().as_mut_ptr(), copy.len()) };
+        let (op, flags, offset, len) = (bio.op, bio.flags, bio.offset, bio.len);
+        let owner = Arc::new(WriteCopy {
+            orig: Mutex::new(Some(bio)),
+            _copy: copy,
+        });
+        let clone = Bio::new(op, offset, len, buf, owner, 0).with_flags(flags);
+        self.apply(&clone, which);
+        self.remap(clone);
+    }
+}
+
+/// Owns a corrupted write's copy and the original bio, which completes
+/// with the copy's status.
+struct WriteCopy {
+    orig: Mutex<Option<Bio>>,
+    _copy: AlignedBuf,
+}
+
+impl EndIo for WriteCopy {
+    fn end_io(&self, _clone: Bio, status: Status, _private: u64) {
+        if let Some(orig) = self.orig.lock().take() {
+            orig.complete(status);
+        }
     }
 }
 
@@ -320,7 +369,7 @@ impl EndIo for Flakey {
             bio.complete(status);
             return;
         }
-        self.corrupt_bio(&bio, Dir::Read);
+        self.apply(&bio, self.corruptions(&bio, Dir::Read));
         bio.complete(Status::Ok);
     }
 }
