@@ -133,17 +133,7 @@ fn parse_features(f: &mut Flakey, args: &[&str]) -> Result<(), TargetError> {
                 i += 1;
             }
             name @ ("random_read_corrupt" | "random_write_corrupt") => {
-                let Some(arg) = rest.get(i + 1) else {
-                    return Err(TargetError::invalid(format!(
-                        "feature {name} requires a parameter <probability> (0..={PROBABILITY_BASE})"
-                    )));
-                };
-                let p: u32 = parse_arg("random corrupt argument", arg)?;
-                if p > PROBABILITY_BASE {
-                    return Err(TargetError::invalid(format!(
-                        "invalid random corrupt argument {p} (0..={PROBABILITY_BASE})"
-                    )));
-                }
+                let p = parse_probability(name, rest.get(i + 1))?;
                 if name == "random_read_corrupt" {
                     f.random_read = p;
                 } else {
@@ -176,33 +166,7 @@ fn parse_features(f: &mut Flakey, args: &[&str]) -> Result<(), TargetError> {
                 i += 1;
             }
             "corrupt_bio_byte" => {
-                if rest.len() < i + 5 {
-                    return Err(TargetError::invalid("feature corrupt_bio_byte requires parameters <Nth_byte> <r|w> <value> <flags>"));
-                }
-                let byte: u32 = parse_arg("corrupt bio byte", rest[i + 1])?;
-                if byte == 0 {
-                    return Err(TargetError::invalid(
-                        "invalid corrupt bio byte 0 (bytes count from 1)",
-                    ));
-                }
-                let dir = match rest[i + 2].to_ascii_lowercase().as_str() {
-                    "r" => Dir::Read,
-                    "w" => Dir::Write,
-                    d => {
-                        return Err(TargetError::invalid(format!(
-                            "invalid corrupt bio direction '{d}' (r or w)"
-                        )))
-                    }
-                };
-                let value: u8 =
-                    parse_arg("corrupt value to write into bio byte (0-255)", rest[i + 3])?;
-                let flags: u8 = parse_arg("corrupt bio flags mask", rest[i + 4])?;
-                f.corrupt = Some(Corrupt {
-                    byte: byte as u64,
-                    dir,
-                    value,
-                    flags,
-                });
+                f.corrupt = Some(parse_corrupt_bio_byte(&rest[i + 1..])?);
                 i += 5;
             }
             other => {
@@ -212,6 +176,60 @@ fn parse_features(f: &mut Flakey, args: &[&str]) -> Result<(), TargetError> {
             }
         }
     }
+    check_write_conflicts(f)
+}
+
+/// `random_*_corrupt <probability>`: out of [`PROBABILITY_BASE`].
+fn parse_probability(name: &str, arg: Option<&&str>) -> Result<u32, TargetError> {
+    let Some(arg) = arg else {
+        return Err(TargetError::invalid(format!(
+            "feature {name} requires a parameter <probability> (0..={PROBABILITY_BASE})"
+        )));
+    };
+    let p: u32 = parse_arg("random corrupt argument", arg)?;
+    if p > PROBABILITY_BASE {
+        return Err(TargetError::invalid(format!(
+            "invalid random corrupt argument {p} (0..={PROBABILITY_BASE})"
+        )));
+    }
+    Ok(p)
+}
+
+/// `corrupt_bio_byte`'s four parameters: `<Nth_byte> <r|w> <value> <flags>`.
+fn parse_corrupt_bio_byte(args: &[&str]) -> Result<Corrupt, TargetError> {
+    if args.len() < 4 {
+        return Err(TargetError::invalid(
+            "feature corrupt_bio_byte requires parameters <Nth_byte> <r|w> <value> <flags>",
+        ));
+    }
+    let byte: u32 = parse_arg("corrupt bio byte", args[0])?;
+    if byte == 0 {
+        return Err(TargetError::invalid(
+            "invalid corrupt bio byte 0 (bytes count from 1)",
+        ));
+    }
+    let dir = match args[1].to_ascii_lowercase().as_str() {
+        "r" => Dir::Read,
+        "w" => Dir::Write,
+        d => {
+            return Err(TargetError::invalid(format!(
+                "invalid corrupt bio direction '{d}' (r or w)"
+            )))
+        }
+    };
+    let value: u8 = parse_arg("corrupt value to write into bio byte (0-255)", args[2])?;
+    let flags: u8 = parse_arg("corrupt bio flags mask", args[3])?;
+    Ok(Corrupt {
+        byte: byte as u64,
+        dir,
+        value,
+        flags,
+    })
+}
+
+/// Dropped or failed writes cannot also be corrupted (dm-flakey refuses
+/// the table).
+fn check_write_conflicts(f: &Flakey) -> Result<(), TargetError> {
     let corrupts_writes = f.corrupt.is_some_and(|c| c.dir == Dir::Write) || f.random_write > 0;
     if corrupts_writes && f.drop_writes {
         return Err(TargetError::invalid(
