@@ -11,19 +11,30 @@
 //! and the engine args of [`crate::engine_args`]: requests go through the
 //! blk-mq engine like `null`'s, so the same completion modes and tag
 //! options apply (the copy itself is done in `queue_rq`).
+//!
+//! Allocation is bounded, as a thin pool's data device is: `max_alloc=SIZE`
+//! bounds one device, and a process-wide budget (by default three quarters
+//! of the machine's MemAvailable when the first memory device is built)
+//! bounds all of them together. A write that needs a page past either bound
+//! fails with [`Status::NoSpace`] (ENOSPC, as dm-thin's out-of-data-space
+//! error mode answers) instead of growing until the OOM killer wakes.
+//! The page store is shared through an `Arc` so a table reload can carry it
+//! to the new table, as dm keeps the underlying device across a reload.
 
 use crate::args::{check_block_size, check_size, KvArgs};
 use crate::engine_args::EngineArgs;
-use crate::error::MemoryError;
+use crate::error::{ArgError, MemoryError};
 use crate::null::EmulatedQueue;
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{Bio, BioFlags, Device, Features, Op, Status};
 use blkstack_mq::queue::{Driver, EngineOptions, QueueRq, QueueStats, Rq};
 use parking_lot::RwLock;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::fmt::Write;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 pub const PAGE_SIZE: u64 = 4096;
 const PAGE_SHIFT: u32 = 12;
@@ -53,11 +64,81 @@ impl Hasher for PageHasher {
 
 type PageMap = HashMap<u64, Page, BuildHasherDefault<PageHasher>>;
 
+/// Pages every memory device of the process may hold together.
+pub struct AllocBudget {
+    used_pages: AtomicU64,
+    limit_pages: AtomicU64,
+}
+
+impl AllocBudget {
+    pub const fn new(limit_bytes: u64) -> AllocBudget {
+        AllocBudget {
+            used_pages: AtomicU64::new(0),
+            limit_pages: AtomicU64::new(limit_bytes / PAGE_SIZE),
+        }
+    }
+
+    pub fn limit_bytes(&self) -> u64 {
+        self.limit_pages
+            .load(Ordering::Relaxed)
+            .saturating_mul(PAGE_SIZE)
+    }
+
+    /// Change the bound; pages already held stay (later allocations fail
+    /// until enough are freed).
+    pub fn set_limit_bytes(&self, bytes: u64) {
+        self.limit_pages.store(bytes / PAGE_SIZE, Ordering::Relaxed);
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used_pages.load(Ordering::Relaxed) * PAGE_SIZE
+    }
+
+    fn try_take(&self) -> bool {
+        let prev = self.used_pages.fetch_add(1, Ordering::Relaxed);
+        if prev >= self.limit_pages.load(Ordering::Relaxed) {
+            self.used_pages.fetch_sub(1, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    fn give_back(&self, pages: u64) {
+        self.used_pages.fetch_sub(pages, Ordering::Relaxed);
+    }
+}
+
+/// MemAvailable from `/proc/meminfo`, in bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The budget all memory devices of this process share: three quarters of
+/// MemAvailable when first asked for (unbounded when /proc/meminfo cannot
+/// be read), so a RAM disk fills with ENOSPC before the OOM killer runs.
+pub fn process_budget() -> &'static AllocBudget {
+    static BUDGET: OnceLock<AllocBudget> = OnceLock::new();
+    BUDGET.get_or_init(|| {
+        let limit = mem_available().map_or(u64::MAX, |b| b / 4 * 3);
+        AllocBudget::new(limit)
+    })
+}
+
 /// Page storage with per-shard locks; shared by the inline device and the
 /// engine-driven one.
 pub struct PageStore {
     shards: Box<[crossbeam_utils::CachePadded<RwLock<PageMap>>]>,
     allocated: AtomicU64,
+    budget: &'static AllocBudget,
+}
+
+impl Drop for PageStore {
+    fn drop(&mut self) {
+        self.budget.give_back(*self.allocated.get_mut());
+    }
 }
 
 fn zero_page() -> Page {
@@ -72,11 +153,46 @@ impl Default for PageStore {
 
 impl PageStore {
     pub fn new() -> PageStore {
+        Self::with_budget(process_budget())
+    }
+
+    /// A store charging its pages to `budget` rather than the process's.
+    pub fn with_budget(budget: &'static AllocBudget) -> PageStore {
         PageStore {
             shards: (0..SHARDS)
                 .map(|_| crossbeam_utils::CachePadded::new(RwLock::new(PageMap::default())))
                 .collect(),
             allocated: AtomicU64::new(0),
+            budget,
+        }
+    }
+
+    /// A new zeroed page, if this store holds fewer than `max_pages` and
+    /// the budget has room.
+    fn alloc_page(&self, max_pages: u64) -> Option<Page> {
+        let prev = self.allocated.fetch_add(1, Ordering::Relaxed);
+        if prev >= max_pages || !self.budget.try_take() {
+            self.allocated.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(zero_page())
+    }
+
+    fn freed(&self, pages: u64) {
+        self.allocated.fetch_sub(pages, Ordering::Relaxed);
+        self.budget.give_back(pages);
+    }
+
+    /// The page at `page` for writing, allocated if absent (None: no space).
+    fn page_mut<'m>(
+        &self,
+        map: &'m mut PageMap,
+        page: u64,
+        max_pages: u64,
+    ) -> Option<&'m mut Page> {
+        match map.entry(page) {
+            Entry::Occupied(e) => Some(e.into_mut()),
+            Entry::Vacant(v) => Some(v.insert(self.alloc_page(max_pages)?)),
         }
     }
 
@@ -118,23 +234,33 @@ impl PageStore {
         }
     }
 
-    pub fn write(&self, offset: u64, data: &[u8]) {
+    /// Store `data` at `offset`, allocating pages while this store holds
+    /// fewer than `max_pages`; past that (or the budget) the write stops
+    /// with `NoSpace`, the pages before it written, as a thin pool's
+    /// partial write is.
+    pub fn write(&self, offset: u64, data: &[u8], max_pages: u64) -> Status {
         for (page, in_page, n, at) in Self::pieces(offset, data.len() as u64) {
             let mut map = self.shard(page).write();
-            let p = map.entry(page).or_insert_with(|| {
-                self.allocated.fetch_add(1, Ordering::Relaxed);
-                zero_page()
-            });
+            let Some(p) = self.page_mut(&mut map, page, max_pages) else {
+                return Status::NoSpace;
+            };
             p[in_page..in_page + n].copy_from_slice(&data[at..at + n]);
         }
+        Status::Ok
     }
 
     /// Make `offset..offset+len` read as zeroes. With `keep_allocated`
     /// (NOUNMAP) every page stays or becomes allocated and is zeroed;
     /// otherwise whole pages are freed and only partial edges are zeroed.
-    pub fn zero_range(&self, offset: u64, len: u64, keep_allocated: bool) {
+    pub fn zero_range(
+        &self,
+        offset: u64,
+        len: u64,
+        keep_allocated: bool,
+        max_pages: u64,
+    ) -> Status {
         if len == 0 {
-            return;
+            return Status::Ok;
         }
         let end = offset + len;
         let first_full = offset.div_ceil(PAGE_SIZE);
@@ -157,36 +283,32 @@ impl PageStore {
             let n = (stop - start) as usize;
             let mut map = self.shard(page).write();
             if keep_allocated {
-                let p = map.entry(page).or_insert_with(|| {
-                    self.allocated.fetch_add(1, Ordering::Relaxed);
-                    zero_page()
-                });
+                let Some(p) = self.page_mut(&mut map, page, max_pages) else {
+                    return Status::NoSpace;
+                };
                 p[in_page..in_page + n].fill(0);
             } else if let Some(p) = map.get_mut(&page) {
                 p[in_page..in_page + n].fill(0);
             }
         }
         if first_full >= end_full {
-            return;
+            return Status::Ok;
         }
         if keep_allocated {
             for page in first_full..end_full {
                 let mut map = self.shard(page).write();
-                match map.get_mut(&page) {
-                    Some(p) => p.fill(0),
-                    None => {
-                        map.insert(page, zero_page());
-                        self.allocated.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                let Some(p) = self.page_mut(&mut map, page, max_pages) else {
+                    return Status::NoSpace;
+                };
+                p.fill(0);
             }
-            return;
+            return Status::Ok;
         }
         let span = end_full - first_full;
         if span <= self.allocated_pages() {
             for page in first_full..end_full {
                 if self.shard(page).write().remove(&page).is_some() {
-                    self.allocated.fetch_sub(1, Ordering::Relaxed);
+                    self.freed(1);
                 }
             }
         } else {
@@ -195,10 +317,10 @@ impl PageStore {
                 let mut map = shard.write();
                 let before = map.len();
                 map.retain(|&p, _| !(first_full..end_full).contains(&p));
-                let freed = (before - map.len()) as u64;
-                self.allocated.fetch_sub(freed, Ordering::Relaxed);
+                self.freed((before - map.len()) as u64);
             }
         }
+        Status::Ok
     }
 
     /// Allocated page numbers in `first..end`, sorted.
@@ -261,49 +383,99 @@ impl PageStore {
     }
 }
 
-/// Carry out one (already validated) bio against a page store.
-fn memory_execute(store: &PageStore, bio: &Bio) -> Status {
+/// Carry out one (already validated) bio against a page store holding at
+/// most `max_pages`.
+fn memory_execute(store: &PageStore, max_pages: u64, bio: &Bio) -> Status {
     match bio.op {
-        Op::Read => store.read(bio.offset, bio.data_mut()),
-        Op::Write => store.write(bio.offset, bio.data()),
-        Op::Flush => {}
-        Op::Discard => store.zero_range(bio.offset, bio.len, false),
-        Op::WriteZeroes => {
-            store.zero_range(bio.offset, bio.len, bio.flags.contains(BioFlags::NOUNMAP))
+        Op::Read => {
+            store.read(bio.offset, bio.data_mut());
+            Status::Ok
         }
+        Op::Write => store.write(bio.offset, bio.data(), max_pages),
+        Op::Flush => Status::Ok,
+        Op::Discard => store.zero_range(bio.offset, bio.len, false, max_pages),
+        Op::WriteZeroes => store.zero_range(
+            bio.offset,
+            bio.len,
+            bio.flags.contains(BioFlags::NOUNMAP),
+            max_pages,
+        ),
     }
-    Status::Ok
 }
 
 /// The memory driver under the engine: the copy happens in `queue_rq`,
 /// the completion goes wherever the engine's `irqmode` says.
 pub struct MemoryDriver {
-    store: PageStore,
+    store: Arc<PageStore>,
+    max_pages: u64,
 }
 
 impl Driver for MemoryDriver {
     #[inline]
     fn queue_rq(&self, rq: Rq<'_>) -> QueueRq {
-        QueueRq::Done(memory_execute(&self.store, rq.bio))
+        QueueRq::Done(memory_execute(&self.store, self.max_pages, rq.bio))
     }
 }
 
 pub struct MemoryDevice {
     size: u64,
     block_size: u32,
+    /// `max_alloc=` as given (bytes), if given.
+    max_alloc: Option<u64>,
     engine: EngineArgs,
     queue: EmulatedQueue<MemoryDriver>,
+}
+
+/// `max_alloc=` accepts bytes or a binary suffix (K, M, G, T).
+fn parse_alloc_size(v: &str) -> Option<u64> {
+    let (digits, shift) = match v.as_bytes().last()? {
+        b'k' | b'K' => (&v[..v.len() - 1], 10),
+        b'm' | b'M' => (&v[..v.len() - 1], 20),
+        b'g' | b'G' => (&v[..v.len() - 1], 30),
+        b't' | b'T' => (&v[..v.len() - 1], 40),
+        _ => (v, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
+}
+
+fn take_max_alloc(kv: &mut KvArgs<'_>) -> Result<Option<u64>, MemoryError> {
+    let Some(v) = kv.take_str("max_alloc") else {
+        return Ok(None);
+    };
+    match parse_alloc_size(v) {
+        Some(n) if n >= PAGE_SIZE => Ok(Some(n)),
+        _ => Err(ArgError::BadValue {
+            driver: "memory",
+            key: "max_alloc".into(),
+            value: v.to_string(),
+            expected: format!("a size of at least {PAGE_SIZE} bytes (suffix K, M, G or T)"),
+        }
+        .into()),
+    }
 }
 
 impl MemoryDevice {
     /// Build from a table line's length (in bytes) and its optional
     /// `key=value` args: `bs=` and the engine args.
     pub fn from_args(size_bytes: u64, args: &[&str]) -> Result<Self, MemoryError> {
+        Self::from_args_with_store(size_bytes, args, None)
+    }
+
+    /// As [`MemoryDevice::from_args`], keeping the pages of `store` (a
+    /// reloaded table's memory target of the same size and place) instead
+    /// of starting empty.
+    pub fn from_args_with_store(
+        size_bytes: u64,
+        args: &[&str],
+        store: Option<Arc<PageStore>>,
+    ) -> Result<Self, MemoryError> {
         let mut kv = KvArgs::parse("memory", args)?;
         let block_size = kv.take_block_size("bs")?;
+        let max_alloc = take_max_alloc(&mut kv)?;
         let engine = EngineArgs::parse(&mut kv)?;
         kv.finish()?;
-        Self::build(size_bytes, block_size, engine)
+        let store = store.unwrap_or_else(|| Arc::new(PageStore::new()));
+        Self::build(size_bytes, block_size, max_alloc, engine, store)
     }
 
     /// Build with engine options set from Rust (experiments, benches).
@@ -313,18 +485,28 @@ impl MemoryDevice {
         opts: EngineOptions,
     ) -> Result<Self, MemoryError> {
         let block_size = check_block_size("memory", "bs", block_size.into())?;
-        Self::build(size_bytes, block_size, EngineArgs::from_options(opts))
+        let store = Arc::new(PageStore::new());
+        let engine = EngineArgs::from_options(opts);
+        Self::build(size_bytes, block_size, None, engine, store)
     }
 
-    fn build(size_bytes: u64, block_size: u32, engine: EngineArgs) -> Result<Self, MemoryError> {
+    fn build(
+        size_bytes: u64,
+        block_size: u32,
+        max_alloc: Option<u64>,
+        engine: EngineArgs,
+        store: Arc<PageStore>,
+    ) -> Result<Self, MemoryError> {
         check_size("memory", size_bytes, block_size)?;
         let driver = MemoryDriver {
-            store: PageStore::new(),
+            store,
+            max_pages: max_alloc.map_or(u64::MAX, |b| b / PAGE_SIZE),
         };
         let queue = EmulatedQueue::new(driver, &engine).map_err(MemoryError::Queue)?;
         Ok(MemoryDevice {
             size: size_bytes,
             block_size,
+            max_alloc,
             engine,
             queue,
         })
@@ -335,15 +517,27 @@ impl MemoryDevice {
         if self.block_size != 512 {
             let _ = write!(s, " bs={}", self.block_size);
         }
+        if let Some(m) = self.max_alloc {
+            let _ = write!(s, " max_alloc={m}");
+        }
         self.engine.write_table_args(&mut s);
         s.trim_start().to_string()
     }
 
+    /// The bound on this device's pages, in bytes: its `max_alloc=`, or
+    /// the process budget's limit when that is lower or none was given.
+    pub fn alloc_bound_bytes(&self) -> u64 {
+        let process = self.store().budget.limit_bytes();
+        self.max_alloc
+            .map_or(process, |m| (m / PAGE_SIZE * PAGE_SIZE).min(process))
+    }
+
     pub fn status(&self) -> String {
         format!(
-            "bs={} allocated_bytes={} {} {}",
+            "bs={} allocated_bytes={} max_alloc_bytes={} {} {}",
             self.block_size,
             self.store().allocated_pages() * PAGE_SIZE,
+            self.alloc_bound_bytes(),
             self.engine.describe(),
             self.queue.status()
         )
@@ -351,6 +545,11 @@ impl MemoryDevice {
 
     pub fn store(&self) -> &PageStore {
         &self.queue.driver().store
+    }
+
+    /// The page store itself, to hand to the next table's memory target.
+    pub fn shared_store(&self) -> Arc<PageStore> {
+        self.queue.driver().store.clone()
     }
 
     pub fn engine_stats(&self) -> QueueStats {
@@ -561,6 +760,88 @@ mod tests {
             .unwrap()
             .to_string()
             .contains("foo"));
+    }
+
+    #[test]
+    fn writes_past_max_alloc_fail_with_no_space_until_pages_are_freed() {
+        let d = MemoryDevice::from_args(1 << 20, &["max_alloc=8K"]).unwrap();
+        assert_eq!(d.table_args(), "max_alloc=8192");
+        assert!(
+            d.status()
+                .contains("allocated_bytes=0 max_alloc_bytes=8192 "),
+            "{}",
+            d.status()
+        );
+        let mut w = pattern(8192, 5);
+        assert_eq!(submit_and_wait(&d, Op::Write, 0, 8192, &mut w), Status::Ok);
+        // Rewriting allocated pages needs no new page.
+        assert_eq!(
+            submit_and_wait(&d, Op::Write, 0, 4096, &mut w[..4096]),
+            Status::Ok
+        );
+        let mut w3 = pattern(4096, 6);
+        assert_eq!(
+            submit_and_wait(&d, Op::Write, 65536, 4096, &mut w3),
+            Status::NoSpace
+        );
+        assert_eq!(
+            submit_and_wait_flags(&d, Op::WriteZeroes, BioFlags::NOUNMAP, 65536, 4096, &mut []),
+            Status::NoSpace
+        );
+        assert_eq!(d.store().allocated_pages(), 2);
+        assert!(d
+            .status()
+            .contains("allocated_bytes=8192 max_alloc_bytes=8192 "));
+        // The data already held is intact.
+        let mut r = vec![0u8; 8192];
+        submit_and_wait(&d, Op::Read, 0, 8192, &mut r);
+        assert_eq!(r, w);
+        // Discarding a page makes room again.
+        assert_eq!(
+            submit_and_wait(&d, Op::Discard, 0, 4096, &mut []),
+            Status::Ok
+        );
+        assert_eq!(
+            submit_and_wait(&d, Op::Write, 65536, 4096, &mut w3),
+            Status::Ok
+        );
+        for bad in [
+            "max_alloc=0",
+            "max_alloc=100",
+            "max_alloc=1X",
+            "max_alloc=99999999999T",
+        ] {
+            let e = MemoryDevice::from_args(1 << 20, &[bad])
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains("max_alloc"), "{bad}: {e}");
+        }
+        let d = MemoryDevice::from_args(1 << 20, &["max_alloc=2M", "bs=4096"]).unwrap();
+        assert_eq!(d.table_args(), "bs=4096 max_alloc=2097152");
+    }
+
+    #[test]
+    fn the_budget_bounds_every_store_charged_to_it_and_is_returned_on_drop() {
+        let budget: &'static AllocBudget = Box::leak(Box::new(AllocBudget::new(3 * PAGE_SIZE)));
+        let a = PageStore::with_budget(budget);
+        let b = PageStore::with_budget(budget);
+        let page = vec![7u8; PAGE_SIZE as usize];
+        assert_eq!(a.write(0, &page, u64::MAX), Status::Ok);
+        assert_eq!(b.write(0, &page, u64::MAX), Status::Ok);
+        assert_eq!(b.write(PAGE_SIZE, &page, u64::MAX), Status::Ok);
+        assert_eq!(a.write(PAGE_SIZE, &page, u64::MAX), Status::NoSpace);
+        assert_eq!(budget.used_bytes(), 3 * PAGE_SIZE);
+        assert_eq!(a.allocated_pages(), 1);
+        drop(b);
+        assert_eq!(budget.used_bytes(), PAGE_SIZE);
+        assert_eq!(a.write(PAGE_SIZE, &page, u64::MAX), Status::Ok);
+        budget.set_limit_bytes(PAGE_SIZE);
+        assert_eq!(a.write(2 * PAGE_SIZE, &page, u64::MAX), Status::NoSpace);
+        // The process budget comes from MemAvailable, below it.
+        let avail = mem_available().expect("/proc/meminfo MemAvailable");
+        assert!(process_budget().limit_bytes() < avail);
+        assert!(process_budget().limit_bytes() > 0);
     }
 
     #[test]

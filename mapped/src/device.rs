@@ -19,6 +19,7 @@ use crate::target::TargetRef;
 use arc_swap::ArcSwap;
 use blkstack_core::device::{check_bio_geometry, Extent};
 use blkstack_core::{Bio, BioFlags, Device, EndIo, Features, Op, Status, SECTOR_SIZE};
+use blkstack_drivers::memory::{PageStore, PAGE_SIZE};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -40,14 +41,64 @@ impl TableEntry {
     }
 }
 
+/// A table line whose RAM-held data a reload or removal would drop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RamLoss {
+    /// The line as `table` prints it.
+    pub line: String,
+    /// Bytes it holds (allocated pages).
+    pub bytes: u64,
+}
+
+impl std::fmt::Display for RamLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "'{}' holds {} bytes", self.line, self.bytes)
+    }
+}
+
 /// A constructed table: lines in sector order, tiling `0..size`.
 pub struct Table {
     pub entries: Vec<TableEntry>,
+    /// Staged with `force`: it may drop data the live table holds in RAM
+    /// when it goes live.
+    pub drops_ram: bool,
 }
 
 impl Table {
     pub fn size_bytes(&self) -> u64 {
         self.entries.last().map(|e| e.end_bytes()).unwrap_or(0)
+    }
+
+    /// The RAM store of the `memory`-like line at exactly `start`/`len`.
+    pub fn ram_store_at(&self, start: u64, len: u64) -> Option<Arc<PageStore>> {
+        self.entries
+            .iter()
+            .find(|e| e.line.start == start && e.line.len == len)
+            .and_then(|e| e.target.ram_store())
+    }
+
+    /// The lines of this table holding data in RAM that `next` (a new
+    /// table; `None` for removal) does not keep.
+    pub fn ram_lost_to(&self, next: Option<&Table>) -> Vec<RamLoss> {
+        let kept = |store: &Arc<PageStore>| {
+            next.is_some_and(|t| {
+                t.entries
+                    .iter()
+                    .filter_map(|e| e.target.ram_store())
+                    .any(|s| Arc::ptr_eq(&s, store))
+            })
+        };
+        self.entries
+            .iter()
+            .filter_map(|e| {
+                let store = e.target.ram_store()?;
+                let bytes = store.allocated_pages() * PAGE_SIZE;
+                (bytes > 0 && !kept(&store)).then(|| RamLoss {
+                    line: e.line.to_text(),
+                    bytes,
+                })
+            })
+            .collect()
     }
 
     /// Index of the entry containing byte `off`.

@@ -38,6 +38,17 @@ pub enum DmError {
     UuidInUse { name: String, uuid: String },
     #[error("device {name}: minor {minor} is already in use")]
     MinorInUse { name: String, minor: u32 },
+    /// A reload, resume or remove would discard data only RAM holds.
+    #[error(
+        "device {name}: {verb} would discard data held in RAM: {}; {}",
+        join_losses(lost),
+        force_hint(verb)
+    )]
+    WouldLoseData {
+        name: String,
+        verb: &'static str,
+        lost: Vec<crate::device::RamLoss>,
+    },
     #[error("device {name}: table would make a cycle through {through}")]
     Cycle { name: String, through: String },
     #[error(transparent)]
@@ -53,6 +64,20 @@ pub enum DmError {
         #[source]
         source: Box<TargetError>,
     },
+}
+
+fn force_hint(verb: &str) -> &'static str {
+    match verb {
+        "resume" => "it was written since the reload; reload with --force (or clear) first",
+        _ => "use --force to discard it",
+    }
+}
+
+fn join_losses(lost: &[crate::device::RamLoss]) -> String {
+    lost.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn device_prefix(device: &Option<String>) -> String {
@@ -106,8 +131,22 @@ pub enum LineError {
     Number { what: &'static str, value: String },
     #[error("zero-length target")]
     ZeroLength,
-    #[error("start {start} + length {len} overflows")]
+    #[error("start sector {start} + length {len} overflows u64")]
     Overflow { start: u64, len: u64 },
+    /// The length in bytes does not fit in u64 (it would wrap to a small
+    /// device).
+    #[error("length {len} sectors x 512 bytes overflows u64")]
+    LengthBytesOverflow { len: u64 },
+    /// The device would reach 2^63 bytes, where a signed 64-bit size
+    /// (`off_t`, the kernel's `loff_t`, NBD clients' `int64_t`) goes
+    /// negative.
+    #[error("start sector {start} + length {len} ends at sector {end}, past the device limit of {max} sectors (below 2^63 bytes)")]
+    TooLarge {
+        start: u64,
+        len: u64,
+        end: u64,
+        max: u64,
+    },
     #[error("sectors {start}..{end} overlap line {prev_line}, which ends at {prev_end}")]
     Overlap {
         start: u64,

@@ -113,11 +113,14 @@ impl Registry {
 
     /// Build a table for device `name`, resolving device arguments among
     /// the registered devices and `staged` ones.
+    /// `live` is the table a reload replaces: a `memory` line with the same
+    /// start and length as one of its `memory` lines keeps that line's pages.
     fn build_table(
         state: &State,
         staged: &[Arc<MappedDevice>],
         name: &str,
         text: &str,
+        live: Option<&Table>,
     ) -> Result<Table, DmError> {
         let lines = parse_table(text).map_err(|e| e.in_device(name))?;
         let lookup = |arg: &str| -> Option<(String, u32, DeviceRef)> {
@@ -138,6 +141,9 @@ impl Registry {
                 .in_device(name)
             })?;
             let mut ctx = CtrContext::new(line.start, line.len, name, &lookup);
+            if line.target == "memory" {
+                ctx.kept_store = live.and_then(|t| t.ram_store_at(line.start, line.len));
+            }
             let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
             let target = (tt.ctr)(&mut ctx, &args).map_err(|source| {
                 let target = line.target.clone();
@@ -152,7 +158,10 @@ impl Registry {
             }
             entries.push(TableEntry { line, target, deps });
         }
-        Ok(Table { entries })
+        Ok(Table {
+            entries,
+            drops_ram: false,
+        })
     }
 
     /// Create one device from a table text.
@@ -211,23 +220,24 @@ impl Registry {
                 }
                 None => state.next_minor(&staged),
             };
-            let table = Self::build_table(&state, &staged, &spec.name, &spec.table).map_err(
-                |e| match (e, &spec.origin_lines) {
-                    (
-                        DmError::Line {
+            let table =
+                Self::build_table(&state, &staged, &spec.name, &spec.table, None).map_err(|e| {
+                    match (e, &spec.origin_lines) {
+                        (
+                            DmError::Line {
+                                device,
+                                line,
+                                source,
+                            },
+                            Some(origin),
+                        ) => DmError::Line {
                             device,
-                            line,
+                            line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
                             source,
                         },
-                        Some(origin),
-                    ) => DmError::Line {
-                        device,
-                        line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
-                        source,
-                    },
-                    (e, _) => e,
-                },
-            )?;
+                        (e, _) => e,
+                    }
+                })?;
             staged.push(Arc::new(MappedDevice::new(
                 spec.name.clone(),
                 spec.uuid.clone(),
@@ -271,13 +281,31 @@ impl Registry {
     }
 
     /// Stage a new table; it goes live at the next `resume`. On error the
-    /// device keeps its live and staged tables.
+    /// device keeps its live and staged tables. A `memory` line kept at the
+    /// same place and size keeps its data; a table that would drop data
+    /// held in RAM is refused (see [`Registry::reload_forced`]).
     pub fn reload(&self, name: &str, table: &str) -> Result<(), DmError> {
+        self.reload_forced(name, table, false)
+    }
+
+    /// [`Registry::reload`]; with `force`, a table that drops RAM-held data
+    /// is staged too (the data goes when it becomes live).
+    pub fn reload_forced(&self, name: &str, table: &str, force: bool) -> Result<(), DmError> {
         let state = self.state.lock();
         let dev = state
             .resolve(&[], name)
             .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
-        let t = Self::build_table(&state, &[], &dev.name, table)?;
+        let live = dev.live_table();
+        let mut t = Self::build_table(&state, &[], &dev.name, table, Some(&live))?;
+        t.drops_ram = force;
+        let lost = live.ram_lost_to(Some(&t));
+        if !lost.is_empty() && !force {
+            return Err(DmError::WouldLoseData {
+                name: dev.name.clone(),
+                verb: "reload",
+                lost,
+            });
+        }
         for d in t.deps() {
             if state.reaches(&d, &dev.name, 0) {
                 return Err(DmError::Cycle {
@@ -309,10 +337,23 @@ impl Registry {
         Ok(())
     }
 
-    pub fn resume(&self, name: &str) -> Result<(), DmError> {
+    /// Resume, swapping in a staged table. A table staged without force
+    /// whose swap would now drop RAM-held data (written since the reload)
+    /// is refused, and the device stays as it was. Whether a table was
+    /// swapped in.
+    pub fn resume(&self, name: &str) -> Result<bool, DmError> {
         let dev = self.must_get(name)?;
-        dev.resume();
-        Ok(())
+        if let Some(staged) = dev.inactive_table().filter(|t| !t.drops_ram) {
+            let lost = dev.live_table().ram_lost_to(Some(&staged));
+            if !lost.is_empty() {
+                return Err(DmError::WouldLoseData {
+                    name: dev.name.clone(),
+                    verb: "resume",
+                    lost,
+                });
+            }
+        }
+        Ok(dev.resume())
     }
 
     /// Drop a staged table (dmsetup `clear`).
@@ -322,7 +363,8 @@ impl Registry {
     }
 
     /// Remove a device. Refused while another device uses it, and while it
-    /// is open (exported) unless `force`.
+    /// is open (exported) or holds data in RAM (a written `memory` target)
+    /// unless `force`.
     pub fn remove(&self, name: &str, force: bool) -> Result<(), DmError> {
         let mut state = self.state.lock();
         let dev = state
@@ -339,6 +381,14 @@ impl Registry {
             return Err(DmError::Busy {
                 name: dev.name.clone(),
                 why: format!("open count {} (exported?); use force", dev.open_count()),
+            });
+        }
+        let lost = dev.live_table().ram_lost_to(None);
+        if !lost.is_empty() && !force {
+            return Err(DmError::WouldLoseData {
+                name: dev.name.clone(),
+                verb: "remove",
+                lost,
             });
         }
         state.devices.remove(&dev.name);

@@ -79,6 +79,14 @@ pub fn split_args(s: &str) -> Vec<String> {
     out
 }
 
+const SECTOR_BYTES: u64 = 512;
+
+/// The largest device end, in sectors: the last whole sector below 2^63
+/// bytes. From 2^63 on a size no longer fits the signed 64-bit sizes
+/// (`loff_t`, `off_t`) the kernel and NBD clients use, so a larger table
+/// would show a negative size.
+pub const MAX_SECTORS: u64 = (i64::MAX as u64) / SECTOR_BYTES;
+
 fn parse_u64(what: &'static str, s: &str, line: usize) -> Result<u64, DmError> {
     s.parse::<u64>().map_err(|_| {
         DmError::line(
@@ -105,8 +113,22 @@ pub fn parse_line(text: &str, line: usize) -> Result<TableLine, DmError> {
     if len == 0 {
         return Err(DmError::line(line, LineError::ZeroLength));
     }
-    if start.checked_add(len).is_none() {
+    let Some(end) = start.checked_add(len) else {
         return Err(DmError::line(line, LineError::Overflow { start, len }));
+    };
+    if len.checked_mul(SECTOR_BYTES).is_none() {
+        return Err(DmError::line(line, LineError::LengthBytesOverflow { len }));
+    }
+    if end > MAX_SECTORS {
+        return Err(DmError::line(
+            line,
+            LineError::TooLarge {
+                start,
+                len,
+                end,
+                max: MAX_SECTORS,
+            },
+        ));
     }
     Ok(TableLine {
         line,
@@ -430,6 +452,44 @@ mod tests {
         let e = parse_table("0 0 zero\n").unwrap_err().report();
         assert!(e.contains("zero-length"), "{e}");
         assert!(parse_table("# nothing\n").is_err());
+    }
+
+    #[test]
+    fn sizes_past_the_limits_are_refused_naming_line_and_field() {
+        // 2^55 + 8 sectors: x 512 wraps to 4096 bytes.
+        let e = parse_table("0 36028797018963976 memory\n")
+            .unwrap_err()
+            .report();
+        assert!(
+            e.contains("line 1") && e.contains("length 36028797018963976 sectors x 512"),
+            "{e}"
+        );
+        let e = parse_table(&format!("0 {} zero\n", u64::MAX))
+            .unwrap_err()
+            .report();
+        assert!(e.contains("line 1") && e.contains("length"), "{e}");
+        let e = parse_table(&format!("0 100 zero\n100 {} zero\n", u64::MAX - 50))
+            .unwrap_err()
+            .report();
+        assert!(
+            e.contains("line 2") && e.contains("start sector 100 + length"),
+            "{e}"
+        );
+        // One sector past the limit, reached by a start and a length that
+        // each fit.
+        let half = MAX_SECTORS / 2;
+        let rest = MAX_SECTORS - half;
+        let text = format!("0 {half} zero\n{half} {} zero\n", rest + 1);
+        let e = parse_table(&text).unwrap_err().report();
+        assert!(
+            e.contains("line 2")
+                && e.contains("below 2^63 bytes")
+                && e.contains(&format!("sector {}", MAX_SECTORS + 1)),
+            "{e}"
+        );
+        // The last sector below 2^63 bytes ends the largest device.
+        let t = parse_table(&format!("0 {half} zero\n{half} {rest} zero\n")).unwrap();
+        assert_eq!(t[1].start + t[1].len, MAX_SECTORS);
     }
 
     #[test]

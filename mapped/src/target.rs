@@ -13,6 +13,7 @@
 use crate::error::TargetError;
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, DeviceRef, Features, SECTOR_SIZE};
+use blkstack_drivers::memory::PageStore;
 use std::fmt;
 use std::sync::Arc;
 
@@ -60,6 +61,14 @@ pub trait Target: Send + Sync {
 
     fn features(&self) -> Features {
         Features::default()
+    }
+
+    /// The RAM pages this target holds the device's data in (a `memory`
+    /// target), which a reload may carry to the new table and which are
+    /// lost when the table goes; `None` for targets whose data lives
+    /// elsewhere.
+    fn ram_store(&self) -> Option<Arc<PageStore>> {
+        None
     }
 
     /// Data/hole map, target-relative, if known.
@@ -126,6 +135,10 @@ pub struct CtrContext<'a> {
     pub len: u64,
     /// The name of the device being built (for worker thread names).
     pub device_name: &'a str,
+    /// The RAM store of the live table's `memory` target at the same start
+    /// and length, for a reload to keep (dm keeps the underlying device
+    /// across a table swap); a `memory` constructor takes it.
+    pub kept_store: Option<Arc<PageStore>>,
     lookup: DeviceLookup<'a>,
     used: Vec<String>,
 }
@@ -136,6 +149,7 @@ impl<'a> CtrContext<'a> {
             begin,
             len,
             device_name,
+            kept_store: None,
             lookup,
             used: Vec::new(),
         }

@@ -113,6 +113,179 @@ fn flakey_argument_errors() {
 }
 
 #[test]
+fn flakey_error_reads_fails_reads_only_while_down() {
+    let reg = setup();
+    let m = reg.device("m").unwrap();
+    assert_eq!(write(&*m, 0, 1), Status::Ok);
+    reg.create("er", "0 4096 flakey m 0 0 1 1 error_reads")
+        .unwrap();
+    reg.create("erup", "0 4096 flakey m 0 1 0 1 error_reads")
+        .unwrap();
+    reg.create("erdrop", "0 4096 flakey m 0 0 1 2 error_reads drop_writes")
+        .unwrap();
+    let er = reg.device("er").unwrap();
+    assert_eq!(read(&*er, 0).0, Status::IoError);
+    // Writes are not touched by error_reads alone.
+    assert_eq!(write(&*er, 0, 2), Status::Ok);
+    assert_eq!(read(&*m, 0).1, vec![2; 4096]);
+    let up = reg.device("erup").unwrap();
+    assert_eq!(read(&*up, 0), (Status::Ok, vec![2; 4096]));
+    let erdrop = reg.device("erdrop").unwrap();
+    assert_eq!(read(&*erdrop, 0).0, Status::IoError);
+    assert_eq!(write(&*erdrop, 0, 3), Status::Ok);
+    assert_eq!(read(&*m, 0).1, vec![2; 4096], "the write was dropped");
+    assert_eq!(
+        reg.table_text("erdrop").unwrap(),
+        "0 4096 flakey 253:0 0 0 1 2 error_reads drop_writes\n"
+    );
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| (i.wrapping_mul(0x9E37_79B9).wrapping_add(seed * 7) >> 3) as u8)
+        .collect()
+}
+
+/// Bytes that differ between `a` and `b`.
+fn diff(a: &[u8], b: &[u8]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count()
+}
+
+const BIOS: usize = 2000;
+
+/// `hits` out of [`BIOS`] corrupted bios match probability `p` (of 1e9):
+/// the random value equals the old byte 1 time in 256, and the bound is
+/// over 5 standard deviations, so a correct rate never fails it.
+fn assert_rate(hits: usize, p: f64) {
+    let p = p * 255.0 / 256.0;
+    let want = BIOS as f64 * p;
+    let sd = (BIOS as f64 * p * (1.0 - p)).sqrt();
+    assert!(
+        (hits as f64 - want).abs() <= 5.0 * sd + 1.0,
+        "{hits} of {BIOS} corrupted, expected about {want:.0}"
+    );
+}
+
+#[test]
+fn flakey_random_read_corrupt_matches_its_probability() {
+    let reg = setup();
+    let m = reg.device("m").unwrap();
+    let data = pattern(4096, 1);
+    let mut w = data.clone();
+    assert_eq!(submit_and_wait(&*m, Op::Write, 0, 4096, &mut w), Status::Ok);
+    // 25%: probabilities are out of 1000000000, as dm-flakey's.
+    reg.create(
+        "rr",
+        "0 4096 flakey m 0 0 1 2 random_read_corrupt 250000000",
+    )
+    .unwrap();
+    let rr = reg.device("rr").unwrap();
+    let mut hits = 0;
+    for _ in 0..BIOS {
+        let (s, got) = read(&*rr, 0);
+        assert_eq!(s, Status::Ok);
+        let d = diff(&got, &data);
+        assert!(d <= 1, "one byte at most is corrupted, {d} were");
+        hits += d;
+    }
+    assert_rate(hits, 0.25);
+    assert_eq!(
+        read(&*m, 0).1,
+        data,
+        "read corruption never reaches the medium"
+    );
+    // Writes pass untouched (random_read_corrupt alone sets no error bit).
+    assert_eq!(write(&*rr, 4096, 9), Status::Ok);
+    assert_eq!(read(&*m, 4096).1, vec![9; 4096]);
+    // Probability 1000000000 corrupts every read.
+    reg.create(
+        "all",
+        "0 4096 flakey m 0 0 1 2 random_read_corrupt 1000000000",
+    )
+    .unwrap();
+    let all = reg.device("all").unwrap();
+    let hits: usize = (0..BIOS).map(|_| diff(&read(&*all, 0).1, &data)).sum();
+    assert_rate(hits, 1.0);
+}
+
+#[test]
+fn flakey_random_write_corrupt_matches_its_probability() {
+    let reg = setup();
+    let m = reg.device("m").unwrap();
+    reg.create(
+        "rw",
+        "0 4096 flakey m 0 0 1 2 random_write_corrupt 500000000",
+    )
+    .unwrap();
+    let rw = reg.device("rw").unwrap();
+    let mut hits = 0;
+    for i in 0..BIOS as u64 {
+        let data = pattern(4096, i);
+        let mut w = data.clone();
+        assert_eq!(
+            submit_and_wait(&*rw, Op::Write, 0, 4096, &mut w),
+            Status::Ok
+        );
+        assert_eq!(w, data, "the submitter's buffer keeps what it wrote");
+        let d = diff(&read(&*m, 0).1, &data);
+        assert!(d <= 1, "one byte at most is corrupted, {d} were");
+        hits += d;
+    }
+    assert_rate(hits, 0.5);
+    // Reads pass untouched.
+    let stored = read(&*m, 0).1;
+    assert_eq!(read(&*rw, 0), (Status::Ok, stored));
+    // A fixed write corruption reaches the medium, not the caller's buffer.
+    reg.create("fw", "0 4096 flakey m 0 0 1 5 corrupt_bio_byte 3 w 200 0")
+        .unwrap();
+    let fw = reg.device("fw").unwrap();
+    let mut w = vec![7u8; 4096];
+    assert_eq!(
+        submit_and_wait(&*fw, Op::Write, 8192, 4096, &mut w),
+        Status::Ok
+    );
+    assert_eq!(w, vec![7u8; 4096]);
+    let got = read(&*m, 8192).1;
+    assert_eq!((got[1], got[2], got[3]), (7, 200, 7));
+}
+
+#[test]
+fn flakey_new_features_round_trip_and_refuse_bad_arguments() {
+    let reg = setup();
+    let t = "0 4096 flakey m 0 0 1 10 error_reads corrupt_bio_byte 10 r 255 0 random_read_corrupt 5 random_write_corrupt 7";
+    reg.create("f", t).unwrap();
+    let want = "0 4096 flakey 253:0 0 0 1 10 error_reads corrupt_bio_byte 10 r 255 0 random_read_corrupt 5 random_write_corrupt 7\n";
+    assert_eq!(reg.table_text("f").unwrap(), want);
+    reg.create("g", want.trim_end()).unwrap();
+    assert_eq!(reg.table_text("g").unwrap(), want);
+    assert_eq!(reg.status_text("f").unwrap(), "0 4096 flakey \n");
+    for (t, want) in [
+        ("0 8 flakey m 0 1 1 1 random_read_corrupt", "requires a parameter"),
+        (
+            "0 8 flakey m 0 1 1 2 random_write_corrupt 1000000001",
+            "invalid random corrupt argument 1000000001",
+        ),
+        ("0 8 flakey m 0 1 1 2 random_read_corrupt x", "random corrupt argument"),
+        (
+            "0 8 flakey m 0 1 1 3 error_writes random_write_corrupt 1",
+            "error_writes is incompatible with random_write_corrupt",
+        ),
+        (
+            "0 8 flakey m 0 1 1 3 drop_writes random_write_corrupt 1",
+            "drop_writes is incompatible",
+        ),
+        ("0 8 flakey m 0 1 1 2 error_reads error_reads", "error_reads duplicated"),
+        (
+            "0 8 flakey m 0 1 1 12 error_reads drop_writes corrupt_bio_byte 1 r 0 0 random_read_corrupt 1 random_write_corrupt 1 x",
+            "at most 11",
+        ),
+    ] {
+        let e = reg.create("bad", t).err().expect(t).report();
+        assert!(e.contains(want) && e.contains("line 1"), "{t}: {e}");
+    }
+}
+
+#[test]
 fn dust_fails_reads_of_bad_blocks_once_enabled() {
     let reg = setup();
     reg.create("d", "0 4096 dust m 0 4096").unwrap();

@@ -71,6 +71,10 @@ pub struct ReloadArgs {
     /// The table itself; without it or a file, read from standard input.
     #[arg(long, value_name = "TABLE")]
     pub table: Option<String>,
+    /// Stage the table even if it drops data held in RAM (a written
+    /// `memory` line not kept at the same start and length).
+    #[arg(short = 'f', long)]
+    pub force: bool,
     #[command(flatten)]
     pub control: ControlOpt,
 }
@@ -78,8 +82,9 @@ pub struct ReloadArgs {
 #[derive(clap::Args, Debug)]
 pub struct RemoveArgs {
     /// Remove even if exported (clients are disconnected once their
-    /// in-flight requests are answered). A device used by another device
-    /// is never removed.
+    /// in-flight requests are answered) or holding data in RAM (a written
+    /// `memory` target; the data is discarded). A device used by another
+    /// device is never removed.
     #[arg(short = 'f', long)]
     pub force: bool,
     #[arg(value_name = "NAME", required = true)]
@@ -296,7 +301,7 @@ pub fn run_cli(verb: Verb) -> anyhow::Result<()> {
                 &mut c,
                 "reload",
                 &a.name,
-                json!({ "name": a.name, "table": table }),
+                json!({ "name": a.name, "table": table, "force": a.force }),
             )?;
             Ok(())
         }

@@ -110,6 +110,9 @@ struct CreateParams {
 struct ReloadParams {
     name: String,
     table: String,
+    /// Stage a table that drops data held in RAM.
+    #[serde(default)]
+    force: bool,
 }
 
 #[derive(Deserialize)]
@@ -197,7 +200,7 @@ impl Control {
                 let p: ReloadParams = params(p)?;
                 let (name, lock) = self.device_lock(&p.name)?;
                 let _g = lock.lock();
-                self.reg.reload(&name, &p.table)?;
+                self.reg.reload_forced(&name, &p.table, p.force)?;
                 Ok(json!({ "name": name }))
             }
             "clear" => {
@@ -218,10 +221,7 @@ impl Control {
                 let p: NameParams = params(p)?;
                 let (name, lock) = self.device_lock(&p.name)?;
                 let _g = lock.lock();
-                let dev = self.reg.get(&name).ok_or_else(|| {
-                    RpcError::from(blkstack_mapped::DmError::NoSuchDevice(name.clone()))
-                })?;
-                let swapped = dev.resume();
+                let swapped = self.reg.resume(&name)?;
                 Ok(json!({ "name": name, "table_swapped": swapped }))
             }
             "remove" => self.remove(params(p)?),

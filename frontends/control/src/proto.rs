@@ -104,6 +104,7 @@ impl From<DmError> for RpcError {
             DmError::NoSuchDevice(_) => (ENXIO, "no_such_device"),
             DmError::Exists(_) => (EBUSY, "exists"),
             DmError::Busy { .. } => (EBUSY, "busy"),
+            DmError::WouldLoseData { .. } => (EBUSY, "would_lose_data"),
             DmError::Line { .. } | DmError::EmptyTable { .. } => (EINVAL, "table"),
             _ => (EINVAL, "invalid"),
         };

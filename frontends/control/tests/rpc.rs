@@ -274,3 +274,40 @@ fn clients_are_served_concurrently() {
     assert!(b.call(2, "ls", json!({}))["result"]["devices"].is_array());
     assert_eq!(a.recv()["id"], 1);
 }
+
+#[test]
+fn reload_and_remove_take_force_for_ram_held_data() {
+    let f = fixture();
+    let mut c = Conn::new(&f);
+    c.call(1, "create", json!({"name": "mm", "table": "0 64 memory"}));
+    let dev = f.reg.device("mm").unwrap();
+    let mut w = vec![0x42u8; 4096];
+    assert!(submit_and_wait(&*dev, Op::Write, 0, 4096, &mut w).is_ok());
+
+    let v = c.call(2, "reload", json!({"name": "mm", "table": "0 64 zero"}));
+    assert_eq!(v["error"]["data"]["kind"], "would_lose_data", "{v}");
+    assert_eq!(v["error"]["data"]["errno"], "EBUSY", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("'0 64 memory' holds 4096 bytes"), "{msg}");
+    assert_eq!(f.reg.inactive_table_text("mm").unwrap(), None);
+    let v = c.call(
+        3,
+        "reload",
+        json!({"name": "mm", "table": "0 64 memory", "force": false}),
+    );
+    assert!(v["error"].is_null(), "{v}");
+    let v = c.call(4, "resume", json!({"name": "mm"}));
+    assert_eq!(v["result"]["table_swapped"], true, "{v}");
+    let v = c.call(5, "remove", json!({"name": "mm"}));
+    assert_eq!(v["error"]["data"]["kind"], "would_lose_data", "{v}");
+    assert!(f.reg.get("mm").is_some());
+    let v = c.call(
+        6,
+        "reload",
+        json!({"name": "mm", "table": "0 64 zero", "force": true}),
+    );
+    assert!(v["error"].is_null(), "{v}");
+    let v = c.call(7, "remove", json!({"name": "mm", "force": true}));
+    assert!(v["error"].is_null(), "{v}");
+    assert!(f.reg.get("mm").is_none());
+}

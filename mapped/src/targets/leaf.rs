@@ -7,11 +7,16 @@ use crate::error::TargetError;
 use crate::target::{Target, TargetType};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Device, Features};
+use blkstack_drivers::memory::PageStore;
+use std::sync::Arc;
 
 /// What a leaf driver shows through `status`, `table` and `message`.
 pub trait LeafDriver: Device {
     fn status(&self) -> String;
     fn table_args(&self) -> String;
+    fn ram_store(&self) -> Option<Arc<PageStore>> {
+        None
+    }
     fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         Err(TargetError::invalid(format!(
             "message '{}' not supported",
@@ -47,6 +52,10 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
 
     fn features(&self) -> Features {
         self.driver.features()
+    }
+
+    fn ram_store(&self) -> Option<Arc<PageStore>> {
+        self.driver.ram_store()
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
