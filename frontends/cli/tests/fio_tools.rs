@@ -77,13 +77,15 @@ fn json_plus_and_logs_are_read_by_fios_tools() {
     );
     assert!(String::from_utf8_lossy(&v.stdout).contains("validated"));
 
-    // Averaged logs: a line per direction per 100 ms window, 5 fields.
+    // Averaged logs: a line per direction per 100 ms window, 5 fields. As
+    // in fio, samples are taken from the I/O loop, so a stall of the job
+    // (a loaded machine) merges windows: ask for several windows of both
+    // directions, not for all ten.
     let bw = log_lines(&dir.path("t_bw.1.log"), 5);
-    assert!(
-        bw.len() >= 2 * 8,
-        "{} bw samples in a second of 100 ms windows",
-        bw.len()
-    );
+    for ddir in [0, 1] {
+        let n = bw.iter().filter(|&&(_, _, d)| d == ddir).count();
+        assert!(n >= 3, "{n} bw samples of direction {ddir} in a 1 s run");
+    }
     assert!(bw.iter().all(|&(t, v, d)| t % 100 == 0 && v > 0 && d <= 1));
     assert!(bw.windows(2).all(|w| w[0].0 <= w[1].0), "time goes forward");
     log_lines(&dir.path("t_iops.1.log"), 5);
