@@ -3,7 +3,7 @@
 
 SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium
 
-.PHONY: test deps check lab loom
+.PHONY: test deps check lab loom fuzz
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page), if any is missing.
@@ -33,3 +33,20 @@ check:
 
 lab:
 	cargo run --release -- lab all --quick
+
+# Each cargo-fuzz target (fuzz/fuzz_targets/) for FUZZ_SECS seconds, one
+# after another, on nightly. New inputs go to fuzz/work/TARGET (ignored by
+# git), seeded from the checked-in fuzz/corpus/TARGET; a crash stops the
+# run and leaves its input in fuzz/artifacts/TARGET: copy it to
+# fuzz/regressions/TARGET so `cargo test` replays it from then on.
+FUZZ_SECS ?= 60
+FUZZ_TARGETS := nbd_server table concise fio_jobfile control_json
+fuzz:
+	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz
+	cd fuzz && cargo +nightly fuzz build -O
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+	  mkdir -p work/$$t && \
+	  echo "== $$t: $(FUZZ_SECS) s" && \
+	  cargo +nightly fuzz run -O $$t work/$$t corpus/$$t -- \
+	    -max_total_time=$(FUZZ_SECS) -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 || exit 1; \
+	done

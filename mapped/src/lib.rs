@@ -7,6 +7,9 @@
 
 pub mod device;
 pub mod error;
+/// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod registry;
 pub mod selectors;
 pub mod split;

@@ -28,9 +28,11 @@ pub struct TableLine {
 }
 
 impl TableLine {
-    /// The line as `table` prints it (args re-escaped).
+    /// The line as `table` prints it (target and args re-escaped, so the
+    /// text parses back to this line whatever characters they hold).
     pub fn to_text(&self) -> String {
-        let mut s = format!("{} {} {}", self.start, self.len, self.target);
+        let target = escape_arg(&self.target);
+        let mut s = format!("{} {} {target}", self.start, self.len);
         for a in &self.args {
             s.push(' ');
             s.push_str(&escape_arg(a));
@@ -418,6 +420,16 @@ pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn printed_line_with_escaped_whitespace_in_the_target_parses_back() {
+        // Found by the `table` fuzz target: the target name was printed
+        // unescaped, so an escaped blank in it split the printed line.
+        let l = parse_line("0 8 bad\\\ttarget arg\\ one", 1).unwrap();
+        assert_eq!(l.target, "bad\ttarget");
+        assert_eq!(l.args, vec!["arg one"]);
+        assert_eq!(parse_line(&l.to_text(), 1).unwrap(), l);
+    }
 
     #[test]
     fn parses_lines_comments_and_escapes() {

@@ -40,6 +40,9 @@ mod controls;
 pub mod distribution;
 mod engine;
 mod engine_verify;
+/// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
+#[doc(hidden)]
+pub mod fuzzing;
 mod geometry;
 mod job;
 pub mod jobfile;

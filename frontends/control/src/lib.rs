@@ -16,6 +16,9 @@
 pub mod cli;
 pub mod client;
 pub mod format;
+/// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod methods;
 pub mod proto;
 pub mod server;

@@ -20,6 +20,9 @@ pub mod conn;
 /// Live control (blkstack-control): runtime export/unexport.
 pub mod control;
 pub mod export;
+/// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod limits;
 pub mod proto;
 pub mod server;
