@@ -553,7 +553,8 @@ impl<D: Driver> QueueInner<D> {
 
     /// Kernel `blk_mq_run_hw_queue`: nothing to do without pending
     /// requests; inline unless asked (or the driver blocks). An inline run
-    /// is skipped while the restart bit is set.
+    /// is skipped while a restart is armed with a request in flight (see
+    /// `RunState::inline_run_allowed`).
     #[inline]
     fn run_hw_queue(&self, h: &HwQueue, async_run: bool) {
         if !h.has_pending() || h.is_stopped() {
@@ -690,14 +691,26 @@ mod tests {
         go.store(true, SeqCst);
     }
 
-    #[test]
-    fn queued_bit_dedups_immediate_runs_and_delayed_runs_never_stand_in() {
+    /// A queue on a held pool whose driver refused the one request
+    /// submitted: it waits on the dispatch list with nothing in flight.
+    fn refused_on_held_pool() -> (
+        Queue<Gate>,
+        Arc<Kblockd>,
+        Arc<AtomicBool>,
+        Arc<CompletionRecorder>,
+    ) {
         let (pool, gate) = held_pool();
         let q =
             Queue::with_kblockd(Gate::default(), EngineOptions::default(), pool.clone()).unwrap();
         q.driver().refuse.store(true, SeqCst);
         let done = CompletionRecorder::new();
         q.submit(write_bio(&done));
+        (q, pool, gate, done)
+    }
+
+    #[test]
+    fn queued_bit_dedups_immediate_runs_and_delayed_runs_never_stand_in() {
+        let (q, pool, gate, done) = refused_on_held_pool();
         let h = &q.hw_queues()[0];
         assert_eq!(h.dispatch_len(), 1);
         // Busy with nothing in flight: a delayed (3 ms) run was posted and
@@ -746,6 +759,28 @@ mod tests {
         q.driver().refuse.store(false, SeqCst);
         release(&gate);
         wait_done(&done, 1, 2_000_000_000);
+        drop(q);
+        pool.shutdown();
+    }
+
+    /// A restart armed with nothing in flight has no completion to honour
+    /// it: once its resource-delay run is gone (cancelled here by a stop;
+    /// in the `lab mq-run` hang, run while the list was empty), the
+    /// restart bit must not veto the next inline run, or the request waits
+    /// on the dispatch list for ever.
+    #[test]
+    fn restart_with_nothing_in_flight_vetoes_no_inline_run() {
+        let (q, pool, gate, done) = refused_on_held_pool();
+        let h = &q.hw_queues()[0];
+        assert_eq!((h.dispatch_len(), h.in_driver()), (1, 0));
+        // The resource-delay run is pending on the held worker; the stop
+        // cancels it, and the restart bit stays set.
+        q.stop_hw_queue(0);
+        q.driver().refuse.store(false, SeqCst);
+        q.start_hw_queue(0, false);
+        assert_eq!(done.count(), 1, "the inline run was vetoed: {}", q.status());
+        assert_eq!(q.stats().tags_in_use, 0);
+        release(&gate);
         drop(q);
         pool.shutdown();
     }

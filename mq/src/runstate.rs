@@ -17,7 +17,15 @@
 //!   next completion runs the queue. If nothing is in flight when it is
 //!   armed, no completion will come, and the caller posts a delayed run
 //!   instead (`BLK_MQ_RESOURCE_DELAY`). Arming and the completion's check
-//!   are ordered (SeqCst) so that at least one side sees the other.
+//!   are ordered (SeqCst) so that at least one side sees the other. While
+//!   it is armed and a request is in flight, a submitter's inline run is
+//!   skipped (the kernel never skips one; this saves taking a request off
+//!   the list only to put it back). With nothing in flight the bit can
+//!   outlive every run owed for it: the busy request may have been
+//!   dispatched and completed by another run before its submitter armed
+//!   the bit, and the resource-delay run then finds the list empty (or a
+//!   stop cancels it). No completion is left to honour the bit, so it
+//!   must veto nothing, or a request queued behind it waits for ever.
 //! - `STOPPED`: the driver asked not to be called.
 
 use crate::sync::AtomicU32;
@@ -97,11 +105,17 @@ impl RunState {
         !self.is_stopped()
     }
 
-    /// May a submitter run the queue inline? Not while a restart is armed:
-    /// the next completion will, and trying now would only take the
-    /// request off the list and put it back.
+    /// May a submitter run the queue inline? Not while a restart is armed
+    /// and a request is in flight: that request's completion will (it
+    /// sees the bit, or whoever cleared the bit since runs the queue), and
+    /// trying now would only take the request off the list and put it
+    /// back. With nothing in flight, yes: see the module documentation.
+    /// The bit is read before the count, so a count above zero means a
+    /// request that has still to leave the driver after this load: by a
+    /// completion, which then reads the bit, or by a busy return, which
+    /// arms it again and posts a run if nothing else is in flight.
     pub fn inline_run_allowed(&self) -> bool {
-        self.bits.load(SeqCst) & S_RESTART == 0
+        self.bits.load(SeqCst) & S_RESTART == 0 || self.in_driver.load(SeqCst) == 0
     }
 
     /// A request goes to the driver.

@@ -10,6 +10,8 @@
 //! what `queue.rs` and `kblockd.rs` do around it:
 //! - a dispatch list (`push_tail` on submit, `push_head` on busy);
 //! - a driver that accepts one request at a time and says busy otherwise;
+//! - submitters that issue directly when nothing waits, or queue behind
+//!   what waits and run the queue inline, a run the restart bit may veto;
 //! - kblockd's contract for one work item (kernel `WORK_STRUCT_PENDING`):
 //!   a post while it is pending adds nothing, a run clears pending before
 //!   it calls the work, and a delay only postpones (so a delayed run is
@@ -82,31 +84,63 @@ impl Hctx {
         }
     }
 
-    /// `QueueInner::dispatch` with `issue_to`'s busy path.
+    /// `QueueInner::dispatch`.
     fn dispatch(&self) {
         loop {
             let Some(tag) = self.dispatch.lock().unwrap().pop_front() else {
                 return;
             };
-            self.run.enter_driver();
-            let accepted = {
-                let mut slot = self.in_flight.lock().unwrap();
-                if slot.is_none() {
-                    *slot = Some(tag);
-                    true
-                } else {
-                    false
-                }
-            };
-            if accepted {
-                self.issued.lock().unwrap().push(tag);
-                continue;
+            if !self.issue(tag) {
+                return;
             }
-            self.dispatch.lock().unwrap().push_front(tag);
-            if self.run.requeued_busy() {
-                self.post_run(true);
+        }
+    }
+
+    /// `QueueInner::issue_to` with its busy path: false if the driver was
+    /// busy (the request is then back at the list's head).
+    fn issue(&self, tag: u32) -> bool {
+        self.run.enter_driver();
+        let accepted = {
+            let mut slot = self.in_flight.lock().unwrap();
+            if slot.is_none() {
+                *slot = Some(tag);
+                true
+            } else {
+                false
             }
+        };
+        if accepted {
+            self.issued.lock().unwrap().push(tag);
+            return true;
+        }
+        self.dispatch.lock().unwrap().push_front(tag);
+        if self.run.requeued_busy() {
+            self.post_run(true);
+        }
+        false
+    }
+
+    /// `QueueInner::run_hw_queue(h, async_run = false)`: the inline run a
+    /// submitter does, which the restart bit may veto.
+    fn run_inline(&self) {
+        if !self.has_pending() || self.run.is_stopped() {
             return;
+        }
+        if self.run.inline_run_allowed() {
+            self.dispatch();
+        }
+    }
+
+    /// `QueueInner::submit_want` with a non-blocking driver: issue
+    /// directly when nothing waits, else queue behind the waiting
+    /// requests and run inline. The check and the push are separate
+    /// steps, as there, so the list can empty in between.
+    fn submit_inline(&self, tag: u32) {
+        if self.has_pending() {
+            self.dispatch.lock().unwrap().push_back(tag);
+            self.run_inline();
+        } else {
+            self.issue(tag);
         }
     }
 
@@ -139,6 +173,23 @@ impl Hctx {
     }
 }
 
+/// Check `f` under every interleaving with at most `preemptions`
+/// preemptions.
+fn explore(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(preemptions);
+    builder.check(f);
+}
+
+/// A queue whose driver holds request 0.
+fn with_request_in_driver() -> Arc<Hctx> {
+    let h = Arc::new(Hctx::new());
+    h.run.enter_driver();
+    *h.in_flight.lock().unwrap() = Some(0);
+    h.issued.lock().unwrap().push(0);
+    h
+}
+
 fn check(h: &Hctx, requests: u32) {
     h.settle();
     assert!(
@@ -159,9 +210,7 @@ fn check(h: &Hctx, requests: u32) {
 /// let a request wait behind a run that has already looked at the list.
 #[test]
 fn queued_bit_loses_no_run() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(3);
-    builder.check(|| {
+    explore(3, || {
         let h = Arc::new(Hctx::new());
         let submitters: Vec<_> = (0..2u32)
             .map(|t| {
@@ -190,15 +239,10 @@ fn queued_bit_loses_no_run() {
 /// with nothing in flight the delayed run must be owed.
 #[test]
 fn restart_handshake_loses_no_run() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(3);
-    builder.check(|| {
-        let h = Arc::new(Hctx::new());
+    explore(3, || {
         // Request 0 is in the driver already; 1 waits on the list with a
         // run posted.
-        h.run.enter_driver();
-        *h.in_flight.lock().unwrap() = Some(0);
-        h.issued.lock().unwrap().push(0);
+        let h = with_request_in_driver();
         h.submit(1);
         let w = h.clone();
         let worker = loom::thread::spawn(move || w.worker_step());
@@ -207,5 +251,39 @@ fn restart_handshake_loses_no_run() {
         worker.join().expect("worker");
         device.join().expect("device");
         check(&h, 2);
+    });
+}
+
+/// The hang `lab mq-run` found (8 jobs on `null max_inflight=32`, all
+/// tags left on the dispatch list, nothing in flight, no run posted, the
+/// restart bit set). A request the driver refused (1) is put back, and
+/// before its submitter arms the restart a posted run takes it from the
+/// list and the device completes it: that completion saw no restart. The
+/// restart is then armed with nothing in flight, so the resource-delay
+/// run is posted, and it runs while the list is empty. A submitter that
+/// saw the list non-empty earlier now queues request 2 behind it and
+/// tries to run the queue inline: the restart bit must not veto that run,
+/// since no completion is left to honour the restart.
+#[test]
+fn restart_with_nothing_in_flight_vetoes_no_inline_run() {
+    explore(4, || {
+        // Request 0 is in the driver, and a run is posted (as completions
+        // post with `run_on_completion`).
+        let h = with_request_in_driver();
+        h.post_run(false);
+        let a = h.clone();
+        let submitter = loom::thread::spawn(move || a.submit_inline(1));
+        // The device and kblockd's worker take turns on one thread.
+        let w = h.clone();
+        let worker = loom::thread::spawn(move || {
+            w.complete_step();
+            w.worker_step();
+            w.complete_step();
+            w.worker_step();
+        });
+        h.submit_inline(2);
+        submitter.join().expect("submitter");
+        worker.join().expect("worker");
+        check(&h, 3);
     });
 }
