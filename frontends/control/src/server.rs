@@ -161,7 +161,7 @@ fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd) {
             if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
-            eprintln!("blkstack-control: poll: {e}");
+            tracing::error!(error = %e, "control socket: poll failed; stopping");
             return;
         }
         if pfds[1].revents != 0 {
@@ -173,7 +173,10 @@ fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd) {
         let stream = match listener.accept() {
             Ok((s, _)) => s,
             Err(e) => {
-                eprintln!("blkstack-control: accept: {e}");
+                // Out of descriptors (EMFILE/ENFILE) the socket stays
+                // readable: pause instead of spinning on it.
+                tracing::warn!(error = %e, "control socket: accept failed");
+                std::thread::sleep(std::time::Duration::from_millis(50));
                 continue;
             }
         };
@@ -184,12 +187,12 @@ fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd) {
             .spawn(move || {
                 if let Err(e) = serve_client(stream, &control) {
                     if e.kind() != io::ErrorKind::BrokenPipe {
-                        eprintln!("blkstack-control: client {n}: {e}");
+                        tracing::warn!(client = n, error = %e, "control client failed");
                     }
                 }
             });
         if let Err(e) = spawned {
-            eprintln!("blkstack-control: cannot start a client thread: {e}");
+            tracing::error!(error = %e, "control socket: cannot start a client thread");
         }
     }
 }
