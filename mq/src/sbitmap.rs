@@ -38,8 +38,9 @@
 //!   (few submitters, depth 64, batch 8) a batch then wakes one thread, as
 //!   `wait_cnt` does; that fix wakes up to a whole batch across queues,
 //!   because a sleeper that joins a queue right after its wakeup can be
-//!   left behind for good. On 2 vCPUs the extra wakeups cost: `lab
-//!   sbitmap --set algos=...` shows both.
+//!   left behind for good. Where few CPUs run many sleepers the extra
+//!   wakeups cost more than they save: `lab sbitmap --set algos=...` shows
+//!   both (docs/BENCHMARKS.md).
 //!
 //! Orthogonal to the algorithm, [`WakeWeight`] says what one wakeup is
 //! worth. The kernel counts a woken thread as one (`wake_up_nr` on an
@@ -47,7 +48,7 @@
 //! flushing a plug of `k` bios needs `k`, and will take every free tag it
 //! finds once woken, so a batch of 8 freed tags that wakes 8 such
 //! submitters leaves each with 1-2 tags and 7 of them asleep again soon
-//! after (on 2 vCPUs, 2.8x the sleeps of `wait_cnt` at depth 64). With
+//! after, each sleep a wasted wakeup. With
 //! [`WakeWeight::Plug`] (our default, not in the kernel) a sleeper says how
 //! many tags it is about to take (its plug, capped at the batch) and a
 //! batch wakes sleepers until their wants cover it. Forward progress is the
