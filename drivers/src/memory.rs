@@ -426,8 +426,9 @@ pub struct MemoryDevice {
     queue: EmulatedQueue<MemoryDriver>,
 }
 
-/// `max_alloc=` accepts bytes or a binary suffix (K, M, G, T).
-fn parse_alloc_size(v: &str) -> Option<u64> {
+/// A RAM size as `max_alloc=` and `serve --memory-limit` take it: bytes
+/// or a binary suffix (K, M, G, T); `None` when malformed or overflowing.
+pub fn parse_alloc_size(v: &str) -> Option<u64> {
     let (digits, shift) = match v.as_bytes().last()? {
         b'k' | b'K' => (&v[..v.len() - 1], 10),
         b'm' | b'M' => (&v[..v.len() - 1], 20),

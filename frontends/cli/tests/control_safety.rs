@@ -171,3 +171,39 @@ fn removing_a_device_holding_ram_data_needs_force() {
     srv.ok("remove", &["-f", "mm"]);
     assert!(!srv.ok("ls", &[]).contains("mm"));
 }
+
+#[test]
+fn serve_memory_limit_bounds_all_memory_devices_together() {
+    // Two 4 MiB RAM disks under a 16 KiB process budget: four pages in all,
+    // whichever device takes them.
+    let srv = Serve::start_args(
+        "ma,,,rw,0 8192 memory;mc,,,rw,0 8192 memory",
+        "ma,mc",
+        false,
+        &["--memory-limit", "16K"],
+    );
+    qemu_io_ok(&srv, "ma", "write -P 0x44 0 8k");
+    qemu_io_ok(&srv, "mc", "write -P 0x55 0 8k");
+    let (ok, out) = qemu_io(&srv, "ma", "write -P 0x66 1M 4k");
+    assert!(!ok || out.contains("No space left on device"), "{out}");
+    assert!(out.contains("No space left on device"), "{out}");
+    qemu_io_ok(&srv, "ma", "read -P 0x44 0 8k");
+    qemu_io_ok(&srv, "mc", "read -P 0x55 0 8k");
+    // A page freed on one device is there for the other.
+    qemu_io_ok(&srv, "mc", "discard 4k 4k");
+    qemu_io_ok(&srv, "ma", "write -P 0x66 1M 4k");
+}
+
+#[test]
+fn serve_refuses_a_malformed_memory_limit() {
+    for (bad, want) in [("12Q", "is not a size"), ("100", "at least one 4096-byte page")] {
+        let o = Command::new(BIN)
+            .args(["serve", "--concise", "m,,,rw,0 8 memory", "--export", "m"])
+            .args(["--memory-limit", bad])
+            .output()
+            .expect("run blkstack");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "--memory-limit {bad} accepted");
+        assert!(err.contains("--memory-limit") && err.contains(want), "{err}");
+    }
+}

@@ -128,6 +128,23 @@ pub struct NbdArgs {
     /// Require client certificates signed by DIR/ca-cert.pem.
     #[arg(long)]
     pub tls_verify_peer: bool,
+
+    /// Most RAM all `memory` targets of this server may hold together
+    /// (bytes, or a K/M/G/T suffix); a write needing more fails with ENOSPC,
+    /// as a thin pool out of space does. Default: three quarters of
+    /// MemAvailable at start. Each line's `max_alloc=` bounds it further.
+    #[arg(long, value_name = "SIZE", value_parser = parse_memory_limit)]
+    pub memory_limit: Option<u64>,
+}
+
+fn parse_memory_limit(s: &str) -> Result<u64, String> {
+    match blkstack_drivers::memory::parse_alloc_size(s) {
+        Some(n) if n >= 4096 => Ok(n),
+        Some(_) => Err(format!("{s}: at least one 4096-byte page")),
+        None => Err(format!(
+            "{s:?} is not a size (bytes or a K, M, G or T suffix, e.g. 512M)"
+        )),
+    }
 }
 
 /// An octal file mode such as `0660`, permission bits only.
@@ -183,6 +200,9 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
             .map(|s| ListenUri::parse(s).map_err(anyhow::Error::from))
             .collect::<anyhow::Result<_>>()?
     };
+    if let Some(limit) = args.memory_limit {
+        blkstack_drivers::memory::process_budget().set_limit_bytes(limit);
+    }
     let reg = blkstack_mapped::Registry::new();
     if let Some(path) = &args.stack {
         let text = std::fs::read_to_string(path)

@@ -95,6 +95,11 @@ impl Serve {
     /// `XDG_RUNTIME_DIR` is the test directory, so the socket is the
     /// default one, `DIR/blkstack/control.sock`.
     pub fn start_with(stack: &str, exports: &str, default_control: bool) -> Serve {
+        Serve::start_args(stack, exports, default_control, &[])
+    }
+
+    /// As [`Serve::start_with`], with more `serve` arguments.
+    pub fn start_args(stack: &str, exports: &str, default_control: bool, extra: &[&str]) -> Serve {
         let dir = std::env::temp_dir().join(format!(
             "blkstack-ctl-{}-{}",
             std::process::id(),
@@ -105,7 +110,8 @@ impl Serve {
         let nbd_socket = dir.join("nbd.sock");
         let mut cmd = Command::new(BIN);
         cmd.args(["serve", "--concise", stack, "--export", exports, "--listen"])
-            .arg(format!("nbd+unix:///?socket={}", nbd_socket.display()));
+            .arg(format!("nbd+unix:///?socket={}", nbd_socket.display()))
+            .args(extra);
         let control = if default_control {
             cmd.env("XDG_RUNTIME_DIR", &dir);
             dir.join("blkstack").join("control.sock")
