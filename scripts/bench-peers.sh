@@ -8,23 +8,34 @@
 # repetitions, and the server's own CPU time per I/O read from
 # /proc/PID/stat (utime+stime, all threads) before and after each run.
 #
-# Rows:
+# Server rows (fio --ioengine=nbd, i.e. libnbd, against each server):
 #   null 4k randread QD1, QD64 x1 job, QD64 x2 jobs (2 connections)
 #   memory 4k randwrite QD16 (after an unmeasured full sequential fill)
 #   delay 1 ms 4k randread QD1 and QD32 (ours: a `delay` target over `zero`;
 #     nbdkit: null + --filter=delay rdelay=1ms; qemu: null-co latency-ns)
+#   memory 64 KiB sequential reads QD8 (after the fill), for throughput
+#   any row with -tls appended: the same over TLS (x509 certificates made
+#     here with openssl; every server with TLS required, the client with
+#     nbds+unix:// and tls-certificates=), to set beside the plain row
+# Client rows (one server, blkstack serve on null; two clients):
+#   leaf-qd1, leaf-qd64: 4k randread through blkstack's `nbd` client leaf
+#     (blkstack bench over a `0 LEN nbd URI connections=1` table) against
+#     fio's own nbd engine (libnbd), one connection each; IOPS and the
+#     client's CPU per I/O (utime+stime of the client process)
 #
 # Usage: scripts/bench-peers.sh            (REPS=3 RUNTIME=5 by default)
 #        BLKSTACK=path/to/blkstack scripts/bench-peers.sh   (skip the build)
 #        REPS=5 RUNTIME=10 scripts/bench-peers.sh
 #        ROWS="null-qd1 null-qd64" scripts/bench-peers.sh
+#        ROWS="null-qd1 null-qd1-tls mem-read64k-qd8 mem-read64k-qd8-tls" scripts/bench-peers.sh
+#        ROWS="leaf-qd1 leaf-qd64" scripts/bench-peers.sh
 # Needs root or sudo only to install missing packages (fio, nbdkit,
 # qemu-utils) with apt-get.
 set -euo pipefail
 
 REPS=${REPS:-3}
 RUNTIME=${RUNTIME:-5}
-ROWS=${ROWS:-"null-qd1 null-qd64 null-qd64x2 mem-randwrite-qd16 delay1ms-qd1 delay1ms-qd32"}
+ROWS=${ROWS:-"null-qd1 null-qd64 null-qd64x2 mem-randwrite-qd16 delay1ms-qd1 delay1ms-qd32 null-qd1-tls null-qd64-tls mem-read64k-qd8 mem-read64k-qd8-tls leaf-qd1 leaf-qd64"}
 SIZE_BYTES=$((1 << 30))
 SECTORS=$((SIZE_BYTES / 512))
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,6 +44,7 @@ SOCK="$WORK/nbd.sock"
 QEMU_IMG="/dev/shm/bench-peers-$$.img"
 SERVER_PID=""
 CLK_TCK=$(getconf CLK_TCK)
+fio() { HOME="$WORK/home" command fio "$@"; }
 
 cleanup() {
     if declare -F stop_server >/dev/null; then stop_server; fi
@@ -46,6 +58,7 @@ command -v fio >/dev/null || need_pkgs+=(fio)
 command -v nbdkit >/dev/null || need_pkgs+=(nbdkit)
 command -v qemu-nbd >/dev/null || need_pkgs+=(qemu-utils)
 command -v python3 >/dev/null || need_pkgs+=(python3)
+command -v openssl >/dev/null || need_pkgs+=(openssl)
 if ((${#need_pkgs[@]})); then
     echo "installing missing packages: ${need_pkgs[*]}" >&2
     SUDO=""
@@ -88,29 +101,69 @@ stop_server() {
     rm -f "$SOCK" "$QEMU_IMG"
 }
 
-# start_server SERVER KIND: KIND is null, mem or delay. Sets SERVER_PID.
+# TLS: a CA and a server certificate for localhost, in the layout qemu,
+# nbdkit, libnbd and blkstack share (ca-cert.pem, server-cert.pem,
+# server-key.pem). Made once, only when a -tls row runs. fio's nbd engine
+# cannot pass libnbd a tls-certificates= query (libnbd refuses local file
+# access from a URI unless the program allows it, and fio does not), so the
+# certificates sit where libnbd looks by default, $HOME/.pki/libnbd, and
+# every fio here runs with HOME=$WORK/home.
+CERTS="$WORK/home/.pki/libnbd"
+make_certs() {
+    [ -f "$CERTS/server-cert.pem" ] && return 0
+    mkdir -p "$CERTS"
+    (
+        cd "$CERTS"
+        openssl req -x509 -newkey rsa:2048 -nodes -keyout ca-key.pem -out ca-cert.pem \
+            -days 2 -subj "/CN=bench-peers CA" 2>/dev/null
+        openssl req -newkey rsa:2048 -nodes -keyout server-key.pem -out server.csr \
+            -subj "/CN=localhost" 2>/dev/null
+        printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >server.ext
+        openssl x509 -req -in server.csr -CA ca-cert.pem -CAkey ca-key.pem -CAcreateserial \
+            -out server-cert.pem -days 2 -extfile server.ext 2>/dev/null
+    )
+}
+
+# The client's URI for export d, plain or over TLS.
+client_uri() {
+    if [ "$1" = 1 ]; then
+        echo "nbds+unix:///d?socket=$SOCK"
+    else
+        echo "nbd+unix:///d?socket=$SOCK"
+    fi
+}
+
+# start_server SERVER KIND [TLS]: KIND is null, mem or delay; TLS 1 makes
+# the server require TLS. Sets SERVER_PID.
 start_server() {
-    local server=$1 kind=$2
+    local server=$1 kind=$2 tls=${3:-0}
+    local ours_tls=() kit_tls=() qemu_tls=()
+    if [ "$tls" = 1 ]; then
+        make_certs
+        ours_tls=(--tls=require --tls-certificates="$CERTS")
+        kit_tls=(--tls=require --tls-certificates="$CERTS")
+        qemu_tls=(--object "tls-creds-x509,id=tls0,endpoint=server,dir=$CERTS,verify-peer=off" --tls-creds=tls0)
+    fi
     rm -f "$SOCK"
     case "$server:$kind" in
-    ours:null) "$BLKSTACK" serve --concise "d,,,rw,0 $SECTORS null" --export d \
+    ours:null) "$BLKSTACK" serve --concise "d,,,rw,0 $SECTORS null" --export d "${ours_tls[@]}" \
         --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
-    ours:mem) "$BLKSTACK" serve --concise "d,,,rw,0 $SECTORS memory" --export d \
+    ours:mem) "$BLKSTACK" serve --concise "d,,,rw,0 $SECTORS memory" --export d "${ours_tls[@]}" \
         --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
     ours:delay) "$BLKSTACK" serve --concise "z,,,rw,0 $SECTORS zero;d,,,rw,0 $SECTORS delay /dev/mapper/z 0 1" \
-        --export d --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
-    nbdkit:null) nbdkit -f --unix "$SOCK" null size=$SIZE_BYTES >"$WORK/srv.log" 2>&1 & ;;
-    nbdkit:mem) nbdkit -f --unix "$SOCK" memory size=$SIZE_BYTES >"$WORK/srv.log" 2>&1 & ;;
-    nbdkit:delay) nbdkit -f --unix "$SOCK" --filter=delay null size=$SIZE_BYTES rdelay=1ms \
+        --export d "${ours_tls[@]}" --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
+    nbdkit:null) nbdkit -f "${kit_tls[@]}" --unix "$SOCK" null size=$SIZE_BYTES >"$WORK/srv.log" 2>&1 & ;;
+    nbdkit:mem) nbdkit -f "${kit_tls[@]}" --unix "$SOCK" memory size=$SIZE_BYTES >"$WORK/srv.log" 2>&1 & ;;
+    nbdkit:delay) nbdkit -f "${kit_tls[@]}" --unix "$SOCK" --filter=delay null size=$SIZE_BYTES rdelay=1ms \
         >"$WORK/srv.log" 2>&1 & ;;
-    qemu:null) qemu-nbd -t --shared=8 -x d --socket="$SOCK" --image-opts \
+    qemu:null) qemu-nbd -t --shared=8 -x d --socket="$SOCK" "${qemu_tls[@]}" --image-opts \
         "driver=null-co,size=$SIZE_BYTES" >"$WORK/srv.log" 2>&1 & ;;
     qemu:mem)
         # qemu has no RAM block driver: a raw file on tmpfs is the closest.
         truncate -s $SIZE_BYTES "$QEMU_IMG"
-        qemu-nbd -t --shared=8 -x d --socket="$SOCK" -f raw --cache=writeback \
+        qemu-nbd -t --shared=8 -x d --socket="$SOCK" "${qemu_tls[@]}" -f raw --cache=writeback \
             "$QEMU_IMG" >"$WORK/srv.log" 2>&1 & ;;
-    qemu:delay) qemu-nbd -t --shared=8 -x d --socket="$SOCK" --image-opts \
+    qemu:delay) qemu-nbd -t --shared=8 -x d --socket="$SOCK" "${qemu_tls[@]}" --image-opts \
         "driver=null-co,size=$SIZE_BYTES,latency-ns=1000000,read-zeroes=off" >"$WORK/srv.log" 2>&1 & ;;
     *) echo "unknown server/kind $server:$kind" >&2; return 1 ;;
     esac
@@ -130,15 +183,17 @@ cpu_ticks() {
 }
 
 # ---- rows -----------------------------------------------------------------------
-row_kind() { case $1 in null-*) echo null ;; mem-*) echo mem ;; delay*) echo delay ;; esac; }
+row_kind() { case $1 in null-*) echo null ;; mem-*) echo mem ;; delay*) echo delay ;; leaf-*) echo leaf ;; esac; }
+row_tls() { case $1 in *-tls) echo 1 ;; *) echo 0 ;; esac; }
 row_fio() {
-    case $1 in
-    null-qd1) echo "--rw=randread --iodepth=1 --numjobs=1" ;;
-    null-qd64) echo "--rw=randread --iodepth=64 --numjobs=1" ;;
-    null-qd64x2) echo "--rw=randread --iodepth=64 --numjobs=2" ;;
-    mem-randwrite-qd16) echo "--rw=randwrite --iodepth=16 --numjobs=1" ;;
-    delay1ms-qd1) echo "--rw=randread --iodepth=1 --numjobs=1" ;;
-    delay1ms-qd32) echo "--rw=randread --iodepth=32 --numjobs=1" ;;
+    case ${1%-tls} in
+    null-qd1 | leaf-qd1) echo "--rw=randread --bs=4k --iodepth=1 --numjobs=1" ;;
+    null-qd64 | leaf-qd64) echo "--rw=randread --bs=4k --iodepth=64 --numjobs=1" ;;
+    null-qd64x2) echo "--rw=randread --bs=4k --iodepth=64 --numjobs=2" ;;
+    mem-read64k-qd8) echo "--rw=read --bs=64k --iodepth=8 --numjobs=1" ;;
+    mem-randwrite-qd16) echo "--rw=randwrite --bs=4k --iodepth=16 --numjobs=1" ;;
+    delay1ms-qd1) echo "--rw=randread --bs=4k --iodepth=1 --numjobs=1" ;;
+    delay1ms-qd32) echo "--rw=randread --bs=4k --iodepth=32 --numjobs=1" ;;
     *) echo "unknown row $1" >&2; return 1 ;;
     esac
 }
@@ -153,46 +208,95 @@ if [[ " $ROWS " == *" delay"* ]]; then
     stop_server
 fi
 
+# fio's (or blkstack bench's) JSON to one TSV line: rep, row, who, IOPS,
+# CPU us per I/O from the CPU seconds given.
+record() {
+    python3 - "$@" >>"$RESULTS" <<'EOF'
+import json, sys
+path, rep, row, who, cpu_s = sys.argv[1:6]
+text = open(path).read()
+# fio may print notices ("fio: connected to NBD server") before the JSON.
+j = json.loads(text[text.index("{"):])["jobs"][0]
+ios = j["read"]["total_ios"] + j["write"]["total_ios"]
+iops = j["read"]["iops"] + j["write"]["iops"]
+print(f"{rep}\t{row}\t{who}\t{iops:.0f}\t{float(cpu_s) * 1e6 / max(ios, 1):.2f}")
+EOF
+    tail -1 "$RESULTS" | awk -F'\t' '{ printf "rep %s %-20s %-7s %10s IOPS %7s us CPU/IO\n", $1, $2, $3, $4, $5 }' >&2
+}
+
+# One server row: each server in turn, fio's nbd engine as the client; CPU
+# is the server's.
+server_row() {
+    local rep=$1 row=$2 kind tls uri t0 t1
+    kind=$(row_kind "$row")
+    tls=$(row_tls "$row")
+    uri=$(client_uri "$tls")
+    for server in ours nbdkit qemu; do
+        start_server "$server" "$kind" "$tls" || continue
+        if [ "$kind" = mem ]; then
+            # Precondition: write the whole device once, unmeasured, so
+            # the row measures overwrites, not each server's first-touch
+            # page allocation.
+            fio --name=fill --ioengine=nbd --uri="$uri" \
+                --rw=write --bs=1m --iodepth=4 >/dev/null 2>&1 || true
+        fi
+        t0=$(cpu_ticks "$SERVER_PID")
+        # shellcheck disable=SC2046
+        fio --name=bench --ioengine=nbd --uri="$uri" \
+            $(row_fio "$row") --time_based --runtime="$RUNTIME" \
+            --group_reporting --output-format=json >"$WORK/fio.json" 2>"$WORK/fio.err" || {
+            echo "fio failed on $server $row:" >&2
+            cat "$WORK/fio.err" >&2
+            stop_server
+            continue
+        }
+        t1=$(cpu_ticks "$SERVER_PID")
+        stop_server
+        record "$WORK/fio.json" "$rep" "$row" "$server" \
+            "$(awk -v a="$t0" -v b="$t1" -v hz="$CLK_TCK" 'BEGIN { print (b - a) / hz }')"
+    done
+}
+
+# One client row: blkstack serve on null, then fio's nbd engine (libnbd)
+# and blkstack bench over the `nbd` leaf as clients, one connection each;
+# CPU is the client process's (utime + stime, from /usr/bin/time).
+client_row() {
+    local rep=$1 row=$2 client
+    printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1\n' "$SECTORS" "$SOCK" >"$WORK/leaf.stack"
+    for client in libnbd leaf; do
+        start_server ours null 0 || return 0
+        # shellcheck disable=SC2046
+        case $client in
+        libnbd) /usr/bin/time -f "%U %S" -o "$WORK/time.txt" \
+            fio --name=bench --ioengine=nbd --uri="$(client_uri 0)" $(row_fio "$row") \
+            --time_based --runtime="$RUNTIME" --group_reporting --output-format=json \
+            >"$WORK/fio.json" 2>"$WORK/fio.err" ;;
+        leaf) /usr/bin/time -f "%U %S" -o "$WORK/time.txt" \
+            "$BLKSTACK" bench --stack "$WORK/leaf.stack" --name=bench --filename=r $(row_fio "$row") \
+            --time_based --runtime="$RUNTIME" --output-format=json \
+            >"$WORK/fio.json" 2>"$WORK/fio.err" ;;
+        esac || {
+            echo "$client failed on $row:" >&2
+            cat "$WORK/fio.err" >&2
+            stop_server
+            continue
+        }
+        stop_server
+        record "$WORK/fio.json" "$rep" "$row" "$client" "$(awk '{ print $1 + $2 }' "$WORK/time.txt")"
+    done
+}
+
 RESULTS="$WORK/results.tsv"
 : >"$RESULTS"
 for rep in $(seq 1 "$REPS"); do
     for row in $ROWS; do
         kind=$(row_kind "$row")
         if [ "$kind" = delay ] && [ "$HAVE_DELAY" = 0 ]; then continue; fi
-        for server in ours nbdkit qemu; do
-            start_server "$server" "$kind"
-            if [ "$kind" = mem ]; then
-                # Precondition: write the whole device once, unmeasured, so
-                # the row measures overwrites, not each server's first-touch
-                # page allocation.
-                fio --name=fill --ioengine=nbd --uri="nbd+unix:///d?socket=$SOCK" \
-                    --rw=write --bs=1m --iodepth=4 >/dev/null 2>&1 || true
-            fi
-            t0=$(cpu_ticks "$SERVER_PID")
-            # shellcheck disable=SC2046
-            fio --name=bench --ioengine=nbd --uri="nbd+unix:///d?socket=$SOCK" \
-                --bs=4k $(row_fio "$row") --time_based --runtime="$RUNTIME" \
-                --group_reporting --output-format=json >"$WORK/fio.json" 2>"$WORK/fio.err" || {
-                echo "fio failed on $server $row:" >&2
-                cat "$WORK/fio.err" >&2
-                stop_server
-                continue
-            }
-            t1=$(cpu_ticks "$SERVER_PID")
-            stop_server
-            python3 - "$WORK/fio.json" "$rep" "$row" "$server" "$t0" "$t1" "$CLK_TCK" >>"$RESULTS" <<'EOF'
-import json, sys
-path, rep, row, server, t0, t1, hz = sys.argv[1:]
-text = open(path).read()
-# fio may print notices ("fio: connected to NBD server") before the JSON.
-j = json.loads(text[text.index("{"):])["jobs"][0]
-ios = j["read"]["total_ios"] + j["write"]["total_ios"]
-iops = j["read"]["iops"] + j["write"]["iops"]
-cpu_us = (int(t1) - int(t0)) * 1e6 / int(hz)
-print(f"{rep}\t{row}\t{server}\t{iops:.0f}\t{cpu_us / max(ios, 1):.2f}")
-EOF
-            tail -1 "$RESULTS" | awk -F'\t' '{ printf "rep %s %-20s %-7s %10s IOPS %7s us CPU/IO\n", $1, $2, $3, $4, $5 }' >&2
-        done
+        if [ "$kind" = leaf ]; then
+            client_row "$rep" "$row"
+        else
+            server_row "$rep" "$row"
+        fi
     done
 done
 
@@ -202,15 +306,34 @@ from collections import defaultdict
 path, reps, runtime = sys.argv[1:]
 iops = defaultdict(list); cpu = defaultdict(list); rows = []
 for line in open(path):
-    rep, row, server, i, c = line.rstrip("\n").split("\t")
-    iops[row, server].append(float(i)); cpu[row, server].append(float(c))
+    rep, row, who, i, c = line.rstrip("\n").split("\t")
+    iops[row, who].append(float(i)); cpu[row, who].append(float(c))
     if row not in rows: rows.append(row)
 med = lambda v: statistics.median(v) if v else float("nan")
-print(f"\nmedians of {reps} interleaved repetitions, {runtime} s each, fio --ioengine=nbd 4k, Unix socket")
-print(f"{'row':<20} {'ours':>9} {'nbdkit':>9} {'qemu-nbd':>9} {'/nbdkit':>8} {'/qemu':>7} {'/best':>7}   CPU us/IO: {'ours':>6} {'nbdkit':>7} {'qemu':>6}")
-for row in rows:
-    o, n, q = (med(iops[row, s]) for s in ("ours", "nbdkit", "qemu"))
-    co, cn, cq = (med(cpu[row, s]) for s in ("ours", "nbdkit", "qemu"))
-    best = max(n, q)
-    print(f"{row:<20} {o:>9.0f} {n:>9.0f} {q:>9.0f} {o/n:>8.2f} {o/q:>7.2f} {o/best:>7.2f}              {co:>6.2f} {cn:>7.2f} {cq:>6.2f}")
+div = lambda a, b: a / b if b else float("nan")
+servers = [r for r in rows if not r.startswith("leaf-")]
+clients = [r for r in rows if r.startswith("leaf-")]
+if servers:
+    print(f"\nmedians of {reps} interleaved repetitions, {runtime} s each, fio --ioengine=nbd, Unix socket; CPU is the server's")
+    print(f"{'row':<20} {'ours':>9} {'nbdkit':>9} {'qemu-nbd':>9} {'/nbdkit':>8} {'/qemu':>7} {'/best':>7}   CPU us/IO: {'ours':>6} {'nbdkit':>7} {'qemu':>6}")
+    for row in servers:
+        o, n, q = (med(iops[row, s]) for s in ("ours", "nbdkit", "qemu"))
+        co, cn, cq = (med(cpu[row, s]) for s in ("ours", "nbdkit", "qemu"))
+        best = max(n, q)
+        print(f"{row:<20} {o:>9.0f} {n:>9.0f} {q:>9.0f} {div(o, n):>8.2f} {div(o, q):>7.2f} {div(o, best):>7.2f}              {co:>6.2f} {cn:>7.2f} {cq:>6.2f}")
+    tls = [r for r in servers if r.endswith("-tls") and r[:-4] in servers]
+    if tls:
+        print("\nTLS against plain, same server: IOPS TLS/plain (CPU us/IO plain -> TLS)")
+        for row in tls:
+            plain = row[:-4]
+            cells = [f"{s} {div(med(iops[row, s]), med(iops[plain, s])):.2f} ({med(cpu[plain, s]):.2f} -> {med(cpu[row, s]):.2f})"
+                     for s in ("ours", "nbdkit", "qemu")]
+            print(f"{row:<20} " + "   ".join(cells))
+if clients:
+    print(f"\nclients against blkstack serve (null), {runtime} s each, one connection; CPU is the client's")
+    print(f"{'row':<20} {'leaf':>9} {'libnbd':>9} {'/libnbd':>8}   CPU us/IO: {'leaf':>6} {'libnbd':>7}")
+    for row in clients:
+        l, f = med(iops[row, "leaf"]), med(iops[row, "libnbd"])
+        cl, cf = med(cpu[row, "leaf"]), med(cpu[row, "libnbd"])
+        print(f"{row:<20} {l:>9.0f} {f:>9.0f} {div(l, f):>8.2f}              {cl:>6.2f} {cf:>7.2f}")
 EOF

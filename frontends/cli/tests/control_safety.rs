@@ -196,7 +196,10 @@ fn serve_memory_limit_bounds_all_memory_devices_together() {
 
 #[test]
 fn serve_refuses_a_malformed_memory_limit() {
-    for (bad, want) in [("12Q", "is not a size"), ("100", "at least one 4096-byte page")] {
+    for (bad, want) in [
+        ("12Q", "is not a size"),
+        ("100", "at least one 4096-byte page"),
+    ] {
         let o = Command::new(BIN)
             .args(["serve", "--concise", "m,,,rw,0 8 memory", "--export", "m"])
             .args(["--memory-limit", bad])
@@ -204,6 +207,9 @@ fn serve_refuses_a_malformed_memory_limit() {
             .expect("run blkstack");
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "--memory-limit {bad} accepted");
-        assert!(err.contains("--memory-limit") && err.contains(want), "{err}");
+        assert!(
+            err.contains("--memory-limit") && err.contains(want),
+            "{err}"
+        );
     }
 }
