@@ -18,8 +18,13 @@
 //! `queue_mode bio|rq|mq` (rq and mq are one mode, as in current kernels;
 //! `bio` implies `retain_attached_hw_handler`), and blkstack's own
 //! `start_time ns|jiffies:HZ|tick:HZ`: the start time path selectors are
-//! given in `end_io` (see [`start_time`]). Only non-default values are printed back by `table`, so tables
-//! without it are dmsetup-identical. There are no SCSI device handlers
+//! given in `end_io` (see [`start_time`]); and multipathd's settings for
+//! the built-in path checker (see `checker.rs`): `checker_interval MS`
+//! (1..=3600000; absent, no checker), `checker_timeout MS` (default: the
+//! interval) and `no_path_retry N|queue|fail` (N needs the checker; N and
+//! `queue` imply `queue_if_no_path`, `fail` contradicts it). Only
+//! non-default values are printed back by `table`, so tables without them
+//! are dmsetup-identical. There are no SCSI device handlers
 //! here, so a hardware handler is refused and `pg_init_*` are kept only
 //! for the table.
 //!
@@ -30,9 +35,12 @@
 //! and resubmits the bio, its offset restored by the frame, to another
 //! path. With no usable path a bio is queued if `queue_if_no_path` is set
 //! (until a path is reinstated or `fail_if_no_path` arrives), else it ends
-//! with EIO. The queue and the path-state changes share one mutex, the
-//! kernel's `m->lock`; the per-I/O path choice only reads atomics and the
-//! selector's own lock.
+//! with EIO. With a checker, failed paths that answer its probe are
+//! reinstated by it, and active paths whose probe fails are failed before
+//! user I/O meets them (a path failed by `fail_path` comes back too, as
+//! under multipathd). The queue and the path-state changes share one
+//! mutex, the kernel's `m->lock`; the per-I/O path choice only reads
+//! atomics and the selector's own lock.
 //!
 //! Per-I/O state fits the frame's one word: the path index in the top 16
 //! bits, the submission time's low 48 bits of nanoseconds (78 hours)
@@ -45,8 +53,14 @@
 //! `reinstate_path DEV`, and blkstack's `path_stats`, which answers one
 //! line per path, `<dev> <ios> <bytes>`: I/Os and bytes that path has
 //! completed (any status) since the table was loaded, for measuring how a
-//! selector spreads load. `status` and `table` print what dm-mpath's
-//! `multipath_status` prints for STATUSTYPE_INFO and STATUSTYPE_TABLE.
+//! selector spreads load; once a checker has run on the table each line
+//! goes on with `<probes> <ok> <fail> <reinstated>`. `checker` answers the
+//! interval, timeout and `no_path_retry`, then per path its state and
+//! counters; `checker_interval MS` changes the interval (0 stops the
+//! checker, and with it `no_path_retry`'s countdown). `status` and
+//! `table` print what dm-mpath's `multipath_status` prints for
+//! STATUSTYPE_INFO and STATUSTYPE_TABLE: the checker changes no field of
+//! `status`, so dmsetup-style parsers keep working.
 
 mod checker;
 mod ctr;
