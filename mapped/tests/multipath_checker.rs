@@ -356,6 +356,16 @@ fn no_path_retry_fails_the_queue_after_its_intervals_and_queues_again() {
         "0 8192 multipath 4 checker_interval 10 no_path_retry queue 0 1 1 round-robin 0 1 0 pb",
     )
     .unwrap();
+    // Its checker cannot be stopped while no_path_retry counts on it.
+    let err = reg
+        .message("mp", 0, &["checker_interval", "0"])
+        .unwrap_err()
+        .report();
+    assert!(err.contains("no_path_retry 3"), "{err}");
+    assert!(reg
+        .table_text("mp")
+        .unwrap()
+        .contains("checker_interval 20"));
     let mq = reg.device("mq").unwrap();
     let rec = CompletionRecorder::new();
     let mut buf = vec![7u8; 4096];

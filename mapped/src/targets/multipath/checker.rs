@@ -462,7 +462,8 @@ impl Checker {
 
 impl Multipath {
     /// The `checker` message (the report) and `checker_interval MS` (0
-    /// stops the checker; a new interval takes effect at once).
+    /// stops the checker, unless `no_path_retry N` counts its intervals; a
+    /// new interval takes effect at once).
     pub(super) fn checker_message(&self, args: &[&str]) -> Result<String, TargetError> {
         let verb = args[0];
         if verb.eq_ignore_ascii_case("checker") {
@@ -485,6 +486,12 @@ impl Multipath {
         } else {
             parse_ms("checker_interval", ms)?
         };
+        if let (0, Some(NoPathRetry::Count(n))) = (ms, self.checker.no_path_retry) {
+            // The table would no longer parse back: a count needs a checker.
+            return Err(TargetError::invalid(format!(
+                "checker_interval 0: the table's 'no_path_retry {n}' counts checker intervals, so the checker cannot stop; reload the table without it"
+            )));
+        }
         self.checker.set_interval(&self.me, ms);
         Ok(String::new())
     }

@@ -57,7 +57,7 @@
 //! goes on with `<probes> <ok> <fail> <reinstated>`. `checker` answers the
 //! interval, timeout and `no_path_retry`, then per path its state and
 //! counters; `checker_interval MS` changes the interval (0 stops the
-//! checker, and with it `no_path_retry`'s countdown). `status` and
+//! checker, refused while `no_path_retry N` counts its intervals). `status` and
 //! `table` print what dm-mpath's `multipath_status` prints for
 //! STATUSTYPE_INFO and STATUSTYPE_TABLE: the checker changes no field of
 //! `status`, so dmsetup-style parsers keep working.
