@@ -208,6 +208,12 @@ fn old_server_simple_replies_and_export_name() {
     );
     assert_eq!(submit_and_wait(&dev, Op::Flush, 0, 0, &mut []), Status::Ok);
     assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 1);
+    // PREFLUSH adds a FLUSH part to the write.
+    let mut w = pattern(4096, 9);
+    let st = submit_and_wait_flags(&dev, Op::Write, BioFlags::PREFLUSH, 0, 4096, &mut w);
+    assert_eq!(st, Status::Ok);
+    assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 2);
+    assert_eq!(&srv.script.data.lock()[..4096], &w[..]);
 }
 
 #[test]

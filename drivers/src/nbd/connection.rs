@@ -217,12 +217,7 @@ impl Connection {
         let data_parts = if cmd == CMD_FLUSH {
             1
         } else {
-            let chunk = if zero_fill {
-                self.geo.max_part.min(ZERO_CHUNK as u64)
-            } else {
-                self.geo.max_part
-            };
-            bio.len.div_ceil(chunk).max(1) as u32
+            bio.len.div_ceil(self.chunk(zero_fill)).max(1) as u32
         };
         let preflush = bio.flags.contains(BioFlags::PREFLUSH)
             && cmd != CMD_FLUSH
@@ -273,11 +268,7 @@ impl Connection {
         d.sent_ns = now_ns();
         d.remaining = d.parts;
         d.status = Status::Ok;
-        let chunk = if d.zero_fill {
-            self.geo.max_part.min(ZERO_CHUNK as u64)
-        } else {
-            self.geo.max_part
-        };
+        let chunk = self.chunk(d.zero_fill);
         for p in 0..d.parts {
             let handle = cookie(self.index, p, tag);
             if p == d.data_parts {
@@ -330,10 +321,10 @@ impl Connection {
         *self.last_error.lock() = Some(e);
     }
 
-    /// Chunk size of the data parts of `d` (emulated zeroing uses the
-    /// shared zero buffer).
-    pub fn chunk_of(&self, d: &SlotData) -> u64 {
-        if d.zero_fill {
+    /// Size of a request's data parts (emulated zeroing sends the shared
+    /// zero buffer, so its parts are no larger).
+    pub fn chunk(&self, zero_fill: bool) -> u64 {
+        if zero_fill {
             self.geo.max_part.min(ZERO_CHUNK as u64)
         } else {
             self.geo.max_part

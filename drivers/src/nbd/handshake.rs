@@ -373,6 +373,7 @@ pub fn connect(
     .map_err(io_step("connecting"))?;
     sock.set_read_timeout(Some(timeout))
         .and_then(|_| sock.set_write_timeout(Some(timeout)))
+        .and_then(|_| sock.set_user_timeout(timeout))
         .map_err(io_step("setting socket timeouts"))?;
     let no_zeroes = greeting(&mut sock)?;
     let (info, sock, conn) = match tls {

@@ -67,7 +67,10 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
         let mut reader = ReplyReader::new(conn, rx, &done, &shared.extents, gen, timeout_ns);
         match reader.run() {
             ReaderExit::Stop => break,
-            ReaderExit::Dead(why) => mark_down(conn, &why),
+            ReaderExit::Dead(why) => {
+                reader.shutdown();
+                mark_down(conn, &why)
+            }
         }
         drop(reader);
         next = reconnect(&shared, conn, &done);
