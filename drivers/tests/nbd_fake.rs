@@ -313,3 +313,37 @@ fn removal_with_an_unresponsive_server_ends_waiting_requests_at_once() {
     );
     assert_eq!(done.wait(), Status::IoError);
 }
+
+#[test]
+fn a_server_that_never_answers_fails_the_load_within_its_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mute.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    // Accepts (the kernel does, from the backlog) but never greets.
+    let uri = format!("nbd+unix:///e?socket={}", path.display());
+    let t = Instant::now();
+    let e = NbdDevice::from_args(SIZE, &[&uri, "timeout_ms=300"])
+        .err()
+        .map(|e| error_text(&e))
+        .unwrap_or_default();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(e.contains("cannot reach"), "{e}");
+    assert!(e.contains("did not answer in time"), "{e}");
+    drop(listener);
+}
+
+/// The error and its sources, as a user is shown them.
+fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
