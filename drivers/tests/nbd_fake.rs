@@ -28,6 +28,9 @@ struct Script {
     block: Option<(u32, u32, u32)>,
     /// Leave the first request of the first connection unanswered.
     stall_first: AtomicBool,
+    /// Close the first connection at its first request, then accept
+    /// later ones without ever greeting them.
+    hang_up_then_mute: bool,
     data: Mutex<Vec<u8>>,
     connections: AtomicU32,
     /// Largest request seen.
@@ -43,6 +46,7 @@ impl Script {
             tflags: TFLAG_HAS_FLAGS | tflags,
             block: None,
             stall_first: AtomicBool::new(false),
+            hang_up_then_mute: false,
             data: Mutex::new(vec![0u8; SIZE as usize]),
             connections: AtomicU32::new(0),
             max_len: AtomicU32::new(0),
@@ -134,6 +138,11 @@ fn handshake(s: &mut UnixStream, sc: &Script) -> std::io::Result<bool> {
 }
 
 fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
+    if sc.hang_up_then_mute && sc.connections.load(Ordering::SeqCst) > 0 {
+        // Accepted, never greeted: the client's attempt times out.
+        std::thread::sleep(Duration::from_secs(30));
+        return Ok(());
+    }
     let structured = handshake(&mut s, sc)?;
     let first = sc.connections.fetch_add(1, Ordering::SeqCst) == 0;
     let mut stall = first && sc.stall_first.load(Ordering::SeqCst);
@@ -141,6 +150,9 @@ fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
         let mut h = [0u8; Request::SIZE];
         s.read_exact(&mut h)?;
         let r = Request::parse(&h).map_err(std::io::Error::other)?;
+        if sc.hang_up_then_mute {
+            return Ok(());
+        }
         sc.max_len.fetch_max(r.len, Ordering::SeqCst);
         let range = r.offset as usize..(r.offset + r.len as u64) as usize;
         let mut out = Vec::new();
@@ -346,4 +358,36 @@ fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
         cur = inner.source();
     }
     s
+}
+
+#[test]
+fn removal_during_a_reconnect_attempt_does_not_wait_for_it() {
+    let mut sc = Script::new(true, true, 0);
+    sc.hang_up_then_mute = true;
+    let srv = FakeServer::start(sc);
+    // A long dead timeout: only removal can end the request.
+    let args = [srv.uri(), "dead_timeout_ms=600000".into()];
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let dev = NbdDevice::from_args(SIZE, &args).unwrap();
+    let done = Completion::new();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` outlives the request: we wait for its completion below.
+    let io = unsafe { IoBuf::from_slice(&mut buf) };
+    dev.submit(Bio::new(Op::Read, 0, 4096, io, done.clone(), 0));
+    // The server hangs up; the reconnect attempt now waits for a
+    // greeting that never comes (its bound is the 10 s default).
+    let t = Instant::now();
+    while !dev.status().contains("connections=0/1") {
+        assert!(t.elapsed() < Duration::from_secs(5), "{}", dev.status());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    drop(dev);
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "drop took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(done.wait(), Status::IoError);
 }
