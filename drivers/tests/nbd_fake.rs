@@ -187,6 +187,15 @@ fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
     }
 }
 
+/// Submit a read of `buf.len()` bytes at 0 without waiting for it.
+fn submit_read(dev: &NbdDevice, buf: &mut [u8]) -> Arc<Completion> {
+    let done = Completion::new();
+    // SAFETY: every caller waits for the completion while `buf` lives.
+    let io = unsafe { IoBuf::from_slice(buf) };
+    dev.submit(Bio::new(Op::Read, 0, buf.len() as u64, io, done.clone(), 0));
+    done
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
@@ -307,14 +316,9 @@ fn removal_with_an_unresponsive_server_ends_waiting_requests_at_once() {
     let sc = Script::new(true, true, 0);
     sc.stall_first.store(true, Ordering::SeqCst);
     let srv = FakeServer::start(sc);
-    let args = [srv.uri(), "dead_timeout_ms=600000".into()];
-    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-    let dev = NbdDevice::from_args(SIZE, &args).unwrap();
-    let done = Completion::new();
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri(), "dead_timeout_ms=600000"]).unwrap();
     let mut buf = vec![0u8; 4096];
-    // SAFETY: `buf` outlives the request: we wait for its completion below.
-    let io = unsafe { IoBuf::from_slice(&mut buf) };
-    dev.submit(Bio::new(Op::Read, 0, 4096, io, done.clone(), 0));
+    let done = submit_read(&dev, &mut buf);
     std::thread::sleep(Duration::from_millis(50));
     let t = Instant::now();
     drop(dev);
@@ -366,14 +370,9 @@ fn removal_during_a_reconnect_attempt_does_not_wait_for_it() {
     sc.hang_up_then_mute = true;
     let srv = FakeServer::start(sc);
     // A long dead timeout: only removal can end the request.
-    let args = [srv.uri(), "dead_timeout_ms=600000".into()];
-    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-    let dev = NbdDevice::from_args(SIZE, &args).unwrap();
-    let done = Completion::new();
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri(), "dead_timeout_ms=600000"]).unwrap();
     let mut buf = vec![0u8; 4096];
-    // SAFETY: `buf` outlives the request: we wait for its completion below.
-    let io = unsafe { IoBuf::from_slice(&mut buf) };
-    dev.submit(Bio::new(Op::Read, 0, 4096, io, done.clone(), 0));
+    let done = submit_read(&dev, &mut buf);
     // The server hangs up; the reconnect attempt now waits for a
     // greeting that never comes (its bound is the 10 s default).
     let t = Instant::now();

@@ -83,6 +83,19 @@ pub struct ExportInfo {
 }
 
 impl ExportInfo {
+    /// What a client may assume before the server says otherwise.
+    pub fn protocol_defaults() -> ExportInfo {
+        ExportInfo {
+            size: 0,
+            tflags: 0,
+            min_block: 1,
+            preferred_block: 4096,
+            max_block: DEFAULT_MAX_BLOCK,
+            structured: false,
+            allocation_context: None,
+        }
+    }
+
     pub fn has(&self, flag: u16) -> bool {
         self.tflags & flag != 0
     }
@@ -293,15 +306,7 @@ fn negotiate<S: Read + Write>(
     export: &str,
     no_zeroes: bool,
 ) -> Result<ExportInfo, HandshakeError> {
-    let mut info = ExportInfo {
-        size: 0,
-        tflags: 0,
-        min_block: 1,
-        preferred_block: 4096,
-        max_block: DEFAULT_MAX_BLOCK,
-        structured: false,
-        allocation_context: None,
-    };
+    let mut info = ExportInfo::protocol_defaults();
     send_option(s, OPT_STRUCTURED_REPLY, &[])?;
     info.structured = expect_ack(s, OPT_STRUCTURED_REPLY, "NBD_OPT_STRUCTURED_REPLY")?;
     if info.structured {
@@ -412,21 +417,9 @@ pub fn connect(
 mod tests {
     use super::*;
 
-    fn blank() -> ExportInfo {
-        ExportInfo {
-            size: 0,
-            tflags: 0,
-            min_block: 1,
-            preferred_block: 4096,
-            max_block: DEFAULT_MAX_BLOCK,
-            structured: false,
-            allocation_context: None,
-        }
-    }
-
     #[test]
     fn info_replies_fill_the_export() {
-        let mut i = blank();
+        let mut i = ExportInfo::protocol_defaults();
         let mut p = Vec::new();
         encode_info_export(&mut p, 1 << 30, TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH);
         assert!(apply_info(&mut i, &p).unwrap());
@@ -452,14 +445,14 @@ mod tests {
 
     #[test]
     fn block_size_constraints_are_checked() {
-        let mut i = blank();
+        let mut i = ExportInfo::protocol_defaults();
         i.min_block = 3;
         assert!(check_block_sizes(&mut i).is_err());
-        let mut i = blank();
+        let mut i = ExportInfo::protocol_defaults();
         i.min_block = 4096;
         i.max_block = 512;
         assert!(check_block_sizes(&mut i).is_err());
-        let mut i = blank();
+        let mut i = ExportInfo::protocol_defaults();
         i.preferred_block = 1000;
         check_block_sizes(&mut i).unwrap();
         assert_eq!(i.preferred_block, 4096);
