@@ -233,7 +233,11 @@ fn tls_leaf_against_serve_require_and_verify_peer() {
     );
     let out = bench(&untrusted, &["--size=4k"]);
     assert!(!out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("invalid peer certificate"), "{}", text(&out));
+    assert!(
+        text(&out).contains("invalid peer certificate"),
+        "{}",
+        text(&out)
+    );
     // The same server refuses a plain client, and says why.
     let out = bench(&srv.unix_uri("mem"), &["--size=4k"]);
     assert!(!out.status.success());
