@@ -101,14 +101,16 @@ fn mark_down(conn: &Connection, why: &str) {
     conn.set_error(why.to_string());
 }
 
-/// End the active requests `pick` chooses (by their queued time) with EIO.
+/// End the active requests `pick` chooses (by their queued time) with
+/// EIO; returns how many.
 pub fn fail_waiting(
     conn: &Connection,
     done: &HeldCompleter,
     extents: &ExtentQuery,
     pick: impl Fn(u64) -> bool,
-) {
+) -> usize {
     let last = conn.slots.len() - 1;
+    let mut failed = 0;
     for (tag, slot) in conn.slots.iter().enumerate() {
         let mut d = slot.0.lock();
         if !d.active || !pick(d.queued_ns) {
@@ -116,6 +118,7 @@ pub fn fail_waiting(
         }
         d.active = false;
         drop(d);
+        failed += 1;
         conn.stats.failed.fetch_add(1, Ordering::Relaxed);
         if tag == last {
             extents.finish(Status::IoError);
@@ -124,6 +127,7 @@ pub fn fail_waiting(
             done.end_request(conn.index, tag as u32, Status::IoError);
         }
     }
+    failed
 }
 
 /// Requests that waited longer than the dead timeout fail.
@@ -134,9 +138,17 @@ fn expire(shared: &DeviceShared, conn: &Connection, done: &HeldCompleter) {
     }
     let now = now_ns();
     let dead = conn.dead_timeout_ns;
-    fail_waiting(conn, done, &shared.extents, |queued| {
+    let failed = fail_waiting(conn, done, &shared.extents, |queued| {
         now.saturating_sub(queued.max(down)) >= dead
     });
+    if failed > 0 {
+        tracing::warn!(
+            connection = conn.index,
+            requests = failed,
+            dead_timeout_ms = shared.opts.dead_timeout_ms,
+            "nbd: server still gone after the dead timeout; requests failed with EIO"
+        );
+    }
 }
 
 /// Try until connected again (Some: the negotiated connection, not yet
