@@ -31,6 +31,8 @@ struct Script {
     /// Close the first connection at its first request, then accept
     /// later ones without ever greeting them.
     hang_up_then_mute: bool,
+    /// Hang up (unanswered) at every Nth request of a connection.
+    hang_up_every: u32,
     data: Mutex<Vec<u8>>,
     connections: AtomicU32,
     /// Largest request seen.
@@ -47,6 +49,7 @@ impl Script {
             block: None,
             stall_first: AtomicBool::new(false),
             hang_up_then_mute: false,
+            hang_up_every: 0,
             data: Mutex::new(vec![0u8; SIZE as usize]),
             connections: AtomicU32::new(0),
             max_len: AtomicU32::new(0),
@@ -146,11 +149,13 @@ fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
     let structured = handshake(&mut s, sc)?;
     let first = sc.connections.fetch_add(1, Ordering::SeqCst) == 0;
     let mut stall = first && sc.stall_first.load(Ordering::SeqCst);
+    let mut served = 0u32;
     loop {
         let mut h = [0u8; Request::SIZE];
         s.read_exact(&mut h)?;
         let r = Request::parse(&h).map_err(std::io::Error::other)?;
-        if sc.hang_up_then_mute {
+        served += 1;
+        if sc.hang_up_then_mute || served == sc.hang_up_every {
             return Ok(());
         }
         sc.max_len.fetch_max(r.len, Ordering::SeqCst);
@@ -389,4 +394,60 @@ fn removal_during_a_reconnect_attempt_does_not_wait_for_it() {
         t.elapsed()
     );
     assert_eq!(done.wait(), Status::IoError);
+}
+
+#[test]
+fn repeated_hang_ups_lose_no_write_and_end_each_request_once() {
+    let mut sc = Script::new(true, true, TFLAG_SEND_FLUSH);
+    sc.hang_up_every = 7;
+    let srv = FakeServer::start(sc);
+    let dev = NbdDevice::from_args(
+        SIZE,
+        &[&srv.uri(), "reconnect_delay_ms=1", "queue_depth=16"],
+    )
+    .unwrap();
+    const N: usize = 24;
+    for round in 0..6u8 {
+        // N writes in flight at once (more than the tags: some wait).
+        let mut bufs: Vec<Vec<u8>> = (0..N).map(|i| pattern(4096, round ^ i as u8)).collect();
+        let dones: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| {
+                let done = Completion::new();
+                // SAFETY: each buffer lives until its completion is waited for.
+                let io = unsafe { IoBuf::from_slice(b) };
+                dev.submit(Bio::new(
+                    Op::Write,
+                    i as u64 * 8192,
+                    4096,
+                    io,
+                    done.clone(),
+                    0,
+                ));
+                done
+            })
+            .collect();
+        for d in &dones {
+            assert_eq!(d.wait(), Status::Ok);
+        }
+        let data = srv.script.data.lock();
+        for (i, b) in bufs.iter().enumerate() {
+            assert_eq!(
+                &data[i * 8192..i * 8192 + 4096],
+                &b[..],
+                "round {round} block {i}"
+            );
+        }
+    }
+    let status = dev.status();
+    let reconnects: u64 = status
+        .split("reconnects=")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    assert!(reconnects >= 10, "{status}");
+    assert!(status.contains("in_flight=0 "), "{status}");
+    assert!(status.contains("failed=0 "), "{status}");
 }
