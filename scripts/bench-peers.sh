@@ -21,7 +21,8 @@
 #   leaf-qd1, leaf-qd64: 4k randread through blkstack's `nbd` client leaf
 #     (blkstack bench over a `0 LEN nbd URI connections=1` table) against
 #     fio's own nbd engine (libnbd), one connection each; IOPS and the
-#     client's CPU per I/O (utime+stime of the client process)
+#     client's CPU per I/O (utime+stime of the client process); `leaf` is
+#     the default (reply reader polls up to 50 us), `leaf0` poll_us=0
 #
 # Usage: scripts/bench-peers.sh            (REPS=3 RUNTIME=5 by default)
 #        BLKSTACK=path/to/blkstack scripts/bench-peers.sh   (skip the build)
@@ -263,7 +264,8 @@ server_row() {
 client_row() {
     local rep=$1 row=$2 client
     printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1\n' "$SECTORS" "$SOCK" >"$WORK/leaf.stack"
-    for client in libnbd leaf; do
+    printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_us=0\n' "$SECTORS" "$SOCK" >"$WORK/leaf0.stack"
+    for client in libnbd leaf leaf0; do
         start_server ours null 0 || return 0
         # shellcheck disable=SC2046
         case $client in
@@ -271,8 +273,8 @@ client_row() {
             fio --name=bench --ioengine=nbd --uri="$(client_uri 0)" $(row_fio "$row") \
             --time_based --runtime="$RUNTIME" --group_reporting --output-format=json \
             >"$WORK/fio.json" 2>"$WORK/fio.err" ;;
-        leaf) /usr/bin/time -f "%U %S" -o "$WORK/time.txt" \
-            "$BLKSTACK" bench --stack "$WORK/leaf.stack" --name=bench --filename=r $(row_fio "$row") \
+        leaf*) /usr/bin/time -f "%U %S" -o "$WORK/time.txt" \
+            "$BLKSTACK" bench --stack "$WORK/$client.stack" --name=bench --filename=r $(row_fio "$row") \
             --time_based --runtime="$RUNTIME" --output-format=json \
             >"$WORK/fio.json" 2>"$WORK/fio.err" ;;
         esac || {
@@ -331,9 +333,9 @@ if servers:
             print(f"{row:<20} " + "   ".join(cells))
 if clients:
     print(f"\nclients against blkstack serve (null), {runtime} s each, one connection; CPU is the client's")
-    print(f"{'row':<20} {'leaf':>9} {'libnbd':>9} {'/libnbd':>8}   CPU us/IO: {'leaf':>6} {'libnbd':>7}")
+    print(f"{'row':<20} {'leaf':>9} {'leaf0':>9} {'libnbd':>9} {'/libnbd':>8} {'0/libnbd':>9}   CPU us/IO: {'leaf':>6} {'leaf0':>6} {'libnbd':>7}")
     for row in clients:
-        l, f = med(iops[row, "leaf"]), med(iops[row, "libnbd"])
-        cl, cf = med(cpu[row, "leaf"]), med(cpu[row, "libnbd"])
-        print(f"{row:<20} {l:>9.0f} {f:>9.0f} {div(l, f):>8.2f}              {cl:>6.2f} {cf:>7.2f}")
+        l, l0, f = (med(iops[row, c]) for c in ("leaf", "leaf0", "libnbd"))
+        cl, cl0, cf = (med(cpu[row, c]) for c in ("leaf", "leaf0", "libnbd"))
+        print(f"{row:<20} {l:>9.0f} {l0:>9.0f} {f:>9.0f} {div(l, f):>8.2f} {div(l0, f):>9.2f}              {cl:>6.2f} {cl0:>6.2f} {cf:>7.2f}")
 EOF

@@ -17,6 +17,7 @@
 mod deadline_timer;
 mod margin;
 mod parker;
+pub mod spin;
 
 pub use deadline_timer::{DeadlineTimer, DeadlineTimerError};
 pub use margin::{WakeMargin, WakeMarginConfig, MAX_WINDOW};

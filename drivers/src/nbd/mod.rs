@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! 0 LEN nbd URI [connections=N] [queue_depth=N] [timeout_ms=N]
-//!               [reconnect_delay_ms=N] [dead_timeout_ms=N]
+//!               [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N]
 //! ```
 //!
 //! URI as libnbd spells it ([`uri`]). The table load connects and
@@ -53,7 +53,7 @@ use std::time::Duration;
 /// Why an `nbd` device could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum NbdError {
-    #[error("nbd: missing the server URI (syntax: nbd URI [connections=N] [queue_depth=N] [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N])")]
+    #[error("nbd: missing the server URI (syntax: nbd URI [connections=N] [queue_depth=N] [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N])")]
     MissingUri,
     #[error("nbd: {0}")]
     Uri(#[from] uri::UriError),

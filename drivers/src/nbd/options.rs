@@ -1,10 +1,11 @@
 //! The `nbd` leaf's table arguments: `URI [connections=N] [queue_depth=N]
-//! [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N]`.
+//! [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N]`.
 //!
 //! They are the knobs of the kernel's nbd client (`nbd-client -C`
 //! connections, the per-request timeout `nbd_xmit_timeout` enforces, and
 //! `dead_conn_timeout`, how long requests wait for a lost server to come
-//! back), plus the blk-mq tag depth per connection. Each is printed back
+//! back), plus the blk-mq tag depth per connection and the reply reader's
+//! busy-poll bound (the NBD server's `--poll-us`, on the client side). Each is printed back
 //! by `table` only when it differs from its default, so a line re-parses
 //! to the same device.
 
@@ -21,6 +22,9 @@ pub const DEFAULT_RECONNECT_DELAY_MS: u64 = 100;
 /// Upper bound of the doubling reconnect backoff.
 pub const MAX_RECONNECT_DELAY_MS: u64 = 5_000;
 pub const DEFAULT_DEAD_TIMEOUT_MS: u64 = 30_000;
+/// The reply reader's busy-poll bound, as the NBD server's default.
+pub const DEFAULT_POLL_US: u64 = 50;
+const MAX_POLL_US: u64 = 10_000;
 /// How long a table load waits for the server when `timeout_ms` is 0.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_MS: u64 = 24 * 3600 * 1000;
@@ -40,6 +44,9 @@ pub struct NbdOptions {
     /// How long requests wait for a lost connection to come back before
     /// they fail with EIO.
     pub dead_timeout_ms: u64,
+    /// Longest busy-poll of a connection's socket before its reply reader
+    /// blocks (0: never poll); adaptive, see `blkstack_core::timing::spin`.
+    pub poll_us: u64,
 }
 
 impl NbdOptions {
@@ -61,8 +68,10 @@ impl NbdOptions {
             MAX_RECONNECT_DELAY_MS,
         )?;
         let dead_timeout_ms = kv.take_u64("dead_timeout_ms", DEFAULT_DEAD_TIMEOUT_MS, 0, MAX_MS)?;
+        let poll_us = kv.take_u64("poll_us", DEFAULT_POLL_US, 0, MAX_POLL_US)?;
         kv.finish()?;
         Ok(NbdOptions {
+            poll_us,
             uri,
             connections,
             queue_depth,
@@ -102,6 +111,7 @@ impl NbdOptions {
             self.dead_timeout_ms,
             DEFAULT_DEAD_TIMEOUT_MS,
         );
+        num("poll_us", self.poll_us, DEFAULT_POLL_US);
         s
     }
 }
@@ -117,11 +127,12 @@ mod tests {
         assert_eq!(o.queue_depth, 64);
         assert_eq!(o.table_args(), "nbd://h/e");
         let line = "nbd+unix:///e?socket=/s connections=4 queue_depth=8 timeout_ms=500 \
-                    reconnect_delay_ms=10 dead_timeout_ms=200";
+                    reconnect_delay_ms=10 dead_timeout_ms=200 poll_us=0";
         let args: Vec<&str> = line.split_whitespace().collect();
         let o = NbdOptions::parse(&args).unwrap();
         assert_eq!((o.connections, o.queue_depth, o.timeout_ms), (4, 8, 500));
         assert_eq!((o.reconnect_delay_ms, o.dead_timeout_ms), (10, 200));
+        assert_eq!(o.poll_us, 0);
         assert_eq!(o.table_args(), line);
         let again: Vec<String> = o.table_args().split(' ').map(String::from).collect();
         let again: Vec<&str> = again.iter().map(|s| s.as_str()).collect();

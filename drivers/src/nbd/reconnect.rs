@@ -63,7 +63,8 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
     // Held while replies are read into request buffers: removal ends
     // the waiting requests itself only when it can take this.
     let mut reading = conn.reader_lock.lock();
-    while let Some((rx, gen)) = next.take() {
+    while let Some((mut rx, gen)) = next.take() {
+        rx.set_poll_ns(shared.opts.poll_us * 1000);
         if let Some(t) = shared.read_tick() {
             let _ = rx.socket().set_read_timeout(Some(t));
         }

@@ -11,6 +11,7 @@
 //! senders are serialised by the caller's per-connection send lock, so
 //! records reach the socket in the order they were made.
 
+use blkstack_core::timing::spin::{self, SpinPolicy};
 use parking_lot::Mutex;
 use rustls::ClientConnection;
 use std::io::{self, IoSlice, Read, Write};
@@ -105,6 +106,27 @@ impl Socket {
     }
 }
 
+impl Socket {
+    /// One non-blocking read (`MSG_DONTWAIT`): `Ok(None)` when nothing is
+    /// there yet.
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        let fd = match self {
+            Socket::Tcp(s) => s.as_raw_fd(),
+            Socket::Unix(s) => s.as_raw_fd(),
+        };
+        // SAFETY: `buf` is valid for `buf.len()` bytes; the fd is ours.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n >= 0 {
+            return Ok(Some(n as usize));
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(None),
+            _ => Err(e),
+        }
+    }
+}
+
 impl Read for Socket {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
@@ -182,6 +204,9 @@ impl Sender {
 /// The receiving half (a plain socket or rustls over it).
 pub struct Receiver {
     sock: Socket,
+    /// Whether to busy-poll the socket before a blocking read
+    /// (`poll_us=`; see `blkstack_core::timing::spin`).
+    spin: SpinPolicy,
     tls: Option<Arc<Mutex<ClientConnection>>>,
     raw: Box<[u8]>,
     raw_start: usize,
@@ -191,10 +216,23 @@ pub struct Receiver {
 /// Largest TLS record plus header: what one socket read feeds rustls.
 const RAW_TLS_BUF: usize = 18 * 1024;
 
+impl Receiver {
+    /// Read from the socket, polling it first for as long as the spin
+    /// policy allows: at low depth the reply comes soon after the request,
+    /// and an awake reader saves a wake-up on every request's path.
+    fn sock_read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let sock = &self.sock;
+        if let Some(n) = spin::poll_for(&mut self.spin, || sock.try_read(buf))? {
+            return Ok(n);
+        }
+        self.sock.read(buf)
+    }
+}
+
 impl Read for Receiver {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let Some(tls) = &self.tls else {
-            return self.sock.read(buf);
+        let Some(tls) = self.tls.clone() else {
+            return self.sock_read(buf);
         };
         loop {
             {
@@ -213,7 +251,10 @@ impl Read for Receiver {
                     continue;
                 }
             }
-            let n = self.sock.read(&mut self.raw)?;
+            let mut raw = std::mem::take(&mut self.raw);
+            let n = self.sock_read(&mut raw);
+            self.raw = raw;
+            let n = n?;
             if n == 0 {
                 return Ok(0);
             }
@@ -226,6 +267,11 @@ impl Read for Receiver {
 impl Receiver {
     pub fn socket(&self) -> &Socket {
         &self.sock
+    }
+
+    /// Busy-poll the socket up to `ns` before each blocking read (0: never).
+    pub fn set_poll_ns(&mut self, ns: u64) {
+        self.spin = SpinPolicy::new(ns);
     }
 }
 
@@ -246,6 +292,7 @@ pub fn split(sock: Socket, tls: Option<ClientConnection>) -> io::Result<(Sender,
         },
         Receiver {
             sock,
+            spin: SpinPolicy::new(0),
             tls,
             raw: vec![0u8; RAW_TLS_BUF].into_boxed_slice(),
             raw_start: 0,

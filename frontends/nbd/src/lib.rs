@@ -28,7 +28,6 @@ pub mod limits;
 pub use blkstack_drivers::nbd::proto;
 pub mod server;
 pub mod sock;
-pub mod spin;
 pub mod tls;
 pub mod uri;
 

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Default bound of a reader's busy-poll (see `spin.rs`).
+/// Default bound of a reader's busy-poll (see `blkstack_core::timing::spin`).
 pub const DEFAULT_POLL_NS: u64 = 50_000;
 
 enum Listener {
@@ -85,7 +85,7 @@ pub struct Server {
     stop_r: OwnedFd,
     stop_w: Arc<OwnedFd>,
     /// Bound of each connection reader's busy-poll before it blocks
-    /// (see `spin.rs`); 0 disables polling.
+    /// (see `blkstack_core::timing::spin`); 0 disables polling.
     poll_ns: u64,
     limits: Limits,
     tls: TlsPolicy,

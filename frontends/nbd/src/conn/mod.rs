@@ -28,7 +28,7 @@
 //! while a completer is busy sending a large reply. Before blocking for
 //! input the reader may poll the socket for a bounded time, yielding the
 //! CPU between polls, and only while such polls keep finding requests
-//! ([`crate::spin`]); it also asks the scheduler for a short slice so that
+//! (`blkstack_core::timing::spin`); it also asks the scheduler for a short slice so that
 //! its wake-up is not queued behind a CPU-bound thread. While requests are
 //! in flight it sleeps on the socket and an eventfd that the completer of
 //! the last of them signals (`IdleWake`). A fixed poll without
@@ -49,8 +49,8 @@ pub use handshake::HandshakeError;
 use crate::export::Export;
 use crate::limits::Limits;
 use crate::sock::Sock;
-use crate::spin::SpinPolicy;
 use crate::tls::TlsPolicy;
+use blkstack_core::timing::spin::SpinPolicy;
 use inbuf::InBuf;
 use parking_lot::{Condvar, Mutex};
 use reply::{IdleWake, Out, Shared, Slot, SlotMeta, Slots};
@@ -112,8 +112,8 @@ pub fn serve(
     sock.set_send_timeout(None)?;
     // Idle connections give their buffers back (`Transmission::fill`).
     sock.set_recv_timeout(Some(limits.idle_trim))?;
-    // The reader's wake-up is on every request's path: see spin.rs.
-    crate::spin::ask_short_slice();
+    // The reader's wake-up is on every request's path: see blkstack_core::timing::spin.
+    blkstack_core::timing::spin::ask_short_slice();
     let export = &exports[neg.export];
     // Live control: lets `unexport` see and disconnect this client.
     let _listed = export.attach(&sock);

@@ -9,9 +9,8 @@ use super::reply::{Shared, SlotMeta};
 use super::{BASE_ALLOCATION_ID, INFLIGHT_BYTES, MAX_DESCRIPTORS};
 use crate::export::Export;
 use crate::proto::*;
-use crate::spin::{SpinOutcome, SpinPolicy, PREEMPT_GAP_NS};
-use blkstack_core::clock;
 use blkstack_core::device::Extent;
+use blkstack_core::timing::spin::{self, SpinPolicy};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, EndIo, IoBuf, Op};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -162,43 +161,17 @@ impl Transmission<'_> {
     }
 
     /// Busy-poll the socket for at most the bound [`SpinPolicy`] allows
-    /// (see `spin.rs` for why); `None` when the caller must block.
+    /// (see `blkstack_core::timing::spin` for why); `None` when the caller
+    /// must block.
     fn poll(&mut self, after_wake: bool) -> io::Result<Option<bool>> {
         let policy = if after_wake {
             &mut self.wake_spin
         } else {
             &mut self.spin
         };
-        let Some(bound) = policy.next_wait() else {
-            return Ok(None);
-        };
         let sock = &*self.shared.sock;
-        let start = clock::now_ns();
-        let mut prev = start;
-        loop {
-            if let Some(more) = self.inb.try_fill(sock)? {
-                policy.record(SpinOutcome::Hit);
-                return Ok(Some(more));
-            }
-            let now = clock::now_ns();
-            if now - prev > PREEMPT_GAP_NS {
-                policy.record(SpinOutcome::Preempted);
-                return Ok(None);
-            }
-            if now - start >= bound {
-                policy.record(SpinOutcome::Miss);
-                return Ok(None);
-            }
-            prev = now;
-            // Polling must not keep a runnable thread off this CPU (on a
-            // 2-vCPU machine often the client itself, which has to run
-            // to send the request polled for): yield between polls. With
-            // nobody else runnable this is a cheap syscall; with someone,
-            // they run, and the gap check above ends the poll if they
-            // held the CPU long.
-            // SAFETY: plain syscall without arguments.
-            unsafe { libc::sched_yield() };
-        }
+        let inb = &mut self.inb;
+        spin::poll_for(policy, || inb.try_fill(sock))
     }
 
     /// Make sure `n` bytes are buffered; `Ok(false)` on a clean EOF before

@@ -1,5 +1,6 @@
-//! When a connection's reader may busy-poll its socket before blocking,
-//! and for how long.
+//! When a socket reader may busy-poll its socket before blocking, and for
+//! how long: the NBD server's connection readers wait for requests this
+//! way, and the `nbd` client leaf's reply readers for replies.
 //!
 //! Why: on a small VM an idle vCPU wakes long after the interrupt that
 //! wakes it, often several times the whole cost of serving a 4 KiB request,
@@ -27,6 +28,8 @@
 //! preempted. No load average or clock of other threads is consulted: the
 //! signals are this thread's own success rate and whether its own poll
 //! loop was descheduled.
+
+use crate::clock::now_ns;
 
 /// Waits blocked without polling after at most this many failures in a row
 /// (so a 50 µs bound costs at most 50 µs / 64 per wait when polls never
@@ -106,10 +109,48 @@ impl SpinPolicy {
 pub const READER_SLICE_NS: u64 = 100_000;
 
 /// Ask the scheduler for a short slice for the calling reader (see
-/// [`blkstack_core::timing::set_thread_sched_slice_ns`]): the reader runs a
-/// few microseconds per request, so a short slice costs it nothing.
+/// [`super::set_thread_sched_slice_ns`]): the reader runs a few
+/// microseconds per request, so a short slice costs it nothing.
 pub fn ask_short_slice() {
-    blkstack_core::timing::set_thread_sched_slice_ns(READER_SLICE_NS);
+    super::set_thread_sched_slice_ns(READER_SLICE_NS);
+}
+
+/// One bounded poll as `policy` allows: call `try_once` (a non-blocking
+/// read) until it gives data, the bound passes, or the poller is found to
+/// have lost its CPU; yield between tries. `Ok(None)` when the caller
+/// must block instead (the outcome is recorded in `policy` either way).
+pub fn poll_for<T>(
+    policy: &mut SpinPolicy,
+    mut try_once: impl FnMut() -> std::io::Result<Option<T>>,
+) -> std::io::Result<Option<T>> {
+    let Some(bound) = policy.next_wait() else {
+        return Ok(None);
+    };
+    let start = now_ns();
+    let mut prev = start;
+    loop {
+        if let Some(v) = try_once()? {
+            policy.record(SpinOutcome::Hit);
+            return Ok(Some(v));
+        }
+        let now = now_ns();
+        if now - prev > PREEMPT_GAP_NS {
+            policy.record(SpinOutcome::Preempted);
+            return Ok(None);
+        }
+        if now - start >= bound {
+            policy.record(SpinOutcome::Miss);
+            return Ok(None);
+        }
+        prev = now;
+        // Polling must not keep a runnable thread off this CPU (on a small
+        // machine often the peer that has to run to send what is polled
+        // for): yield between polls. With nobody else runnable this is a
+        // cheap syscall; with someone, they run, and the gap check above
+        // ends the poll if they held the CPU long.
+        // SAFETY: plain syscall without arguments.
+        unsafe { libc::sched_yield() };
+    }
 }
 
 #[cfg(test)]
@@ -126,6 +167,42 @@ mod tests {
             }
         }
         n
+    }
+
+    #[test]
+    fn poll_for_returns_what_arrives_and_records_a_hit() {
+        let mut p = SpinPolicy::new(1_000_000_000);
+        let mut calls = 0;
+        let got = poll_for(&mut p, || {
+            calls += 1;
+            Ok((calls == 3).then_some(7))
+        });
+        assert_eq!(got.unwrap(), Some(7));
+        assert_eq!(calls, 3);
+        assert_eq!((p.skip, p.backoff), (0, 1));
+    }
+
+    #[test]
+    fn poll_for_gives_up_at_the_bound_and_backs_off() {
+        let mut p = SpinPolicy::new(1);
+        let got = poll_for(&mut p, || Ok(None::<u8>));
+        assert_eq!(got.unwrap(), None);
+        // Missed (or preempted): the next wait blocks without polling.
+        assert_eq!(p.next_wait(), None);
+        let mut never = SpinPolicy::new(0);
+        let got = poll_for(&mut never, || -> std::io::Result<Option<u8>> {
+            panic!("a zero budget must not poll")
+        });
+        assert_eq!(got.unwrap(), None);
+    }
+
+    #[test]
+    fn poll_for_passes_errors_through() {
+        let mut p = SpinPolicy::new(1_000_000);
+        let got = poll_for(&mut p, || -> std::io::Result<Option<u8>> {
+            Err(std::io::ErrorKind::ConnectionReset.into())
+        });
+        assert_eq!(got.unwrap_err().kind(), std::io::ErrorKind::ConnectionReset);
     }
 
     #[test]
