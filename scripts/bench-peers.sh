@@ -22,7 +22,7 @@
 #     (blkstack bench over a `0 LEN nbd URI connections=1` table) against
 #     fio's own nbd engine (libnbd), one connection each; IOPS and the
 #     client's CPU per I/O (utime+stime of the client process); `leaf` is
-#     the default (reply reader polls up to 50 us), `leaf0` poll_us=0
+#     the default (no polling), `leafpoll` poll_us=50 (reader polls)
 #
 # Usage: scripts/bench-peers.sh            (REPS=3 RUNTIME=5 by default)
 #        BLKSTACK=path/to/blkstack scripts/bench-peers.sh   (skip the build)
@@ -264,8 +264,8 @@ server_row() {
 client_row() {
     local rep=$1 row=$2 client
     printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1\n' "$SECTORS" "$SOCK" >"$WORK/leaf.stack"
-    printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_us=0\n' "$SECTORS" "$SOCK" >"$WORK/leaf0.stack"
-    for client in libnbd leaf leaf0; do
+    printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_us=50\n' "$SECTORS" "$SOCK" >"$WORK/leafpoll.stack"
+    for client in libnbd leaf leafpoll; do
         start_server ours null 0 || return 0
         # shellcheck disable=SC2046
         case $client in
@@ -333,9 +333,9 @@ if servers:
             print(f"{row:<20} " + "   ".join(cells))
 if clients:
     print(f"\nclients against blkstack serve (null), {runtime} s each, one connection; CPU is the client's")
-    print(f"{'row':<20} {'leaf':>9} {'leaf0':>9} {'libnbd':>9} {'/libnbd':>8} {'0/libnbd':>9}   CPU us/IO: {'leaf':>6} {'leaf0':>6} {'libnbd':>7}")
+    print(f"{'row':<20} {'leaf':>9} {'leafpoll':>9} {'libnbd':>9} {'/libnbd':>8} {'p/libnbd':>9}   CPU us/IO: {'leaf':>6} {'poll':>6} {'libnbd':>7}")
     for row in clients:
-        l, l0, f = (med(iops[row, c]) for c in ("leaf", "leaf0", "libnbd"))
-        cl, cl0, cf = (med(cpu[row, c]) for c in ("leaf", "leaf0", "libnbd"))
-        print(f"{row:<20} {l:>9.0f} {l0:>9.0f} {f:>9.0f} {div(l, f):>8.2f} {div(l0, f):>9.2f}              {cl:>6.2f} {cl0:>6.2f} {cf:>7.2f}")
+        l, lp, f = (med(iops[row, c]) for c in ("leaf", "leafpoll", "libnbd"))
+        cl, clp, cf = (med(cpu[row, c]) for c in ("leaf", "leafpoll", "libnbd"))
+        print(f"{row:<20} {l:>9.0f} {lp:>9.0f} {f:>9.0f} {div(l, f):>8.2f} {div(lp, f):>9.2f}              {cl:>6.2f} {clp:>6.2f} {cf:>7.2f}")
 EOF

@@ -22,8 +22,12 @@ pub const DEFAULT_RECONNECT_DELAY_MS: u64 = 100;
 /// Upper bound of the doubling reconnect backoff.
 pub const MAX_RECONNECT_DELAY_MS: u64 = 5_000;
 pub const DEFAULT_DEAD_TIMEOUT_MS: u64 = 30_000;
-/// The reply reader's busy-poll bound, as the NBD server's default.
-pub const DEFAULT_POLL_US: u64 = 50;
+/// The reply reader's busy-poll bound: off unless asked. Unlike the
+/// server's reader, which waits for a client that sends again at once,
+/// the leaf's reader shares the CPUs with its own submitters and, on a
+/// small machine, with a local server: polling bought little at depth 1
+/// for much more CPU, and cost throughput at depth (docs/BENCHMARKS.md).
+pub const DEFAULT_POLL_US: u64 = 0;
 const MAX_POLL_US: u64 = 10_000;
 /// How long a table load waits for the server when `timeout_ms` is 0.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -127,12 +131,12 @@ mod tests {
         assert_eq!(o.queue_depth, 64);
         assert_eq!(o.table_args(), "nbd://h/e");
         let line = "nbd+unix:///e?socket=/s connections=4 queue_depth=8 timeout_ms=500 \
-                    reconnect_delay_ms=10 dead_timeout_ms=200 poll_us=0";
+                    reconnect_delay_ms=10 dead_timeout_ms=200 poll_us=50";
         let args: Vec<&str> = line.split_whitespace().collect();
         let o = NbdOptions::parse(&args).unwrap();
         assert_eq!((o.connections, o.queue_depth, o.timeout_ms), (4, 8, 500));
         assert_eq!((o.reconnect_delay_ms, o.dead_timeout_ms), (10, 200));
-        assert_eq!(o.poll_us, 0);
+        assert_eq!(o.poll_us, 50);
         assert_eq!(o.table_args(), line);
         let again: Vec<String> = o.table_args().split(' ').map(String::from).collect();
         let again: Vec<&str> = again.iter().map(|s| s.as_str()).collect();
