@@ -17,6 +17,7 @@ pub mod hybrid_poll;
 pub mod machine;
 pub mod mpath;
 pub mod mq_run;
+pub mod netns;
 pub mod plot;
 pub mod progress;
 pub mod report;
