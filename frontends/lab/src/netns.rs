@@ -31,6 +31,10 @@ use std::time::{Duration, Instant};
 
 /// The testbed's subnet (inside its namespaces only).
 pub const SUBNET_PREFIX: &str = "10.77.0";
+/// The port every host's NBD server listens on.
+pub const NBD_PORT: u16 = 10809;
+/// The export name every host serves.
+pub const EXPORT: &str = "lun";
 /// Prefix of every namespace name made here, for the stale sweep.
 const NAME_ROOT: &str = "bks";
 
@@ -178,16 +182,24 @@ impl Netns {
         f: impl FnOnce() -> Result<T> + Send + 'static,
     ) -> Result<T> {
         let name = self.name.clone();
-        let inner = name.clone();
+        self.spawn(f)?
+            .join()
+            .map_err(|_| anyhow::anyhow!("thread in namespace {name} panicked"))?
+    }
+
+    /// Start `f` on a new thread inside this namespace.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<std::thread::JoinHandle<Result<T>>> {
+        let name = self.name.clone();
         std::thread::Builder::new()
             .name(format!("netns-{name}"))
             .spawn(move || -> Result<T> {
-                enter(&inner)?;
+                enter(&name)?;
                 f()
             })
-            .context("spawning a namespace thread")?
-            .join()
-            .map_err(|_| anyhow::anyhow!("thread in namespace {name} panicked"))?
+            .context("spawning a namespace thread")
     }
 
     /// Wait until something accepts TCP connections on `addr` as seen
@@ -215,6 +227,18 @@ impl Drop for Netns {
     fn drop(&mut self) {
         kill_and_delete(&self.name);
     }
+}
+
+/// A host's stack file: `lun`, a `delay` target of `delay_ms` over a
+/// `file` target on `file` (with `load_k=1` when `load`: the path then
+/// has a capacity of `1/delay` whatever its queue, as `lab mpath`'s
+/// in-process paths do).
+pub fn delay_over_file(file: &std::path::Path, sectors: u64, delay_ms: f64, load: bool) -> String {
+    format!(
+        "f: 0 {sectors} file {}\n{EXPORT}: 0 {sectors} delay f 0 {delay_ms}{}\n",
+        file.display(),
+        if load { " load_k=1" } else { "" }
+    )
 }
 
 /// A server process, killed (SIGKILL) and reaped on drop.
@@ -345,6 +369,57 @@ impl Testbed {
     /// The client's address.
     pub fn client_addr(&self) -> String {
         Self::addr_of(None)
+    }
+
+    /// Host `i`'s NBD address, `ADDR:PORT`.
+    pub fn host_nbd(&self, i: usize) -> String {
+        format!("{}:{NBD_PORT}", self.host_addr(i))
+    }
+
+    /// The `nbd://` URI of host `i`'s export.
+    pub fn host_uri(&self, i: usize) -> String {
+        format!("nbd://{}/{EXPORT}", self.host_nbd(i))
+    }
+
+    /// Start `program ARGS` in host `i` (its output to `log`) and wait
+    /// until it accepts connections on the host's NBD address, as seen
+    /// from the client; fails early if it exits first.
+    pub fn start_server(
+        &self,
+        i: usize,
+        what: &str,
+        program: &std::ffi::OsStr,
+        args: &[String],
+        log: &std::path::Path,
+    ) -> Result<Daemon> {
+        let host = self.hosts.get(i).with_context(|| format!("no host {i}"))?;
+        let out =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let mut cmd = host.command(program);
+        cmd.args(args).stdout(out.try_clone()?).stderr(out);
+        let mut d = Daemon::spawn(what, cmd)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if self
+                .client
+                .wait_tcp(&self.host_nbd(i), Duration::from_millis(200))
+                .is_ok()
+            {
+                return Ok(d);
+            }
+            if let Some(st) = d.exited() {
+                bail!(
+                    "{what} in host h{i} exited ({st}) before listening: {}",
+                    std::fs::read_to_string(log).unwrap_or_default().trim()
+                );
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{what} in host h{i} did not listen on {} within 30 s",
+                    self.host_nbd(i)
+                );
+            }
+        }
     }
 
     /// Cut (`up = false`) or restore host `i`'s link at the switch.
