@@ -16,6 +16,7 @@ pub mod html;
 pub mod hybrid_poll;
 pub mod machine;
 pub mod mpath;
+pub mod mpath_hosts;
 pub mod mq_run;
 pub mod netns;
 pub mod plot;

@@ -40,10 +40,16 @@
 //! at least its ideal share, so its "high-iops" load kept them busy; two
 //! QD64 jobs is the smallest load that does that here.
 //!
+//! A second table (rows with `table` = `hosts`, see [`crate::mpath_hosts`])
+//! runs service-time and HST with both start times over four remote
+//! paths: hosts in network namespaces serving one LUN over NBD, skipped
+//! with a note where namespaces cannot be made.
+//!
 //! `--set` keys: `fast_ms` (0.25), `costs` (comma list, relative),
 //! `hz` (250), `iodepth` (64), `numjobs` (2), `runtime_ms`, `warmup_ms`.
 
 use crate::common::{job, mean_sd, round};
+use crate::mpath_hosts::Load;
 use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
@@ -78,10 +84,10 @@ const SEED: [[f64; 4]; 10] = [
 const SECTORS: u64 = 2 * 1024 * 1024;
 
 /// One selector configuration to measure.
-struct Policy {
-    column: &'static str,
-    selector: &'static str,
-    features: String,
+pub(crate) struct Policy {
+    pub column: &'static str,
+    pub selector: &'static str,
+    pub features: String,
 }
 
 /// The stack: a null device, one `delay` path per cost, the multipath.
@@ -120,15 +126,15 @@ fn parse_path_stats(text: &str, paths: usize) -> Result<Vec<u64>> {
     Ok(v)
 }
 
-struct Outcome {
-    shares: Vec<f64>,
-    iops: f64,
-    errors: u64,
+pub(crate) struct Outcome {
+    pub shares: Vec<f64>,
+    pub iops: f64,
+    pub errors: u64,
 }
 
 /// Run the job on a fresh stack; shares count I/Os completed between the
 /// end of the warm-up and the end of the run.
-fn run_policy(
+pub(crate) fn run_policy(
     stack_text: &str,
     paths: usize,
     qd: u32,
@@ -199,7 +205,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let ideal: Vec<f64> = costs.iter().map(|c| (1.0 / c) / capacity).collect();
     let n = costs.len();
 
-    let policies = [
+    let policies = vec![
         Policy {
             column: "st",
             selector: "service-time",
@@ -241,7 +247,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let mut r = LabReport::new(
         "mpath",
         "share of I/O per path, 10 asymmetric paths, randwrite 2 jobs x QD64: service-time, HST with jiffies, tick-truncated and ns start times, ideal",
-        &["path", "cost", "ideal", "st", "hst_jiffies", "hst_tick", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
+        &["table", "path", "cost", "ideal", "st", "hst_jiffies", "hst_tick", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
     );
     for path in 0..n {
         let seed = SEED.get(path).filter(|_| n == DISKS.len());
@@ -250,6 +256,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             _ => format!("p{path}"),
         };
         r.push_row([
+            ("table", json!("in-process")),
             ("path", json!(name)),
             ("cost", json!(costs[path])),
             ("ideal", json!(round(ideal[path], 3))),
@@ -325,6 +332,20 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         "paths: delay targets over one null device, delay = cost x {fast_ms} ms x (1 + I/Os in flight on the path) (load_k=1), so path capacity is 1/cost; jiffies and tick runs at HZ={hz}"
     ));
     r.note(start_time_note(hz));
+    r.split_by = Some("table".into());
+    let load = Load {
+        qd,
+        jobs,
+        runtime,
+        warmup,
+        repeats,
+    };
+    // The remote paths: service-time and HST with both start times.
+    let remote: Vec<Policy> = policies
+        .into_iter()
+        .filter(|p| p.column != "hst_tick")
+        .collect();
+    crate::mpath_hosts::add_table(opts, &mut r, &remote, &load)?;
     r.seed = Some(SeedTable {
         caption: "upstream: utilisation of a 10-disk multipath with asymmetric costs, fio randwrite QD64, bio-based mpath".into(),
         columns: ["disk", "ST", "HST (orig)", "HST(ktime)", "Best"]

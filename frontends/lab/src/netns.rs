@@ -422,6 +422,35 @@ impl Testbed {
         }
     }
 
+    /// `bin serve` (a blkstack binary) in host `i`, exporting [`EXPORT`]
+    /// from `stack_text` (e.g. [`delay_over_file`]). Its stack file,
+    /// control socket and log go to `dir` as `hI.stack`, `hI.control`,
+    /// `hI.log`.
+    pub fn start_blkstack(
+        &self,
+        i: usize,
+        bin: &std::path::Path,
+        dir: &std::path::Path,
+        stack_text: &str,
+    ) -> Result<Daemon> {
+        let stack = dir.join(format!("h{i}.stack"));
+        std::fs::write(&stack, stack_text)
+            .with_context(|| format!("writing {}", stack.display()))?;
+        let args: Vec<String> = vec![
+            "serve".into(),
+            "--stack".into(),
+            stack.display().to_string(),
+            "--export".into(),
+            EXPORT.into(),
+            "--listen".into(),
+            format!("nbd://{}", self.host_nbd(i)),
+            "--control".into(),
+            dir.join(format!("h{i}.control")).display().to_string(),
+        ];
+        let log = dir.join(format!("h{i}.log"));
+        self.start_server(i, "blkstack serve", bin.as_os_str(), &args, &log)
+    }
+
     /// Cut (`up = false`) or restore host `i`'s link at the switch.
     pub fn set_link(&self, i: usize, up: bool) -> Result<()> {
         if i >= self.hosts.len() {

@@ -106,31 +106,15 @@ impl Hosts {
         let log = self.dir.path().join(format!("h{i}.log"));
         let (what, program, args): (&str, PathBuf, Vec<String>) = match self.kinds[i] {
             Server::Blkstack { delay_ms } => {
-                let stack = self.dir.path().join(format!("h{i}.stack"));
-                std::fs::write(
-                    &stack,
-                    delay_over_file(&self.files[i], self.sectors, delay_ms, false),
-                )
-                .expect("host stack file");
-                (
-                    "blkstack serve",
-                    PathBuf::from(env!("CARGO_BIN_EXE_blkstack")),
-                    vec![
-                        "serve".into(),
-                        "--stack".into(),
-                        stack.display().to_string(),
-                        "--export".into(),
-                        EXPORT.into(),
-                        "--listen".into(),
-                        format!("nbd://{addr}:{NBD_PORT}"),
-                        "--control".into(),
-                        self.dir
-                            .path()
-                            .join(format!("h{i}.control"))
-                            .display()
-                            .to_string(),
-                    ],
-                )
+                return self
+                    .bed
+                    .start_blkstack(
+                        i,
+                        Path::new(env!("CARGO_BIN_EXE_blkstack")),
+                        self.dir.path(),
+                        &delay_over_file(&self.files[i], self.sectors, delay_ms, false),
+                    )
+                    .unwrap_or_else(|e| panic!("host h{i}: {e:#}"))
             }
             Server::QemuNbd => (
                 "qemu-nbd",
