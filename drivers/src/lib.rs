@@ -1,5 +1,9 @@
 //! Leaf drivers: the devices at the bottom of every stack.
 //!
+//! `nbd` reaches a remote export as the kernel's nbd client does (one
+//! connection per hardware queue, reconnect, dead timeout); its wire
+//! format module, [`nbd::proto`], is shared with the NBD server frontend.
+//!
 //! `null` (null_blk-like) and `memory` (a sparse RAM disk, like brd) both
 //! take optional `key=value` table args through [`args::KvArgs`], print them
 //! back canonically (`table_args`) and report state (`status`) in the form
@@ -39,8 +43,10 @@ pub mod engine_args;
 pub mod error;
 pub mod file;
 pub mod memory;
+pub mod nbd;
 pub mod null;
 
 pub use error::{ArgError, FileError, MemoryError};
 pub use memory::MemoryDevice;
+pub use nbd::{NbdDevice, NbdError};
 pub use null::NullDevice;

@@ -9,6 +9,7 @@
 //! Printed with its sources (`{:#}` through anyhow, or [`report`]) an error
 //! reads `device d: line 2: linear: device 'm9' not found`.
 
+use blkstack_drivers::nbd::NbdError;
 use blkstack_drivers::null::NullError;
 use blkstack_drivers::{ArgError, FileError, MemoryError};
 use thiserror::Error;
@@ -275,6 +276,8 @@ pub enum TargetError {
     File(#[from] FileError),
     #[error(transparent)]
     Null(#[from] NullError),
+    #[error(transparent)]
+    Nbd(#[from] NbdError),
     /// A rule of one target broken, the message says which argument and
     /// why: the kernel's per-target `ti->error` strings.
     #[error("{0}")]

@@ -24,7 +24,8 @@ pub mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod limits;
-pub mod proto;
+/// The NBD wire format, shared with the client leaf driver (`blkstack_drivers::nbd`).
+pub use blkstack_drivers::nbd::proto;
 pub mod server;
 pub mod sock;
 pub mod spin;

@@ -10,6 +10,7 @@ pub mod leaf;
 pub mod linear;
 pub mod memory;
 pub mod multipath;
+pub mod nbd;
 pub mod null;
 pub mod striped;
 pub mod zero;
@@ -29,6 +30,7 @@ pub static TYPES: &[TargetType] = &[
     flakey::TYPE,
     dust::TYPE,
     file::TYPE,
+    nbd::TYPE,
 ];
 
 pub fn lookup(name: &str) -> Option<&'static TargetType> {

@@ -1,19 +1,23 @@
-//! NBD wire format: constants and (de)serialisation of every message the
-//! server sends or receives, following `doc/proto.md` of the
-//! NetworkBlockDevice/nbd project (fixed newstyle handshake, the INFO
-//! extension, structured replies, metadata contexts).
+//! NBD wire format: constants and (de)serialisation of every message of
+//! `doc/proto.md` of the NetworkBlockDevice/nbd project (fixed newstyle
+//! handshake, the INFO extension, structured replies, metadata contexts),
+//! for both ends: the NBD server (`blkstack-nbd`, which re-exports this
+//! module as `blkstack_nbd::proto`) and the `nbd` client leaf driver of
+//! this crate. It lives in the drivers layer because layers import only
+//! downward and the client leaf is a driver.
 //!
 //! The protocol is written here by hand because no maintained Rust crate
-//! implements the server side of it. Everything is big-endian ("network
-//! byte order"). Parsing functions take untrusted bytes and return a
+//! implements it for both sides. Everything is big-endian ("network byte
+//! order"). Parsing functions take untrusted bytes and return a
 //! [`WireError`] naming what was wrong instead of panicking; encoding
-//! functions append to a caller-owned `Vec<u8>` so the hot path reuses one
-//! output buffer and never allocates per reply.
+//! functions append to a caller-owned `Vec<u8>` or return fixed arrays so
+//! the hot paths of both ends reuse their buffers and never allocate per
+//! request or reply.
 //!
-//! A few client-side decoders ([`OptionReply::parse`], [`SimpleReply::parse`],
-//! [`ChunkHeader::parse`]) live here too: the raw-socket tests use them, and
-//! keeping both directions in one file is what lets the unit tests do round
-//! trips.
+//! The client-side decoders ([`OptionReply::parse`], [`SimpleReply::parse`],
+//! [`ChunkHeader::parse`]) serve the client leaf and the server's raw-socket
+//! tests; keeping both directions in one file is what lets the unit tests
+//! do round trips.
 
 use blkstack_core::Status;
 

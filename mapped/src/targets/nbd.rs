@@ -1,0 +1,28 @@
+//! `nbd URI [connections=N] [queue_depth=N] [timeout_ms=N]
+//! [reconnect_delay_ms=N] [dead_timeout_ms=N]`: a remote NBD export as a
+//! table target, the userspace counterpart of the kernel's nbd client;
+//! see `blkstack_drivers::nbd`. The table load connects and negotiates, so
+//! an unreachable server or an export shorter than the line fails the
+//! load and changes nothing.
+
+use super::leaf::{leaf_type, LeafDriver, LeafTarget};
+use crate::error::TargetError;
+use crate::target::{CtrContext, TargetRef, TargetType};
+use blkstack_drivers::nbd::NbdDevice;
+use std::sync::Arc;
+
+pub const TYPE: TargetType = leaf_type("nbd", ctr);
+
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
+    let driver = NbdDevice::from_args(ctx.len_bytes(), args)?;
+    Ok(Arc::new(LeafTarget { driver }))
+}
+
+impl LeafDriver for NbdDevice {
+    fn status(&self) -> String {
+        NbdDevice::status(self)
+    }
+    fn table_args(&self) -> String {
+        NbdDevice::table_args(self)
+    }
+}
