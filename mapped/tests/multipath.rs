@@ -186,8 +186,8 @@ fn bad_tables_are_refused_with_the_problem_named() {
             "invalid HZ",
         ),
         (
-            "12 queue_if_no_path 0 1 1 round-robin 0 1 0 p0",
-            "invalid number of feature args 12",
+            "17 queue_if_no_path 0 1 1 round-robin 0 1 0 p0",
+            "invalid number of feature args 17",
         ),
         (
             "5 queue_if_no_path 0 1 1",

@@ -1,6 +1,8 @@
 //! Property: what `table` prints parses back into the same table. Tables
 //! are generated over every basic target with random geometry; each is
 //! created, printed, created again from the printed text and printed again.
+//! Multipath lines carry a random set of dm's and blkstack's features (the
+//! path checker's among them), which must print back as they parse.
 
 use blkstack_mapped::Registry;
 use proptest::prelude::*;
@@ -20,7 +22,21 @@ enum Line {
         chunk: u64,
         devs: Vec<(usize, u64)>,
     },
+    Multipath {
+        features: Vec<&'static str>,
+        devs: Vec<usize>,
+    },
 }
+
+/// Multipath features that may appear together in one table.
+const MPATH_FEATURES: [&str; 6] = [
+    "queue_if_no_path",
+    "pg_init_retries 3",
+    "start_time jiffies:250",
+    "checker_interval 60000",
+    "checker_timeout 30000",
+    "no_path_retry queue",
+];
 
 fn line_strategy() -> impl Strategy<Value = (u64, Line)> {
     prop_oneof![
@@ -55,6 +71,12 @@ fn line_strategy() -> impl Strategy<Value = (u64, Line)> {
                     },
                 )
             }),
+        (
+            1u64..2000,
+            proptest::sample::subsequence(MPATH_FEATURES.to_vec(), 0..=MPATH_FEATURES.len()),
+            proptest::collection::vec(0usize..3, 1..=3)
+        )
+            .prop_map(|(len, features, devs)| (len, Line::Multipath { features, devs })),
     ]
 }
 
@@ -72,6 +94,18 @@ fn render(lines: &[(u64, Line)], names: &[&str]) -> String {
                 let mut s = format!("striped {n} {chunk}");
                 for (d, o) in devs {
                     s.push_str(&format!(" /dev/mapper/{} {o}", names[*d]));
+                }
+                s
+            }
+            Line::Multipath { features, devs } => {
+                let words: usize = features.iter().map(|f| f.split(' ').count()).sum();
+                let mut s = format!("multipath {words}");
+                for f in features {
+                    s.push_str(&format!(" {f}"));
+                }
+                s.push_str(&format!(" 0 1 1 round-robin 0 {} 0", devs.len()));
+                for d in devs {
+                    s.push_str(&format!(" {}", names[*d]));
                 }
                 s
             }

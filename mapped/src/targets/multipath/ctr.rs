@@ -4,6 +4,7 @@
 //! [`parse_path`]. Each reads from an [`ArgSet`], the kernel's
 //! `dm_arg_set`, and names the group and path an error is in.
 
+use super::checker::{parse_ms, CheckerConfig, NoPathRetry};
 use super::{
     Config, Multipath, MultipathTarget, PgPath, PriorityGroup, QueueMode, StartTime, MAX_PATHS,
 };
@@ -16,7 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 const MAX_GROUPS: u32 = 1024;
 const MAX_PATHS_PER_GROUP: u32 = 1024;
 const MAX_ARGS: u32 = 1024;
-const MAX_FEATURE_ARGS: u32 = 10;
+/// dm-mpath allows 8; blkstack's own features (`start_time` and the
+/// checker's three) need room beside every dm one.
+const MAX_FEATURE_ARGS: u32 = 16;
 /// The kernel's `dm_arg_set`: the args not consumed yet.
 struct ArgSet<'a> {
     args: &'a [&'a str],
@@ -83,6 +86,7 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
         pg_init_delay_msecs: None,
         retain_attached_hw_handler: false,
         start_time: StartTime::Ns,
+        checker: CheckerConfig::default(),
     };
     let mut queue_if_no_path = false;
     let mut argc = a.read_group("number of feature args", MAX_FEATURE_ARGS)?;
@@ -101,10 +105,13 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
         let takes_value = is("pg_init_retries")
             || is("pg_init_delay_msecs")
             || is("queue_mode")
-            || is("start_time");
+            || is("start_time")
+            || is("checker_interval")
+            || is("checker_timeout")
+            || is("no_path_retry");
         if !takes_value {
             return Err(TargetError::invalid(format!(
-                "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ|tick:HZ)"
+                "unrecognised multipath feature '{name}' (known: queue_if_no_path, pg_init_retries N, pg_init_delay_msecs N, retain_attached_hw_handler, queue_mode bio|rq|mq, start_time ns|jiffies:HZ|tick:HZ, checker_interval MS, checker_timeout MS, no_path_retry N|queue|fail)"
             )));
         }
         if argc == 0 {
@@ -128,15 +135,41 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
                     "unknown queue_mode '{m}' requested (known: bio, rq, mq)"
                 )));
             };
-        } else {
+        } else if is("start_time") {
             cfg.start_time = StartTime::parse(a.shift("start_time")?)?;
+        } else if is("checker_interval") {
+            cfg.checker.interval_ms = parse_ms("checker_interval", a.shift("checker_interval")?)?;
+        } else if is("checker_timeout") {
+            cfg.checker.timeout_ms =
+                Some(parse_ms("checker_timeout", a.shift("checker_timeout")?)?);
+        } else {
+            cfg.checker.no_path_retry = Some(NoPathRetry::parse(a.shift("no_path_retry")?)?);
         }
     }
+    let queue_if_no_path = no_path_retry_queueing(&cfg.checker, queue_if_no_path)?;
     if cfg.queue_mode == QueueMode::Bio {
         // Kernel alloc_multipath_stage2: bio-based only discovers handlers.
         cfg.retain_attached_hw_handler = true;
     }
     Ok((cfg, queue_if_no_path))
+}
+
+/// multipathd's mapping of `no_path_retry` onto `queue_if_no_path`: a
+/// count or `queue` queues, `fail` does not; a count needs the checker
+/// whose intervals it counts.
+fn no_path_retry_queueing(c: &CheckerConfig, queue_if_no_path: bool) -> Result<bool, TargetError> {
+    match c.no_path_retry {
+        None => Ok(queue_if_no_path),
+        Some(NoPathRetry::Queue) => Ok(true),
+        Some(NoPathRetry::Fail) if queue_if_no_path => Err(TargetError::invalid(
+            "features 'queue_if_no_path' and 'no_path_retry fail' contradict each other: give one",
+        )),
+        Some(NoPathRetry::Fail) => Ok(false),
+        Some(NoPathRetry::Count(n)) if c.interval_ms == 0 => Err(TargetError::invalid(format!(
+            "feature 'no_path_retry {n}' counts checker intervals: add 'checker_interval MS'"
+        ))),
+        Some(NoPathRetry::Count(_)) => Ok(true),
+    }
 }
 
 pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
@@ -157,7 +190,7 @@ pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, 
         )));
     }
     let m = Multipath::new(cfg, groups, paths, initial, queue_if_no_path);
-    Ok(std::sync::Arc::new(MultipathTarget { m }))
+    Ok(std::sync::Arc::new(MultipathTarget::new(m)))
 }
 
 /// Kernel `parse_hw_handler`: no SCSI device handlers exist here, so only

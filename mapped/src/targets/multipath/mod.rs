@@ -18,8 +18,13 @@
 //! `queue_mode bio|rq|mq` (rq and mq are one mode, as in current kernels;
 //! `bio` implies `retain_attached_hw_handler`), and blkstack's own
 //! `start_time ns|jiffies:HZ|tick:HZ`: the start time path selectors are
-//! given in `end_io` (see [`start_time`]). Only non-default values are printed back by `table`, so tables
-//! without it are dmsetup-identical. There are no SCSI device handlers
+//! given in `end_io` (see [`start_time`]); and multipathd's settings for
+//! the built-in path checker (see `checker.rs`): `checker_interval MS`
+//! (1..=3600000; absent, no checker), `checker_timeout MS` (default: the
+//! interval) and `no_path_retry N|queue|fail` (N needs the checker; N and
+//! `queue` imply `queue_if_no_path`, `fail` contradicts it). Only
+//! non-default values are printed back by `table`, so tables without them
+//! are dmsetup-identical. There are no SCSI device handlers
 //! here, so a hardware handler is refused and `pg_init_*` are kept only
 //! for the table.
 //!
@@ -30,9 +35,12 @@
 //! and resubmits the bio, its offset restored by the frame, to another
 //! path. With no usable path a bio is queued if `queue_if_no_path` is set
 //! (until a path is reinstated or `fail_if_no_path` arrives), else it ends
-//! with EIO. The queue and the path-state changes share one mutex, the
-//! kernel's `m->lock`; the per-I/O path choice only reads atomics and the
-//! selector's own lock.
+//! with EIO. With a checker, failed paths that answer its probe are
+//! reinstated by it, and active paths whose probe fails are failed before
+//! user I/O meets them (a path failed by `fail_path` comes back too, as
+//! under multipathd). The queue and the path-state changes share one
+//! mutex, the kernel's `m->lock`; the per-I/O path choice only reads
+//! atomics and the selector's own lock.
 //!
 //! Per-I/O state fits the frame's one word: the path index in the top 16
 //! bits, the submission time's low 48 bits of nanoseconds (78 hours)
@@ -45,9 +53,16 @@
 //! `reinstate_path DEV`, and blkstack's `path_stats`, which answers one
 //! line per path, `<dev> <ios> <bytes>`: I/Os and bytes that path has
 //! completed (any status) since the table was loaded, for measuring how a
-//! selector spreads load. `status` and `table` print what dm-mpath's
-//! `multipath_status` prints for STATUSTYPE_INFO and STATUSTYPE_TABLE.
+//! selector spreads load; once a checker has run on the table each line
+//! goes on with `<probes> <ok> <fail> <reinstated>`. `checker` answers the
+//! interval, timeout and `no_path_retry`, then per path its state and
+//! counters; `checker_interval MS` changes the interval (0 stops the
+//! checker, refused while `no_path_retry N` counts its intervals). `status` and
+//! `table` print what dm-mpath's `multipath_status` prints for
+//! STATUSTYPE_INFO and STATUSTYPE_TABLE: the checker changes no field of
+//! `status`, so dmsetup-style parsers keep working.
 
+mod checker;
 mod ctr;
 pub mod start_time;
 
@@ -56,6 +71,7 @@ use crate::selectors::{PathSelector, SelectorType, StatusType};
 use crate::target::{DevArg, Target, TargetType, DM_MAJOR};
 use blkstack_core::clock::now_ns;
 use blkstack_core::{Bio, BioFlags, EndIo, Features, Status};
+use checker::{Checker, CheckerConfig};
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -96,6 +112,17 @@ struct PgPath {
     bytes: AtomicU64,
 }
 
+impl PgPath {
+    /// `A` (active) or `F` (failed), as dm-mpath's status prints it.
+    fn state_word(&self) -> &'static str {
+        if self.active.load(Ordering::Acquire) {
+            "A"
+        } else {
+            "F"
+        }
+    }
+}
+
 struct PriorityGroup {
     ps_type: &'static SelectorType,
     ps: Box<dyn PathSelector>,
@@ -110,6 +137,8 @@ struct Config {
     pg_init_delay_msecs: Option<u32>,
     retain_attached_hw_handler: bool,
     start_time: StartTime,
+    /// `checker_interval`, `checker_timeout`, `no_path_retry`.
+    checker: CheckerConfig,
 }
 
 /// Kernel `struct multipath`, shared between the target and its frames.
@@ -130,6 +159,8 @@ pub struct Multipath {
     suspended: AtomicBool,
     /// `m->lock` and `m->queued_bios`.
     lock: Mutex<VecDeque<Bio>>,
+    /// The path checker (stopped unless the table or a message asks).
+    checker: Checker,
     /// This multipath itself, for resubmitting from `end_io` (which only
     /// gets `&self`).
     me: Weak<Multipath>,
@@ -157,6 +188,7 @@ impl Multipath {
             initial as usize - 1
         };
         Arc::new_cyclic(|me| Multipath {
+            checker: Checker::new(cfg.checker, me, &paths),
             cfg,
             groups,
             paths,
@@ -321,12 +353,12 @@ impl Multipath {
         }
     }
 
-    /// Kernel `fail_path`.
-    fn fail_path(&self, path: usize) {
+    /// Kernel `fail_path`. Returns whether the path was active.
+    fn fail_path(&self, path: usize) -> bool {
         let _g = self.lock.lock();
         let p = &self.paths[path];
         if !p.active.load(Ordering::Acquire) {
-            return;
+            return false;
         }
         self.groups[p.pg].ps.fail_path(p.index);
         p.active.store(false, Ordering::Release);
@@ -335,15 +367,17 @@ impl Multipath {
         if self.current_pgpath.load(Ordering::Acquire) == path {
             self.current_pgpath.store(NONE, Ordering::Release);
         }
+        true
     }
 
     /// Kernel `reinstate_path`: the first usable path releases the queue.
-    fn reinstate_path(self: &Arc<Self>, path: usize) {
+    /// Returns whether the path was failed.
+    fn reinstate_path(self: &Arc<Self>, path: usize) -> bool {
         let run_queue = {
             let _g = self.lock.lock();
             let p = &self.paths[path];
             if p.active.load(Ordering::Acquire) {
-                return;
+                return false;
             }
             self.groups[p.pg].ps.reinstate_path(p.index);
             p.active.store(true, Ordering::Release);
@@ -356,6 +390,7 @@ impl Multipath {
         if run_queue {
             self.process_queued();
         }
+        true
     }
 
     /// Kernel `queue_if_no_path(m, queue, save_old_value)`.
@@ -419,18 +454,24 @@ impl Multipath {
             .collect()
     }
 
-    /// The `path_stats` answer: `<dev> <ios> <bytes>` per path.
+    /// The `path_stats` answer: `<dev> <ios> <bytes>` per path, then, once
+    /// a checker has run on this table, `<probes> <ok> <fail> <reinstated>`.
     fn path_stats(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
-        for p in &self.paths {
-            let _ = writeln!(
+        let checker = self.checker.shown();
+        for (i, p) in self.paths.iter().enumerate() {
+            let _ = write!(
                 s,
                 "{} {} {}",
                 p.dev,
                 p.ios.load(Ordering::Relaxed),
                 p.bytes.load(Ordering::Relaxed)
             );
+            if checker {
+                s.push_str(&self.checker.path_stats_columns(i));
+            }
+            s.push('\n');
         }
         s
     }
@@ -457,7 +498,8 @@ impl Multipath {
                     + c.pg_init_delay_msecs.is_some() as u32 * 2
                     + c.retain_attached_hw_handler as u32
                     + (c.queue_mode != QueueMode::Request) as u32 * 2
-                    + (c.start_time != StartTime::Ns) as u32 * 2;
+                    + (c.start_time != StartTime::Ns) as u32 * 2
+                    + self.checker.feature_words().len() as u32;
                 let _ = write!(s, "{n} ");
                 if qifnp {
                     s.push_str("queue_if_no_path ");
@@ -476,6 +518,9 @@ impl Multipath {
                 }
                 if c.start_time != StartTime::Ns {
                     let _ = write!(s, "start_time {} ", c.start_time.table_word());
+                }
+                for w in self.checker.feature_words() {
+                    let _ = write!(s, "{w} ");
                 }
             }
         }
@@ -506,11 +551,7 @@ impl Multipath {
                             s,
                             "{} {} {} ",
                             p.dev,
-                            if p.active.load(Ordering::Acquire) {
-                                "A"
-                            } else {
-                                "F"
-                            },
+                            p.state_word(),
                             p.fail_count.load(Ordering::Relaxed)
                         );
                         s.push_str(&g.ps.status(Some(p.index), ty));
@@ -570,6 +611,22 @@ impl EndIo for Multipath {
     }
 }
 
+impl MultipathTarget {
+    /// The target over `m`, its checker started if the table asks for one.
+    fn new(m: Arc<Multipath>) -> MultipathTarget {
+        m.checker.start(&m.me);
+        MultipathTarget { m }
+    }
+}
+
+/// The table is gone: its checker goes with it, even while bios in flight
+/// (which hold the multipath) keep the rest alive.
+impl Drop for MultipathTarget {
+    fn drop(&mut self) {
+        self.m.checker.stop();
+    }
+}
+
 impl Target for MultipathTarget {
     fn map(&self, bio: Bio) {
         self.m.map_bio(bio);
@@ -596,6 +653,9 @@ impl Target for MultipathTarget {
         if args.len() == 1 && is("path_stats") {
             return Ok(m.path_stats());
         }
+        if is("checker") || is("checker_interval") {
+            return m.checker_message(args);
+        }
         if args.len() == 1 {
             if is("queue_if_no_path") {
                 m.set_queue_if_no_path(true, false);
@@ -615,6 +675,8 @@ impl Target for MultipathTarget {
             "fail_path",
             "reinstate_path",
             "path_stats",
+            "checker",
+            "checker_interval",
         ];
         if !known.iter().any(|k| is(k)) {
             return Err(TargetError::invalid(format!(
@@ -659,8 +721,11 @@ impl Target for MultipathTarget {
     }
 
     /// Suspend cannot finish while bios wait for a path: stop queueing and
-    /// fail what waits (kernel `multipath_presuspend`).
+    /// fail what waits (kernel `multipath_presuspend`). The checker stops
+    /// first, so it cannot reinstate a path (and release the queue) while
+    /// the device drains.
     fn presuspend(&self) {
+        self.m.checker.stop();
         self.m.set_queue_if_no_path(false, true);
     }
 
@@ -677,6 +742,8 @@ impl Target for MultipathTarget {
             Ordering::Release,
         );
         m.suspended.store(false, Ordering::Release);
+        drop(_g);
+        m.checker.start(&m.me);
     }
 
     fn features(&self) -> Features {
