@@ -32,8 +32,9 @@ const NBD_OPTS: &str = "timeout_ms=1000 reconnect_delay_ms=50 dead_timeout_ms=50
 /// Multipath features: queue rather than fail when no path is left, and
 /// the path checker probing every 250 ms.
 const MPATH_FEATURES: &str = "3 queue_if_no_path checker_interval 250";
-/// How long the load runs; the faults happen in its first half.
-const RUNTIME_S: u64 = 14;
+/// How long the in-process load runs; the faults happen in its first
+/// half or so.
+const RUNTIME_S: u64 = 12;
 
 /// `blkstack bench`'s options turned into one job.
 fn job(args: &[&str]) -> JobSpec {
@@ -42,7 +43,8 @@ fn job(args: &[&str]) -> JobSpec {
     cl.named_jobs.remove(0)
 }
 
-/// The write+verify load of the failover tests, as fio options.
+/// The in-process failover load, as fio options (blkstack bench reads
+/// back every write of a time-based run, its last backlog included).
 fn failover_load(runtime_s: u64) -> Vec<String> {
     [
         "--rw=randwrite",
@@ -153,16 +155,24 @@ fn failover_in_process_bench_verifies_through_kill_and_link_cut() {
         j.write.total_ios,
         j.verify_checked
     );
+    eprintln!(
+        "bench: {} writes, {} verified; paths {:?}",
+        j.write.total_ios,
+        j.verify_checked,
+        watch.history()
+    );
     drop(watch);
     reg.remove_all();
 }
 
-/// `blkstack status`/`message` against the client's control socket.
-fn control(socket: &std::path::Path, args: &[&str]) -> Option<String> {
+/// `blkstack VERB --control SOCKET ARGS` (status, message) against the
+/// client's control socket; `None` if it fails.
+fn control(socket: &std::path::Path, verb: &str, args: &[&str]) -> Option<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_blkstack"))
-        .args(args)
+        .arg(verb)
         .arg("--control")
         .arg(socket)
+        .args(args)
         .output()
         .ok()?;
     out.status
@@ -209,21 +219,30 @@ fn failover_fio_nbd_engine_through_serve_verifies() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let stats = control(&ctl, &["message", "mp", "0", "path_stats"]).expect("path_stats");
+    let stats = control(&ctl, "message", &["mp", "0", "path_stats"]).expect("path_stats");
     let devs = path_devs(&stats);
     assert_eq!(devs.len(), 3, "{stats}");
     let c = ctl.clone();
-    let watch = PathWatch::start(devs, move || control(&c, &["status", "mp"]));
+    let watch = PathWatch::start(devs, move || control(&c, "status", &["mp"]));
+    // Size-based, so that fio's verify phase reads back every block
+    // written (a time-based run leaves its last backlog unverified); the
+    // writes are paced so that the faults fall inside the write phase.
     let fio_run = std::thread::spawn({
-        let sock = sock.clone();
-        let mut args = vec![
+        let args = [
             "--name=failover".to_string(),
             "--ioengine=nbd".to_string(),
             format!("--uri=nbd+unix:///mp?socket={}", sock.display()),
-            "--output-format=json".to_string(),
+            "--rw=randwrite".into(),
+            "--bs=4k".into(),
+            "--iodepth=32".into(),
+            "--size=40m".into(),
+            "--rate_iops=0,1200".into(),
+            "--verify=crc32c".into(),
+            "--verify_backlog=256".into(),
+            "--do_verify=1".into(),
+            "--output-format=json".into(),
         ];
-        args.extend(failover_load(RUNTIME_S));
-        move || Command::new(fio).args(&args).output()
+        move || Command::new(fio).args(args).output()
     });
     inject_faults(&mut hosts, &watch, 0, 1);
     let out = fio_run.join().unwrap().expect("run fio");
@@ -238,11 +257,16 @@ fn failover_fio_nbd_engine_through_serve_verifies() {
     let v: serde_json::Value = serde_json::from_str(&text[start..]).expect("fio JSON");
     let j = &v["jobs"][0];
     assert_eq!(j["error"], 0, "{j}");
-    assert!(j["write"]["total_ios"].as_u64().unwrap_or(0) > 0, "{j}");
-    assert!(
-        j["read"]["total_ios"].as_u64().unwrap_or(0) > 0,
-        "no verify reads: {j}"
+    let (writes, reads) = (
+        j["write"]["total_ios"].as_u64().unwrap_or(0),
+        j["read"]["total_ios"].as_u64().unwrap_or(0),
     );
+    eprintln!(
+        "fio: {writes} writes, {reads} verify reads; paths {:?}",
+        watch.history()
+    );
+    assert_eq!(writes, 40 << 8, "every block written once: {j}");
+    assert!(reads >= writes, "not every write verified: {j}");
     drop(watch);
     drop(serve);
 }
