@@ -338,7 +338,7 @@ fn mpath() -> Figure {
         Series::column("upstream HST ktime", Style::Upstream, 0, "seed_hst_ktime"),
     ];
     let mut remote = Panel::new(
-        "remote paths: share of I/O per host (NBD over veth, delay 0.1..0.8 ms)",
+        "remote paths: share of I/O per host (NBD over veth; remote delay in the table)",
         "path",
         "host",
         "share of completed I/O",

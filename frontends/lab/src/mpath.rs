@@ -247,7 +247,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let mut r = LabReport::new(
         "mpath",
         "share of I/O per path, 10 asymmetric paths, randwrite 2 jobs x QD64: service-time, HST with jiffies, tick-truncated and ns start times, ideal",
-        &["table", "path", "cost", "ideal", "st", "hst_jiffies", "hst_tick", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
+        &["table", "path", "cost", "latency_ms", "ideal", "st", "hst_jiffies", "hst_tick", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
     );
     for path in 0..n {
         let seed = SEED.get(path).filter(|_| n == DISKS.len());
