@@ -97,8 +97,10 @@ start() { # start HOST: the host's NBD server, in the background
         file "$DIR/lun.img" rdelay=1ms wdelay=1ms >"$log" 2>&1 &
       ;;
   esac
-  # `ip netns exec` execs the server: $! is the server's pid.
+  # `ip netns exec` execs the server: $! is the server's pid. Disowned,
+  # so that killing it later does not make the shell report the job.
   echo $! >"$DIR/h$h.pid"
+  disown $!
   for _ in $(seq 100); do
     if in_ns client bash -c "exec 3<>/dev/tcp/$a/$PORT" 2>/dev/null; then
       return 0
