@@ -17,7 +17,9 @@ mod netns_support;
 
 use blkstack_bench::{parse_command_line, run_jobs, JobSpec, RunOptions};
 use blkstack_mapped::Registry;
-use netns_support::{namespaces_or_skip, path_devs, tool, Hosts, PathWatch, Server};
+use netns_support::{
+    checker_reinstated, namespaces_or_skip, path_devs, tool, Hosts, PathWatch, Server,
+};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -106,6 +108,19 @@ fn inject_faults(hosts: &mut Hosts, watch: &PathWatch, kill: usize, cut: usize) 
     }
 }
 
+/// The checker, not a message, brought the faulted paths back: its
+/// `checker` answer counts a reinstatement for each.
+fn assert_checker_reinstated(answer: &str, devs: &[String], faulted: &[usize]) {
+    for &p in faulted {
+        let n = checker_reinstated(answer, &devs[p]);
+        assert!(
+            n.is_some_and(|n| n >= 1),
+            "checker did not reinstate {}: {answer}",
+            devs[p]
+        );
+    }
+}
+
 #[test]
 fn failover_in_process_bench_verifies_through_kill_and_link_cut() {
     if !namespaces_or_skip("failover_in_process") {
@@ -131,7 +146,7 @@ fn failover_in_process_bench_verifies_through_kill_and_link_cut() {
     let devs = path_devs(&reg.message("mp", 0, &["path_stats"]).unwrap());
     assert_eq!(devs.len(), 3, "{devs:?}");
     let r = reg.clone();
-    let watch = PathWatch::start(devs, move || r.status_text("mp").ok());
+    let watch = PathWatch::start(devs.clone(), move || r.status_text("mp").ok());
     let mut args = vec!["--name=failover".to_string(), "--filename=mp".to_string()];
     args.extend(failover_load(RUNTIME_S));
     let spec = job(&args.iter().map(String::as_str).collect::<Vec<_>>());
@@ -142,6 +157,7 @@ fn failover_in_process_bench_verifies_through_kill_and_link_cut() {
         .spawn(move || run_jobs(&r, &[spec], &RunOptions::default()))
         .unwrap();
     inject_faults(&mut hosts, &watch, 0, 1);
+    assert_checker_reinstated(&reg.message("mp", 0, &["checker"]).unwrap(), &devs, &[0, 1]);
     let report = bench.join().expect("bench thread").expect("bench run");
     let j = &report.jobs[0];
     assert_eq!(j.error, 0, "job error");
@@ -223,7 +239,7 @@ fn failover_fio_nbd_engine_through_serve_verifies() {
     let devs = path_devs(&stats);
     assert_eq!(devs.len(), 3, "{stats}");
     let c = ctl.clone();
-    let watch = PathWatch::start(devs, move || control(&c, "status", &["mp"]));
+    let watch = PathWatch::start(devs.clone(), move || control(&c, "status", &["mp"]));
     // Size-based, so that fio's verify phase reads back every block
     // written (a time-based run leaves its last backlog unverified); the
     // writes are paced so that the faults fall inside the write phase.
@@ -245,6 +261,8 @@ fn failover_fio_nbd_engine_through_serve_verifies() {
         move || Command::new(fio).args(args).output()
     });
     inject_faults(&mut hosts, &watch, 0, 1);
+    let answer = control(&ctl, "message", &["mp", "0", "checker"]).expect("checker message");
+    assert_checker_reinstated(&answer, &devs, &[0, 1]);
     let out = fio_run.join().unwrap().expect("run fio");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -330,4 +348,26 @@ fn striped_over_three_hosts_verifies_and_spreads() {
             "host h{i}'s export received no writes"
         );
     }
+}
+
+/// The harness's readers of dm-mpath's status and the checker's answer,
+/// on text in the shapes the target prints (runs without namespaces).
+#[test]
+fn status_and_checker_readers() {
+    use netns_support::{is_subsequence, path_states};
+    let devs: Vec<String> = ["p0", "p1", "p2"].iter().map(|s| s.to_string()).collect();
+    let status = "0 131072 multipath 2 0 0 0 1 1 A 0 3 2 p0 A 0 0 1 p1 F 3 0 1 p2 A 1 0 1";
+    assert_eq!(
+        path_states(status, &devs),
+        vec![Some('A'), Some('F'), Some('A')]
+    );
+    assert_eq!(path_states("", &devs), vec![None, None, None]);
+    let answer = "interval_ms 250 timeout_ms 250 no_path_retry none running 1\n\
+                  p0 active probes 40 ok 38 fail 2 reinstated 1 failed 1\n\
+                  p1 active probes 40 ok 40 fail 0 reinstated 0 failed 0\n";
+    assert_eq!(checker_reinstated(answer, "p0"), Some(1));
+    assert_eq!(checker_reinstated(answer, "p1"), Some(0));
+    assert_eq!(checker_reinstated(answer, "p9"), None);
+    assert!(is_subsequence("AFA", "AFFA") && is_subsequence("AFA", "AFA"));
+    assert!(!is_subsequence("AFA", "AF") && !is_subsequence("AFA", "FA"));
 }

@@ -211,6 +211,20 @@ pub fn path_states(status: &str, devs: &[String]) -> Vec<Option<char>> {
         .collect()
 }
 
+/// How many times the path checker reinstated `dev`, from the
+/// multipath's `checker` message answer (`DEV STATE probes N ok N fail N
+/// reinstated N failed N` per path).
+pub fn checker_reinstated(answer: &str, dev: &str) -> Option<u64> {
+    answer.lines().find_map(|l| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        if w.first() != Some(&dev) {
+            return None;
+        }
+        let at = w.iter().position(|x| *x == "reinstated")?;
+        w.get(at + 1)?.parse().ok()
+    })
+}
+
 /// The path devices, in order, from a `path_stats` answer.
 pub fn path_devs(path_stats: &str) -> Vec<String> {
     path_stats
