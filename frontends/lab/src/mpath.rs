@@ -107,6 +107,33 @@ fn stack(costs_ms: &[f64], p: &Policy) -> String {
     s
 }
 
+/// The selector configurations measured, in the table's column order:
+/// service-time, HST with jiffies, tick-truncated and ns start times.
+fn policies(hz: u32) -> Vec<Policy> {
+    vec![
+        Policy {
+            column: "st",
+            selector: "service-time",
+            features: "0".into(),
+        },
+        Policy {
+            column: "hst_jiffies",
+            selector: "historical-service-time",
+            features: format!("2 start_time jiffies:{hz}"),
+        },
+        Policy {
+            column: "hst_tick",
+            selector: "historical-service-time",
+            features: format!("2 start_time tick:{hz}"),
+        },
+        Policy {
+            column: "hst_ns",
+            selector: "historical-service-time",
+            features: "0".into(),
+        },
+    ]
+}
+
 /// Completed I/Os per path from a `path_stats` answer.
 fn parse_path_stats(text: &str, paths: usize) -> Result<Vec<u64>> {
     let v: Vec<u64> = text
@@ -205,28 +232,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let ideal: Vec<f64> = costs.iter().map(|c| (1.0 / c) / capacity).collect();
     let n = costs.len();
 
-    let policies = vec![
-        Policy {
-            column: "st",
-            selector: "service-time",
-            features: "0".into(),
-        },
-        Policy {
-            column: "hst_jiffies",
-            selector: "historical-service-time",
-            features: format!("2 start_time jiffies:{hz}"),
-        },
-        Policy {
-            column: "hst_tick",
-            selector: "historical-service-time",
-            features: format!("2 start_time tick:{hz}"),
-        },
-        Policy {
-            column: "hst_ns",
-            selector: "historical-service-time",
-            features: "0".into(),
-        },
-    ];
+    let policies = policies(hz);
     // shares[policy][repeat][path]
     let mut shares: Vec<Vec<Vec<f64>>> = vec![Vec::new(); policies.len()];
     let mut iops: Vec<Vec<f64>> = vec![Vec::new(); policies.len()];
