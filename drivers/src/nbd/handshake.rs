@@ -27,7 +27,7 @@ pub const DEFAULT_MAX_BLOCK: u32 = 32 << 20;
 /// Why negotiation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HandshakeError {
-    #[error("{step}: {source}")]
+    #[error("{step}")]
     Io {
         step: &'static str,
         #[source]
@@ -43,6 +43,16 @@ pub enum HandshakeError {
     },
     #[error("TLS: {0}")]
     Tls(String),
+}
+
+impl HandshakeError {
+    /// The error with its cause on one line (for `status`'s last_error).
+    pub fn describe(&self) -> String {
+        match self {
+            HandshakeError::Io { step, source } => format!("{step}: {source}"),
+            e => e.to_string(),
+        }
+    }
 }
 
 fn io_step(step: &'static str) -> impl FnOnce(io::Error) -> HandshakeError {

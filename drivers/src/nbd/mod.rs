@@ -342,8 +342,14 @@ impl Drop for NbdDevice {
         for t in &self.threads {
             t.thread().unpark();
         }
+        // The last reference may go on a connection thread (a completion
+        // dropping the table): that thread cannot join itself; it sees
+        // the stop flag and ends on its own once this returns.
+        let me = std::thread::current().id();
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
         }
     }
 }

@@ -157,8 +157,7 @@ fn reconnect(
                 "reconnect: export changed (size {} flags {:#x}, was {} {:#x})",
                 c.info.size, c.info.tflags, conn.geo.info.size, conn.geo.info.tflags
             )),
-            // The error text carries its cause (the step and the I/O error).
-            Err(e) => conn.set_error(format!("reconnect: {e}")),
+            Err(e) => conn.set_error(format!("reconnect: {}", e.describe())),
         }
         delay = (delay * 2).min(Duration::from_millis(MAX_RECONNECT_DELAY_MS));
         next_try = std::time::Instant::now() + delay;

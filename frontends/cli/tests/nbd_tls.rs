@@ -8,6 +8,7 @@ mod nbd_common;
 
 use blkstack_nbd::client::RawClient;
 use blkstack_nbd::proto::*;
+use nbd_common::certs::certificates;
 use nbd_common::*;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -16,88 +17,6 @@ use std::time::Duration;
 
 const STACK: &str = "mem,,,rw,0 8192 memory";
 const LIMIT: Duration = Duration::from_secs(60);
-
-fn openssl(dir: &Path, args: &[&str]) {
-    run_ok(
-        Command::new(tool("openssl")).current_dir(dir).args(args),
-        LIMIT,
-    );
-}
-
-/// A certificate `name`-cert.pem / `name`-key.pem signed by the CA.
-fn signed(dir: &Path, name: &str, cn: &str, ext: &str) {
-    let (key, csr, cert) = (
-        format!("{name}-key.pem"),
-        format!("{name}.csr"),
-        format!("{name}-cert.pem"),
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &format!("/CN={cn}"),
-        ],
-    );
-    let extfile = format!("{name}.ext");
-    std::fs::write(dir.join(&extfile), ext).expect("ext file");
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            "ca-cert.pem",
-            "-CAkey",
-            "ca-key.pem",
-            "-CAcreateserial",
-            "-out",
-            &cert,
-            "-days",
-            "2",
-            "-extfile",
-            &extfile,
-        ],
-    );
-}
-
-/// The qemu/libnbd layout: ca-cert.pem, server-*.pem, client-*.pem.
-fn certificates(dir: &Path) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca-key.pem",
-            "-out",
-            "ca-cert.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=blkstack test CA",
-        ],
-    );
-    signed(dir, "server", "localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n");
-    signed(
-        dir,
-        "client",
-        "client",
-        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
-    );
-}
 
 fn tls_server(certs: &Path, extra: &[&str]) -> ServerProc {
     let dir = certs.to_str().expect("utf-8 path");

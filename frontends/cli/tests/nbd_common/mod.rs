@@ -8,6 +8,8 @@
 
 #![allow(dead_code)] // each test file uses a different part of the harness
 
+pub mod certs;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};

@@ -1,0 +1,309 @@
+//! The `nbd` leaf against a scripted NBD server, for what the real peers
+//! (tested in frontends/cli/tests/nbd_leaf.rs) cannot be made to do on
+//! cue: an old server without OPT_GO or structured replies, a small
+//! maximum block size (bios split into parts), a read-only export, a
+//! request the server never answers (the request timeout reconnects and
+//! resends it), and removal while the server does not answer (no hang, the
+//! waiting request ends with EIO).
+
+use blkstack_core::sync::{submit_and_wait_flags, Completion};
+use blkstack_core::{submit_and_wait, Bio, BioFlags, Device, IoBuf, Op, Status};
+use blkstack_drivers::nbd::proto::*;
+use blkstack_drivers::NbdDevice;
+use parking_lot::Mutex;
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SIZE: u64 = 1 << 20;
+
+/// How the scripted server behaves.
+struct Script {
+    structured: bool,
+    go: bool,
+    tflags: u16,
+    block: Option<(u32, u32, u32)>,
+    /// Leave the first request of the first connection unanswered.
+    stall_first: AtomicBool,
+    data: Mutex<Vec<u8>>,
+    connections: AtomicU32,
+    /// Largest request seen.
+    max_len: AtomicU32,
+    flushes: AtomicU32,
+}
+
+impl Script {
+    fn new(structured: bool, go: bool, tflags: u16) -> Script {
+        Script {
+            structured,
+            go,
+            tflags: TFLAG_HAS_FLAGS | tflags,
+            block: None,
+            stall_first: AtomicBool::new(false),
+            data: Mutex::new(vec![0u8; SIZE as usize]),
+            connections: AtomicU32::new(0),
+            max_len: AtomicU32::new(0),
+            flushes: AtomicU32::new(0),
+        }
+    }
+}
+
+struct FakeServer {
+    path: PathBuf,
+    _dir: tempfile::TempDir,
+    script: Arc<Script>,
+}
+
+impl FakeServer {
+    fn start(script: Script) -> FakeServer {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fake.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let script = Arc::new(script);
+        let s = script.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { break };
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    let _ = serve(conn, &s);
+                });
+            }
+        });
+        FakeServer {
+            path,
+            _dir: dir,
+            script,
+        }
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///e?socket={}", self.path.display())
+    }
+}
+
+fn reply_option(s: &mut UnixStream, option: u32, rep: u32, payload: &[u8]) -> std::io::Result<()> {
+    let mut v = Vec::new();
+    encode_option_reply(&mut v, option, rep, payload);
+    s.write_all(&v)
+}
+
+/// Negotiate; true when structured replies are on.
+fn handshake(s: &mut UnixStream, sc: &Script) -> std::io::Result<bool> {
+    let mut v = Vec::new();
+    encode_greeting(&mut v, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
+    s.write_all(&v)?;
+    let mut f = [0u8; 4];
+    s.read_exact(&mut f)?;
+    let mut structured = false;
+    loop {
+        let mut h = [0u8; OptionHeader::SIZE];
+        s.read_exact(&mut h)?;
+        let h = OptionHeader::parse(&h).map_err(std::io::Error::other)?;
+        let mut data = vec![0u8; h.len as usize];
+        s.read_exact(&mut data)?;
+        match h.option {
+            OPT_STRUCTURED_REPLY if sc.structured => {
+                structured = true;
+                reply_option(s, h.option, REP_ACK, &[])?;
+            }
+            OPT_GO if sc.go => {
+                let mut p = Vec::new();
+                encode_info_export(&mut p, SIZE, sc.tflags);
+                reply_option(s, h.option, REP_INFO, &p)?;
+                if let Some((min, pref, max)) = sc.block {
+                    let mut p = Vec::new();
+                    encode_info_block_size(&mut p, min, pref, max);
+                    reply_option(s, h.option, REP_INFO, &p)?;
+                }
+                reply_option(s, h.option, REP_ACK, &[])?;
+                return Ok(structured);
+            }
+            OPT_EXPORT_NAME => {
+                let mut p = Vec::new();
+                encode_export_name_reply(&mut p, SIZE, sc.tflags, true);
+                s.write_all(&p)?;
+                return Ok(false);
+            }
+            o => reply_option(s, o, REP_ERR_UNSUP, &[])?,
+        }
+    }
+}
+
+fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
+    let structured = handshake(&mut s, sc)?;
+    let first = sc.connections.fetch_add(1, Ordering::SeqCst) == 0;
+    let mut stall = first && sc.stall_first.load(Ordering::SeqCst);
+    loop {
+        let mut h = [0u8; Request::SIZE];
+        s.read_exact(&mut h)?;
+        let r = Request::parse(&h).map_err(std::io::Error::other)?;
+        sc.max_len.fetch_max(r.len, Ordering::SeqCst);
+        let range = r.offset as usize..(r.offset + r.len as u64) as usize;
+        let mut out = Vec::new();
+        match r.cmd {
+            CMD_WRITE => {
+                let mut d = vec![0u8; r.len as usize];
+                s.read_exact(&mut d)?;
+                sc.data.lock()[range.clone()].copy_from_slice(&d);
+            }
+            CMD_FLUSH => {
+                sc.flushes.fetch_add(1, Ordering::SeqCst);
+            }
+            CMD_DISC => return Ok(()),
+            _ => {}
+        }
+        if std::mem::take(&mut stall) {
+            continue; // never answered: the client must time out
+        }
+        match (r.cmd, structured) {
+            (CMD_READ, true) => {
+                encode_data_chunk_header(&mut out, REPLY_FLAG_DONE, r.handle, r.offset, r.len);
+                out.extend_from_slice(&sc.data.lock()[range.clone()]);
+            }
+            (CMD_READ, false) => {
+                encode_simple_reply(&mut out, 0, r.handle);
+                out.extend_from_slice(&sc.data.lock()[range.clone()]);
+            }
+            (_, true) => encode_none_chunk(&mut out, r.handle),
+            (_, false) => encode_simple_reply(&mut out, 0, r.handle),
+        }
+        s.write_all(&out)?;
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+        .collect()
+}
+
+fn write_read_back(dev: &NbdDevice, offset: u64, len: usize, seed: u8) {
+    let mut w = pattern(len, seed);
+    assert_eq!(
+        submit_and_wait(dev, Op::Write, offset, len as u64, &mut w),
+        Status::Ok
+    );
+    let mut r = vec![0u8; len];
+    assert_eq!(
+        submit_and_wait(dev, Op::Read, offset, len as u64, &mut r),
+        Status::Ok
+    );
+    assert_eq!(r, w);
+}
+
+#[test]
+fn old_server_simple_replies_and_export_name() {
+    let srv = FakeServer::start(Script::new(false, false, TFLAG_SEND_FLUSH));
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri()]).unwrap();
+    assert!(!dev.export_info().structured);
+    assert!(dev.status().contains("structured=no"), "{}", dev.status());
+    write_read_back(&dev, 4096, 8192, 1);
+    assert_eq!(
+        &srv.script.data.lock()[4096..4096 + 8192],
+        &pattern(8192, 1)[..]
+    );
+    assert_eq!(submit_and_wait(&dev, Op::Flush, 0, 0, &mut []), Status::Ok);
+    assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn large_bios_are_split_at_the_maximum_block_size() {
+    let mut sc = Script::new(true, true, 0);
+    sc.block = Some((4096, 4096, 65536));
+    let srv = FakeServer::start(sc);
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri()]).unwrap();
+    assert_eq!(dev.logical_block_size(), 4096);
+    write_read_back(&dev, 65536, 256 * 1024 + 4096, 7);
+    assert_eq!(srv.script.max_len.load(Ordering::SeqCst), 65536);
+    // Unaligned to the export's minimum block size: refused before sending.
+    let mut b = vec![0u8; 512];
+    assert_eq!(
+        submit_and_wait(&dev, Op::Read, 512, 512, &mut b),
+        Status::Invalid
+    );
+    // No SEND_FLUSH: nothing to flush, as the kernel's nbd client; no
+    // WRITE_ZEROES: written as zeroes; no TRIM: not supported.
+    assert_eq!(submit_and_wait(&dev, Op::Flush, 0, 0, &mut []), Status::Ok);
+    assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        submit_and_wait(&dev, Op::WriteZeroes, 65536, 8192, &mut []),
+        Status::Ok
+    );
+    assert!(srv.script.data.lock()[65536..65536 + 8192]
+        .iter()
+        .all(|&b| b == 0));
+    assert_eq!(
+        submit_and_wait(&dev, Op::Discard, 0, 4096, &mut []),
+        Status::NotSupported
+    );
+}
+
+#[test]
+fn read_only_export_refuses_writes_with_permission() {
+    let srv = FakeServer::start(Script::new(true, true, TFLAG_READ_ONLY));
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri()]).unwrap();
+    assert!(dev.features().read_only);
+    let mut w = vec![1u8; 4096];
+    assert_eq!(
+        submit_and_wait(&dev, Op::Write, 0, 4096, &mut w),
+        Status::Permission
+    );
+    assert!(srv.script.data.lock().iter().all(|&b| b == 0));
+    let mut r = vec![1u8; 4096];
+    assert_eq!(submit_and_wait(&dev, Op::Read, 0, 4096, &mut r), Status::Ok);
+}
+
+#[test]
+fn unanswered_request_times_out_reconnects_and_is_resent() {
+    let sc = Script::new(true, true, TFLAG_SEND_FLUSH | TFLAG_SEND_FUA);
+    sc.stall_first.store(true, Ordering::SeqCst);
+    let srv = FakeServer::start(sc);
+    let args = [
+        srv.uri(),
+        "timeout_ms=200".into(),
+        "reconnect_delay_ms=10".into(),
+    ];
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let dev = NbdDevice::from_args(SIZE, &args).unwrap();
+    let mut w = pattern(4096, 3);
+    let st = submit_and_wait_flags(&dev, Op::Write, BioFlags::FUA, 8192, 4096, &mut w);
+    assert_eq!(st, Status::Ok);
+    assert_eq!(&srv.script.data.lock()[8192..8192 + 4096], &w[..]);
+    assert_eq!(srv.script.connections.load(Ordering::SeqCst), 2);
+    let status = dev.status();
+    assert!(status.contains("timeouts=1"), "{status}");
+    assert!(status.contains("reconnects=1"), "{status}");
+    assert!(status.contains("connections=1/1"), "{status}");
+    assert!(
+        status.contains("last_error=\"request timed out\""),
+        "{status}"
+    );
+}
+
+#[test]
+fn removal_with_an_unresponsive_server_ends_waiting_requests_at_once() {
+    let sc = Script::new(true, true, 0);
+    sc.stall_first.store(true, Ordering::SeqCst);
+    let srv = FakeServer::start(sc);
+    let args = [srv.uri(), "dead_timeout_ms=600000".into()];
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let dev = NbdDevice::from_args(SIZE, &args).unwrap();
+    let done = Completion::new();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: `buf` outlives the request: we wait for its completion below.
+    let io = unsafe { IoBuf::from_slice(&mut buf) };
+    dev.submit(Bio::new(Op::Read, 0, 4096, io, done.clone(), 0));
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    drop(dev);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "drop took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(done.wait(), Status::IoError);
+}
