@@ -46,7 +46,8 @@
 //! with a note where namespaces cannot be made.
 //!
 //! `--set` keys: `fast_ms` (0.25), `costs` (comma list, relative),
-//! `hz` (250), `iodepth` (64), `numjobs` (2), `runtime_ms`, `warmup_ms`.
+//! `hz` (250), `iodepth` (64), `numjobs` (2), `runtime_ms`, `warmup_ms`,
+//! and for the remote-paths table `host_ms` (0.1,0.2,0.4,0.8).
 
 use crate::common::{job, mean_sd, round};
 use crate::mpath_hosts::Load;

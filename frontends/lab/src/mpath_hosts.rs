@@ -103,25 +103,31 @@ impl RemotePaths {
         })
     }
 
-    /// The client's stack: an nbd leaf per host, `dev` the multipath.
+    /// The client's stack over these hosts.
     fn stack(&self, p: &Policy) -> String {
-        let n = self.bed.hosts.len();
-        let mut s = String::new();
-        for i in 0..n {
-            s.push_str(&format!(
-                "p{i}: 0 {SECTORS} nbd {} queue_depth=256\n",
-                self.bed.host_uri(i)
-            ));
-        }
-        let paths: Vec<String> = (0..n).map(|i| format!("p{i}")).collect();
-        s.push_str(&format!(
-            "dev: 0 {SECTORS} multipath {} 0 1 1 {} 0 {n} 0 {}\n",
-            p.features,
-            p.selector,
-            paths.join(" ")
-        ));
-        s
+        let uris: Vec<String> = (0..self.bed.hosts.len())
+            .map(|i| self.bed.host_uri(i))
+            .collect();
+        client_stack(&uris, p)
     }
+}
+
+/// The client's stack: an nbd leaf per URI, `dev` the multipath over
+/// them with `p`'s selector and features.
+fn client_stack(uris: &[String], p: &Policy) -> String {
+    let mut s = String::new();
+    for (i, uri) in uris.iter().enumerate() {
+        s.push_str(&format!("p{i}: 0 {SECTORS} nbd {uri} queue_depth=256\n"));
+    }
+    let paths: Vec<String> = (0..uris.len()).map(|i| format!("p{i}")).collect();
+    s.push_str(&format!(
+        "dev: 0 {SECTORS} multipath {} 0 1 1 {} 0 {} 0 {}\n",
+        p.features,
+        p.selector,
+        uris.len(),
+        paths.join(" ")
+    ));
+    s
 }
 
 /// Add the remote-paths rows, checks and notes to `r`, or a note saying
@@ -238,4 +244,56 @@ fn measure(r: &mut LabReport, policies: &[Policy], load: &Load, host_ms: &[f64])
         host_ms.iter().map(|m| m.to_string()).collect::<Vec<_>>().join("/")
     ));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_stack_is_a_multipath_over_one_nbd_leaf_per_host() {
+        let p = Policy {
+            column: "hst_jiffies",
+            selector: "historical-service-time",
+            features: "2 start_time jiffies:250".into(),
+        };
+        let uris = vec![
+            "nbd://10.77.0.11:10809/lun".to_string(),
+            "nbd://10.77.0.12:10809/lun".to_string(),
+        ];
+        let text = client_stack(&uris, &p);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(
+            lines[1].starts_with("p1: 0 2097152 nbd nbd://10.77.0.12:10809/lun"),
+            "{text}"
+        );
+        assert!(
+            lines[2].ends_with(
+                "multipath 2 start_time jiffies:250 0 1 1 historical-service-time 0 2 0 p0 p1"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn bad_host_delays_are_refused() {
+        for bad in ["0", "-1", "0.1,x", "nan"] {
+            let mut opts = LabOpts::default();
+            opts.params.insert("host_ms".into(), bad.into());
+            let mut r = LabReport::new("mpath", "t", &[]);
+            let load = Load {
+                qd: 1,
+                jobs: 1,
+                runtime: Duration::from_millis(10),
+                warmup: Duration::from_millis(1),
+                repeats: 1,
+            };
+            assert!(add_table(&opts, &mut r, &[], &load).is_err(), "{bad}");
+            assert!(
+                r.rows.is_empty() && r.notes.is_empty(),
+                "{bad}: changed the report"
+            );
+        }
+    }
 }
