@@ -97,15 +97,20 @@ fn stack(costs_ms: &[f64], p: &Policy) -> String {
     for (i, ms) in costs_ms.iter().enumerate() {
         s.push_str(&format!("p{i}: 0 {SECTORS} delay base 0 {ms} load_k=1\n"));
     }
-    let paths: Vec<String> = (0..costs_ms.len()).map(|i| format!("p{i}")).collect();
-    s.push_str(&format!(
-        "dev: 0 {SECTORS} multipath {} 0 1 1 {} 0 {} 0 {}\n",
+    s.push_str(&multipath_line(SECTORS, costs_ms.len(), p));
+    s
+}
+
+/// `dev`, a multipath of `sectors` over paths `p0..pN-1` in one group
+/// with `p`'s selector and features.
+pub(crate) fn multipath_line(sectors: u64, paths: usize, p: &Policy) -> String {
+    let names: Vec<String> = (0..paths).map(|i| format!("p{i}")).collect();
+    format!(
+        "dev: 0 {sectors} multipath {} 0 1 1 {} 0 {paths} 0 {}\n",
         p.features,
         p.selector,
-        costs_ms.len(),
-        paths.join(" ")
-    ));
-    s
+        names.join(" ")
+    )
 }
 
 /// The selector configurations measured, in the table's column order:

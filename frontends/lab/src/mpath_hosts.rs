@@ -22,7 +22,7 @@
 //! `--set` keys: `host_ms` (comma list of remote delays in ms).
 
 use crate::common::{mean_sd, round};
-use crate::mpath::{run_policy, Policy};
+use crate::mpath::{multipath_line, run_policy, Policy};
 use crate::netns::{self, delay_over_file, Daemon, Testbed};
 use crate::report::LabReport;
 use crate::LabOpts;
@@ -119,14 +119,7 @@ fn client_stack(uris: &[String], p: &Policy) -> String {
     for (i, uri) in uris.iter().enumerate() {
         s.push_str(&format!("p{i}: 0 {SECTORS} nbd {uri} queue_depth=256\n"));
     }
-    let paths: Vec<String> = (0..uris.len()).map(|i| format!("p{i}")).collect();
-    s.push_str(&format!(
-        "dev: 0 {SECTORS} multipath {} 0 1 1 {} 0 {} 0 {}\n",
-        p.features,
-        p.selector,
-        uris.len(),
-        paths.join(" ")
-    ));
+    s.push_str(&multipath_line(SECTORS, uris.len(), p));
     s
 }
 
