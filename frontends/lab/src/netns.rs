@@ -124,9 +124,11 @@ fn enter(name: &str) -> Result<()> {
 
 fn kill_and_delete(name: &str) {
     if let Ok(pids) = ip(&["netns", "pids", name]) {
+        let me = std::process::id() as i32;
         for pid in pids
             .split_whitespace()
             .filter_map(|p| p.parse::<i32>().ok())
+            .filter(|&p| p != me)
         {
             // SAFETY: kill(2) on a pid the kernel just listed; a pid that
             // has exited meanwhile gets ESRCH, which is fine.
