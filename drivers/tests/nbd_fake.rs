@@ -208,6 +208,12 @@ fn old_server_simple_replies_and_export_name() {
     );
     assert_eq!(submit_and_wait(&dev, Op::Flush, 0, 0, &mut []), Status::Ok);
     assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 1);
+    // PREFLUSH adds a FLUSH part to the write.
+    let mut w = pattern(4096, 9);
+    let st = submit_and_wait_flags(&dev, Op::Write, BioFlags::PREFLUSH, 0, 4096, &mut w);
+    assert_eq!(st, Status::Ok);
+    assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 2);
+    assert_eq!(&srv.script.data.lock()[..4096], &w[..]);
 }
 
 #[test]
@@ -306,4 +312,38 @@ fn removal_with_an_unresponsive_server_ends_waiting_requests_at_once() {
         t.elapsed()
     );
     assert_eq!(done.wait(), Status::IoError);
+}
+
+#[test]
+fn a_server_that_never_answers_fails_the_load_within_its_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mute.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    // Accepts (the kernel does, from the backlog) but never greets.
+    let uri = format!("nbd+unix:///e?socket={}", path.display());
+    let t = Instant::now();
+    let e = NbdDevice::from_args(SIZE, &[&uri, "timeout_ms=300"])
+        .err()
+        .map(|e| error_text(&e))
+        .unwrap_or_default();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(e.contains("cannot reach"), "{e}");
+    assert!(e.contains("did not answer in time"), "{e}");
+    drop(listener);
+}
+
+/// The error and its sources, as a user is shown them.
+fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
 }

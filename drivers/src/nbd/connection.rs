@@ -217,12 +217,7 @@ impl Connection {
         let data_parts = if cmd == CMD_FLUSH {
             1
         } else {
-            let chunk = if zero_fill {
-                self.geo.max_part.min(ZERO_CHUNK as u64)
-            } else {
-                self.geo.max_part
-            };
-            bio.len.div_ceil(chunk).max(1) as u32
+            bio.len.div_ceil(self.chunk(zero_fill)).max(1) as u32
         };
         let preflush = bio.flags.contains(BioFlags::PREFLUSH)
             && cmd != CMD_FLUSH
@@ -235,8 +230,7 @@ impl Connection {
         if tx.sender.is_none() && self.dead_timeout_ns == 0 {
             return QueueRq::Done(Status::IoError);
         }
-        let mut d = slot.0.lock();
-        *d = SlotData {
+        *slot.0.lock() = SlotData {
             active: true,
             cmd,
             flags,
@@ -253,7 +247,7 @@ impl Connection {
             zero_fill,
         };
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = self.send_locked(&mut tx, rq.tag, &mut d) {
+        if let Err(e) = self.send_slot(&mut tx, rq.tag) {
             // The reader sees the dead socket and reconnects; this request
             // is resent then.
             self.note_send_error(&mut tx, e);
@@ -261,23 +255,26 @@ impl Connection {
         QueueRq::Issued
     }
 
-    /// Send every part of `d` on the current socket (if any).
-    pub fn send_locked(&self, tx: &mut TxState, tag: u32, d: &mut SlotData) -> io::Result<()> {
+    /// Send every part of request `tag` on the current socket (if any
+    /// and not sent on it yet). The slot's lock is let go before
+    /// sending, so the reader can take replies to the first parts of a
+    /// large request while later parts still go out.
+    pub fn send_slot(&self, tx: &mut TxState, tag: u32) -> io::Result<()> {
         let Some(sender) = tx.sender.as_mut() else {
             return Ok(());
         };
-        if d.sent_gen == tx.gen {
-            return Ok(());
-        }
-        d.sent_gen = tx.gen;
-        d.sent_ns = now_ns();
-        d.remaining = d.parts;
-        d.status = Status::Ok;
-        let chunk = if d.zero_fill {
-            self.geo.max_part.min(ZERO_CHUNK as u64)
-        } else {
-            self.geo.max_part
+        let d = {
+            let mut d = self.slots[tag as usize].0.lock();
+            if !d.active || d.sent_gen == tx.gen {
+                return Ok(());
+            }
+            d.sent_gen = tx.gen;
+            d.sent_ns = now_ns();
+            d.remaining = d.parts;
+            d.status = Status::Ok;
+            *d
         };
+        let chunk = self.chunk(d.zero_fill);
         for p in 0..d.parts {
             let handle = cookie(self.index, p, tag);
             if p == d.data_parts {
@@ -330,10 +327,10 @@ impl Connection {
         *self.last_error.lock() = Some(e);
     }
 
-    /// Chunk size of the data parts of `d` (emulated zeroing uses the
-    /// shared zero buffer).
-    pub fn chunk_of(&self, d: &SlotData) -> u64 {
-        if d.zero_fill {
+    /// Size of a request's data parts (emulated zeroing sends the shared
+    /// zero buffer, so its parts are no larger).
+    pub fn chunk(&self, zero_fill: bool) -> u64 {
+        if zero_fill {
             self.geo.max_part.min(ZERO_CHUNK as u64)
         } else {
             self.geo.max_part

@@ -94,8 +94,7 @@ impl ExtentQuery {
         let tag = (conn.slots.len() - 1) as u32;
         {
             let mut tx = conn.tx.lock();
-            let mut d = conn.slots[tag as usize].0.lock();
-            *d = SlotData {
+            *conn.slots[tag as usize].0.lock() = SlotData {
                 active: true,
                 cmd: CMD_BLOCK_STATUS,
                 flags: 0,
@@ -111,7 +110,7 @@ impl ExtentQuery {
                 sent_ns: 0,
                 zero_fill: false,
             };
-            if let Err(e) = conn.send_locked(&mut tx, tag, &mut d) {
+            if let Err(e) = conn.send_slot(&mut tx, tag) {
                 conn.note_send_error(&mut tx, e);
             }
         }

@@ -152,7 +152,15 @@ fn expect_ack<S: Read>(s: &mut S, option: u32, name: &'static str) -> Result<boo
     let (rep, payload) = read_reply(s, option)?;
     match rep {
         REP_ACK => Ok(true),
-        REP_ERR_UNSUP if option != OPT_STARTTLS => Ok(false),
+        // Anything but "TLS first" or "going away" just means "not
+        // offered" to an optional extension.
+        r if is_rep_err(r)
+            && option != OPT_STARTTLS
+            && r != REP_ERR_TLS_REQD
+            && r != REP_ERR_SHUTDOWN =>
+        {
+            Ok(false)
+        }
         r if is_rep_err(r) => Err(refused(name, r, &payload)),
         r => Err(HandshakeError::Protocol(format!(
             "unexpected reply {r} to {name}"
@@ -373,6 +381,7 @@ pub fn connect(
     .map_err(io_step("connecting"))?;
     sock.set_read_timeout(Some(timeout))
         .and_then(|_| sock.set_write_timeout(Some(timeout)))
+        .and_then(|_| sock.set_user_timeout(timeout))
         .map_err(io_step("setting socket timeouts"))?;
     let no_zeroes = greeting(&mut sock)?;
     let (info, sock, conn) = match tls {

@@ -428,3 +428,51 @@ impl Device for NbdDevice {
         Some(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(min: u32, pref: u32, max: u32) -> ExportInfo {
+        ExportInfo {
+            size: 1 << 30,
+            tflags: TFLAG_HAS_FLAGS,
+            min_block: min,
+            preferred_block: pref,
+            max_block: max,
+            structured: true,
+            allocation_context: None,
+        }
+    }
+
+    #[test]
+    fn block_sizes_follow_the_server_constraints() {
+        // Byte-granular servers still get 512-byte logical blocks.
+        let (bs, geo) = geometry(info(1, 4096, 32 << 20));
+        assert_eq!((bs, geo.max_part), (512, 32 << 20));
+        // A 4 KiB minimum is the logical block size; the maximum is
+        // rounded down to it.
+        let (bs, geo) = geometry(info(4096, 65536, 100_000));
+        assert_eq!((bs, geo.max_part), (4096, 98_304));
+        // Larger than the protocol's default maximum: capped.
+        let (_, geo) = geometry(info(512, 4096, u32::MAX));
+        assert_eq!(geo.max_part, 32 << 20);
+        // A maximum below the logical size still allows one block.
+        let (bs, geo) = geometry(info(1, 4096, 256));
+        assert_eq!((bs, geo.max_part), (512, 512));
+    }
+
+    #[test]
+    fn construction_errors_name_the_problem() {
+        let e = NbdDevice::from_args(1 << 20, &["nbds+unix:///e?socket=/nonexistent"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("tls-certificates=DIR"), "{e}");
+        let e = NbdDevice::from_args(0, &["nbd://127.0.0.1/e"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("length is zero"), "{e}");
+    }
+}

@@ -67,7 +67,10 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
         let mut reader = ReplyReader::new(conn, rx, &done, &shared.extents, gen, timeout_ns);
         match reader.run() {
             ReaderExit::Stop => break,
-            ReaderExit::Dead(why) => mark_down(conn, &why),
+            ReaderExit::Dead(why) => {
+                reader.shutdown();
+                mark_down(conn, &why)
+            }
         }
         drop(reader);
         next = reconnect(&shared, conn, &done);
@@ -170,13 +173,8 @@ fn install(conn: &Connection, sender: super::wire::Sender, rx: Receiver) -> (Rec
     tx.gen += 1;
     tx.sender = Some(sender);
     let gen = tx.gen;
-    for (tag, slot) in conn.slots.iter().enumerate() {
-        let mut d = slot.0.lock();
-        if !d.active {
-            continue;
-        }
-        if let Err(e) = conn.send_locked(&mut tx, tag as u32, &mut d) {
-            drop(d);
+    for tag in 0..conn.slots.len() {
+        if let Err(e) = conn.send_slot(&mut tx, tag as u32) {
             conn.note_send_error(&mut tx, e);
             break;
         }

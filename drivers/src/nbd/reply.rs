@@ -127,6 +127,12 @@ impl<'a> ReplyReader<'a> {
         r
     }
 
+    /// Shut the socket down, waking a submitter blocked sending on it
+    /// (it holds the send lock that marking the connection down needs).
+    pub fn shutdown(&self) {
+        self.rx.get_ref().socket().shutdown();
+    }
+
     /// Serve replies until the connection dies or the device stops.
     pub fn run(&mut self) -> ReaderExit {
         loop {
@@ -179,7 +185,7 @@ impl<'a> ReplyReader<'a> {
     fn simple(&mut self, error: u32, handle: u64) -> R<()> {
         let (tag, part, d) = self.lookup(handle)?;
         if error == 0 && d.cmd == CMD_READ && part < d.data_parts {
-            let (at, n) = d.part_range(part, self.conn.chunk_of(&d));
+            let (at, n) = d.part_range(part, self.conn.chunk(d.zero_fill));
             let buf = &mut d.buf.as_mut_slice()[at as usize..(at + n) as usize];
             self.read_full(buf)?;
         }
@@ -255,10 +261,14 @@ impl<'a> ReplyReader<'a> {
     /// One part answered: end the request when it was the last.
     fn finish_part(&self, tag: u32, status: Status) {
         let mut d = self.conn.slots[tag as usize].0.lock();
+        // An extent query that gave up meanwhile is no longer ours.
+        if !d.active || d.sent_gen != self.gen {
+            return;
+        }
         if d.status.is_ok() {
             d.status = status;
         }
-        d.remaining -= 1;
+        d.remaining = d.remaining.saturating_sub(1);
         if d.remaining > 0 {
             return;
         }

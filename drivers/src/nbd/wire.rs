@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use rustls::ClientConnection;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::Arc;
@@ -68,6 +69,31 @@ impl Socket {
             Socket::Tcp(s) => s.set_write_timeout(t),
             Socket::Unix(s) => s.set_write_timeout(t),
         }
+    }
+
+    /// TCP_USER_TIMEOUT: a TCP connection whose sent data stays
+    /// unacknowledged this long fails (a cut link then ends in an error,
+    /// not a send blocked for the kernel's default quarter of an hour).
+    pub fn set_user_timeout(&self, t: Duration) -> io::Result<()> {
+        let Socket::Tcp(s) = self else {
+            return Ok(());
+        };
+        let ms = t.as_millis().min(u32::MAX as u128) as libc::c_uint;
+        // SAFETY: a valid socket descriptor and an option of the size
+        // the kernel expects for TCP_USER_TIMEOUT (unsigned int).
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_USER_TIMEOUT,
+                (&ms as *const libc::c_uint).cast(),
+                std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
     }
 
     /// Wake whoever blocks on this socket (both directions).

@@ -353,3 +353,35 @@ fn multi_conn_only_where_the_server_advertises_it() {
     assert!(st.contains("connections=1/1"), "{st}");
     assert!(st.contains("multi_conn=no(asked_4"), "{st}");
 }
+
+#[test]
+fn extent_map_passes_through_block_status() {
+    let srv = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    let dir = Scratch::new("leaf-map");
+    let src = dir.path("src.bin");
+    pattern_file(&src, 1 << 20, 5);
+    run_ok(
+        Command::new(tool("nbdcopy"))
+            .arg(&src)
+            .arg(srv.unix_uri("mem")),
+        LIMIT,
+    );
+    // The nbd leaf re-exported: its map must be the remote one.
+    let ctl = dir.path("ctl.sock");
+    let client = ServerProc::start_args(&[
+        "--concise",
+        &format!("n0,,,rw,0 {SECTORS} nbd {}", srv.unix_uri("mem")),
+        "--export",
+        "n0",
+        "--control",
+        ctl.to_str().expect("utf-8"),
+    ]);
+    let map = |uri: String| {
+        let out = run_ok(Command::new(tool("nbdinfo")).arg("--map").arg(uri), LIMIT);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let remote = map(srv.unix_uri("mem"));
+    assert!(remote.contains("hole"), "{remote}");
+    assert!(remote.contains("data"), "{remote}");
+    assert_eq!(map(client.unix_uri("n0")), remote);
+}
