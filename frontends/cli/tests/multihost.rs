@@ -376,13 +376,9 @@ fn status_and_checker_readers() {
 /// `timeout_ms + dead_timeout_ms` and a bound, never hang: writes fill
 /// the socket's send buffer while nothing is acknowledged, and a sender
 /// blocked there must not keep the connection from being declared dead.
-///
-/// Ignored until the nbd leaf's sender stops blocking for ever on a full
-/// send buffer while holding the connection's transmit lock (the reader
-/// that would declare the connection dead waits for that lock): run it
-/// with `--ignored`.
+/// (A sender blocked there once held the connection's transmit lock that
+/// the reader needed to declare the connection dead: the bench hung.)
 #[test]
-#[ignore = "nbd leaf hangs on a cut link once the socket's send buffer is full"]
 fn nbd_leaf_link_cut_ends_requests_instead_of_hanging() {
     if !namespaces_or_skip("nbd_leaf_link_cut") {
         return;
