@@ -213,14 +213,20 @@ fn measure(r: &mut LabReport, policies: &[Policy], load: &Load, host_ms: &[f64])
             .map(|p| (mean(pi, p) - ideal[p]).abs())
             .fold(0.0, f64::max)
     };
+    // Upstream's claim, on the path that shows it: HST with the kernel's
+    // jiffies start times never works the slowest path's inflated
+    // history down, so it starves; with ns start times it gets its share.
+    let slowest = (0..n)
+        .max_by(|&a, &b| host_ms[a].total_cmp(&host_ms[b]))
+        .unwrap_or(0);
     if let (Some(ns), Some(jf)) = (column("hst_ns"), column("hst_jiffies")) {
+        let (ns_share, jf_share, want) = (mean(ns, slowest), mean(jf, slowest), ideal[slowest]);
         r.check(
-            "remote paths: HST with ns start times closer to the ideal split than with jiffies",
-            gap(ns) < gap(jf),
+            "remote paths: HST with jiffies start times starves the slowest host (under a quarter of its ideal share), with ns it gets at least half",
+            jf_share < 0.25 * want && ns_share >= 0.5 * want,
             format!(
-                "largest gap to ideal over {n} hosts: ns {:.3}, jiffies {:.3}",
-                gap(ns),
-                gap(jf)
+                "h{slowest} ({} ms): jiffies {jf_share:.3}, ns {ns_share:.3}, ideal {want:.3}",
+                host_ms[slowest]
             ),
         );
     }
