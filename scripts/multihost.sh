@@ -21,8 +21,10 @@
 #   scripts/multihost.sh kill HOST    kill -9 a host's server
 #   scripts/multihost.sh start HOST   (re)start a host's server
 #   scripts/multihost.sh link HOST up|down   restore or cut a host's link
-#   scripts/multihost.sh demo         up, a verify run with a server killed
-#                                     and a link cut during it, down
+#   scripts/multihost.sh demo         up, the multipath served from the client,
+#                                     a verify run through it with a server
+#                                     killed and a link cut, the checker's
+#                                     counts, down
 #   scripts/multihost.sh down         remove everything (idempotent)
 #
 # Needs root and iproute2 (and qemu-nbd, nbdkit for h2, h3). Environment:
@@ -156,6 +158,7 @@ down() {
   local n i
   n=$(hosts)
   for i in $(seq 0 $((n - 1))); do kill_host "$i"; done
+  [ -f "$DIR/client.pid" ] && kill -9 "$(cat "$DIR/client.pid")" 2>/dev/null || true
   for n in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$NAME-" || true); do
     for p in $(ip netns pids "$n" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
     ip netns del "$n" 2>/dev/null || true
@@ -163,20 +166,42 @@ down() {
   rm -rf "$DIR"
 }
 
+# The multipath in the client namespace, exported on a unix socket (which
+# any namespace can reach) with a control socket for status and messages.
+serve_client() {
+  ip netns exec "$(ns client)" "$BLKSTACK" serve --stack "$DIR/client.stack" \
+    --export mp --listen "nbd+unix:///?socket=$DIR/mp.sock" \
+    --control "$DIR/client.control" >"$DIR/client.log" 2>&1 &
+  echo $! >"$DIR/client.pid"
+  disown $!
+  for _ in $(seq 100); do
+    [ -S "$DIR/client.control" ] && [ -S "$DIR/mp.sock" ] && return 0
+    sleep 0.1
+  done
+  die "the client's blkstack serve did not start (see $DIR/client.log)"
+}
+
+ctl() { "$BLKSTACK" "$1" --control "$DIR/client.control" "${@:2}"; }
+
 demo() {
   up 4
-  echo "== randwrite+verify QD32 over the multipath; h0's server is killed and"
-  echo "   restarted, h1's link is cut and restored during the run"
-  in_ns client "$BLKSTACK" bench --stack "$DIR/client.stack" --name=failover \
-    --filename=mp --rw=randwrite --bs=4k --iodepth=32 --runtime=12s --time_based \
+  serve_client
+  printf 'v: 0 %s nbd nbd+unix:///mp?socket=%s\n' "$SECTORS" "$DIR/mp.sock" >"$DIR/demo.stack"
+  echo "== randwrite+verify QD32 through the client's multipath; h0's server is"
+  echo "   killed and restarted, h1's link is cut and restored during the run"
+  "$BLKSTACK" bench --stack "$DIR/demo.stack" --name=failover --filename=v \
+    --rw=randwrite --bs=4k --iodepth=32 --runtime=12s --time_based \
     --verify=crc32c --verify_backlog=256 --do_verify=1 &
-  local bench=$!
+  local bench=$! rc=0
   sleep 2; echo "-- kill -9 h0"; kill_host 0
   sleep 2; echo "-- restart h0"; start 0
   sleep 1; echo "-- cut h1's link"; ip -n "$(ns sw)" link set h1 down
-  sleep 2; echo "-- restore h1's link"; ip -n "$(ns sw)" link set h1 up
-  local rc=0
+  sleep 3; echo "-- paths now:"; ctl status mp
+  echo "-- restore h1's link"; ip -n "$(ns sw)" link set h1 up
   wait "$bench" || rc=$?
+  echo "== after the run: paths (A: active, F: failed) and the checker's counts"
+  ctl status mp
+  ctl message mp 0 checker
   down
   return "$rc"
 }
