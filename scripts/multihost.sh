@@ -95,14 +95,20 @@ start() { # start HOST: the host's NBD server, in the background
         "$DIR/lun.img" >"$log" 2>&1 &
       ;;
     nbdkit)
-      ip netns exec "$n" nbdkit -f -i "$a" -p "$PORT" -e lun --filter=delay \
-        file "$DIR/lun.img" rdelay=1ms wdelay=1ms >"$log" 2>&1 &
+      # nbdkit in the foreground (-f) quits once the shell that started
+      # it exits, so it daemonizes itself and writes its own pid file;
+      # it returns once it listens.
+      ip netns exec "$n" nbdkit -P "$DIR/h$h.pid" -i "$a" -p "$PORT" -e lun \
+        --filter=delay file "$DIR/lun.img" rdelay=1ms wdelay=1ms >"$log" 2>&1 ||
+        die "host h$h's nbdkit did not start (see $log)"
       ;;
   esac
-  # `ip netns exec` execs the server: $! is the server's pid. Disowned,
-  # so that killing it later does not make the shell report the job.
-  echo $! >"$DIR/h$h.pid"
-  disown $!
+  if [ "$(kind "$h")" != nbdkit ]; then
+    # `ip netns exec` execs the server: $! is the server's pid. Disowned,
+    # so that killing it later does not make the shell report the job.
+    echo $! >"$DIR/h$h.pid"
+    disown $!
+  fi
   for _ in $(seq 100); do
     if in_ns client bash -c "exec 3<>/dev/tcp/$a/$PORT" 2>/dev/null; then
       return 0

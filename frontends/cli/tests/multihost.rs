@@ -413,3 +413,72 @@ fn nbd_leaf_link_cut_ends_requests_instead_of_hanging() {
     let j = &report.jobs[0];
     assert!(j.write.errors > 0 || j.error != 0, "no error on a cut link");
 }
+
+/// `scripts/multihost.sh` as a user runs it: `up` builds hosts whose
+/// exports the client namespace reaches and prints the client's stack,
+/// `down` leaves nothing behind, and succeeds again when nothing is up.
+#[test]
+fn multihost_script_up_and_down() {
+    if !namespaces_or_skip("multihost_script") {
+        return;
+    }
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/multihost.sh");
+    let name = format!("bkmh{}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let run = |args: &[&str]| {
+        Command::new("bash")
+            .arg(&script)
+            .args(args)
+            .env("MULTIHOST_NAME", &name)
+            .env("MULTIHOST_DIR", &state)
+            .env("BLKSTACK", env!("CARGO_BIN_EXE_blkstack"))
+            .env("SIZE_MB", "16")
+            .output()
+            .unwrap()
+    };
+    let namespaces = || blkstack_lab::netns::ip(&["netns", "list"]).unwrap();
+    let up = run(&["up", "4"]);
+    let text = String::from_utf8_lossy(&up.stdout).into_owned();
+    // Every host's export, as the client sees it (h2 is qemu-nbd, h3 nbdkit).
+    let sizes: Vec<String> = (0..4)
+        .map(|i| {
+            let out = Command::new("ip")
+                .args(["netns", "exec", &format!("{name}-client")])
+                .arg(tool("nbdinfo"))
+                .args(["--size", &format!("nbd://10.77.0.{}:10809/lun", 11 + i)])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        })
+        .collect();
+    let cleanup = run(&["down"]);
+    assert!(
+        up.status.success(),
+        "up failed: {}\n{text}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    assert!(cleanup.status.success(), "down failed");
+    assert_eq!(sizes, vec![(16u64 << 20).to_string(); 4], "{text}");
+    assert!(
+        text.lines().any(|l| l
+            .starts_with("mp: 0 32768 multipath 3 queue_if_no_path checker_interval")
+            && l.ends_with(" p0 p1 p2 p3")),
+        "{text}"
+    );
+    assert!(
+        text.contains("p1: 0 32768 nbd nbd://10.77.0.12:10809/lun"),
+        "{text}"
+    );
+    assert!(
+        !namespaces().contains(&format!("{name}-")),
+        "{}",
+        namespaces()
+    );
+    assert!(!state.exists(), "state directory left behind");
+    assert!(
+        run(&["down"]).status.success(),
+        "a second down must succeed"
+    );
+}
