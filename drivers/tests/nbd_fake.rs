@@ -28,6 +28,11 @@ struct Script {
     block: Option<(u32, u32, u32)>,
     /// Leave the first request of the first connection unanswered.
     stall_first: AtomicBool,
+    /// Close the first connection at its first request, then accept
+    /// later ones without ever greeting them.
+    hang_up_then_mute: bool,
+    /// Hang up (unanswered) at every Nth request of a connection.
+    hang_up_every: u32,
     data: Mutex<Vec<u8>>,
     connections: AtomicU32,
     /// Largest request seen.
@@ -43,6 +48,8 @@ impl Script {
             tflags: TFLAG_HAS_FLAGS | tflags,
             block: None,
             stall_first: AtomicBool::new(false),
+            hang_up_then_mute: false,
+            hang_up_every: 0,
             data: Mutex::new(vec![0u8; SIZE as usize]),
             connections: AtomicU32::new(0),
             max_len: AtomicU32::new(0),
@@ -134,13 +141,23 @@ fn handshake(s: &mut UnixStream, sc: &Script) -> std::io::Result<bool> {
 }
 
 fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
+    if sc.hang_up_then_mute && sc.connections.load(Ordering::SeqCst) > 0 {
+        // Accepted, never greeted: the client's attempt times out.
+        std::thread::sleep(Duration::from_secs(30));
+        return Ok(());
+    }
     let structured = handshake(&mut s, sc)?;
     let first = sc.connections.fetch_add(1, Ordering::SeqCst) == 0;
     let mut stall = first && sc.stall_first.load(Ordering::SeqCst);
+    let mut served = 0u32;
     loop {
         let mut h = [0u8; Request::SIZE];
         s.read_exact(&mut h)?;
         let r = Request::parse(&h).map_err(std::io::Error::other)?;
+        served += 1;
+        if sc.hang_up_then_mute || served == sc.hang_up_every {
+            return Ok(());
+        }
         sc.max_len.fetch_max(r.len, Ordering::SeqCst);
         let range = r.offset as usize..(r.offset + r.len as u64) as usize;
         let mut out = Vec::new();
@@ -173,6 +190,15 @@ fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
         }
         s.write_all(&out)?;
     }
+}
+
+/// Submit a read of `buf.len()` bytes at 0 without waiting for it.
+fn submit_read(dev: &NbdDevice, buf: &mut [u8]) -> Arc<Completion> {
+    let done = Completion::new();
+    // SAFETY: every caller waits for the completion while `buf` lives.
+    let io = unsafe { IoBuf::from_slice(buf) };
+    dev.submit(Bio::new(Op::Read, 0, buf.len() as u64, io, done.clone(), 0));
+    done
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -295,14 +321,9 @@ fn removal_with_an_unresponsive_server_ends_waiting_requests_at_once() {
     let sc = Script::new(true, true, 0);
     sc.stall_first.store(true, Ordering::SeqCst);
     let srv = FakeServer::start(sc);
-    let args = [srv.uri(), "dead_timeout_ms=600000".into()];
-    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-    let dev = NbdDevice::from_args(SIZE, &args).unwrap();
-    let done = Completion::new();
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri(), "dead_timeout_ms=600000"]).unwrap();
     let mut buf = vec![0u8; 4096];
-    // SAFETY: `buf` outlives the request: we wait for its completion below.
-    let io = unsafe { IoBuf::from_slice(&mut buf) };
-    dev.submit(Bio::new(Op::Read, 0, 4096, io, done.clone(), 0));
+    let done = submit_read(&dev, &mut buf);
     std::thread::sleep(Duration::from_millis(50));
     let t = Instant::now();
     drop(dev);
@@ -346,4 +367,87 @@ fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
         cur = inner.source();
     }
     s
+}
+
+#[test]
+fn removal_during_a_reconnect_attempt_does_not_wait_for_it() {
+    let mut sc = Script::new(true, true, 0);
+    sc.hang_up_then_mute = true;
+    let srv = FakeServer::start(sc);
+    // A long dead timeout: only removal can end the request.
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri(), "dead_timeout_ms=600000"]).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let done = submit_read(&dev, &mut buf);
+    // The server hangs up; the reconnect attempt now waits for a
+    // greeting that never comes (its bound is the 10 s default).
+    let t = Instant::now();
+    while !dev.status().contains("connections=0/1") {
+        assert!(t.elapsed() < Duration::from_secs(5), "{}", dev.status());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    drop(dev);
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "drop took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(done.wait(), Status::IoError);
+}
+
+#[test]
+fn repeated_hang_ups_lose_no_write_and_end_each_request_once() {
+    let mut sc = Script::new(true, true, TFLAG_SEND_FLUSH);
+    sc.hang_up_every = 7;
+    let srv = FakeServer::start(sc);
+    let dev = NbdDevice::from_args(
+        SIZE,
+        &[&srv.uri(), "reconnect_delay_ms=1", "queue_depth=16"],
+    )
+    .unwrap();
+    const N: usize = 24;
+    for round in 0..6u8 {
+        // N writes in flight at once (more than the tags: some wait).
+        let mut bufs: Vec<Vec<u8>> = (0..N).map(|i| pattern(4096, round ^ i as u8)).collect();
+        let dones: Vec<_> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| {
+                let done = Completion::new();
+                // SAFETY: each buffer lives until its completion is waited for.
+                let io = unsafe { IoBuf::from_slice(b) };
+                dev.submit(Bio::new(
+                    Op::Write,
+                    i as u64 * 8192,
+                    4096,
+                    io,
+                    done.clone(),
+                    0,
+                ));
+                done
+            })
+            .collect();
+        for d in &dones {
+            assert_eq!(d.wait(), Status::Ok);
+        }
+        let data = srv.script.data.lock();
+        for (i, b) in bufs.iter().enumerate() {
+            assert_eq!(
+                &data[i * 8192..i * 8192 + 4096],
+                &b[..],
+                "round {round} block {i}"
+            );
+        }
+    }
+    let status = dev.status();
+    let reconnects: u64 = status
+        .split("reconnects=")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    assert!(reconnects >= 10, "{status}");
+    assert!(status.contains("in_flight=0 "), "{status}");
+    assert!(status.contains("failed=0 "), "{status}");
 }

@@ -144,6 +144,9 @@ pub struct Connection {
     pub stats: ConnStats,
     pub last_error: Mutex<Option<String>>,
     pub stop: AtomicBool,
+    /// Held by the connection's thread while it reads replies into
+    /// request buffers (see `reconnect::run`).
+    pub reader_lock: Mutex<()>,
 }
 
 /// What to send for a bio, or how to finish it at once.
@@ -202,6 +205,7 @@ impl Connection {
             stats: ConnStats::default(),
             last_error: Mutex::new(None),
             stop: AtomicBool::new(false),
+            reader_lock: Mutex::new(()),
         }
     }
 

@@ -83,6 +83,19 @@ pub struct ExportInfo {
 }
 
 impl ExportInfo {
+    /// What a client may assume before the server says otherwise.
+    pub fn protocol_defaults() -> ExportInfo {
+        ExportInfo {
+            size: 0,
+            tflags: 0,
+            min_block: 1,
+            preferred_block: 4096,
+            max_block: DEFAULT_MAX_BLOCK,
+            structured: false,
+            allocation_context: None,
+        }
+    }
+
     pub fn has(&self, flag: u16) -> bool {
         self.tflags & flag != 0
     }
@@ -203,8 +216,8 @@ fn set_meta_context<S: Read + Write>(
     }
 }
 
-/// Apply one NBD_REP_INFO payload.
-fn apply_info(info: &mut ExportInfo, p: &[u8]) -> Result<(), HandshakeError> {
+/// Apply one NBD_REP_INFO payload; true if it was NBD_INFO_EXPORT.
+fn apply_info(info: &mut ExportInfo, p: &[u8]) -> Result<bool, HandshakeError> {
     let be32 = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
     if p.len() < 2 {
         return Err(HandshakeError::Protocol("empty NBD_REP_INFO".into()));
@@ -215,6 +228,7 @@ fn apply_info(info: &mut ExportInfo, p: &[u8]) -> Result<(), HandshakeError> {
             b.copy_from_slice(&p[2..10]);
             info.size = u64::from_be_bytes(b);
             info.tflags = u16::from_be_bytes([p[10], p[11]]);
+            return Ok(true);
         }
         INFO_BLOCK_SIZE if p.len() == 14 => {
             info.min_block = be32(&p[2..6]);
@@ -229,10 +243,10 @@ fn apply_info(info: &mut ExportInfo, p: &[u8]) -> Result<(), HandshakeError> {
         }
         _ => {}
     }
-    Ok(())
+    Ok(false)
 }
 
-/// NBD_OPT_GO; None when the server does not know it.
+/// NBD_OPT_GO; false when the server does not know it.
 fn go<S: Read + Write>(
     s: &mut S,
     export: &str,
@@ -249,10 +263,7 @@ fn go<S: Read + Write>(
     loop {
         let (rep, payload) = read_reply(s, OPT_GO)?;
         match rep {
-            REP_INFO => {
-                apply_info(info, &payload)?;
-                got_export |= payload.len() == 12;
-            }
+            REP_INFO => got_export |= apply_info(info, &payload)?,
             REP_ACK if got_export => return Ok(true),
             REP_ACK => {
                 return Err(HandshakeError::Protocol(
@@ -295,15 +306,7 @@ fn negotiate<S: Read + Write>(
     export: &str,
     no_zeroes: bool,
 ) -> Result<ExportInfo, HandshakeError> {
-    let mut info = ExportInfo {
-        size: 0,
-        tflags: 0,
-        min_block: 1,
-        preferred_block: 4096,
-        max_block: DEFAULT_MAX_BLOCK,
-        structured: false,
-        allocation_context: None,
-    };
+    let mut info = ExportInfo::protocol_defaults();
     send_option(s, OPT_STRUCTURED_REPLY, &[])?;
     info.structured = expect_ack(s, OPT_STRUCTURED_REPLY, "NBD_OPT_STRUCTURED_REPLY")?;
     if info.structured {
@@ -408,4 +411,50 @@ pub fn connect(
         receiver,
         info,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_replies_fill_the_export() {
+        let mut i = ExportInfo::protocol_defaults();
+        let mut p = Vec::new();
+        encode_info_export(&mut p, 1 << 30, TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH);
+        assert!(apply_info(&mut i, &p).unwrap());
+        assert_eq!(
+            (i.size, i.tflags),
+            (1 << 30, TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH)
+        );
+        let mut p = Vec::new();
+        encode_info_block_size(&mut p, 512, 65536, 1 << 20);
+        assert!(!apply_info(&mut i, &p).unwrap());
+        assert_eq!(
+            (i.min_block, i.preferred_block, i.max_block),
+            (512, 65536, 1 << 20)
+        );
+        // A 12-byte NBD_INFO_NAME is not the export info.
+        let mut p = Vec::new();
+        encode_info_string(&mut p, INFO_NAME, "ten bytes!");
+        assert_eq!(p.len(), 12);
+        assert!(!apply_info(&mut i, &p).unwrap());
+        assert!(apply_info(&mut i, &p[..11]).is_ok());
+        assert!(apply_info(&mut i, &[0, 0, 1]).is_err());
+    }
+
+    #[test]
+    fn block_size_constraints_are_checked() {
+        let mut i = ExportInfo::protocol_defaults();
+        i.min_block = 3;
+        assert!(check_block_sizes(&mut i).is_err());
+        let mut i = ExportInfo::protocol_defaults();
+        i.min_block = 4096;
+        i.max_block = 512;
+        assert!(check_block_sizes(&mut i).is_err());
+        let mut i = ExportInfo::protocol_defaults();
+        i.preferred_block = 1000;
+        check_block_sizes(&mut i).unwrap();
+        assert_eq!(i.preferred_block, 4096);
+    }
 }

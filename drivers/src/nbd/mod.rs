@@ -331,6 +331,11 @@ impl NbdDevice {
     }
 }
 
+/// How long removal waits for a connection thread that is in the middle
+/// of a connection attempt (bounded by its own timeout) before leaving
+/// it to finish alone.
+const THREAD_EXIT_WAIT: Duration = Duration::from_secs(1);
+
 impl Drop for NbdDevice {
     fn drop(&mut self) {
         for c in self.shared.conns.iter() {
@@ -344,10 +349,26 @@ impl Drop for NbdDevice {
         }
         // The last reference may go on a connection thread (a completion
         // dropping the table): that thread cannot join itself; it sees
-        // the stop flag and ends on its own once this returns.
+        // the stop flag and ends on its own once this returns. A thread
+        // inside a connection attempt ends when the attempt times out;
+        // meanwhile the requests it holds are ended here, once it is
+        // surely not reading into their buffers (its reader lock), so
+        // removal never waits for a server that is gone.
         let me = std::thread::current().id();
-        for t in self.threads.drain(..) {
-            if t.thread().id() != me {
+        let deadline = std::time::Instant::now() + THREAD_EXIT_WAIT;
+        let done = self.queue.driver().completer.get().and_then(|c| c.hold());
+        for (t, c) in self.threads.drain(..).zip(self.shared.conns.iter()) {
+            if t.thread().id() == me {
+                continue;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if let (Some(done), Some(_idle)) = (&done, c.reader_lock.try_lock_for(left)) {
+                reconnect::fail_waiting(c, done, &self.shared.extents, |_| true);
+            }
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if t.is_finished() {
                 let _ = t.join();
             }
         }

@@ -60,6 +60,9 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
     let conn = &shared.conns[index];
     let timeout_ns = shared.opts.timeout_ms * 1_000_000;
     let mut next = Some((rx, gen));
+    // Held while replies are read into request buffers: removal ends
+    // the waiting requests itself only when it can take this.
+    let mut reading = conn.reader_lock.lock();
     while let Some((rx, gen)) = next.take() {
         if let Some(t) = shared.read_tick() {
             let _ = rx.socket().set_read_timeout(Some(t));
@@ -73,7 +76,11 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
             }
         }
         drop(reader);
-        next = reconnect(&shared, conn, &done);
+        next = parking_lot::MutexGuard::unlocked(&mut reading, || reconnect(&shared, conn, &done))
+            .and_then(|c| {
+                // Removal may have begun while the handshake ran.
+                (!conn.stop.load(Ordering::Acquire)).then(|| install(conn, c.sender, c.receiver))
+            });
     }
     fail_waiting(conn, &done, &shared.extents, |_| true);
 }
@@ -94,14 +101,16 @@ fn mark_down(conn: &Connection, why: &str) {
     conn.set_error(why.to_string());
 }
 
-/// End the active requests `pick` chooses (by their queued time) with EIO.
-fn fail_waiting(
+/// End the active requests `pick` chooses (by their queued time) with
+/// EIO; returns how many.
+pub fn fail_waiting(
     conn: &Connection,
     done: &HeldCompleter,
     extents: &ExtentQuery,
     pick: impl Fn(u64) -> bool,
-) {
+) -> usize {
     let last = conn.slots.len() - 1;
+    let mut failed = 0;
     for (tag, slot) in conn.slots.iter().enumerate() {
         let mut d = slot.0.lock();
         if !d.active || !pick(d.queued_ns) {
@@ -109,6 +118,7 @@ fn fail_waiting(
         }
         d.active = false;
         drop(d);
+        failed += 1;
         conn.stats.failed.fetch_add(1, Ordering::Relaxed);
         if tag == last {
             extents.finish(Status::IoError);
@@ -117,6 +127,7 @@ fn fail_waiting(
             done.end_request(conn.index, tag as u32, Status::IoError);
         }
     }
+    failed
 }
 
 /// Requests that waited longer than the dead timeout fail.
@@ -127,18 +138,26 @@ fn expire(shared: &DeviceShared, conn: &Connection, done: &HeldCompleter) {
     }
     let now = now_ns();
     let dead = conn.dead_timeout_ns;
-    fail_waiting(conn, done, &shared.extents, |queued| {
+    let failed = fail_waiting(conn, done, &shared.extents, |queued| {
         now.saturating_sub(queued.max(down)) >= dead
     });
+    if failed > 0 {
+        tracing::warn!(
+            connection = conn.index,
+            requests = failed,
+            dead_timeout_ms = shared.opts.dead_timeout_ms,
+            "nbd: server still gone after the dead timeout; requests failed with EIO"
+        );
+    }
 }
 
-/// Try until connected again (Some: the new receiver and generation) or
-/// stopped (None).
+/// Try until connected again (Some: the negotiated connection, not yet
+/// installed) or stopped (None).
 fn reconnect(
     shared: &DeviceShared,
     conn: &Connection,
     done: &HeldCompleter,
-) -> Option<(Receiver, u64)> {
+) -> Option<handshake::Connected> {
     let opts = &shared.opts;
     let mut delay = Duration::from_millis(opts.reconnect_delay_ms);
     let mut next_try = std::time::Instant::now() + delay;
@@ -154,7 +173,7 @@ fn reconnect(
         }
         match handshake::connect(&opts.uri, shared.tls.as_ref(), shared.attempt_timeout()) {
             Ok(c) if c.info.size == conn.geo.info.size && c.info.tflags == conn.geo.info.tflags => {
-                return Some(install(conn, c.sender, c.receiver));
+                return Some(c);
             }
             Ok(c) => conn.set_error(format!(
                 "reconnect: export changed (size {} flags {:#x}, was {} {:#x})",

@@ -199,7 +199,7 @@ fn table_longer_than_the_export_or_unreachable_server_is_refused() {
 }
 
 #[test]
-fn tls_leaf_against_serve_require() {
+fn tls_leaf_against_serve_require_and_verify_peer() {
     let certs = Scratch::new("leaf-tls");
     certificates(&certs.0);
     let dir = certs.0.to_str().expect("utf-8 path");
@@ -212,12 +212,32 @@ fn tls_leaf_against_serve_require() {
         "require",
         "--tls-certificates",
         dir,
+        // The leaf presents client-cert.pem from the same directory.
+        "--tls-verify-peer",
     ]);
     let tls_uri = format!(
         "nbds+unix:///mem?socket={}&tls-certificates={dir}",
         srv.socket.display()
     );
     bench_verify(&tls_uri, &["--rw=randrw"]);
+    // Over TCP the server certificate is checked against the address.
+    let tcp = format!("nbds://{}/mem?tls-certificates={dir}", srv.tcp);
+    bench_verify(&tcp, &[]);
+    // Without the CA's certificate the server is not trusted.
+    let other = Scratch::new("leaf-tls-other");
+    certificates(&other.0);
+    let untrusted = format!(
+        "nbds://{}/mem?tls-certificates={}",
+        srv.tcp,
+        other.0.display()
+    );
+    let out = bench(&untrusted, &["--size=4k"]);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("invalid peer certificate"),
+        "{}",
+        text(&out)
+    );
     // The same server refuses a plain client, and says why.
     let out = bench(&srv.unix_uri("mem"), &["--size=4k"]);
     assert!(!out.status.success());
