@@ -71,7 +71,7 @@ fn server_binary() -> Result<PathBuf> {
     Ok(exe)
 }
 
-/// Four hosts serving the LUN, each behind its delay.
+/// The hosts serving the LUN, each behind its own delay.
 struct RemotePaths {
     // Servers go before the namespaces they run in, the files last.
     _servers: Vec<Daemon>,
