@@ -250,6 +250,8 @@ fn failover_fio_nbd_engine_through_serve_verifies() {
             "--verify=crc32c".into(),
             "--verify_backlog=256".into(),
             "--do_verify=1".into(),
+            // No verify state file left in the working directory.
+            "--verify_state_save=0".into(),
             "--output-format=json".into(),
         ];
         move || Command::new(fio).args(args).output()
