@@ -1,18 +1,19 @@
 # The two commands a newcomer needs are in README.md; this file holds the
 # test recipe that `.ci/run` also uses.
 
-SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium
+SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip
 
 .PHONY: test deps check lab loom fuzz
 
 # Install the real peers the interop tests start (and the headless browser
-# that renders the lab's report page), if any is missing.
+# that renders the lab's report page, and iproute2 for the multi-host
+# tests' network namespaces), if any is missing.
 deps:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system tools (missing:$$missing)"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium >/dev/null; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 >/dev/null; \
 	fi
 
 # Every test: unit, integration, loom models, interop with the real clients.

@@ -13,7 +13,8 @@
 //! - hybrid-poll: throughput and CPU as % of busy polling, per workload.
 //! - sbitmap: counter/wait_cnt IOPS ratio per depth with upstream's ratio;
 //!   wakeups per batch, wasted wakeups per batch, sleeps per I/O.
-//! - mpath: each path's share of the I/O against the ideal split.
+//! - mpath: each path's share of the I/O against the ideal split, in
+//!   process and over remote paths (hosts in network namespaces).
 
 use crate::plot::{num, Figure, Panel, Series, Style};
 use crate::report::{LabReport, Row};
@@ -314,6 +315,11 @@ fn sbitmap() -> Figure {
     }
 }
 
+/// A row of `lab mpath`'s remote-paths table (hosts in namespaces).
+fn remote_path_row(r: &Row) -> bool {
+    r.get("table").and_then(Value::as_str) == Some(crate::mpath_hosts::TABLE)
+}
+
 fn mpath() -> Figure {
     let mut p = Panel::new(
         "share of I/O per path (path cost in the table)",
@@ -322,6 +328,7 @@ fn mpath() -> Figure {
         "share of completed I/O",
     );
     p.bars = true;
+    p.skip = Some(remote_path_row);
     p.series = vec![
         Series::column("ideal", Style::Ours, 7, "ideal"),
         Series::column("service-time", Style::Ours, 2, "st"),
@@ -330,11 +337,25 @@ fn mpath() -> Figure {
         Series::column("upstream HST orig", Style::Upstream, 3, "seed_hst_orig"),
         Series::column("upstream HST ktime", Style::Upstream, 0, "seed_hst_ktime"),
     ];
+    let mut remote = Panel::new(
+        "remote paths: share of I/O per host (NBD over veth; remote delay in the table)",
+        "path",
+        "host",
+        "share of completed I/O",
+    );
+    remote.bars = true;
+    remote.filter = vec![("table".into(), json!(crate::mpath_hosts::TABLE))];
+    remote.series = vec![
+        Series::column("ideal", Style::Ours, 7, "ideal"),
+        Series::column("service-time", Style::Ours, 2, "st"),
+        Series::column("HST jiffies (old)", Style::Ours, 3, "hst_jiffies"),
+        Series::column("HST ns", Style::Ours, 0, "hst_ns"),
+    ];
     Figure {
         suffix: String::new(),
-        title: "dm-mpath HST: per-path share with jiffies vs ns start times".into(),
+        title: "dm-mpath HST: per-path share with jiffies vs ns start times, in process and over remote paths".into(),
         columns: 1,
-        panels: vec![p],
+        panels: vec![p, remote],
     }
 }
 

@@ -129,12 +129,12 @@ pub fn section_html(r: &LabReport) -> Result<String> {
         seed_html(&mut s, seed);
     }
     s.push_str("<h3>This run</h3>\n");
-    let rows: Vec<Vec<String>> = r
-        .rows
-        .iter()
-        .map(|row| r.columns.iter().map(|c| r.cell(row, c)).collect())
-        .collect();
-    table_html(&mut s, &r.columns, &rows);
+    for g in r.grids() {
+        if !g.caption.is_empty() {
+            let _ = writeln!(s, "<p><b>{}</b></p>", esc(&g.caption));
+        }
+        table_html(&mut s, &g.columns, &g.cells);
+    }
     for fig in figures_for(r) {
         let svg = render_svg(&fig, &r.rows)
             .with_context(|| format!("drawing {} figure", r.experiment))?;

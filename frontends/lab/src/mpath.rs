@@ -40,10 +40,17 @@
 //! at least its ideal share, so its "high-iops" load kept them busy; two
 //! QD64 jobs is the smallest load that does that here.
 //!
+//! A second table (rows with `table` = `hosts`, see [`crate::mpath_hosts`])
+//! runs service-time and HST with both start times over four remote
+//! paths: hosts in network namespaces serving one LUN over NBD, skipped
+//! with a note where namespaces cannot be made.
+//!
 //! `--set` keys: `fast_ms` (0.25), `costs` (comma list, relative),
-//! `hz` (250), `iodepth` (64), `numjobs` (2), `runtime_ms`, `warmup_ms`.
+//! `hz` (250), `iodepth` (64), `numjobs` (2), `runtime_ms`, `warmup_ms`,
+//! and for the remote-paths table `host_ms` (0.1,0.2,0.4,0.8).
 
 use crate::common::{job, mean_sd, round};
+use crate::mpath_hosts::Load;
 use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
@@ -78,10 +85,10 @@ const SEED: [[f64; 4]; 10] = [
 const SECTORS: u64 = 2 * 1024 * 1024;
 
 /// One selector configuration to measure.
-struct Policy {
-    column: &'static str,
-    selector: &'static str,
-    features: String,
+pub(crate) struct Policy {
+    pub column: &'static str,
+    pub selector: &'static str,
+    pub features: String,
 }
 
 /// The stack: a null device, one `delay` path per cost, the multipath.
@@ -90,15 +97,47 @@ fn stack(costs_ms: &[f64], p: &Policy) -> String {
     for (i, ms) in costs_ms.iter().enumerate() {
         s.push_str(&format!("p{i}: 0 {SECTORS} delay base 0 {ms} load_k=1\n"));
     }
-    let paths: Vec<String> = (0..costs_ms.len()).map(|i| format!("p{i}")).collect();
-    s.push_str(&format!(
-        "dev: 0 {SECTORS} multipath {} 0 1 1 {} 0 {} 0 {}\n",
+    s.push_str(&multipath_line(SECTORS, costs_ms.len(), p));
+    s
+}
+
+/// `dev`, a multipath of `sectors` over paths `p0..pN-1` in one group
+/// with `p`'s selector and features.
+pub(crate) fn multipath_line(sectors: u64, paths: usize, p: &Policy) -> String {
+    let names: Vec<String> = (0..paths).map(|i| format!("p{i}")).collect();
+    format!(
+        "dev: 0 {sectors} multipath {} 0 1 1 {} 0 {paths} 0 {}\n",
         p.features,
         p.selector,
-        costs_ms.len(),
-        paths.join(" ")
-    ));
-    s
+        names.join(" ")
+    )
+}
+
+/// The selector configurations measured, in the table's column order:
+/// service-time, HST with jiffies, tick-truncated and ns start times.
+fn policies(hz: u32) -> Vec<Policy> {
+    vec![
+        Policy {
+            column: "st",
+            selector: "service-time",
+            features: "0".into(),
+        },
+        Policy {
+            column: "hst_jiffies",
+            selector: "historical-service-time",
+            features: format!("2 start_time jiffies:{hz}"),
+        },
+        Policy {
+            column: "hst_tick",
+            selector: "historical-service-time",
+            features: format!("2 start_time tick:{hz}"),
+        },
+        Policy {
+            column: "hst_ns",
+            selector: "historical-service-time",
+            features: "0".into(),
+        },
+    ]
 }
 
 /// Completed I/Os per path from a `path_stats` answer.
@@ -120,15 +159,15 @@ fn parse_path_stats(text: &str, paths: usize) -> Result<Vec<u64>> {
     Ok(v)
 }
 
-struct Outcome {
-    shares: Vec<f64>,
-    iops: f64,
-    errors: u64,
+pub(crate) struct Outcome {
+    pub shares: Vec<f64>,
+    pub iops: f64,
+    pub errors: u64,
 }
 
 /// Run the job on a fresh stack; shares count I/Os completed between the
 /// end of the warm-up and the end of the run.
-fn run_policy(
+pub(crate) fn run_policy(
     stack_text: &str,
     paths: usize,
     qd: u32,
@@ -199,28 +238,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let ideal: Vec<f64> = costs.iter().map(|c| (1.0 / c) / capacity).collect();
     let n = costs.len();
 
-    let policies = [
-        Policy {
-            column: "st",
-            selector: "service-time",
-            features: "0".into(),
-        },
-        Policy {
-            column: "hst_jiffies",
-            selector: "historical-service-time",
-            features: format!("2 start_time jiffies:{hz}"),
-        },
-        Policy {
-            column: "hst_tick",
-            selector: "historical-service-time",
-            features: format!("2 start_time tick:{hz}"),
-        },
-        Policy {
-            column: "hst_ns",
-            selector: "historical-service-time",
-            features: "0".into(),
-        },
-    ];
+    let policies = policies(hz);
     // shares[policy][repeat][path]
     let mut shares: Vec<Vec<Vec<f64>>> = vec![Vec::new(); policies.len()];
     let mut iops: Vec<Vec<f64>> = vec![Vec::new(); policies.len()];
@@ -241,7 +259,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let mut r = LabReport::new(
         "mpath",
         "share of I/O per path, 10 asymmetric paths, randwrite 2 jobs x QD64: service-time, HST with jiffies, tick-truncated and ns start times, ideal",
-        &["path", "cost", "ideal", "st", "hst_jiffies", "hst_tick", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
+        &["table", "path", "cost", "latency_ms", "ideal", "st", "hst_jiffies", "hst_tick", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
     );
     for path in 0..n {
         let seed = SEED.get(path).filter(|_| n == DISKS.len());
@@ -250,6 +268,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             _ => format!("p{path}"),
         };
         r.push_row([
+            ("table", json!("in-process")),
             ("path", json!(name)),
             ("cost", json!(costs[path])),
             ("ideal", json!(round(ideal[path], 3))),
@@ -325,6 +344,20 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         "paths: delay targets over one null device, delay = cost x {fast_ms} ms x (1 + I/Os in flight on the path) (load_k=1), so path capacity is 1/cost; jiffies and tick runs at HZ={hz}"
     ));
     r.note(start_time_note(hz));
+    r.split_by = Some("table".into());
+    let load = Load {
+        qd,
+        jobs,
+        runtime,
+        warmup,
+        repeats,
+    };
+    // The remote paths: service-time and HST with both start times.
+    let remote: Vec<Policy> = policies
+        .into_iter()
+        .filter(|p| p.column != "hst_tick")
+        .collect();
+    crate::mpath_hosts::add_table(opts, &mut r, &remote, &load)?;
     r.seed = Some(SeedTable {
         caption: "upstream: utilisation of a 10-disk multipath with asymmetric costs, fio randwrite QD64, bio-based mpath".into(),
         columns: ["disk", "ST", "HST (orig)", "HST(ktime)", "Best"]

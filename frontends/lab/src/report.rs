@@ -66,6 +66,19 @@ pub struct LabReport {
     pub command: String,
     #[serde(default)]
     pub machine: Option<Machine>,
+    /// A column whose values name separate tables (`lab mpath`'s
+    /// in-process and remote-paths tables): text and page show one grid
+    /// per value, each with the columns its rows fill. `None`: one grid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split_by: Option<String>,
+}
+
+/// One grid of a report: a caption (the split column's value, empty for
+/// an unsplit report), its columns and its cells as text.
+pub struct Grid {
+    pub caption: String,
+    pub columns: Vec<String>,
+    pub cells: Vec<Vec<String>>,
 }
 
 impl LabReport {
@@ -128,16 +141,61 @@ impl LabReport {
         fmt_value(row.get(column))
     }
 
+    /// Our table as grids: one, or one per value of `split_by` (in
+    /// order of first appearance) with the columns its rows fill.
+    pub fn grids(&self) -> Vec<Grid> {
+        let grid = |caption: String, rows: Vec<&Row>, columns: Vec<String>| Grid {
+            caption,
+            cells: rows
+                .iter()
+                .map(|r| columns.iter().map(|c| fmt_value(r.get(c))).collect())
+                .collect(),
+            columns,
+        };
+        let Some(key) = &self.split_by else {
+            return vec![grid(
+                String::new(),
+                self.rows.iter().collect(),
+                self.columns.clone(),
+            )];
+        };
+        let mut captions: Vec<String> = Vec::new();
+        for r in &self.rows {
+            let c = fmt_value(r.get(key));
+            if !captions.contains(&c) {
+                captions.push(c);
+            }
+        }
+        captions
+            .into_iter()
+            .map(|caption| {
+                let rows: Vec<&Row> = self
+                    .rows
+                    .iter()
+                    .filter(|r| fmt_value(r.get(key)) == caption)
+                    .collect();
+                let columns = self
+                    .columns
+                    .iter()
+                    .filter(|c| *c != key)
+                    .filter(|c| rows.iter().any(|r| !r.get(*c).is_none_or(Value::is_null)))
+                    .cloned()
+                    .collect();
+                grid(caption, rows, columns)
+            })
+            .collect()
+    }
+
     /// Human-readable text: our table, upstream's, checks and notes.
     pub fn to_text(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "== lab {}: {}", self.experiment, self.title);
-        let cells: Vec<Vec<String>> = self
-            .rows
-            .iter()
-            .map(|r| self.columns.iter().map(|c| fmt_value(r.get(c))).collect())
-            .collect();
-        s.push_str(&render_grid(&self.columns, &cells));
+        for (i, g) in self.grids().iter().enumerate() {
+            if !g.caption.is_empty() {
+                let _ = writeln!(s, "{}-- {}:", if i > 0 { "\n" } else { "" }, g.caption);
+            }
+            s.push_str(&render_grid(&g.columns, &g.cells));
+        }
         if let Some(seed) = &self.seed {
             let _ = writeln!(s, "\n-- upstream: {}", seed.caption);
             s.push_str(&render_grid(&seed.columns, &seed.rows));
@@ -256,6 +314,37 @@ mod tests {
         let text = r.to_text();
         assert!(text.contains(" 1234 "), "{text}");
         assert!(text.lines().nth(1).unwrap().contains("depth"));
+    }
+
+    #[test]
+    fn split_reports_print_one_grid_per_table() {
+        let mut r = LabReport::new("x", "t", &["table", "path", "a", "b"]);
+        r.push_row([
+            ("table", json!("one")),
+            ("path", json!("p0")),
+            ("a", json!(1)),
+        ]);
+        r.push_row([
+            ("table", json!("two")),
+            ("path", json!("h0")),
+            ("b", json!(2)),
+        ]);
+        assert_eq!(r.grids().len(), 1);
+        r.split_by = Some("table".into());
+        let g = r.grids();
+        assert_eq!(g.len(), 2);
+        assert_eq!(
+            (g[0].caption.as_str(), &g[0].columns[..]),
+            ("one", &["path".to_string(), "a".to_string()][..])
+        );
+        assert_eq!(g[1].columns, vec!["path", "b"]);
+        let text = r.to_text();
+        assert!(
+            text.contains("-- one:") && text.contains("-- two:"),
+            "{text}"
+        );
+        let back = LabReport::from_json(&r.to_json().to_string()).unwrap();
+        assert_eq!(back.split_by.as_deref(), Some("table"));
     }
 
     #[test]
