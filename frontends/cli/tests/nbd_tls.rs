@@ -178,8 +178,10 @@ fn fio_nbd_engine_verifies_writes_over_tls() {
                 "--size=2m",
                 "--iodepth=8",
                 "--verify=crc32c",
+                "--verify_state_save=0",
                 "--output-format=json",
             ])
+            .current_dir(&home.0)
             .arg(format!("--uri={uri}")),
         LIMIT,
     );
@@ -200,6 +202,7 @@ fn fio_nbd_engine_verifies_writes_over_tls() {
         Command::new(tool("fio"))
             .env("HOME", &home.0)
             .args(["--name=plain", "--ioengine=nbd", "--rw=read", "--size=64k"])
+            .current_dir(&home.0)
             .arg(format!("--uri={}", srv.unix_uri("mem"))),
         LIMIT,
     );
