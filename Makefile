@@ -1,7 +1,7 @@
 # The two commands a newcomer needs are in README.md; this file holds the
 # test recipe that `.ci/run` also uses.
 
-SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip
+SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl
 
 .PHONY: test deps check lab loom fuzz
 
@@ -13,7 +13,7 @@ deps:
 	if [ -n "$$missing" ]; then \
 	  echo "installing system tools (missing:$$missing)"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 >/dev/null; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl >/dev/null; \
 	fi
 
 # Every test: unit, integration, loom models, interop with the real clients.
