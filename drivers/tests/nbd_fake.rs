@@ -33,6 +33,8 @@ struct Script {
     hang_up_then_mute: bool,
     /// Hang up (unanswered) at every Nth request of a connection.
     hang_up_every: u32,
+    /// Answer a structured READ with data for its first half only, DONE.
+    short_reads: bool,
     data: Mutex<Vec<u8>>,
     connections: AtomicU32,
     /// Largest request seen.
@@ -50,6 +52,7 @@ impl Script {
             stall_first: AtomicBool::new(false),
             hang_up_then_mute: false,
             hang_up_every: 0,
+            short_reads: false,
             data: Mutex::new(vec![0u8; SIZE as usize]),
             connections: AtomicU32::new(0),
             max_len: AtomicU32::new(0),
@@ -178,8 +181,9 @@ fn serve(mut s: UnixStream, sc: &Script) -> std::io::Result<()> {
         }
         match (r.cmd, structured) {
             (CMD_READ, true) => {
-                encode_data_chunk_header(&mut out, REPLY_FLAG_DONE, r.handle, r.offset, r.len);
-                out.extend_from_slice(&sc.data.lock()[range.clone()]);
+                let n = if sc.short_reads { r.len / 2 } else { r.len };
+                encode_data_chunk_header(&mut out, REPLY_FLAG_DONE, r.handle, r.offset, n);
+                out.extend_from_slice(&sc.data.lock()[range.start..range.start + n as usize]);
             }
             (CMD_READ, false) => {
                 encode_simple_reply(&mut out, 0, r.handle);
@@ -240,6 +244,20 @@ fn old_server_simple_replies_and_export_name() {
     assert_eq!(st, Status::Ok);
     assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 2);
     assert_eq!(&srv.script.data.lock()[..4096], &w[..]);
+}
+
+#[test]
+fn a_read_reply_that_leaves_bytes_uncovered_is_an_error() {
+    let mut script = Script::new(true, true, 0);
+    script.short_reads = true;
+    let srv = FakeServer::start(script);
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri()]).unwrap();
+    let mut r = vec![0xa5u8; 8192];
+    assert_eq!(
+        submit_and_wait(&dev, Op::Read, 0, 8192, &mut r),
+        Status::IoError,
+        "half a reply must not read as success"
+    );
 }
 
 #[test]

@@ -87,6 +87,9 @@ pub struct SlotData {
     pub sent_ns: u64,
     /// WRITE_ZEROES emulated with WRITEs of zeroes.
     pub zero_fill: bool,
+    /// Bytes of a READ the replies have covered (data or hole chunks,
+    /// simple replies' payloads), checked when the last part ends.
+    pub covered: u64,
 }
 
 impl SlotData {
@@ -105,6 +108,7 @@ impl SlotData {
         queued_ns: 0,
         sent_ns: 0,
         zero_fill: false,
+        covered: 0,
     };
 
     /// The byte range of data part `p`, relative to the request.
@@ -249,6 +253,7 @@ impl Connection {
             queued_ns: now_ns(),
             sent_ns: 0,
             zero_fill,
+            covered: 0,
         };
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.send_slot(&mut tx, rq.tag) {
@@ -276,6 +281,7 @@ impl Connection {
             d.sent_ns = now_ns();
             d.remaining = d.parts;
             d.status = Status::Ok;
+            d.covered = 0;
             *d
         };
         let chunk = self.chunk(d.zero_fill);

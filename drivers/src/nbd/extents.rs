@@ -109,6 +109,7 @@ impl ExtentQuery {
                 queued_ns: now_ns(),
                 sent_ns: 0,
                 zero_fill: false,
+                covered: 0,
             };
             if let Err(e) = conn.send_slot(&mut tx, tag) {
                 conn.note_send_error(&mut tx, e);

@@ -188,6 +188,7 @@ impl<'a> ReplyReader<'a> {
             let (at, n) = d.part_range(part, self.conn.chunk(d.zero_fill));
             let buf = &mut d.buf.as_mut_slice()[at as usize..(at + n) as usize];
             self.read_full(buf)?;
+            self.cover(tag, n);
         }
         self.finish_part(tag, status_of(error));
         Ok(())
@@ -204,6 +205,7 @@ impl<'a> ReplyReader<'a> {
                 let at = self.place(&d, u64::from_be_bytes(o), (len - 8) as u64)?;
                 let buf = &mut d.buf.as_mut_slice()[at..at + (len - 8) as usize];
                 self.read_full(buf)?;
+                self.cover(tag, (len - 8) as u64);
             }
             REPLY_TYPE_OFFSET_HOLE if len == 12 && d.cmd == CMD_READ => {
                 let mut b = [0u8; 12];
@@ -212,6 +214,7 @@ impl<'a> ReplyReader<'a> {
                 let n = u32::from_be_bytes([b[8], b[9], b[10], b[11]]) as usize;
                 let at = self.place(&d, off, n as u64)?;
                 d.buf.as_mut_slice()[at..at + n].fill(0);
+                self.cover(tag, n as u64);
             }
             REPLY_TYPE_BLOCK_STATUS if d.cmd == CMD_BLOCK_STATUS => {
                 self.read_scratch(len)?;
@@ -251,6 +254,12 @@ impl<'a> ReplyReader<'a> {
         Ok((off - d.offset) as usize)
     }
 
+    /// `n` more bytes of a READ answered.
+    fn cover(&self, tag: u32, n: u64) {
+        let mut d = self.conn.slots[tag as usize].0.lock();
+        d.covered = d.covered.saturating_add(n);
+    }
+
     fn record(&self, tag: u32, status: Status) {
         let mut d = self.conn.slots[tag as usize].0.lock();
         if d.status.is_ok() {
@@ -273,6 +282,17 @@ impl<'a> ReplyReader<'a> {
             return;
         }
         d.active = false;
+        // A READ whose replies said "done" without covering every byte
+        // would hand back whatever the buffer held: a server bug, and an
+        // I/O error, never a silent success (libnbd checks the same).
+        if d.cmd == CMD_READ && d.status.is_ok() && d.covered < d.len {
+            tracing::warn!(
+                covered = d.covered,
+                len = d.len,
+                "nbd: read reply did not cover the whole request"
+            );
+            d.status = Status::IoError;
+        }
         let st = d.status;
         drop(d);
         if tag as usize == self.conn.slots.len() - 1 {
