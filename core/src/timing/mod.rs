@@ -1,7 +1,7 @@
 //! Precise waits, in one place for every layer: a futex [`Parker`], a
-//! timerfd [`DeadlineTimer`], a learnt [`WakeMargin`], [`sleep_then_spin`]
-//! and the per-thread setup ([`prepare_precise_thread`]) that makes a
-//! sleep end when asked.
+//! timerfd [`DeadlineTimer`], a learnt [`WakeMargin`], [`sleep_then_spin`],
+//! the adaptive bounded socket poll ([`spin`]) and the per-thread setup
+//! ([`prepare_precise_thread`]) that makes a sleep end when asked.
 //!
 //! The block layer's own precise waits are hrtimers (null_blk's
 //! `completion_nsec`, io_uring's hybrid IOPOLL sleep, upstream "io_uring:
