@@ -24,8 +24,8 @@ pub const MAX_RECONNECT_DELAY_MS: u64 = 5_000;
 pub const DEFAULT_DEAD_TIMEOUT_MS: u64 = 30_000;
 /// The reply reader's busy-poll bound: off unless asked. Unlike the
 /// server's reader, which waits for a client that sends again at once,
-/// the leaf's reader shares the CPUs with its own submitters and, on a
-/// small machine, with a local server: polling bought little at depth 1
+/// the leaf's reader shares the CPUs with its own submitters and, when
+/// CPUs are few, with a local server: polling bought little at depth 1
 /// for much more CPU, and cost throughput at depth (docs/BENCHMARKS.md).
 pub const DEFAULT_POLL_US: u64 = 0;
 const MAX_POLL_US: u64 = 10_000;

@@ -184,19 +184,21 @@ impl<'a> ReplyReader<'a> {
 
     fn simple(&mut self, error: u32, handle: u64) -> R<()> {
         let (tag, part, d) = self.lookup(handle)?;
+        let mut covered = 0;
         if error == 0 && d.cmd == CMD_READ && part < d.data_parts {
             let (at, n) = d.part_range(part, self.conn.chunk(d.zero_fill));
             let buf = &mut d.buf.as_mut_slice()[at as usize..(at + n) as usize];
             self.read_full(buf)?;
-            self.cover(tag, n);
+            covered = n;
         }
-        self.finish_part(tag, status_of(error));
+        self.finish_part(tag, status_of(error), covered);
         Ok(())
     }
 
     fn chunk(&mut self, flags: u16, typ: u16, handle: u64, len: u32) -> R<()> {
         let (tag, _part, d) = self.lookup(handle)?;
         let mut status = Status::Ok;
+        let mut covered = 0;
         match typ {
             REPLY_TYPE_NONE if len == 0 => {}
             REPLY_TYPE_OFFSET_DATA if len >= 8 && d.cmd == CMD_READ => {
@@ -205,7 +207,7 @@ impl<'a> ReplyReader<'a> {
                 let at = self.place(&d, u64::from_be_bytes(o), (len - 8) as u64)?;
                 let buf = &mut d.buf.as_mut_slice()[at..at + (len - 8) as usize];
                 self.read_full(buf)?;
-                self.cover(tag, (len - 8) as u64);
+                covered = (len - 8) as u64;
             }
             REPLY_TYPE_OFFSET_HOLE if len == 12 && d.cmd == CMD_READ => {
                 let mut b = [0u8; 12];
@@ -214,7 +216,7 @@ impl<'a> ReplyReader<'a> {
                 let n = u32::from_be_bytes([b[8], b[9], b[10], b[11]]) as usize;
                 let at = self.place(&d, off, n as u64)?;
                 d.buf.as_mut_slice()[at..at + n].fill(0);
-                self.cover(tag, n as u64);
+                covered = n as u64;
             }
             REPLY_TYPE_BLOCK_STATUS if d.cmd == CMD_BLOCK_STATUS => {
                 self.read_scratch(len)?;
@@ -241,7 +243,9 @@ impl<'a> ReplyReader<'a> {
             self.record(tag, status);
         }
         if flags & REPLY_FLAG_DONE != 0 {
-            self.finish_part(tag, Status::Ok);
+            self.finish_part(tag, Status::Ok, covered);
+        } else if covered > 0 {
+            self.cover(tag, covered);
         }
         Ok(())
     }
@@ -267,13 +271,15 @@ impl<'a> ReplyReader<'a> {
         }
     }
 
-    /// One part answered: end the request when it was the last.
-    fn finish_part(&self, tag: u32, status: Status) {
+    /// One part answered, its last reply covering `covered` more bytes of
+    /// a READ: end the request when it was the last part.
+    fn finish_part(&self, tag: u32, status: Status, covered: u64) {
         let mut d = self.conn.slots[tag as usize].0.lock();
         // An extent query that gave up meanwhile is no longer ours.
         if !d.active || d.sent_gen != self.gen {
             return;
         }
+        d.covered = d.covered.saturating_add(covered);
         if d.status.is_ok() {
             d.status = status;
         }

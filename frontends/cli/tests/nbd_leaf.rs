@@ -8,7 +8,7 @@
 
 mod nbd_common;
 
-use nbd_common::certs::certificates;
+use nbd_common::certs::{certificates, tls_serve};
 use nbd_common::*;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -203,18 +203,9 @@ fn tls_leaf_against_serve_require_and_verify_peer() {
     let certs = Scratch::new("leaf-tls");
     certificates(&certs.0);
     let dir = certs.0.to_str().expect("utf-8 path");
-    let srv = ServerProc::start_args(&[
-        "--concise",
-        &format!("mem,,,rw,0 {SECTORS} memory"),
-        "--export",
-        "mem",
-        "--tls",
-        "require",
-        "--tls-certificates",
-        dir,
-        // The leaf presents client-cert.pem from the same directory.
-        "--tls-verify-peer",
-    ]);
+    // The leaf presents client-cert.pem from the same directory.
+    let stack = format!("mem,,,rw,0 {SECTORS} memory");
+    let srv = tls_serve(&certs.0, &stack, "mem", &["--tls-verify-peer"]);
     let tls_uri = format!(
         "nbds+unix:///mem?socket={}&tls-certificates={dir}",
         srv.socket.display()

@@ -8,7 +8,7 @@ mod nbd_common;
 
 use blkstack_nbd::client::RawClient;
 use blkstack_nbd::proto::*;
-use nbd_common::certs::certificates;
+use nbd_common::certs::{certificates, tls_serve};
 use nbd_common::*;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -19,19 +19,7 @@ const STACK: &str = "mem,,,rw,0 8192 memory";
 const LIMIT: Duration = Duration::from_secs(60);
 
 fn tls_server(certs: &Path, extra: &[&str]) -> ServerProc {
-    let dir = certs.to_str().expect("utf-8 path");
-    let mut args = vec![
-        "--concise",
-        STACK,
-        "--export",
-        "mem",
-        "--tls",
-        "require",
-        "--tls-certificates",
-        dir,
-    ];
-    args.extend_from_slice(extra);
-    ServerProc::start_args(&args)
+    tls_serve(certs, STACK, "mem", extra)
 }
 
 fn nbdinfo(uri: &str) -> std::process::Output {

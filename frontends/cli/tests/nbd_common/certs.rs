@@ -92,3 +92,21 @@ pub fn certificates(dir: &Path) {
         "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
     );
 }
+
+/// `blkstack serve --concise STACK --export EXPORT --tls require
+/// --tls-certificates CERTS EXTRA...`, the server side of every TLS test.
+pub fn tls_serve(certs: &Path, stack: &str, export: &str, extra: &[&str]) -> super::ServerProc {
+    let dir = certs.to_str().expect("utf-8 path");
+    let mut args = vec![
+        "--concise",
+        stack,
+        "--export",
+        export,
+        "--tls",
+        "require",
+        "--tls-certificates",
+        dir,
+    ];
+    args.extend_from_slice(extra);
+    super::ServerProc::start_args(&args)
+}
