@@ -124,6 +124,27 @@ pub trait Device: Send + Sync {
         0
     }
 
+    /// Whether [`Device::poll_wait`] sleeps in the device's own wait (a
+    /// socket read) until a polled bio completes. A submitter at low depth
+    /// then reaps its own completions without a spin and without a wake
+    /// from another thread (as a libnbd program reads its replies on the
+    /// thread that sent the requests). Such devices take the `POLLED` bios
+    /// of a submitter that does not spin; the others leave it to their
+    /// completion threads.
+    fn poll_sleeps(&self) -> bool {
+        false
+    }
+
+    /// [`Device::poll`] that, when nothing is ready, sleeps in the device
+    /// until it completes at least one polled bio, or until `ready()` says
+    /// the caller already has what it waits for (another poller may have
+    /// reaped it). Returns how many it completed; 0 when no polled bio is
+    /// in flight or the device cannot read now (a lost connection), after
+    /// which the caller waits for an ordinary completion, with a bound.
+    fn poll_wait(&self, _ready: &dyn Fn() -> bool) -> usize {
+        self.poll()
+    }
+
     /// Data/hole map of `offset..offset+len`, if the device knows one
     /// (`features().knows_holes`). `None` means "all data, as far as I know".
     fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {

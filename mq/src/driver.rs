@@ -57,6 +57,19 @@ pub trait Driver: Send + Sync + 'static {
     fn poll(&self, _completer: &CompleterRef<'_>) -> usize {
         0
     }
+
+    /// Whether [`Driver::poll_wait`] sleeps in the driver's own wait (see
+    /// `blkstack_core::Device::poll_sleeps`).
+    fn poll_sleeps(&self) -> bool {
+        false
+    }
+
+    /// [`Driver::poll`] that, with nothing ready, sleeps until it ends at
+    /// least one polled request or `ready()` holds (see
+    /// `blkstack_core::Device::poll_wait`).
+    fn poll_wait(&self, completer: &CompleterRef<'_>, _ready: &dyn Fn() -> bool) -> usize {
+        self.poll(completer)
+    }
 }
 
 /// The engine side of ending a request.

@@ -16,6 +16,11 @@ pub const MAX_HW_QUEUES: u32 = 256;
 pub struct EngineOptions {
     /// Hardware queues (`submit_queues`), 1..=256.
     pub hw_queues: u32,
+    /// Of which the last ones serve only `POLLED` bios (kernel
+    /// `HCTX_TYPE_POLL`, the `poll_queues` of nvme and null_blk): their
+    /// requests are completed by the submitters' polls, never by a
+    /// completion thread. The others (at least one) take every other bio.
+    pub poll_queues: u32,
     /// Tags per hardware queue, or in total when shared (`hw_queue_depth`).
     pub queue_depth: u32,
     /// Of which reserved.
@@ -67,6 +72,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             hw_queues: 1,
+            poll_queues: 0,
             queue_depth: 64,
             reserved_tags: 0,
             shared_tags: false,
@@ -88,6 +94,8 @@ impl Default for EngineOptions {
 pub enum EngineOptionsError {
     #[error("submit_queues={0} is out of range 1..={MAX_HW_QUEUES}")]
     HwQueues(u32),
+    #[error("poll_queues={poll} must leave at least one of submit_queues={hw} for unpolled I/O")]
+    PollQueues { poll: u32, hw: u32 },
     #[error("hw_queue_depth={0} is out of range 1..={MAX_DEPTH}")]
     QueueDepth(u32),
     #[error("reserved_tags={reserved} must be below hw_queue_depth={depth}")]
@@ -98,6 +106,12 @@ impl EngineOptions {
     pub fn validate(&self) -> Result<(), EngineOptionsError> {
         if self.hw_queues == 0 || self.hw_queues > MAX_HW_QUEUES {
             return Err(EngineOptionsError::HwQueues(self.hw_queues));
+        }
+        if self.poll_queues >= self.hw_queues {
+            return Err(EngineOptionsError::PollQueues {
+                poll: self.poll_queues,
+                hw: self.hw_queues,
+            });
         }
         if self.queue_depth == 0 || self.queue_depth > MAX_DEPTH {
             return Err(EngineOptionsError::QueueDepth(self.queue_depth));
@@ -131,8 +145,18 @@ mod tests {
                 reserved_tags: 64,
                 ..EngineOptions::default()
             },
+            EngineOptions {
+                hw_queues: 2,
+                poll_queues: 2,
+                ..EngineOptions::default()
+            },
         ];
-        let keys = ["submit_queues", "hw_queue_depth", "reserved_tags"];
+        let keys = [
+            "submit_queues",
+            "hw_queue_depth",
+            "reserved_tags",
+            "poll_queues=2",
+        ];
         for (o, key) in bad.iter().zip(keys) {
             let e = o.validate().expect_err("out of range");
             assert!(e.to_string().contains(key), "{e}");

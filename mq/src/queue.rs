@@ -36,7 +36,7 @@ use crate::kblockd::{DelayedWork, Kblockd};
 pub use crate::options::{EngineOptions, EngineOptionsError, KblockdKind, MAX_HW_QUEUES};
 use crate::sbitmap::SbqStats;
 use crate::tags::{Tags, TagsConfig, TagsError};
-use blkstack_core::{Bio, Status};
+use blkstack_core::{Bio, BioFlags, Status};
 use std::cell::Cell;
 use std::mem::MaybeUninit;
 use std::sync::atomic::AtomicUsize;
@@ -205,6 +205,20 @@ impl<D: Driver> Queue<D> {
         self.inner.driver.poll(&completer)
     }
 
+    /// The driver's [`Driver::poll_sleeps`].
+    pub fn poll_sleeps(&self) -> bool {
+        self.inner.driver.poll_sleeps()
+    }
+
+    /// [`Queue::poll`] that may sleep in the driver (see
+    /// [`Driver::poll_wait`]).
+    pub fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
+        let completer = CompleterRef {
+            inner: &*self.inner,
+        };
+        self.inner.driver.poll_wait(&completer, ready)
+    }
+
     pub fn driver(&self) -> &D {
         &self.inner.driver
     }
@@ -342,6 +356,20 @@ impl<D: Driver> EndRequest for QueueInner<D> {
 }
 
 impl<D: Driver> QueueInner<D> {
+    /// The submitting thread's hardware queue of the type the bio needs
+    /// (kernel `blk_mq_map_queue`: `REQ_POLLED` bios map to the
+    /// `HCTX_TYPE_POLL` queues, the last `poll_queues`, when there are any).
+    #[inline]
+    fn hctx_for(&self, polled: bool) -> &HwQueue {
+        let n = self.hctxs.len();
+        let p = self.opts.poll_queues as usize;
+        match (p, polled) {
+            (0, _) => &self.hctxs[thread_hctx(n)],
+            (_, true) => &self.hctxs[n - p + thread_hctx(p)],
+            (_, false) => &self.hctxs[thread_hctx(n - p)],
+        }
+    }
+
     #[inline]
     fn submit(&self, bio: Bio) {
         self.submit_want(bio, 1)
@@ -351,7 +379,7 @@ impl<D: Driver> QueueInner<D> {
     /// a row (its plug): what a tag sleep declares to the wakeup.
     #[inline]
     fn submit_want(&self, bio: Bio, want: u32) {
-        let h = &self.hctxs[thread_hctx(self.hctxs.len())];
+        let h = self.hctx_for(bio.flags.contains(BioFlags::POLLED));
         let was_inactive = h.tags.has_fair_share() && !h.tag_state.is_active();
         let tag = h.tags.get(&h.tag_state, false, &h.wait_index, want, || {
             self.run_hw_queue(h, false)
@@ -375,8 +403,11 @@ impl<D: Driver> QueueInner<D> {
     /// after ending what this batch finished (its tags may be the ones the
     /// allocation would wait for).
     fn submit_batch(&self, bios: &mut Vec<Bio>) {
-        let h = &self.hctxs[thread_hctx(self.hctxs.len())];
-        if h.tags.has_fair_share() {
+        let polled = |b: &Bio| b.flags.contains(BioFlags::POLLED);
+        let first = bios.first().is_some_and(polled);
+        let h = self.hctx_for(first);
+        let mixed = self.opts.poll_queues > 0 && bios.iter().any(|b| polled(b) != first);
+        if h.tags.has_fair_share() || mixed {
             let mut left = bios.len() as u32;
             for bio in bios.drain(..) {
                 self.submit_want(bio, left);
@@ -866,6 +897,33 @@ mod tests {
         let g = Queue::new(Gate::default(), EngineOptions::default()).unwrap();
         assert!(!g.polls());
         assert_eq!(g.poll(), 0);
+    }
+
+    #[test]
+    fn polled_bios_map_to_the_poll_queues_and_the_rest_to_the_others() {
+        let opts = EngineOptions {
+            hw_queues: 3,
+            poll_queues: 1,
+            ..EngineOptions::default()
+        };
+        let q = Queue::new(Holder::default(), opts).unwrap();
+        let done = CompletionRecorder::new();
+        let mut batch = Vec::new();
+        for i in 0..6 {
+            let mut b = write_bio(&done);
+            if i % 2 == 0 {
+                b.flags.insert(BioFlags::POLLED);
+            }
+            batch.push(b);
+        }
+        q.submit(write_bio(&done));
+        // A mixed batch is split by type, not sent to the first bio's queue.
+        q.submit_batch(&mut batch);
+        let held = q.driver().held.lock().clone();
+        assert_eq!(held.len(), 7);
+        assert_eq!(held.iter().filter(|&&(h, _)| h == 2).count(), 3, "{held:?}");
+        assert_eq!(q.poll(), 7);
+        assert_eq!(done.count(), 7);
     }
 
     #[test]
