@@ -562,6 +562,21 @@ impl Device for MappedDevice {
             .sum()
     }
 
+    /// Only a one-line table can sleep in its target: with several, a
+    /// sleep in one would hold back the completions of the others.
+    fn poll_sleeps(&self) -> bool {
+        let table = self.core.live.load();
+        table.entries.len() == 1 && table.entries[0].target.poll_sleeps()
+    }
+
+    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
+        let table = self.core.live.load();
+        match &table.entries[..] {
+            [one] if one.target.poll_sleeps() => one.target.poll_wait(ready),
+            entries => entries.iter().map(|e| e.target.poll()).sum(),
+        }
+    }
+
     fn size(&self) -> u64 {
         self.core.live.load().size_bytes()
     }

@@ -97,6 +97,19 @@ pub trait Target: Send + Sync {
     fn poll(&self) -> usize {
         0
     }
+
+    /// Whether [`Target::poll_wait`] sleeps in the device below (see
+    /// [`blkstack_core::Device::poll_sleeps`]): only a target that passes
+    /// every bio to one such device can say yes.
+    fn poll_sleeps(&self) -> bool {
+        false
+    }
+
+    /// [`Target::poll`] that may sleep in the device below (see
+    /// [`blkstack_core::Device::poll_wait`]).
+    fn poll_wait(&self, _ready: &dyn Fn() -> bool) -> usize {
+        self.poll()
+    }
 }
 
 pub type TargetRef = Arc<dyn Target>;

@@ -69,6 +69,14 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
     fn poll(&self) -> usize {
         self.driver.poll()
     }
+
+    fn poll_sleeps(&self) -> bool {
+        self.driver.poll_sleeps()
+    }
+
+    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
+        self.driver.poll_wait(ready)
+    }
 }
 
 /// Shorthand to declare a leaf target type.

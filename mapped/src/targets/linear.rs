@@ -55,6 +55,14 @@ impl Target for LinearTarget {
         self.dev.dev.poll()
     }
 
+    fn poll_sleeps(&self) -> bool {
+        self.dev.dev.poll_sleeps()
+    }
+
+    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
+        self.dev.dev.poll_wait(ready)
+    }
+
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
         extents_from(&self.dev, self.start, offset, len)
     }

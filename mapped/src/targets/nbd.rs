@@ -1,5 +1,6 @@
 //! `nbd URI [connections=N] [queue_depth=N] [timeout_ms=N]
-//! [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N]`: a remote NBD
+//! [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N] [poll_queues=N]`:
+//! a remote NBD
 //! export as a table target, the userspace counterpart of the kernel's nbd client;
 //! see `blkstack_drivers::nbd`. The table load connects and negotiates, so
 //! an unreachable server or an export shorter than the line fails the
