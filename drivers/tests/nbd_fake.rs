@@ -458,6 +458,12 @@ fn repeated_hang_ups_lose_no_write_and_end_each_request_once() {
             );
         }
     }
+    assert_reconnected_losing_nothing(&dev, 10);
+}
+
+/// The device reconnected at least `min` times, and nothing is in flight
+/// or failed.
+fn assert_reconnected_losing_nothing(dev: &NbdDevice, min: u64) {
     let status = dev.status();
     let reconnects: u64 = status
         .split("reconnects=")
@@ -465,7 +471,119 @@ fn repeated_hang_ups_lose_no_write_and_end_each_request_once() {
         .and_then(|s| s.split(' ').next())
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    assert!(reconnects >= 10, "{status}");
+    assert!(reconnects >= min, "{status}");
     assert!(status.contains("in_flight=0 "), "{status}");
     assert!(status.contains("failed=0 "), "{status}");
+}
+
+/// Where and how a polled bio ended.
+#[derive(Default)]
+struct Reaped {
+    end: Mutex<Option<(Status, String)>>,
+}
+
+impl blkstack_core::EndIo for Reaped {
+    fn end_io(&self, _bio: Bio, status: Status, _private: u64) {
+        let thread = std::thread::current().name().unwrap_or("").to_string();
+        *self.end.lock() = Some((status, thread));
+    }
+}
+
+/// Submit one `POLLED` bio and wait for it as a polling submitter does
+/// (`Device::poll_wait`; with nothing to read, a short sleep). Returns its
+/// status and the name of the thread that ended it.
+fn polled_io(dev: &NbdDevice, op: Op, offset: u64, buf: &mut [u8]) -> (Status, String) {
+    let r = Arc::new(Reaped::default());
+    // SAFETY: we wait below until the bio has ended.
+    let io = unsafe { IoBuf::from_slice(buf) };
+    let bio = Bio::new(op, offset, buf.len() as u64, io, r.clone(), 0).with_flags(BioFlags::POLLED);
+    dev.submit(bio);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(end) = r.end.lock().take() {
+            return end;
+        }
+        assert!(Instant::now() < deadline, "polled bio never ended");
+        if dev.poll_wait(&|| r.end.lock().is_some()) == 0 {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+}
+
+/// `threads` submitters, each writing then reading back its own blocks
+/// with polled bios; returns how many of the bios ended on a thread other
+/// than a submitter (a connection's reader).
+fn polled_writers(dev: &NbdDevice, threads: usize, rounds: usize) -> usize {
+    std::thread::scope(|s| {
+        let runs: Vec<_> = (0..threads)
+            .map(|t| {
+                std::thread::Builder::new()
+                    .name(format!("submitter{t}"))
+                    .spawn_scoped(s, move || {
+                        let mut elsewhere = 0;
+                        for round in 0..rounds {
+                            // 16 blocks of its own per submitter.
+                            let offset = (t * 16 + round % 16) as u64 * 8192;
+                            let mut w = pattern(4096, (t * 31 + round) as u8);
+                            let (st, by) = polled_io(dev, Op::Write, offset, &mut w);
+                            assert_eq!(st, Status::Ok, "write {t}/{round}");
+                            elsewhere += !by.starts_with("submitter") as usize;
+                            let mut r = vec![0u8; 4096];
+                            let (st, by) = polled_io(dev, Op::Read, offset, &mut r);
+                            assert_eq!(st, Status::Ok, "read {t}/{round}");
+                            assert!(r == w, "submitter {t} round {round}: data differs");
+                            elsewhere += !by.starts_with("submitter") as usize;
+                        }
+                        elsewhere
+                    })
+                    .expect("spawn")
+            })
+            .collect();
+        runs.into_iter().map(|h| h.join().expect("submitter")).sum()
+    })
+}
+
+#[test]
+fn poll_queue_replies_are_read_by_the_submitters() {
+    let srv = FakeServer::start(Script::new(true, true, TFLAG_CAN_MULTI_CONN));
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri(), "poll_queues=1"]).unwrap();
+    assert!(dev.polls() && dev.poll_sleeps());
+    assert!(dev.status().contains("connections=2/2 poll_queues=1 "));
+    // One submitter: every reply is read on its own thread.
+    assert_eq!(polled_writers(&dev, 1, 100), 0);
+    // Several share the poll queue: whoever holds it reads for all, but
+    // never the connection's thread (a poll queue has no reader).
+    assert_eq!(polled_writers(&dev, 4, 100), 0);
+    // Unpolled bios still take the ordinary queue and its reader.
+    write_read_back(&dev, 65536, 8192, 9);
+    assert!(dev.status().contains("in_flight=0 "), "{}", dev.status());
+}
+
+#[test]
+fn poll_queue_reconnects_when_a_poller_finds_it_dead() {
+    let mut sc = Script::new(true, true, TFLAG_CAN_MULTI_CONN);
+    sc.hang_up_every = 7;
+    let srv = FakeServer::start(sc);
+    let dev =
+        NbdDevice::from_args(SIZE, &[&srv.uri(), "poll_queues=2", "reconnect_delay_ms=1"]).unwrap();
+    assert_eq!(polled_writers(&dev, 3, 40), 0);
+    // 240 bios over connections hung up at every 7th request.
+    assert_reconnected_losing_nothing(&dev, 20);
+}
+
+#[test]
+fn no_poll_queues_without_multi_conn() {
+    let srv = FakeServer::start(Script::new(true, true, 0));
+    let dev = NbdDevice::from_args(SIZE, &[&srv.uri(), "poll_queues=1"]).unwrap();
+    assert!(!dev.polls() && !dev.poll_sleeps());
+    let status = dev.status();
+    assert!(
+        status.contains("connections=1/1 poll_queues=0 "),
+        "{status}"
+    );
+    assert!(status.contains("multi_conn=no(asked_"), "{status}");
+    // A polled bio on a device that does not poll ends as any other.
+    let mut w = pattern(4096, 3);
+    let c = submit_and_wait_flags(&dev, Op::Write, BioFlags::POLLED, 0, 4096, &mut w);
+    assert_eq!(c, Status::Ok);
 }

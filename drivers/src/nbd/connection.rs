@@ -17,10 +17,15 @@
 //! NBD requests (parts) under one tag, the part index in the cookie's
 //! middle bits; a `PREFLUSH` write adds a FLUSH part, which covers every
 //! write completed before it as the flag asks.
+//!
+//! A poll queue's connection has no reading thread: its submitters read
+//! the replies themselves (`poll.rs`), as nvme-tcp's poll queues are
+//! reaped by `nvme_tcp_poll` in the submitter's context.
 
 use super::handshake::ExportInfo;
 use super::proto::*;
-use super::wire::Sender;
+use super::reply::ReadSide;
+use super::wire::{Sender, ThreadWake};
 use blkstack_core::bio::IoBuf;
 use blkstack_core::clock::now_ns;
 use blkstack_core::{BioFlags, Op, Status};
@@ -28,6 +33,7 @@ use blkstack_mq::{QueueRq, Rq};
 use parking_lot::Mutex;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Zeroes sent as the payload of an emulated WRITE_ZEROES.
 pub(super) static ZEROES: [u8; ZERO_CHUNK] = [0u8; ZERO_CHUNK];
@@ -148,9 +154,17 @@ pub struct Connection {
     pub stats: ConnStats,
     pub last_error: Mutex<Option<String>>,
     pub stop: AtomicBool,
-    /// Held by the connection's thread while it reads replies into
-    /// request buffers (see `reconnect::run`).
-    pub reader_lock: Mutex<()>,
+    /// Held by whoever reads replies into request buffers: the
+    /// connection's thread (see `reconnect::run`), or on a poll queue the
+    /// polling submitter, which finds the socket's read side in it
+    /// (`None` while disconnected; see `poll`).
+    pub reader_lock: Mutex<Option<ReadSide>>,
+    /// A poll queue (kernel `HCTX_TYPE_POLL`): only `POLLED` requests,
+    /// whose replies their submitters read.
+    pub polled: bool,
+    /// The connection's thread, for a poller that finds the connection
+    /// dead, or a sender that finds it full, to wake.
+    pub wake: Arc<ThreadWake>,
 }
 
 /// What to send for a bio, or how to finish it at once.
@@ -194,7 +208,13 @@ fn command(geo: &Geometry, op: Op, flags: BioFlags) -> Result<(u16, u16, bool), 
 }
 
 impl Connection {
-    pub fn new(index: u32, geo: Geometry, depth: u32, dead_timeout_ns: u64) -> Connection {
+    pub fn new(
+        index: u32,
+        geo: Geometry,
+        depth: u32,
+        dead_timeout_ns: u64,
+        polled: bool,
+    ) -> Connection {
         Connection {
             index,
             geo,
@@ -209,7 +229,9 @@ impl Connection {
             stats: ConnStats::default(),
             last_error: Mutex::new(None),
             stop: AtomicBool::new(false),
-            reader_lock: Mutex::new(()),
+            reader_lock: Mutex::new(None),
+            polled,
+            wake: Arc::default(),
         }
     }
 
@@ -269,6 +291,15 @@ impl Connection {
     /// sending, so the reader can take replies to the first parts of a
     /// large request while later parts still go out.
     pub fn send_slot(&self, tx: &mut TxState, tag: u32) -> io::Result<()> {
+        let r = self.send_parts(tx, tag);
+        if self.polled {
+            // Whatever stalled is sent (or failed): no more reading for it.
+            self.wake.send_stalled.store(false, Ordering::Release);
+        }
+        r
+    }
+
+    fn send_parts(&self, tx: &mut TxState, tag: u32) -> io::Result<()> {
         let Some(sender) = tx.sender.as_mut() else {
             return Ok(());
         };
@@ -322,6 +353,17 @@ impl Connection {
             sender.send(&h, payload)?;
         }
         Ok(())
+    }
+
+    /// Install a new connection's sending half (a poll queue's raises
+    /// the stall flag when the socket stays full).
+    pub fn attach_sender(&self, tx: &mut TxState, mut sender: Sender) {
+        if self.polled {
+            if let Err(e) = sender.set_stall(self.wake.clone()) {
+                tracing::warn!(connection = self.index, error = %e, "nbd: cannot set a send timeout");
+            }
+        }
+        tx.sender = Some(sender);
     }
 
     /// A send failed: drop the socket (waking the reader, which

@@ -4,6 +4,7 @@
 //! ```text
 //! 0 LEN nbd URI [connections=N] [queue_depth=N] [timeout_ms=N]
 //!               [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N]
+//!               [poll_queues=N]
 //! ```
 //!
 //! URI as libnbd spells it ([`uri`]). The table load connects and
@@ -21,12 +22,15 @@
 //! one connection would not cover writes on another). A lost connection
 //! reconnects with backoff and resends its requests ([`reconnect`]);
 //! requests wait at most `dead_timeout_ms`, then fail with EIO, which
-//! dm-multipath treats as a path error.
+//! dm-multipath treats as a path error. `poll_queues=N` adds N
+//! connections as blk-mq poll queues: `POLLED` bios go there and their
+//! submitters read the replies ([`poll`]), as nvme-tcp's poll queues.
 
 pub mod connection;
 pub mod extents;
 pub mod handshake;
 pub mod options;
+pub mod poll;
 pub mod proto;
 pub mod reconnect;
 pub mod reply;
@@ -37,7 +41,9 @@ pub mod wire;
 use crate::error::ArgError;
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{Bio, Device, Features};
-use blkstack_mq::{Driver, EngineOptions, Queue, QueueError, QueueRq, RequestCompleter, Rq};
+use blkstack_mq::{
+    CompleterRef, Driver, EngineOptions, Queue, QueueError, QueueRq, RequestCompleter, Rq,
+};
 use connection::{Connection, Geometry};
 use extents::ExtentQuery;
 use handshake::{Connected, ExportInfo, HandshakeError};
@@ -53,7 +59,7 @@ use std::time::Duration;
 /// Why an `nbd` device could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum NbdError {
-    #[error("nbd: missing the server URI (syntax: nbd URI [connections=N] [queue_depth=N] [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N])")]
+    #[error("nbd: missing the server URI (syntax: nbd URI [connections=N] [queue_depth=N] [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N] [poll_queues=N])")]
     MissingUri,
     #[error("nbd: {0}")]
     Uri(#[from] uri::UriError),
@@ -91,16 +97,29 @@ pub enum NbdError {
     NoCompleter,
 }
 
-/// The driver under the engine: hardware queue `i` is connection `i`.
+/// The driver under the engine: hardware queue `i` is connection `i`;
+/// the last `poll_queues` of them are poll queues.
 pub struct NbdDriver {
-    conns: Box<[Arc<Connection>]>,
+    shared: Arc<DeviceShared>,
+    /// Index of the first poll queue (the number of connections if none).
+    first_polled: usize,
     completer: OnceLock<RequestCompleter>,
+}
+
+impl NbdDriver {
+    fn pollers(&self) -> poll::Pollers<'_> {
+        poll::Pollers {
+            conns: &self.shared.conns[self.first_polled..],
+            extents: &self.shared.extents,
+            timeout_ns: self.shared.opts.timeout_ms * 1_000_000,
+        }
+    }
 }
 
 impl Driver for NbdDriver {
     #[inline]
     fn queue_rq(&self, rq: Rq<'_>) -> QueueRq {
-        match self.conns.get(rq.hctx as usize) {
+        match self.shared.conns.get(rq.hctx as usize) {
             Some(c) => c.queue_rq(rq),
             None => QueueRq::Done(blkstack_core::Status::Invalid),
         }
@@ -108,6 +127,22 @@ impl Driver for NbdDriver {
 
     fn attach(&self, completer: RequestCompleter) {
         let _ = self.completer.set(completer);
+    }
+
+    fn polls(&self) -> bool {
+        self.first_polled < self.shared.conns.len()
+    }
+
+    fn poll(&self, completer: &CompleterRef<'_>) -> usize {
+        self.pollers().poll(completer)
+    }
+
+    fn poll_sleeps(&self) -> bool {
+        self.polls()
+    }
+
+    fn poll_wait(&self, completer: &CompleterRef<'_>, ready: &dyn Fn() -> bool) -> usize {
+        self.pollers().poll_wait(completer, ready)
     }
 }
 
@@ -171,7 +206,7 @@ impl NbdDevice {
             });
         }
         let multi = info.has(TFLAG_CAN_MULTI_CONN);
-        let multi_conn_refused = opts.connections > 1 && !multi;
+        let multi_conn_refused = (opts.connections > 1 || opts.poll_queues > 0) && !multi;
         if multi_conn_refused {
             tracing::warn!(
                 uri = %opts.uri,
@@ -179,9 +214,17 @@ impl NbdDevice {
                 "nbd: server does not advertise CAN_MULTI_CONN; using 1 connection"
             );
         }
+        if opts.poll_queues > 0 && !multi {
+            tracing::warn!(
+                uri = %opts.uri,
+                poll_queues = opts.poll_queues,
+                "nbd: server does not advertise CAN_MULTI_CONN; no poll queues"
+            );
+        }
         let n = if multi { opts.connections } else { 1 };
+        let polled = if multi { opts.poll_queues } else { 0 };
         let mut links = vec![first];
-        for _ in 1..n {
+        for _ in 1..n + polled {
             links.push(connect()?);
         }
         Self::start(
@@ -205,6 +248,8 @@ impl NbdDevice {
         multi_conn_refused: bool,
     ) -> Result<NbdDevice, NbdError> {
         let dead_ns = opts.dead_timeout_ms.saturating_mul(1_000_000);
+        let polled = links.len() - (opts.connections as usize).min(links.len());
+        let first_polled = links.len() - polled;
         let conns: Box<[Arc<Connection>]> = (0..links.len())
             .map(|i| {
                 Arc::new(Connection::new(
@@ -212,33 +257,36 @@ impl NbdDevice {
                     geo,
                     opts.queue_depth + 1,
                     dead_ns,
+                    i >= first_polled,
                 ))
             })
             .collect();
         let mut receivers = Vec::with_capacity(links.len());
         for (c, link) in conns.iter().zip(links) {
             let mut tx = c.tx.lock();
-            tx.sender = Some(link.sender);
+            c.attach_sender(&mut tx, link.sender);
             tx.gen = 1;
             c.stats.up.store(true, Ordering::Relaxed);
             receivers.push(link.receiver);
         }
-        let driver = NbdDriver {
-            conns: conns.clone(),
-            completer: OnceLock::new(),
-        };
         let engine = EngineOptions {
             hw_queues: conns.len() as u32,
+            poll_queues: polled as u32,
             queue_depth: opts.queue_depth,
             ..EngineOptions::default()
         };
-        let queue = Queue::new(driver, engine).map_err(NbdError::Queue)?;
         let shared = Arc::new(DeviceShared {
             opts,
             tls,
             conns,
             extents: ExtentQuery::default(),
         });
+        let driver = NbdDriver {
+            shared: shared.clone(),
+            first_polled,
+            completer: OnceLock::new(),
+        };
+        let queue = Queue::new(driver, engine).map_err(NbdError::Queue)?;
         let mut dev = NbdDevice {
             size,
             block_size,
@@ -295,8 +343,9 @@ impl NbdDevice {
         let conns = &self.shared.conns;
         let sum = |f: &dyn Fn(&Connection) -> u64| conns.iter().map(|c| f(c)).sum::<u64>();
         let (up, total) = self.connections_up();
+        let polled = conns.iter().filter(|c| c.polled).count();
         let mut s = format!(
-            "connections={up}/{total} in_flight={} reconnects={} timeouts={} failed={}",
+            "connections={up}/{total} poll_queues={polled} in_flight={} reconnects={} timeouts={} failed={}",
             sum(&|c| c.stats.in_flight.load(Ordering::Relaxed) as u64),
             sum(&|c| c.stats.reconnects.load(Ordering::Relaxed)),
             sum(&|c| c.stats.timeouts.load(Ordering::Relaxed)),
@@ -423,6 +472,22 @@ impl Device for NbdDevice {
             flush_is_global: i.has(TFLAG_CAN_MULTI_CONN) || self.shared.conns.len() == 1,
             knows_holes: i.allocation_context.is_some(),
         }
+    }
+
+    fn polls(&self) -> bool {
+        self.queue.polls()
+    }
+
+    fn poll(&self) -> usize {
+        self.queue.poll()
+    }
+
+    fn poll_sleeps(&self) -> bool {
+        self.queue.poll_sleeps()
+    }
+
+    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
+        self.queue.poll_wait(ready)
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {

@@ -1,11 +1,14 @@
 //! The `nbd` leaf's table arguments: `URI [connections=N] [queue_depth=N]
-//! [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N]`.
+//! [timeout_ms=N] [reconnect_delay_ms=N] [dead_timeout_ms=N] [poll_us=N]
+//! [poll_queues=N]`.
 //!
 //! They are the knobs of the kernel's nbd client (`nbd-client -C`
 //! connections, the per-request timeout `nbd_xmit_timeout` enforces, and
 //! `dead_conn_timeout`, how long requests wait for a lost server to come
-//! back), plus the blk-mq tag depth per connection and the reply reader's
-//! busy-poll bound (the NBD server's `--poll-us`, on the client side). Each is printed back
+//! back), plus the blk-mq tag depth per connection, the reply reader's
+//! busy-poll bound (the NBD server's `--poll-us`, on the client side) and
+//! the number of poll queues (nvme's `poll_queues`: extra connections
+//! whose replies the polling submitters read). Each is printed back
 //! by `table` only when it differs from its default, so a line re-parses
 //! to the same device.
 
@@ -51,6 +54,9 @@ pub struct NbdOptions {
     /// Longest busy-poll of a connection's socket before its reply reader
     /// blocks (0: never poll); adaptive, see `blkstack_core::timing::spin`.
     pub poll_us: u64,
+    /// Extra connections for `POLLED` bios, read by their submitters
+    /// (blk-mq poll queues; see `poll.rs`).
+    pub poll_queues: u32,
 }
 
 impl NbdOptions {
@@ -73,9 +79,11 @@ impl NbdOptions {
         )?;
         let dead_timeout_ms = kv.take_u64("dead_timeout_ms", DEFAULT_DEAD_TIMEOUT_MS, 0, MAX_MS)?;
         let poll_us = kv.take_u64("poll_us", DEFAULT_POLL_US, 0, MAX_POLL_US)?;
+        let poll_queues = kv.take_u64("poll_queues", 0, 0, MAX_CONNECTIONS)? as u32;
         kv.finish()?;
         Ok(NbdOptions {
             poll_us,
+            poll_queues,
             uri,
             connections,
             queue_depth,
@@ -116,6 +124,7 @@ impl NbdOptions {
             DEFAULT_DEAD_TIMEOUT_MS,
         );
         num("poll_us", self.poll_us, DEFAULT_POLL_US);
+        num("poll_queues", self.poll_queues.into(), 0);
         s
     }
 }
@@ -131,12 +140,12 @@ mod tests {
         assert_eq!(o.queue_depth, 64);
         assert_eq!(o.table_args(), "nbd://h/e");
         let line = "nbd+unix:///e?socket=/s connections=4 queue_depth=8 timeout_ms=500 \
-                    reconnect_delay_ms=10 dead_timeout_ms=200 poll_us=50";
+                    reconnect_delay_ms=10 dead_timeout_ms=200 poll_us=50 poll_queues=2";
         let args: Vec<&str> = line.split_whitespace().collect();
         let o = NbdOptions::parse(&args).unwrap();
         assert_eq!((o.connections, o.queue_depth, o.timeout_ms), (4, 8, 500));
         assert_eq!((o.reconnect_delay_ms, o.dead_timeout_ms), (10, 200));
-        assert_eq!(o.poll_us, 50);
+        assert_eq!((o.poll_us, o.poll_queues), (50, 2));
         assert_eq!(o.table_args(), line);
         let again: Vec<String> = o.table_args().split(' ').map(String::from).collect();
         let again: Vec<&str> = again.iter().map(|s| s.as_str()).collect();

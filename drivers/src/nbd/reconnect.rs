@@ -16,8 +16,9 @@ use super::connection::Connection;
 use super::extents::ExtentQuery;
 use super::handshake;
 use super::options::{NbdOptions, MAX_RECONNECT_DELAY_MS};
-use super::reply::{ReaderExit, ReplyReader};
-use super::wire::Receiver;
+use super::poll::Pollers;
+use super::reply::{ReadSide, ReaderExit, ReplyReader};
+use super::wire::{Receiver, Sender};
 use blkstack_core::clock::now_ns;
 use blkstack_core::Status;
 use blkstack_mq::HeldCompleter;
@@ -29,6 +30,10 @@ use std::time::Duration;
 /// Longest the thread sleeps between checks while disconnected (the
 /// granularity of the dead timeout and of noticing removal).
 const IDLE_TICK: Duration = Duration::from_millis(10);
+
+/// How often a poll queue's thread looks at its connection when nothing
+/// wakes it (a poller that finds it dead, and removal, do).
+const POLLED_IDLE_TICK: Duration = Duration::from_millis(100);
 
 /// What every connection thread of a device shares.
 pub struct DeviceShared {
@@ -53,11 +58,21 @@ impl DeviceShared {
         (self.opts.timeout_ms > 0)
             .then(|| Duration::from_millis((self.opts.timeout_ms / 4).clamp(5, 1000)))
     }
+
+    /// With a request timeout, reads wake up periodically to check it.
+    fn set_read_tick(&self, rx: &Receiver) {
+        if let Some(t) = self.read_tick() {
+            let _ = rx.socket().set_read_timeout(Some(t));
+        }
+    }
 }
 
 /// The body of connection `index`'s thread.
 pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Receiver, gen: u64) {
     let conn = &shared.conns[index];
+    if conn.polled {
+        return run_polled(&shared, index, done, rx, gen);
+    }
     let timeout_ns = shared.opts.timeout_ms * 1_000_000;
     let mut next = Some((rx, gen));
     // Held while replies are read into request buffers: removal ends
@@ -65,28 +80,96 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
     let mut reading = conn.reader_lock.lock();
     while let Some((mut rx, gen)) = next.take() {
         rx.set_poll_ns(shared.opts.poll_us * 1000);
-        if let Some(t) = shared.read_tick() {
-            let _ = rx.socket().set_read_timeout(Some(t));
-        }
-        let mut reader = ReplyReader::new(conn, rx, &done, &shared.extents, gen, timeout_ns);
-        match reader.run() {
+        shared.set_read_tick(&rx);
+        let mut side = ReadSide::new(rx, gen);
+        let exit = ReplyReader::new(
+            conn,
+            &mut side,
+            done.completer_ref(),
+            &shared.extents,
+            timeout_ns,
+        )
+        .run();
+        match exit {
             ReaderExit::Stop => break,
             ReaderExit::Dead(why) => {
-                reader.shutdown();
+                side.shutdown();
                 mark_down(conn, &why)
             }
         }
-        drop(reader);
+        drop(side);
         next = parking_lot::MutexGuard::unlocked(&mut reading, || reconnect(&shared, conn, &done))
             .and_then(|c| {
                 // Removal may have begun while the handshake ran.
-                (!conn.stop.load(Ordering::Acquire)).then(|| install(conn, c.sender, c.receiver))
+                (!conn.stop.load(Ordering::Acquire))
+                    .then(|| install(conn, c.sender, c.receiver))
+                    .flatten()
             });
     }
     fail_waiting(conn, &done, &shared.extents, |_| true);
 }
 
-fn mark_down(conn: &Connection, why: &str) {
+/// A poll queue's thread: the submitters read the replies (`poll.rs`);
+/// this thread puts each new connection's read side where they find it,
+/// reads replies while a sender is stalled on a full socket, fails a
+/// connection whose request timed out while nobody polled, and
+/// reconnects when a poller found the connection dead.
+fn run_polled(shared: &DeviceShared, index: usize, done: HeldCompleter, rx: Receiver, gen: u64) {
+    let conn = &shared.conns[index];
+    conn.wake.set_thread();
+    let own = Pollers {
+        conns: std::slice::from_ref(conn),
+        extents: &shared.extents,
+        timeout_ns: shared.opts.timeout_ms * 1_000_000,
+    };
+    let tick = shared.read_tick().unwrap_or(POLLED_IDLE_TICK);
+    shared.set_read_tick(&rx);
+    *conn.reader_lock.lock() = Some(ReadSide::new(rx, gen));
+    loop {
+        while conn.stats.up.load(Ordering::Acquire) && !conn.stop.load(Ordering::Acquire) {
+            let stalled = || conn.wake.send_stalled.load(Ordering::Acquire);
+            if stalled() {
+                own.reap(conn, &done.completer_ref(), &|| !stalled(), true);
+                continue;
+            }
+            std::thread::park_timeout(tick);
+            expire_polled(conn, own.timeout_ns);
+        }
+        if conn.stop.load(Ordering::Acquire) {
+            break;
+        }
+        // The poller that found it dead took the read side; a poller
+        // still inside it is done once this lock is ours.
+        drop(conn.reader_lock.lock().take());
+        let Some(c) = reconnect(shared, conn, &done) else {
+            break;
+        };
+        if conn.stop.load(Ordering::Acquire) {
+            break;
+        }
+        shared.set_read_tick(&c.receiver);
+        install(conn, c.sender, c.receiver);
+    }
+    let mut side = conn.reader_lock.lock();
+    side.take();
+    fail_waiting(conn, &done, &shared.extents, |_| true);
+}
+
+/// A request unanswered past the timeout while no poller reads (one
+/// that reads notices it itself) fails the connection.
+fn expire_polled(conn: &Connection, timeout_ns: u64) {
+    if timeout_ns == 0 || conn.oldest_sent_ns(now_ns()) <= timeout_ns {
+        return;
+    }
+    let Some(side) = conn.reader_lock.try_lock().and_then(|mut g| g.take()) else {
+        return;
+    };
+    conn.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+    side.shutdown();
+    mark_down(conn, "request timed out");
+}
+
+pub fn mark_down(conn: &Connection, why: &str) {
     let mut tx = conn.tx.lock();
     if let Some(s) = tx.sender.take() {
         s.shutdown();
@@ -187,12 +270,21 @@ fn reconnect(
     }
 }
 
-/// Put a new socket in place and resend what waited for it.
-fn install(conn: &Connection, sender: super::wire::Sender, rx: Receiver) -> (Receiver, u64) {
+/// Put a new socket in place and resend what waited for it. A poll
+/// queue's read side goes where its pollers find it before the resend,
+/// so they can read replies while it goes on (`None` then); a reader
+/// thread's is handed back to it.
+fn install(conn: &Connection, sender: Sender, rx: Receiver) -> Option<(Receiver, u64)> {
     let mut tx = conn.tx.lock();
     tx.gen += 1;
-    tx.sender = Some(sender);
+    conn.attach_sender(&mut tx, sender);
     let gen = tx.gen;
+    let mut rx = Some(rx);
+    if conn.polled {
+        // Pollers take this lock before the send lock only to find the
+        // read side gone; none holds it now.
+        *conn.reader_lock.lock() = rx.take().map(|rx| ReadSide::new(rx, gen));
+    }
     for tag in 0..conn.slots.len() {
         if let Err(e) = conn.send_slot(&mut tx, tag as u32) {
             conn.note_send_error(&mut tx, e);
@@ -204,5 +296,5 @@ fn install(conn: &Connection, sender: super::wire::Sender, rx: Receiver) -> (Rec
     conn.stats.reconnects.fetch_add(1, Ordering::Relaxed);
     drop(tx);
     tracing::info!(connection = conn.index, "nbd: reconnected");
-    (rx, gen)
+    rx.map(|rx| (rx, gen))
 }

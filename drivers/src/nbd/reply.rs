@@ -16,7 +16,7 @@ use super::proto::*;
 use super::wire::Receiver;
 use blkstack_core::clock::now_ns;
 use blkstack_core::Status;
-use blkstack_mq::HeldCompleter;
+use blkstack_mq::CompleterRef;
 use std::io::{self, BufReader, Read};
 use std::sync::atomic::Ordering;
 
@@ -32,15 +32,53 @@ pub enum ReaderExit {
     Dead(String),
 }
 
+/// What outlives one reader: the socket's receiving half with the bytes
+/// read ahead of the current reply, and the generation it belongs to. A
+/// connection's thread keeps it; on a poll queue it lives in the
+/// connection's reader lock, where each polling submitter picks it up.
+pub struct ReadSide {
+    pub rx: BufReader<Receiver>,
+    pub gen: u64,
+    scratch: Vec<u8>,
+}
+
+impl ReadSide {
+    pub fn new(rx: Receiver, gen: u64) -> ReadSide {
+        ReadSide {
+            rx: BufReader::with_capacity(64 * 1024, rx),
+            gen,
+            scratch: Vec::with_capacity(4096),
+        }
+    }
+
+    /// Bytes already read from the socket (or decrypted) that no reply
+    /// has consumed yet.
+    pub fn has_buffered(&self) -> bool {
+        !self.rx.buffer().is_empty() || self.rx.get_ref().has_pending()
+    }
+
+    /// Whether a read would find something now (buffered, or on the
+    /// socket) rather than sleep.
+    pub fn readable_now(&self) -> bool {
+        self.has_buffered() || self.rx.get_ref().socket().readable_now()
+    }
+
+    /// Shut the socket down, waking a submitter blocked sending on it
+    /// (it holds the send lock that marking the connection down needs).
+    pub fn shutdown(&self) {
+        self.rx.get_ref().socket().shutdown();
+    }
+}
+
 pub struct ReplyReader<'a> {
     pub conn: &'a Connection,
-    pub rx: BufReader<Receiver>,
-    pub done: &'a HeldCompleter,
+    pub side: &'a mut ReadSide,
+    pub done: CompleterRef<'a>,
     pub extents: &'a ExtentQuery,
-    pub gen: u64,
     /// Request timeout (0: none).
     pub timeout_ns: u64,
-    scratch: Vec<u8>,
+    /// Requests this reader ended.
+    pub ended: usize,
 }
 
 type R<T> = Result<T, ReaderExit>;
@@ -52,20 +90,18 @@ fn dead(what: &str) -> ReaderExit {
 impl<'a> ReplyReader<'a> {
     pub fn new(
         conn: &'a Connection,
-        rx: Receiver,
-        done: &'a HeldCompleter,
+        side: &'a mut ReadSide,
+        done: CompleterRef<'a>,
         extents: &'a ExtentQuery,
-        gen: u64,
         timeout_ns: u64,
     ) -> Self {
         ReplyReader {
             conn,
-            rx: BufReader::with_capacity(64 * 1024, rx),
+            side,
             done,
             extents,
-            gen,
             timeout_ns,
-            scratch: Vec::with_capacity(4096),
+            ended: 0,
         }
     }
 
@@ -86,7 +122,7 @@ impl<'a> ReplyReader<'a> {
     fn read_full(&mut self, buf: &mut [u8]) -> R<()> {
         let mut done = 0;
         while done < buf.len() {
-            match self.rx.read(&mut buf[done..]) {
+            match self.side.rx.read(&mut buf[done..]) {
                 Ok(0) => {
                     if self.conn.stop.load(Ordering::Acquire) {
                         return Err(ReaderExit::Stop);
@@ -119,18 +155,12 @@ impl<'a> ReplyReader<'a> {
         if len > MAX_META_CHUNK {
             return Err(dead("oversized reply chunk"));
         }
-        let mut s = std::mem::take(&mut self.scratch);
+        let mut s = std::mem::take(&mut self.side.scratch);
         s.clear();
         s.resize(len as usize, 0);
         let r = self.read_full(&mut s);
-        self.scratch = s;
+        self.side.scratch = s;
         r
-    }
-
-    /// Shut the socket down, waking a submitter blocked sending on it
-    /// (it holds the send lock that marking the connection down needs).
-    pub fn shutdown(&self) {
-        self.rx.get_ref().socket().shutdown();
     }
 
     /// Serve replies until the connection dies or the device stops.
@@ -142,7 +172,8 @@ impl<'a> ReplyReader<'a> {
         }
     }
 
-    fn one_reply(&mut self) -> R<()> {
+    /// Read one reply (all of it, sleeping for its bytes as needed).
+    pub fn one_reply(&mut self) -> R<()> {
         let mut m = [0u8; 4];
         self.read_full(&mut m)?;
         match u32::from_be_bytes(m) {
@@ -176,7 +207,7 @@ impl<'a> ReplyReader<'a> {
             .filter(|_| h == self.conn.index)
             .ok_or_else(|| dead("reply with an unknown cookie"))?;
         let d = *slot.0.lock();
-        if !d.active || d.sent_gen != self.gen || part >= d.parts {
+        if !d.active || d.sent_gen != self.side.gen || part >= d.parts {
             return Err(dead("reply for a request not in flight"));
         }
         Ok((tag, part, d))
@@ -220,14 +251,14 @@ impl<'a> ReplyReader<'a> {
             }
             REPLY_TYPE_BLOCK_STATUS if d.cmd == CMD_BLOCK_STATUS => {
                 self.read_scratch(len)?;
-                self.extents.add_chunk(&self.scratch);
+                self.extents.add_chunk(&self.side.scratch);
             }
             t if t & (1 << 15) != 0 => {
                 if len < 6 {
                     return Err(dead("short error chunk"));
                 }
                 self.read_scratch(len)?;
-                let s = &self.scratch;
+                let s = &self.side.scratch;
                 status = status_of(u32::from_be_bytes([s[0], s[1], s[2], s[3]]));
                 if status.is_ok() {
                     status = Status::IoError;
@@ -273,10 +304,10 @@ impl<'a> ReplyReader<'a> {
 
     /// One part answered, its last reply covering `covered` more bytes of
     /// a READ: end the request when it was the last part.
-    fn finish_part(&self, tag: u32, status: Status, covered: u64) {
+    fn finish_part(&mut self, tag: u32, status: Status, covered: u64) {
         let mut d = self.conn.slots[tag as usize].0.lock();
         // An extent query that gave up meanwhile is no longer ours.
-        if !d.active || d.sent_gen != self.gen {
+        if !d.active || d.sent_gen != self.side.gen {
             return;
         }
         d.covered = d.covered.saturating_add(covered);
@@ -306,6 +337,7 @@ impl<'a> ReplyReader<'a> {
             return;
         }
         self.conn.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.ended += 1;
         self.done.end_request(self.conn.index, tag, st);
     }
 }

@@ -19,6 +19,7 @@ use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -127,6 +128,28 @@ impl Socket {
     }
 }
 
+impl Socket {
+    /// Whether the socket has bytes to read (or an error or end of
+    /// stream to report) now: `poll` with a zero timeout.
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            Socket::Tcp(s) => s.as_raw_fd(),
+            Socket::Unix(s) => s.as_raw_fd(),
+        }
+    }
+
+    pub fn readable_now(&self) -> bool {
+        let fd = self.raw_fd();
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, the fd is ours.
+        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+}
+
 impl Read for Socket {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
@@ -154,15 +177,65 @@ impl Write for Socket {
     }
 }
 
+/// A connection thread's handle, and the flag a sender raises when the
+/// socket stays full. On a poll queue nobody reads replies while its
+/// submitter is inside a send; a server that stops reading requests
+/// because its replies are not read would then hold that send forever,
+/// so a stalled sender wakes the connection's thread to read replies
+/// meanwhile (libnbd reads while it waits to write, for the same reason).
+#[derive(Default)]
+pub struct ThreadWake {
+    pub send_stalled: AtomicBool,
+    thread: Mutex<Option<std::thread::Thread>>,
+}
+
+impl ThreadWake {
+    /// Record the calling thread as the one to wake.
+    pub fn set_thread(&self) {
+        *self.thread.lock() = Some(std::thread::current());
+    }
+
+    pub fn wake(&self) {
+        if let Some(t) = self.thread.lock().as_ref() {
+            t.unpark();
+        }
+    }
+
+    fn stall(&self) {
+        self.send_stalled.store(true, Ordering::Release);
+        self.wake();
+    }
+}
+
+/// How long a send on a poll queue may wait for room before it asks for
+/// the replies to be read.
+pub const SEND_STALL: Duration = Duration::from_millis(1);
+
 /// Write every byte of `bufs` with as few `writev` calls as the socket
-/// allows.
-fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+/// allows; a write that times out (only a poll queue's socket has a send
+/// timeout) raises `stall` and goes on.
+fn write_all_vectored(
+    w: &mut impl Write,
+    mut bufs: &mut [IoSlice<'_>],
+    stall: Option<&ThreadWake>,
+) -> io::Result<()> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         match w.write_vectored(bufs) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                match stall {
+                    Some(s) => s.stall(),
+                    None => return Err(e),
+                }
+            }
             Err(e) => return Err(e),
         }
     }
@@ -175,14 +248,17 @@ pub struct Sender {
     tls: Option<Arc<Mutex<ClientConnection>>>,
     /// Encrypted records waiting to be written (reused).
     records: Vec<u8>,
+    /// A poll queue's: raised when a send stalls (see [`ThreadWake`]).
+    stall: Option<Arc<ThreadWake>>,
 }
 
 impl Sender {
     /// Send one request: its header and payload (empty unless a write).
     pub fn send(&mut self, header: &[u8], payload: &[u8]) -> io::Result<()> {
+        let stall = self.stall.as_deref();
         let Some(tls) = &self.tls else {
             let mut bufs = [IoSlice::new(header), IoSlice::new(payload)];
-            return write_all_vectored(&mut self.sock, &mut bufs);
+            return write_all_vectored(&mut self.sock, &mut bufs, stall);
         };
         self.records.clear();
         {
@@ -193,7 +269,15 @@ impl Sender {
                 c.write_tls(&mut self.records)?;
             }
         }
-        self.sock.write_all(&self.records)
+        write_all_vectored(&mut self.sock, &mut [IoSlice::new(&self.records)], stall)
+    }
+
+    /// Make sends that wait [`SEND_STALL`] for room raise `stall` and
+    /// carry on waiting (a poll queue's sender).
+    pub fn set_stall(&mut self, stall: Arc<ThreadWake>) -> io::Result<()> {
+        self.sock.set_write_timeout(Some(SEND_STALL))?;
+        self.stall = Some(stall);
+        Ok(())
     }
 
     pub fn shutdown(&self) {
@@ -269,6 +353,22 @@ impl Receiver {
         &self.sock
     }
 
+    /// Whether bytes were received that a read would return without
+    /// touching the socket (TLS records read but not yet decrypted, or
+    /// plaintext rustls holds).
+    pub fn has_pending(&self) -> bool {
+        let Some(tls) = &self.tls else {
+            return false;
+        };
+        if self.raw_start < self.raw_end {
+            return true;
+        }
+        let mut c = tls.lock();
+        c.process_new_packets()
+            .map(|st| st.plaintext_bytes_to_read() > 0)
+            .unwrap_or(true)
+    }
+
     /// Busy-poll the socket up to `ns` before each blocking read (0: never).
     pub fn set_poll_ns(&mut self, ns: u64) {
         self.spin = SpinPolicy::new(ns);
@@ -289,6 +389,7 @@ pub fn split(sock: Socket, tls: Option<ClientConnection>) -> io::Result<(Sender,
             sock: tx_sock,
             tls: tls.clone(),
             records: Vec::new(),
+            stall: None,
         },
         Receiver {
             sock,
