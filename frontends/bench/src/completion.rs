@@ -15,6 +15,7 @@ use blkstack_core::{Bio, EndIo, Status};
 use parking_lot::{Condvar, Mutex};
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Completed bios waiting for the job loop, with their status and
 /// completion time in a parallel list: a bio is 128 bytes and moves with
@@ -151,6 +152,34 @@ impl CompletionQueue {
         g.items.move_into(out);
         self.ready.store(0, Ordering::Relaxed);
         out.len()
+    }
+
+    /// Block until something completed or `limit` passed, then take what
+    /// there is.
+    pub(crate) fn wait_take_for(&self, out: &mut DoneList, limit: Duration) -> usize {
+        self.take_local(out);
+        if !out.is_empty() {
+            return self.try_take(out);
+        }
+        let mut g = self.inner.lock();
+        if g.items.is_empty() {
+            g.waiter = true;
+            self.cv.wait_for(&mut g, limit);
+            g.waiter = false;
+        }
+        g.items.move_into(out);
+        self.ready.store(0, Ordering::Relaxed);
+        out.len()
+    }
+
+    /// Whether anything completed, on this thread or another. Job thread
+    /// only.
+    pub(crate) fn has_any(&self) -> bool {
+        assert_eq!(thread_marker(), self.job_thread, "not the job thread");
+        // SAFETY: the job thread reads its own list's length while no
+        // `end_io` runs on it (this is not called from inside one).
+        let local = unsafe { !(*self.local.get()).is_empty() };
+        local || self.has_ready()
     }
 
     #[inline]

@@ -77,6 +77,9 @@ pub(crate) enum Phase {
 
 /// Spins of the completion-queue check before a poller yields the CPU.
 const POLL_SPINS: u32 = 256;
+/// How long a job whose device has nothing to poll (its connection is
+/// being restored) waits for an ordinary completion before polling again.
+const SLEEPING_POLL_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 /// Verify failures described in the result (the count is always exact).
 pub(crate) const MAX_FAILURE_TEXTS: usize = 10;
 
@@ -143,6 +146,11 @@ pub(crate) struct Engine {
     /// completes them once due (io_uring IOPOLL: the submitter reaps its
     /// own I/O; nothing wakes it from another thread).
     pub(crate) dev_polls: bool,
+    /// `wait=interrupt` on a device whose poll sleeps in the device
+    /// (`Device::poll_sleeps`: the `nbd` leaf's poll queues): bios go out
+    /// `POLLED` and the job thread waits in `Device::poll_wait`, reading
+    /// its own replies, so one wake-up (the reply's) serves each wait.
+    pub(crate) dev_sleeps: bool,
     pub(crate) hybrid_sleep_pct: u64,
     pub(crate) hybrid_estimator: HybridEstimator,
     pub(crate) progress: Arc<JobProgress>,
@@ -236,7 +244,11 @@ impl Engine {
             verify_failures: Vec::new(),
             min_lat_ns: u64::MAX,
             ewma_lat_ns: 0,
-            dev_polls: spec.wait != WaitMode::Interrupt && setup.device.polls(),
+            dev_polls: match spec.wait {
+                WaitMode::Interrupt => setup.device.poll_sleeps(),
+                _ => setup.device.polls(),
+            },
+            dev_sleeps: spec.wait == WaitMode::Interrupt && setup.device.poll_sleeps(),
             hybrid_sleep_pct: spec.hybrid_sleep_pct.clamp(1, 100) as u64,
             hybrid_estimator: spec.hybrid_estimator,
             progress: setup.progress.clone(),
@@ -398,6 +410,7 @@ impl Engine {
             return n;
         }
         match self.wait {
+            WaitMode::Interrupt if self.dev_sleeps => self.sleeping_poll_take(),
             WaitMode::Interrupt => self.cq.wait_take(&mut self.drained),
             WaitMode::Poll => self.poll_take(),
             WaitMode::Hybrid => {
@@ -422,6 +435,27 @@ impl Engine {
                     }
                 }
                 self.poll_take()
+            }
+        }
+    }
+
+    /// Wait in the device's sleeping poll; when it has nothing to read
+    /// (no polled bio in flight there, or its connection is down and being
+    /// restored) wait for an ordinary completion, briefly, and look again.
+    fn sleeping_poll_take(&mut self) -> usize {
+        loop {
+            let cq = &self.cq;
+            if self.dev.poll_wait(&|| cq.has_any()) == 0 {
+                let n = self
+                    .cq
+                    .wait_take_for(&mut self.drained, SLEEPING_POLL_RETRY);
+                if n > 0 {
+                    return n;
+                }
+            }
+            let n = self.cq.try_take(&mut self.drained);
+            if n > 0 {
+                return n;
             }
         }
     }
