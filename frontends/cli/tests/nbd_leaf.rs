@@ -4,7 +4,8 @@
 //! the `nbd` line; TLS against `blkstack serve --tls=require`; a table
 //! longer than the export refused; a server killed with SIGKILL and
 //! restarted (nothing lost) or not (errors within the dead timeout, no
-//! hang); multi-conn only where the server advertises it.
+//! hang); multi-conn only where the server advertises it; poll queues,
+//! whose replies the bench's job threads read themselves.
 
 mod nbd_common;
 
@@ -131,6 +132,37 @@ fn verifies_against_blkstack_serve_over_unix_and_tcp() {
 }
 
 #[test]
+fn poll_queues_verify_with_the_bench_reading_its_own_replies() {
+    let srv = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    let uri = srv.unix_uri("mem");
+    // The default wait sleeps in the leaf's poll (the job thread reads
+    // its replies); wait=poll spins on the poll that never sleeps.
+    bench_verify(&format!("{uri} poll_queues=1"), &[]);
+    bench_verify(&format!("{uri} poll_queues=2"), &["--wait=poll"]);
+    // Four jobs share one poll queue, each verifying its own 2 MiB.
+    let out = bench(
+        &format!("{uri} poll_queues=1"),
+        &[
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=8",
+            "--numjobs=4",
+            "--size=2m",
+            "--offset_increment=2m",
+            "--verify=crc32c",
+            "--do_verify=1",
+        ],
+    );
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    let verified = all
+        .lines()
+        .filter(|l| l.trim_start().starts_with("verify") && l.contains("checked=512, errors=0"))
+        .count();
+    assert_eq!(verified, 4, "every job verified all its blocks:\n{all}");
+}
+
+#[test]
 fn verifies_against_qemu_nbd() {
     let dir = Scratch::new("leaf-qemu");
     let img = dir.path("disk.raw");
@@ -214,6 +246,28 @@ fn tls_leaf_against_serve_require_and_verify_peer() {
     // Over TCP the server certificate is checked against the address.
     let tcp = format!("nbds://{}/mem?tls-certificates={dir}", srv.tcp);
     bench_verify(&tcp, &[]);
+    // Poll queues over TLS: the job thread decrypts its own replies.
+    bench_verify(&format!("{tls_uri} poll_queues=1"), &[]);
+    // 64 KiB reads and writes at depth 16: more replies than the socket
+    // holds while the job thread is still sending, so a send stalls until
+    // the connection's thread reads replies (without it, both ends wait
+    // for each other for ever); records and plaintext stay buffered
+    // between polls.
+    let out = bench(
+        &format!("{tls_uri} poll_queues=2"),
+        &[
+            "--rw=randrw",
+            "--bs=64k",
+            "--iodepth=16",
+            "--size=16m",
+            "--wait=poll",
+            "--verify=crc32c",
+            "--do_verify=1",
+        ],
+    );
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(all.contains(", errors=0"), "{all}");
     // Without the CA's certificate the server is not trusted.
     let other = Scratch::new("leaf-tls-other");
     certificates(&other.0);
@@ -261,11 +315,22 @@ fn file_image(dir: &Scratch) -> PathBuf {
 
 #[test]
 fn server_killed_and_restarted_within_dead_timeout_loses_nothing() {
+    killed_and_restarted("");
+}
+
+/// The same with the bench's I/O on a poll queue: the job thread finds
+/// the connection dead, and waits for the reconnect's resent requests.
+#[test]
+fn poll_queue_server_killed_and_restarted_loses_nothing() {
+    killed_and_restarted(" poll_queues=1");
+}
+
+fn killed_and_restarted(extra: &str) {
     let dir = Scratch::new("leaf-restart");
     let (img, sock) = (file_image(&dir), dir.path("f.sock"));
     let mut srv = file_server(&dir, &img, &sock);
     let args = format!(
-        "{} reconnect_delay_ms=20 dead_timeout_ms=10000",
+        "{} reconnect_delay_ms=20 dead_timeout_ms=10000{extra}",
         unix_uri("f0", &sock)
     );
     // About two seconds of paced writes, then the verify pass.
