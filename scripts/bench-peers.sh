@@ -22,7 +22,11 @@
 #     (blkstack bench over a `0 LEN nbd URI connections=1` table) against
 #     fio's own nbd engine (libnbd), one connection each; IOPS and the
 #     client's CPU per I/O (utime+stime of the client process); `leaf` is
-#     the default (no polling), `leafpoll` poll_us=50 (reader polls)
+#     the default (a reader thread per connection reads the replies),
+#     `leafpq` poll_queues=1 (the bench thread reads its own replies from
+#     a poll-queue connection; the default connection stays idle), and,
+#     when CLIENTS names it, `leafpoll` poll_us=50 (the reader thread
+#     busy-polls its socket)
 #
 # Usage: scripts/bench-peers.sh            (REPS=3 RUNTIME=5 by default)
 #        BLKSTACK=path/to/blkstack scripts/bench-peers.sh   (skip the build)
@@ -264,8 +268,9 @@ server_row() {
 client_row() {
     local rep=$1 row=$2 client
     printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1\n' "$SECTORS" "$SOCK" >"$WORK/leaf.stack"
+    printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_queues=1\n' "$SECTORS" "$SOCK" >"$WORK/leafpq.stack"
     printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_us=50\n' "$SECTORS" "$SOCK" >"$WORK/leafpoll.stack"
-    for client in libnbd leaf leafpoll; do
+    for client in $CLIENTS; do
         start_server ours null 0 || return 0
         # shellcheck disable=SC2046
         case $client in
@@ -288,6 +293,7 @@ client_row() {
     done
 }
 
+CLIENTS=${CLIENTS:-"libnbd leaf leafpq"}
 RESULTS="$WORK/results.tsv"
 : >"$RESULTS"
 for rep in $(seq 1 "$REPS"); do
@@ -332,10 +338,14 @@ if servers:
                      for s in ("ours", "nbdkit", "qemu")]
             print(f"{row:<20} " + "   ".join(cells))
 if clients:
-    print(f"\nclients against blkstack serve (null), {runtime} s each, one connection; CPU is the client's")
-    print(f"{'row':<20} {'leaf':>9} {'leafpoll':>9} {'libnbd':>9} {'/libnbd':>8} {'p/libnbd':>9}   CPU us/IO: {'leaf':>6} {'poll':>6} {'libnbd':>7}")
+    who = [c for c in ("libnbd", "leaf", "leafpq", "leafpoll") if any((r, c) in iops for r in clients)]
+    print(f"\nclients against blkstack serve (null), {runtime} s each, one connection carrying the I/O; CPU is the client's")
+    print(f"{'row':<20} " + " ".join(f"{c:>9}" for c in who) + "   IOPS / libnbd: " + " ".join(f"{c:>8}" for c in who[1:])
+          + "   CPU us/IO: " + " ".join(f"{c:>8}" for c in who))
     for row in clients:
-        l, lp, f = (med(iops[row, c]) for c in ("leaf", "leafpoll", "libnbd"))
-        cl, clp, cf = (med(cpu[row, c]) for c in ("leaf", "leafpoll", "libnbd"))
-        print(f"{row:<20} {l:>9.0f} {lp:>9.0f} {f:>9.0f} {div(l, f):>8.2f} {div(lp, f):>9.2f}              {cl:>6.2f} {clp:>6.2f} {cf:>7.2f}")
+        i = {c: med(iops[row, c]) for c in who}
+        u = {c: med(cpu[row, c]) for c in who}
+        print(f"{row:<20} " + " ".join(f"{i[c]:>9.0f}" for c in who) + "                  "
+              + " ".join(f"{div(i[c], i.get('libnbd', 0)):>8.2f}" for c in who[1:])
+              + "              " + " ".join(f"{u[c]:>8.2f}" for c in who))
 EOF
