@@ -7,6 +7,10 @@
 //! fails requests while no connection is alive; dm-multipath sees a path
 //! error and retries them on another path.
 //!
+//! The resend runs on a thread of its own while replies are read, so a
+//! resend larger than the socket holds cannot wait for a server that
+//! waits for its replies to be read.
+//!
 //! Removal sets the stop flag and shuts the socket down: the thread
 //! leaves whatever it blocks in (a read, a backoff sleep, a connection
 //! attempt bounded by its timeout) and fails the requests it still holds,
@@ -78,24 +82,31 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
     // Held while replies are read into request buffers: removal ends
     // the waiting requests itself only when it can take this.
     let mut reading = conn.reader_lock.lock();
+    // The first connection has nothing to resend.
+    let mut resend = false;
     while let Some((mut rx, gen)) = next.take() {
         rx.set_poll_ns(shared.opts.poll_us * 1000);
         shared.set_read_tick(&rx);
         let mut side = ReadSide::new(rx, gen);
-        let exit = ReplyReader::new(
-            conn,
-            &mut side,
-            done.completer_ref(),
-            &shared.extents,
-            timeout_ns,
-        )
-        .run();
+        let exit = std::thread::scope(|s| {
+            if std::mem::take(&mut resend) {
+                resend_beside(s, conn);
+            }
+            let exit = ReplyReader::new(
+                conn,
+                &mut side,
+                done.completer_ref(),
+                &shared.extents,
+                timeout_ns,
+            )
+            .run();
+            // A resend blocked on the dead socket ends before the scope.
+            side.shutdown();
+            exit
+        });
         match exit {
             ReaderExit::Stop => break,
-            ReaderExit::Dead(why) => {
-                side.shutdown();
-                mark_down(conn, &why)
-            }
+            ReaderExit::Dead(why) => mark_down(conn, &why),
         }
         drop(side);
         next = parking_lot::MutexGuard::unlocked(&mut reading, || reconnect(&shared, conn, &done))
@@ -105,8 +116,34 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
                     .then(|| install(conn, c.sender, c.receiver))
                     .flatten()
             });
+        resend = true;
     }
     fail_waiting(conn, &done, &shared.extents, |_| true);
+}
+
+/// Resend what waited for the new connection from a thread of its own,
+/// while the caller goes on reading replies: a resend of more than the
+/// socket holds, with nobody reading, would wait for a server that waits
+/// for its replies to be read. If no thread can be had, resend inline.
+fn resend_beside<'s>(s: &'s std::thread::Scope<'s, '_>, conn: &'s Connection) {
+    let spawned = std::thread::Builder::new()
+        .name(format!("nbd-resend{}", conn.index))
+        .spawn_scoped(s, || resend_all(conn));
+    if let Err(e) = spawned {
+        tracing::warn!(connection = conn.index, error = %e, "nbd: no resend thread; resending inline");
+        resend_all(conn);
+    }
+}
+
+/// Send every waiting request not yet sent on the current connection.
+fn resend_all(conn: &Connection) {
+    let mut tx = conn.tx.lock();
+    for tag in 0..conn.slots.len() {
+        if let Err(e) = conn.send_slot(&mut tx, tag as u32) {
+            conn.note_send_error(&mut tx, e);
+            break;
+        }
+    }
 }
 
 /// A poll queue's thread: the submitters read the replies (`poll.rs`);
@@ -125,16 +162,22 @@ fn run_polled(shared: &DeviceShared, index: usize, done: HeldCompleter, rx: Rece
     let tick = shared.read_tick().unwrap_or(POLLED_IDLE_TICK);
     shared.set_read_tick(&rx);
     *conn.reader_lock.lock() = Some(ReadSide::new(rx, gen));
+    let mut resend = false;
     loop {
-        while conn.stats.up.load(Ordering::Acquire) && !conn.stop.load(Ordering::Acquire) {
-            let stalled = || conn.wake.send_stalled.load(Ordering::Acquire);
-            if stalled() {
-                own.reap(conn, &done.completer_ref(), &|| !stalled(), true);
-                continue;
+        std::thread::scope(|s| {
+            if std::mem::take(&mut resend) {
+                resend_beside(s, conn);
             }
-            std::thread::park_timeout(tick);
-            expire_polled(conn, own.timeout_ns);
-        }
+            while conn.stats.up.load(Ordering::Acquire) && !conn.stop.load(Ordering::Acquire) {
+                let stalled = || conn.wake.send_stalled.load(Ordering::Acquire);
+                if stalled() {
+                    own.reap(conn, &done.completer_ref(), &|| !stalled(), true);
+                    continue;
+                }
+                std::thread::park_timeout(tick);
+                expire_polled(conn, own.timeout_ns);
+            }
+        });
         if conn.stop.load(Ordering::Acquire) {
             break;
         }
@@ -149,6 +192,7 @@ fn run_polled(shared: &DeviceShared, index: usize, done: HeldCompleter, rx: Rece
         }
         shared.set_read_tick(&c.receiver);
         install(conn, c.sender, c.receiver);
+        resend = true;
     }
     let mut side = conn.reader_lock.lock();
     side.take();
@@ -270,10 +314,9 @@ fn reconnect(
     }
 }
 
-/// Put a new socket in place and resend what waited for it. A poll
-/// queue's read side goes where its pollers find it before the resend,
-/// so they can read replies while it goes on (`None` then); a reader
-/// thread's is handed back to it.
+/// Put a new socket in place; the caller then resends what waited for
+/// it (`resend_beside`). A poll queue's read side goes where its pollers
+/// find it (`None` then); a reader thread's is handed back to it.
 fn install(conn: &Connection, sender: Sender, rx: Receiver) -> Option<(Receiver, u64)> {
     let mut tx = conn.tx.lock();
     tx.gen += 1;
@@ -285,13 +328,7 @@ fn install(conn: &Connection, sender: Sender, rx: Receiver) -> Option<(Receiver,
         // read side gone; none holds it now.
         *conn.reader_lock.lock() = rx.take().map(|rx| ReadSide::new(rx, gen));
     }
-    for tag in 0..conn.slots.len() {
-        if let Err(e) = conn.send_slot(&mut tx, tag as u32) {
-            conn.note_send_error(&mut tx, e);
-            break;
-        }
-    }
-    conn.stats.up.store(tx.sender.is_some(), Ordering::Relaxed);
+    conn.stats.up.store(true, Ordering::Release);
     conn.stats.down_since.store(0, Ordering::Relaxed);
     conn.stats.reconnects.fetch_add(1, Ordering::Relaxed);
     drop(tx);

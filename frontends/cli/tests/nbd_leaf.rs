@@ -346,6 +346,56 @@ fn killed_and_restarted(extra: &str) {
     );
 }
 
+/// nbdkit serving `img` with every request delayed, so requests pile up.
+fn slow_nbdkit(img: &Path, sock: &Path) -> Peer {
+    let _ = std::fs::remove_file(sock);
+    Peer::spawn(
+        Command::new(tool("nbdkit"))
+            .args(["-f", "--filter=delay", "-U"])
+            .arg(sock)
+            .arg("file")
+            .arg(img)
+            .args(["rdelay=30ms", "wdelay=30ms"]),
+        sock,
+    )
+}
+
+/// 64 MiB of 1 MiB reads and writes in flight when the server dies: the
+/// resend after the reconnect is more than the socket holds, and nbdkit
+/// stops reading requests while its replies are not read. The replies
+/// are read while the resend goes on (a reader thread, or on a poll
+/// queue the connection's thread when the send stalls), so it finishes.
+#[test]
+fn resend_larger_than_the_socket_does_not_deadlock() {
+    for extra in ["", " poll_queues=1"] {
+        let dir = Scratch::new("leaf-resend");
+        let (img, sock) = (file_image(&dir), dir.path("k.sock"));
+        let mut srv = slow_nbdkit(&img, &sock);
+        let args = format!(
+            "{} reconnect_delay_ms=20 dead_timeout_ms=20000{extra}",
+            unix_uri("", &sock)
+        );
+        let run = std::thread::spawn(move || {
+            let job = [
+                "--rw=randrw",
+                "--bs=1m",
+                "--iodepth=64",
+                "--runtime=3",
+                "--time_based",
+            ];
+            bench(&args, &job)
+        });
+        std::thread::sleep(Duration::from_millis(1200));
+        srv.kill();
+        std::thread::sleep(Duration::from_millis(300));
+        let _srv = slow_nbdkit(&img, &sock);
+        let out = run.join().expect("bench thread");
+        let all = text(&out);
+        assert!(out.status.success(), "{extra}: {all}");
+        assert!(all.contains("connection lost"), "{extra}: {all}");
+    }
+}
+
 #[test]
 fn server_killed_for_good_fails_requests_within_dead_timeout() {
     let dir = Scratch::new("leaf-dead");
