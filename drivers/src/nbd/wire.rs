@@ -2,7 +2,8 @@
 //! sending half (submitters, one `writev` per request: header and payload
 //! together, as the kernel's `nbd_send_cmd` sends a request with one
 //! `sock_xmit` of an iov) and a receiving half owned by the connection's
-//! reader thread.
+//! reader thread (on a poll queue, by whichever poller holds the reader
+//! lock).
 //!
 //! With TLS both halves go through one rustls connection behind a mutex.
 //! The receiver never blocks while holding it: it reads records from the
@@ -129,8 +130,6 @@ impl Socket {
 }
 
 impl Socket {
-    /// Whether the socket has bytes to read (or an error or end of
-    /// stream to report) now: `poll` with a zero timeout.
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         match self {
             Socket::Tcp(s) => s.as_raw_fd(),
@@ -138,6 +137,8 @@ impl Socket {
         }
     }
 
+    /// Whether the socket has bytes to read (or an error or end of
+    /// stream to report) now: `poll` with a zero timeout.
     pub fn readable_now(&self) -> bool {
         let fd = self.raw_fd();
         let mut p = libc::pollfd {
