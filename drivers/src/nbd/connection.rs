@@ -292,8 +292,9 @@ impl Connection {
     /// large request while later parts still go out.
     pub fn send_slot(&self, tx: &mut TxState, tag: u32) -> io::Result<()> {
         let r = self.send_parts(tx, tag);
-        if self.polled {
-            // Whatever stalled is sent (or failed): no more reading for it.
+        // Whatever stalled is sent (or failed): no more reading for it.
+        // Only this sender (it holds the send lock) can have raised it.
+        if self.polled && self.wake.send_stalled.load(Ordering::Acquire) {
             self.wake.send_stalled.store(false, Ordering::Release);
         }
         r

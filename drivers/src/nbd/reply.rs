@@ -13,7 +13,7 @@
 use super::connection::{split_cookie, status_of, Connection, SlotData};
 use super::extents::ExtentQuery;
 use super::proto::*;
-use super::wire::Receiver;
+use super::wire::{timed_out, Receiver};
 use blkstack_core::clock::now_ns;
 use blkstack_core::Status;
 use blkstack_mq::CompleterRef;
@@ -131,14 +131,7 @@ impl<'a> ReplyReader<'a> {
                 }
                 Ok(n) => done += n,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    self.tick()?
-                }
+                Err(e) if timed_out(&e) => self.tick()?,
                 Err(e) => {
                     if self.conn.stop.load(Ordering::Acquire) {
                         return Err(ReaderExit::Stop);

@@ -208,6 +208,15 @@ impl ThreadWake {
     }
 }
 
+/// Whether a socket call ended on its timeout (`SO_RCVTIMEO` and
+/// `SO_SNDTIMEO` report `EAGAIN`), not on an error.
+pub fn timed_out(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
 /// How long a send on a poll queue may wait for room before it asks for
 /// the replies to be read.
 pub const SEND_STALL: Duration = Duration::from_millis(1);
@@ -226,17 +235,10 @@ fn write_all_vectored(
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                match stall {
-                    Some(s) => s.stall(),
-                    None => return Err(e),
-                }
-            }
+            Err(e) if timed_out(&e) => match stall {
+                Some(s) => s.stall(),
+                None => return Err(e),
+            },
             Err(e) => return Err(e),
         }
     }

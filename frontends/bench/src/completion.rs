@@ -139,34 +139,34 @@ impl CompletionQueue {
 
     /// Block until something completed, then take it.
     pub(crate) fn wait_take(&self, out: &mut DoneList) -> usize {
-        self.take_local(out);
-        if !out.is_empty() {
-            return self.try_take(out);
-        }
-        let mut g = self.inner.lock();
-        while g.items.is_empty() {
-            g.waiter = true;
-            self.cv.wait(&mut g);
-        }
-        g.waiter = false;
-        g.items.move_into(out);
-        self.ready.store(0, Ordering::Relaxed);
-        out.len()
+        self.wait_take_within(out, None)
     }
 
     /// Block until something completed or `limit` passed, then take what
     /// there is.
     pub(crate) fn wait_take_for(&self, out: &mut DoneList, limit: Duration) -> usize {
+        self.wait_take_within(out, Some(limit))
+    }
+
+    fn wait_take_within(&self, out: &mut DoneList, limit: Option<Duration>) -> usize {
         self.take_local(out);
         if !out.is_empty() {
             return self.try_take(out);
         }
         let mut g = self.inner.lock();
-        if g.items.is_empty() {
+        let deadline = limit.map(|l| std::time::Instant::now() + l);
+        while g.items.is_empty() {
             g.waiter = true;
-            self.cv.wait_for(&mut g, limit);
-            g.waiter = false;
+            match deadline {
+                None => self.cv.wait(&mut g),
+                Some(d) => {
+                    if self.cv.wait_until(&mut g, d).timed_out() {
+                        break;
+                    }
+                }
+            }
         }
+        g.waiter = false;
         g.items.move_into(out);
         self.ready.store(0, Ordering::Relaxed);
         out.len()
