@@ -178,6 +178,10 @@ pub enum LineError {
     },
     #[error("device {0} cannot use itself")]
     UsesItself(String),
+    /// dm-table.c `dm_table_add_target`: a `DM_TARGET_SINGLETON` type
+    /// (multipath) must be the only line of its table.
+    #[error("target type {target} must appear alone in table")]
+    Singleton { target: String },
     #[error("stack file mixes 'NAME: table line' lines with other text; use one form")]
     MixedStack,
     #[error(transparent)]

@@ -128,6 +128,13 @@ impl Registry {
                 .resolve(staged, arg)
                 .map(|d| (d.name.clone(), d.minor, d.clone() as DeviceRef))
         };
+        if let Some(l) = lines
+            .iter()
+            .find(|l| lines.len() > 1 && targets::is_singleton(&l.target))
+        {
+            let target = l.target.clone();
+            return Err(DmError::line(l.line, LineError::Singleton { target }).in_device(name));
+        }
         let mut entries = Vec::with_capacity(lines.len());
         for line in lines {
             let tt = targets::lookup(&line.target).ok_or_else(|| {

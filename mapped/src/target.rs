@@ -238,6 +238,21 @@ pub fn parse_arg<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, TargetE
     })
 }
 
+/// Parse a number the way the kernel's `sscanf(s, "%u%c")` /
+/// `"%llu%c"` takes it in a constructor: decimal digits only, no sign
+/// (`+5` is refused where `str::parse` would take it). A value too large
+/// for `T` is refused; the kernel's sscanf wraps it silently (see
+/// docs/KERNEL-PARITY.md).
+pub fn parse_sscanf<T: std::str::FromStr>(what: &str, s: &str) -> Result<T, TargetError> {
+    if !s.bytes().next().is_some_and(|b| b.is_ascii_digit()) {
+        return Err(TargetError::InvalidArg {
+            what: what.to_string(),
+            value: s.to_string(),
+        });
+    }
+    parse_arg(what, s)
+}
+
 /// Check an exact argument count, naming the expected syntax.
 pub fn expect_args(
     args: &[&str],

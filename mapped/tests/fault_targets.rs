@@ -36,7 +36,8 @@ fn flakey_up_passes_down_fails_everything_by_default() {
     assert_eq!(read(&*down, 0).0, Status::IoError);
     assert_eq!(
         reg.table_text("down").unwrap(),
-        "0 4096 flakey 253:0 0 0 1 0\n"
+        "0 4096 flakey 253:0 0 0 1 2 error_reads error_writes\n",
+        "kernel 6.12 sets and prints both error bits when no feature is given"
     );
 }
 
@@ -95,20 +96,55 @@ fn flakey_argument_errors() {
         ("0 8 flakey m 0 1 1 2 drop_writes error_writes", "conflicts"),
         (
             "0 8 flakey m 0 1 1 1 bogus",
-            "unrecognised flakey feature 'bogus'",
+            "Unrecognised flakey feature requested: 'bogus'",
         ),
         ("0 8 flakey m 0 1 1 5 corrupt_bio_byte 1 x 0 0", "direction"),
         (
             "0 8 flakey m 0 1 1 6 drop_writes corrupt_bio_byte 1 w 0 0",
             "incompatible",
         ),
+        ("0 8 flakey m 0 1 1 3 drop_writes", "3 declared, 1 given"),
+        ("0 8 flakey m 0 4294967295 1", "interval overflow"),
+        ("0 8 flakey m +0 1 1", "device sector"),
+        ("0 8 flakey m 0 +1 1", "up interval"),
+        ("0 8 flakey m 0 1 1 12", "Invalid number of feature args"),
         (
-            "0 8 flakey m 0 1 1 3 drop_writes",
-            "3 feature args declared",
+            "0 8 flakey m 0 1 1 2 corrupt_bio_byte 1 r 0 0",
+            "Insufficient feature arguments",
         ),
+        (
+            "0 8 flakey m 0 1 1 1 random_read_corrupt",
+            "requires a parameter",
+        ),
+        (
+            "0 8 flakey m 0 1 1 5 corrupt_bio_byte 0 r 0 0",
+            "corrupt bio byte",
+        ),
+        ("0 8 flakey m 0 1 1 5 corrupt_bio_byte 1 r 256 0", "0-255"),
     ] {
         let e = reg.create("f", t).err().expect(t).report();
         assert!(e.contains(want) && e.contains("line 1"), "{t}: {e}");
+    }
+    // What dm-flakey 6.12 accepts: words after the counted features are
+    // ignored, and random_write_corrupt may stand beside drop_writes.
+    for (t, table) in [
+        (
+            "0 8 flakey m 0 1 1 1 error_reads ignored words",
+            "0 8 flakey 253:0 0 1 1 1 error_reads\n",
+        ),
+        (
+            "0 8 flakey m 0 1 1 3 drop_writes random_write_corrupt 9",
+            "0 8 flakey 253:0 0 1 1 3 drop_writes random_write_corrupt 9\n",
+        ),
+        (
+            "0 8 flakey m 0 1 1 0",
+            "0 8 flakey 253:0 0 1 1 2 error_reads error_writes\n",
+        ),
+    ] {
+        reg.create("ok", t)
+            .unwrap_or_else(|e| panic!("{t}: {}", e.report()));
+        assert_eq!(reg.table_text("ok").unwrap(), table, "{t}");
+        reg.remove("ok", false).unwrap();
     }
 }
 
@@ -263,21 +299,17 @@ fn flakey_new_features_round_trip_and_refuse_bad_arguments() {
         ("0 8 flakey m 0 1 1 1 random_read_corrupt", "requires a parameter"),
         (
             "0 8 flakey m 0 1 1 2 random_write_corrupt 1000000001",
-            "invalid random corrupt argument 1000000001",
+            "Invalid random corrupt argument: 1000000001",
         ),
         ("0 8 flakey m 0 1 1 2 random_read_corrupt x", "random corrupt argument"),
         (
-            "0 8 flakey m 0 1 1 3 error_writes random_write_corrupt 1",
-            "error_writes is incompatible with random_write_corrupt",
-        ),
-        (
-            "0 8 flakey m 0 1 1 3 drop_writes random_write_corrupt 1",
-            "drop_writes is incompatible",
+            "0 8 flakey m 0 1 1 6 error_writes corrupt_bio_byte 1 w 0 0",
+            "error_writes is incompatible with corrupt_bio_byte",
         ),
         ("0 8 flakey m 0 1 1 2 error_reads error_reads", "error_reads duplicated"),
         (
             "0 8 flakey m 0 1 1 12 error_reads drop_writes corrupt_bio_byte 1 r 0 0 random_read_corrupt 1 random_write_corrupt 1 x",
-            "at most 11",
+            "Invalid number of feature args",
         ),
     ] {
         let e = reg.create("bad", t).err().expect(t).report();

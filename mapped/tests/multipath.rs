@@ -141,10 +141,10 @@ fn features_and_selector_views_round_trip() {
 fn bad_tables_are_refused_with_the_problem_named() {
     let reg = paths();
     let cases: &[(&str, &str)] = &[
-        ("0 1 1 round-robin 0 1 0 p0", "hardware handler"),
+        ("0 1 1 round-robin 0 1 0 p0", "number of priority groups"),
         (
             "0 1 alua 1 1 round-robin 0 1 0 p0",
-            "hardware handler 'alua' is not supported",
+            "error attaching hardware handler 'alua'",
         ),
         (
             "0 0 2 1 round-robin 0 1 0 p0",
@@ -164,7 +164,6 @@ fn bad_tables_are_refused_with_the_problem_named() {
             "0 0 1 0 round-robin 0 1 0 p0",
             "invalid initial priority group 0",
         ),
-        ("0 0 1 2 round-robin 0 1 0 p0", "there are only 1 group"),
         (
             "1 bogus 0 1 1 round-robin 0 1 0 p0",
             "unrecognised multipath feature 'bogus'",
@@ -194,8 +193,14 @@ fn bad_tables_are_refused_with_the_problem_named() {
             "number of feature args is 5 but only 4",
         ),
         (
-            "0 0 1 1 round-robin 1 x 1 0 p0",
-            "round-robin takes no selector arguments",
+            "9 queue_if_no_path queue_if_no_path queue_if_no_path queue_if_no_path queue_if_no_path queue_if_no_path queue_if_no_path queue_if_no_path queue_if_no_path 0 1 1 round-robin 0 1 0 p0",
+            "number of feature args",
+        ),
+        ("0 0 1 +1 round-robin 0 1 0 p0", "initial priority group number"),
+        ("0 0 1 1 round-robin 0 1 1 p0 +1", "repeat count"),
+        (
+            "0 1 alua 1 1 round-robin 0 1 0 p0",
+            "error attaching hardware handler",
         ),
         ("0 0 1 1 service-time 0 1 2 p0 1 500", "relative_throughput"),
         (
@@ -216,6 +221,41 @@ fn bad_tables_are_refused_with_the_problem_named() {
         assert!(err.contains(want), "'{args}': got '{err}', want '{want}'");
         assert!(err.contains("line 1"), "'{args}': {err}");
         assert!(reg.get("bad").is_none());
+    }
+    // What dm-mpath 6.12 accepts: selector args it ignores, an initial
+    // group past the last (none), a bio-based table's hardware handler
+    // (ignored), a handler name in a table without paths.
+    for (args, table) in [
+        (
+            "0 0 1 1 round-robin 1 x 1 0 p0",
+            "0 0 1 1 round-robin 0 1 1 253:1 1",
+        ),
+        (
+            "0 0 1 2 round-robin 0 1 0 p0",
+            "0 0 1 1 round-robin 0 1 1 253:1 1",
+        ),
+        (
+            "2 queue_mode bio 2 alua x 1 1 round-robin 0 1 0 p0",
+            "3 retain_attached_hw_handler queue_mode bio 0 1 1 round-robin 0 1 1 253:1 1",
+        ),
+        ("0 1 alua 0 0", "0 1 alua 0 0"),
+    ] {
+        reg.create("ok", &format!("0 8192 multipath {args}"))
+            .unwrap_or_else(|e| panic!("'{args}': {}", e.report()));
+        assert_eq!(
+            reg.table_text("ok").unwrap(),
+            format!("0 8192 multipath {table}\n"),
+            "{args}"
+        );
+        reg.remove("ok", false).unwrap();
+    }
+    // Multipath is a singleton target: alone in its table.
+    for t in [
+        "0 8192 multipath 0 0 1 1 round-robin 0 1 0 p0\n8192 8 zero",
+        "0 8 zero\n8 8192 multipath 0 0 1 1 round-robin 0 1 0 p0",
+    ] {
+        let err = reg.create("bad", t).err().expect(t).report();
+        assert!(err.contains("must appear alone in table"), "{t}: {err}");
     }
     // A path device smaller than the target.
     reg.create("small", "0 100 zero").unwrap();

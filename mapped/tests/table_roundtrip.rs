@@ -125,6 +125,18 @@ proptest! {
         for n in names {
             reg.create(n, "0 100000 memory").unwrap();
         }
+        // Multipath is a singleton target (dm-table.c): alone in a table.
+        let lines: Vec<(u64, Line)> = if lines.len() > 1 {
+            lines
+                .into_iter()
+                .map(|(len, l)| match l {
+                    Line::Multipath { .. } => (len, Line::Zero),
+                    l => (len, l),
+                })
+                .collect()
+        } else {
+            lines
+        };
         let text = render(&lines, &names);
         reg.create("t", &text).unwrap();
         let printed = reg.table_text("t").unwrap();

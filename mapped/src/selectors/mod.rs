@@ -109,21 +109,25 @@ pub fn names() -> Vec<&'static str> {
 
 /// Parse an unsigned selector argument the way the kernel's
 /// `sscanf("%u%c")` accepts it: digits only, nothing after.
+/// A per-path number as the kernel's `sscanf(s, "%u%c")` takes it.
 pub(crate) fn parse_u32(selector: &str, what: &str, s: &str) -> Result<u32, TargetError> {
-    s.parse::<u32>()
+    crate::target::parse_sscanf::<u32>(what, s)
         .map_err(|_| TargetError::invalid(format!("{selector} ps: invalid {what} '{s}'")))
 }
 
-/// Refuse selector arguments for a selector that takes none.
+/// The selector's own arguments: round-robin, queue-length and
+/// service-time take none, and their kernel `create` ignores whatever
+/// `<#selector args>` counted (dm-ps-round-robin.c `rr_create`), so the
+/// table is accepted and prints `0` selector args back.
 pub(crate) fn no_selector_args(selector: &str, args: &[&str]) -> Result<(), TargetError> {
-    if args.is_empty() {
-        Ok(())
-    } else {
-        Err(TargetError::invalid(format!(
-            "{selector} takes no selector arguments, got {}",
-            args.len()
-        )))
+    if !args.is_empty() {
+        tracing::debug!(
+            selector,
+            ?args,
+            "selector arguments ignored, as the kernel does"
+        );
     }
+    Ok(())
 }
 
 /// The optional `[<repeat_count>]` per-path argument (1 when absent), as

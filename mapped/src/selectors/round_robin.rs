@@ -97,7 +97,7 @@ mod tests {
     }
 
     #[test]
-    fn repeat_count_above_one_becomes_one_and_bad_args_are_refused() {
+    fn repeat_count_above_one_becomes_one_and_bad_args_are_refused_as_in_kernel() {
         let mut s = create(&[]).unwrap();
         s.add_path(&["5"]).unwrap();
         assert_eq!(s.status(Some(0), StatusType::Table), "1 ");
@@ -111,6 +111,11 @@ mod tests {
             .unwrap_err()
             .report()
             .contains("incorrect number"));
-        assert!(create(&["1"]).is_err());
+        assert!(s.add_path(&["+1"]).is_err(), "sscanf %u takes no sign");
+        // Selector arguments are ignored, as rr_create ignores them.
+        assert_eq!(
+            create(&["1"]).unwrap().status(None, StatusType::Table),
+            "0 "
+        );
     }
 }

@@ -9,8 +9,9 @@
 //! - `error_writes` (writes fail; reads pass),
 //! - `corrupt_bio_byte <Nth_byte> <r|w> <value> <flags>` (the Nth byte,
 //!   from 1, of matching reads or writes is overwritten with `value`;
-//!   `flags` is a mask of blkstack's bio flag bits — FUA=1, PREFLUSH=2 —
-//!   that must all be set, 0 for any bio),
+//!   `flags` is a mask of the kernel's `bi_opf` bits — the op in the low
+//!   byte (write = 1), REQ_FUA = 1<<17, REQ_PREFLUSH = 1<<18, ... — that
+//!   must all be set, 0 for any bio),
 //! - `random_read_corrupt <p>` / `random_write_corrupt <p>` (a random byte
 //!   of a read or write is set to a random value with probability
 //!   `p`/1000000000, upstream "dm flakey: introduce random_read_corrupt and
@@ -20,15 +21,17 @@
 //! untouched, as the kernel clones the bio's pages for it.
 //!
 //! With none of error_reads, drop_writes, error_writes, corrupt_bio_byte or
-//! the random corruptions, reads and writes both fail, as the kernel sets
-//! both error bits then (without printing them in the table). Intervals
-//! are whole seconds as in dm, timed from construction on the monotonic
-//! clock.
+//! the random corruptions, reads and writes both fail: the kernel (6.12)
+//! sets both error bits then, and `table` prints them (`2 error_reads
+//! error_writes`). The feature list is parsed word for word as
+//! dm-flakey's `parse_features`, so the same tables are refused; words
+//! after the counted features are ignored, as there. Intervals are whole
+//! seconds as in dm, timed from construction on the monotonic clock.
 
 use crate::error::TargetError;
-use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
+use crate::target::{parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::clock::now_ns;
-use blkstack_core::{AlignedBuf, Bio, EndIo, Features, IoBuf, Op, Status, SECTOR_SIZE};
+use blkstack_core::{AlignedBuf, Bio, BioFlags, EndIo, Features, IoBuf, Op, Status, SECTOR_SIZE};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
@@ -50,7 +53,9 @@ struct Corrupt {
     byte: u64,
     dir: Dir,
     value: u8,
-    flags: u8,
+    /// Kernel `REQ_*` bits (with the op in the low byte) that must all be
+    /// set in the bio's [`kernel_opf`]; 0 for any bio.
+    flags: u32,
 }
 
 /// dm-flakey's `PROBABILITY_BASE`: random corruption probabilities are
@@ -83,142 +88,182 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             args.len()
         )));
     }
-    let start: u64 = parse_arg("device sector", args[1])?;
-    let up: u32 = parse_arg("up interval", args[2])?;
-    let down: u32 = parse_arg("down interval", args[3])?;
+    let start: u64 = parse_sscanf("device sector", args[1])?;
+    let up: u32 = parse_sscanf("up interval", args[2])?;
+    let down: u32 = parse_sscanf("down interval", args[3])?;
     if up as u64 + down as u64 == 0 {
         return Err(TargetError::invalid("total (up + down) interval is zero"));
     }
-    let mut f = Flakey {
-        dev: ctx.get_device(args[0], start, ctx.len)?,
+    if up.checked_add(down).is_none() {
+        return Err(TargetError::invalid(format!(
+            "interval overflow: up {up} + down {down} seconds exceed {}",
+            u32::MAX
+        )));
+    }
+    let features = parse_features(&args[4..])?;
+    // The kernel looks the device up after the features.
+    let dev = ctx.get_device(args[0], start, ctx.len)?;
+    let f = Flakey {
+        dev,
         start,
         up: up as u64,
         down: down as u64,
-        error_reads: false,
-        drop_writes: false,
-        error_writes: false,
-        corrupt: None,
-        random_read: 0,
-        random_write: 0,
+        error_reads: features.error_reads,
+        drop_writes: features.drop_writes,
+        error_writes: features.error_writes,
+        corrupt: features.corrupt,
+        random_read: features.random_read,
+        random_write: features.random_write,
         start_ns: now_ns(),
     };
-    parse_features(&mut f, &args[4..])?;
     Ok(Arc::new(FlakeyTarget { inner: Arc::new(f) }))
 }
 
-fn parse_features(f: &mut Flakey, args: &[&str]) -> Result<(), TargetError> {
-    let Some((count, rest)) = args.split_first() else {
-        return Ok(());
+/// What the feature arguments ask for (kernel `parse_features`' effect on
+/// `struct flakey_c`).
+#[derive(Default)]
+struct FeatureSet {
+    error_reads: bool,
+    drop_writes: bool,
+    error_writes: bool,
+    corrupt: Option<Corrupt>,
+    random_read: u32,
+    random_write: u32,
+}
+
+/// Kernel `dm_read_arg`: a `%u` in `min..=max`, or `error`.
+fn read_arg(arg: Option<&&str>, min: u32, max: u32, error: &str) -> Result<u32, TargetError> {
+    let v: u32 = match arg {
+        Some(a) => parse_sscanf(error, a)?,
+        None => return Err(TargetError::invalid(error)),
     };
-    let n: usize = parse_arg("number of feature args", count)?;
-    if n > 11 {
-        return Err(TargetError::invalid(format!(
-            "invalid number of feature args {n} (at most 11)"
-        )));
+    if v < min || v > max {
+        return Err(TargetError::invalid(format!("{error}: {v}")));
     }
-    if rest.len() != n {
-        return Err(TargetError::invalid(format!(
-            "{n} feature args declared, {} given",
-            rest.len()
-        )));
-    }
-    let mut i = 0;
-    while i < rest.len() {
-        match rest[i].to_ascii_lowercase().as_str() {
-            "error_reads" => {
-                if f.error_reads {
-                    return Err(TargetError::invalid("feature error_reads duplicated"));
-                }
-                f.error_reads = true;
-                i += 1;
+    Ok(v)
+}
+
+/// dm-flakey's `parse_features`, step for step: the count (0..=11, no
+/// more than the arguments left), then that many words; a feature's
+/// parameters count against it. Arguments after the counted ones are
+/// ignored, as the kernel ignores them. With no error, drop or corrupt
+/// feature, reads and writes both fail: the kernel sets both error bits
+/// then, and prints them in the table.
+fn parse_features(args: &[&str]) -> Result<FeatureSet, TargetError> {
+    let mut f = FeatureSet::default();
+    let mut it = args.iter();
+    // The kernel's `argc` is unsigned and a feature's parameters are read
+    // even past the count; a count gone "negative" is a huge number and
+    // the loop then fails on the missing next word.
+    let mut argc: i64 = match it.next() {
+        None => 0,
+        Some(count) => {
+            let n = read_arg(Some(count), 0, 11, "Invalid number of feature args")?;
+            if n as usize > it.len() {
+                return Err(TargetError::invalid(format!(
+                    "Invalid number of feature args: {n} declared, {} given",
+                    it.len()
+                )));
             }
-            name @ ("random_read_corrupt" | "random_write_corrupt") => {
-                let p = parse_probability(name, rest.get(i + 1))?;
+            n as i64
+        }
+    };
+    while argc != 0 {
+        let Some(name) = it.next() else {
+            return Err(TargetError::invalid("Insufficient feature arguments"));
+        };
+        argc -= 1;
+        let name = name.to_ascii_lowercase();
+        match name.as_str() {
+            "error_reads" | "drop_writes" | "error_writes" => set_flag(&mut f, &name)?,
+            "corrupt_bio_byte" => {
+                if argc == 0 {
+                    return Err(TargetError::invalid(
+                        "Feature corrupt_bio_byte requires parameters <Nth_byte> <r|w> <value> <flags>",
+                    ));
+                }
+                f.corrupt = Some(parse_corrupt_bio_byte(&mut it)?);
+                argc -= 4;
+            }
+            "random_read_corrupt" | "random_write_corrupt" => {
+                if argc == 0 {
+                    return Err(TargetError::invalid(format!(
+                        "Feature {name} requires a parameter <probability> (0..={PROBABILITY_BASE})"
+                    )));
+                }
+                let p = read_arg(
+                    it.next(),
+                    0,
+                    PROBABILITY_BASE,
+                    "Invalid random corrupt argument",
+                )?;
                 if name == "random_read_corrupt" {
                     f.random_read = p;
                 } else {
                     f.random_write = p;
                 }
-                i += 2;
+                argc -= 1;
             }
-            "drop_writes" => {
-                if f.drop_writes {
-                    return Err(TargetError::invalid("feature drop_writes duplicated"));
-                }
-                if f.error_writes {
-                    return Err(TargetError::invalid(
-                        "feature drop_writes conflicts with feature error_writes",
-                    ));
-                }
-                f.drop_writes = true;
-                i += 1;
-            }
-            "error_writes" => {
-                if f.error_writes {
-                    return Err(TargetError::invalid("feature error_writes duplicated"));
-                }
-                if f.drop_writes {
-                    return Err(TargetError::invalid(
-                        "feature error_writes conflicts with feature drop_writes",
-                    ));
-                }
-                f.error_writes = true;
-                i += 1;
-            }
-            "corrupt_bio_byte" => {
-                f.corrupt = Some(parse_corrupt_bio_byte(&rest[i + 1..])?);
-                i += 5;
-            }
-            other => {
+            _ => {
                 return Err(TargetError::invalid(format!(
-                    "unrecognised flakey feature '{other}'"
+                    "Unrecognised flakey feature requested: '{name}'"
                 )))
             }
         }
     }
-    check_write_conflicts(f)
+    check_write_conflicts(&f)?;
+    if f.corrupt.is_none()
+        && !f.error_reads
+        && !f.drop_writes
+        && !f.error_writes
+        && f.random_read == 0
+        && f.random_write == 0
+    {
+        f.error_reads = true;
+        f.error_writes = true;
+    }
+    Ok(f)
 }
 
-/// `random_*_corrupt <probability>`: out of [`PROBABILITY_BASE`].
-fn parse_probability(name: &str, arg: Option<&&str>) -> Result<u32, TargetError> {
-    let Some(arg) = arg else {
-        return Err(TargetError::invalid(format!(
-            "feature {name} requires a parameter <probability> (0..={PROBABILITY_BASE})"
-        )));
+/// `error_reads`, `drop_writes`, `error_writes`: each once, the last two
+/// not together.
+fn set_flag(f: &mut FeatureSet, name: &str) -> Result<(), TargetError> {
+    let (flag, other, other_name) = match name {
+        "error_reads" => (&mut f.error_reads, false, ""),
+        "drop_writes" => (&mut f.drop_writes, f.error_writes, "error_writes"),
+        _ => (&mut f.error_writes, f.drop_writes, "drop_writes"),
     };
-    let p: u32 = parse_arg("random corrupt argument", arg)?;
-    if p > PROBABILITY_BASE {
+    if *flag {
+        return Err(TargetError::invalid(format!("Feature {name} duplicated")));
+    }
+    *flag = true;
+    if other {
         return Err(TargetError::invalid(format!(
-            "invalid random corrupt argument {p} (0..={PROBABILITY_BASE})"
+            "Feature {name} conflicts with feature {other_name}"
         )));
     }
-    Ok(p)
+    Ok(())
 }
 
 /// `corrupt_bio_byte`'s four parameters: `<Nth_byte> <r|w> <value> <flags>`.
-fn parse_corrupt_bio_byte(args: &[&str]) -> Result<Corrupt, TargetError> {
-    if args.len() < 4 {
-        return Err(TargetError::invalid(
-            "feature corrupt_bio_byte requires parameters <Nth_byte> <r|w> <value> <flags>",
-        ));
-    }
-    let byte: u32 = parse_arg("corrupt bio byte", args[0])?;
-    if byte == 0 {
-        return Err(TargetError::invalid(
-            "invalid corrupt bio byte 0 (bytes count from 1)",
-        ));
-    }
-    let dir = match args[1].to_ascii_lowercase().as_str() {
-        "r" => Dir::Read,
-        "w" => Dir::Write,
-        d => {
-            return Err(TargetError::invalid(format!(
-                "invalid corrupt bio direction '{d}' (r or w)"
-            )))
+fn parse_corrupt_bio_byte(it: &mut std::slice::Iter<'_, &str>) -> Result<Corrupt, TargetError> {
+    let byte = read_arg(it.next(), 1, u32::MAX, "Invalid corrupt bio byte")?;
+    let dir = match it.next().map(|d| d.to_ascii_lowercase()).as_deref() {
+        Some("r") => Dir::Read,
+        Some("w") => Dir::Write,
+        _ => {
+            return Err(TargetError::invalid(
+                "Invalid corrupt bio direction (r or w)",
+            ))
         }
     };
-    let value: u8 = parse_arg("corrupt value to write into bio byte (0-255)", args[2])?;
-    let flags: u8 = parse_arg("corrupt bio flags mask", args[3])?;
+    let value = read_arg(
+        it.next(),
+        0,
+        255,
+        "Invalid corrupt value to write into bio byte (0-255)",
+    )? as u8;
+    let flags = read_arg(it.next(), 0, u32::MAX, "Invalid corrupt bio flags mask")?;
     Ok(Corrupt {
         byte: byte as u64,
         dir,
@@ -227,21 +272,45 @@ fn parse_corrupt_bio_byte(args: &[&str]) -> Result<Corrupt, TargetError> {
     })
 }
 
-/// Dropped or failed writes cannot also be corrupted (dm-flakey refuses
-/// the table).
-fn check_write_conflicts(f: &Flakey) -> Result<(), TargetError> {
-    let corrupts_writes = f.corrupt.is_some_and(|c| c.dir == Dir::Write) || f.random_write > 0;
+/// Dropped or failed writes cannot also be corrupted by `corrupt_bio_byte
+/// ... w` (dm-flakey refuses the table; `random_write_corrupt` is allowed
+/// beside them, and then never applies).
+fn check_write_conflicts(f: &FeatureSet) -> Result<(), TargetError> {
+    let corrupts_writes = f.corrupt.is_some_and(|c| c.dir == Dir::Write);
     if corrupts_writes && f.drop_writes {
         return Err(TargetError::invalid(
-            "drop_writes is incompatible with random_write_corrupt or corrupt_bio_byte with the WRITE flag set",
+            "drop_writes is incompatible with corrupt_bio_byte with the WRITE flag set",
         ));
     }
     if corrupts_writes && f.error_writes {
         return Err(TargetError::invalid(
-            "error_writes is incompatible with random_write_corrupt or corrupt_bio_byte with the WRITE flag set",
+            "error_writes is incompatible with corrupt_bio_byte with the WRITE flag set",
         ));
     }
     Ok(())
+}
+
+/// The kernel's `bi_opf` of a bio: the op in the low 8 bits, then the
+/// `REQ_*` flag bits blkstack has (include/linux/blk_types.h, 6.12), so
+/// that a `corrupt_bio_byte` flags mask means what it means to dm-flakey.
+fn kernel_opf(bio: &Bio) -> u32 {
+    let op = match bio.op {
+        Op::Read => 0,
+        Op::Write => 1,
+        Op::Flush => 2,
+        Op::Discard => 3,
+        Op::WriteZeroes => 9,
+    };
+    let bits = [
+        (BioFlags::FAILFAST, 9),
+        (BioFlags::FUA, 17),
+        (BioFlags::PREFLUSH, 18),
+        (BioFlags::POLLED, 22),
+        (BioFlags::NOUNMAP, 28),
+    ];
+    bits.iter()
+        .filter(|(f, _)| bio.flags.contains(*f))
+        .fold(op, |opf, (_, bit)| opf | 1 << bit)
 }
 
 impl Flakey {
@@ -251,25 +320,17 @@ impl Flakey {
     }
 
     /// No feature given: the kernel then sets both error bits.
-    fn no_features(&self) -> bool {
-        !self.error_reads
-            && !self.drop_writes
-            && !self.error_writes
-            && self.corrupt.is_none()
-            && self.random_read == 0
-            && self.random_write == 0
-    }
-
     fn fails_reads(&self) -> bool {
-        self.error_reads || self.no_features()
+        self.error_reads
     }
 
     fn fails_writes(&self) -> bool {
-        self.error_writes || self.no_features()
+        self.error_writes
     }
 
+    /// dm-flakey's `all_corrupt_bio_flags_match`.
     fn corrupt_matches(&self, c: &Corrupt, bio: &Bio) -> bool {
-        bio.flags.bits() & c.flags == c.flags
+        kernel_opf(bio) & c.flags == c.flags
     }
 
     fn corrupt_data(c: &Corrupt, bio: &Bio) {

@@ -8,7 +8,7 @@
 
 use crate::error::TargetError;
 use crate::target::{
-    expect_args, extents_from, parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType,
+    expect_args, extents_from, parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType,
 };
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Features, SECTOR_SIZE};
@@ -28,7 +28,7 @@ pub struct LinearTarget {
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     expect_args(args, &[2], "<dev> <offset>")?;
-    let start: u64 = parse_arg("device sector", args[1])?;
+    let start: u64 = parse_sscanf("device sector", args[1])?;
     let dev = ctx.get_device(args[0], start, ctx.len)?;
     Ok(Arc::new(LinearTarget { dev, start }))
 }

@@ -37,6 +37,12 @@ pub fn lookup(name: &str) -> Option<&'static TargetType> {
     TYPES.iter().find(|t| t.name == name)
 }
 
+/// Target types the kernel marks `DM_TARGET_SINGLETON`: alone in their
+/// table (dm-mpath.c's `multipath_target`).
+pub fn is_singleton(name: &str) -> bool {
+    name == "multipath"
+}
+
 pub fn names() -> Vec<&'static str> {
     TYPES.iter().map(|t| t.name).collect()
 }

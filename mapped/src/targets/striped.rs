@@ -10,7 +10,7 @@
 
 use crate::error::TargetError;
 use crate::split::Split;
-use crate::target::{parse_arg, CtrContext, DevArg, Target, TargetRef, TargetType};
+use crate::target::{parse_arg, parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, EndIo, Features, Op, Status, SECTOR_SIZE};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -44,11 +44,12 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             "not enough arguments: '<#stripes> <chunk_size> [<dev> <offset>]...'",
         ));
     }
-    let n: u64 = parse_arg("stripe count", args[0])?;
+    // kstrtouint, as the kernel: a 32-bit count, a leading '+' allowed.
+    let n: u64 = parse_arg::<u32>("stripe count", args[0])?.into();
     if n == 0 {
         return Err(TargetError::invalid("invalid stripe count 0"));
     }
-    let chunk: u64 = parse_arg("chunk size", args[1])?;
+    let chunk: u64 = parse_arg::<u32>("chunk size", args[1])?.into();
     if chunk == 0 {
         return Err(TargetError::invalid("invalid chunk size 0"));
     }
@@ -74,7 +75,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     }
     let mut stripes = Vec::with_capacity(n as usize);
     for i in 0..n as usize {
-        let start: u64 = parse_arg(&format!("offset of stripe {i}"), args[3 + 2 * i])?;
+        let start: u64 = parse_sscanf(&format!("offset of stripe {i}"), args[3 + 2 * i])?;
         let dev = ctx
             .get_device(args[2 + 2 * i], start, width)
             .map_err(|e| e.within(format!("stripe {i}")))?;

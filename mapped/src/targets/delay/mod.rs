@@ -70,7 +70,9 @@ use self::latency::{Latency, LatencyModel};
 use self::options::{parse_load_k, split_options, Options, SYNTAX};
 use self::timer::TimerFlusher;
 use crate::error::TargetError;
-use crate::target::{extents_from, CtrContext, DevArg, Target, TargetRef, TargetType};
+use crate::target::{
+    extents_from, parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType,
+};
 use blkstack_core::clock;
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, BioFlags, EndIo, Features, Op, Status, SECTOR_SIZE};
@@ -333,8 +335,7 @@ fn delay_classes_ctr(
             WRITE => ("write ", "Write device"),
             _ => ("flush ", "Flush device"),
         };
-        let start: u64 = a[1]
-            .parse()
+        let start: u64 = parse_sscanf("sector", a[1])
             .map_err(|_| TargetError::invalid(format!("Invalid {what}device sector '{}'", a[1])))?;
         let delay =
             parse_ms(a[2]).map_err(|e| e.within(format!("Invalid {what}delay '{}'", a[2])))?;

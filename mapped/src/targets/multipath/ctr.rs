@@ -10,15 +10,18 @@ use super::{
 };
 use crate::error::TargetError;
 use crate::selectors::{self, PathSelector};
-use crate::target::{CtrContext, TargetRef};
+use crate::target::{parse_sscanf, CtrContext, TargetRef};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 
 /// How the constructor's dm_arg ranges are enforced (kernel `dm_arg`).
 const MAX_GROUPS: u32 = 1024;
 const MAX_PATHS_PER_GROUP: u32 = 1024;
 const MAX_ARGS: u32 = 1024;
-/// dm-mpath allows 8; blkstack's own features (`start_time` and the
-/// checker's three) need room beside every dm one.
+/// dm-mpath allows 8 feature words ("invalid number of feature args");
+/// blkstack's own features (`start_time` and the checker's three) need
+/// room beside every dm one, so a table using one of them may have up to
+/// [`MAX_FEATURE_ARGS`].
+const MAX_KERNEL_FEATURE_ARGS: u32 = 8;
 const MAX_FEATURE_ARGS: u32 = 16;
 /// The kernel's `dm_arg_set`: the args not consumed yet.
 struct ArgSet<'a> {
@@ -44,10 +47,7 @@ impl<'a> ArgSet<'a> {
     /// Kernel `dm_read_arg`: an unsigned in `min..=max`.
     fn read(&mut self, what: &str, min: u32, max: u32) -> Result<u32, TargetError> {
         let a = self.shift(what)?;
-        let v: u32 = a.parse().map_err(|_| TargetError::InvalidArg {
-            what: what.to_string(),
-            value: a.to_string(),
-        })?;
+        let v: u32 = parse_sscanf(what, a)?;
         if v < min || v > max {
             return Err(TargetError::OutOfRange {
                 what: what.to_string(),
@@ -85,11 +85,14 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
         pg_init_retries: 0,
         pg_init_delay_msecs: None,
         retain_attached_hw_handler: false,
+        hw_handler: None,
         start_time: StartTime::Ns,
         checker: CheckerConfig::default(),
     };
     let mut queue_if_no_path = false;
     let mut argc = a.read_group("number of feature args", MAX_FEATURE_ARGS)?;
+    let declared = argc;
+    let mut own_features = false;
     while argc > 0 {
         let name = a.shift("feature")?;
         argc -= 1;
@@ -120,6 +123,10 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
             )));
         }
         argc -= 1;
+        own_features |= is("start_time")
+            || is("checker_interval")
+            || is("checker_timeout")
+            || is("no_path_retry");
         if is("pg_init_retries") {
             cfg.pg_init_retries = a.read("pg_init_retries", 1, 50)?;
         } else if is("pg_init_delay_msecs") {
@@ -145,6 +152,14 @@ fn parse_features(a: &mut ArgSet<'_>) -> Result<(Config, bool), TargetError> {
         } else {
             cfg.checker.no_path_retry = Some(NoPathRetry::parse(a.shift("no_path_retry")?)?);
         }
+    }
+    if declared > MAX_KERNEL_FEATURE_ARGS && !own_features {
+        return Err(TargetError::OutOfRange {
+            what: "number of feature args (blkstack's own features allow more)".into(),
+            value: declared.into(),
+            min: 0,
+            max: MAX_KERNEL_FEATURE_ARGS.into(),
+        });
     }
     let queue_if_no_path = no_path_retry_queueing(&cfg.checker, queue_if_no_path)?;
     if cfg.queue_mode == QueueMode::Bio {
@@ -174,13 +189,21 @@ fn no_path_retry_queueing(c: &CheckerConfig, queue_if_no_path: bool) -> Result<b
 
 pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     let mut a = ArgSet { args, pos: 0 };
-    let (cfg, queue_if_no_path) = parse_features(&mut a)?;
-    parse_hw_handler(&mut a)?;
+    let (mut cfg, queue_if_no_path) = parse_features(&mut a)?;
+    cfg.hw_handler = parse_hw_handler(&mut a, cfg.queue_mode)?;
     let (nr_groups, initial) = parse_group_counts(&mut a)?;
     let mut groups = Vec::new();
     let mut paths: Vec<PgPath> = Vec::new();
     while a.remaining() > 0 {
         let pg = parse_priority_group(&mut a, ctx, groups.len(), &mut paths)?;
+        if let Some(h) = &cfg.hw_handler {
+            // Kernel `setup_scsi_dh`: `scsi_dh_attach` fails on a device
+            // that is not SCSI, and no blkstack device is.
+            return Err(TargetError::invalid(format!(
+                "priority group {}: error attaching hardware handler '{h}': blkstack devices have no SCSI device handlers",
+                groups.len() + 1
+            )));
+        }
         groups.push(pg);
     }
     if groups.len() != nr_groups as usize {
@@ -193,17 +216,21 @@ pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, 
     Ok(std::sync::Arc::new(MultipathTarget::new(m)))
 }
 
-/// Kernel `parse_hw_handler`: no SCSI device handlers exist here, so only
-/// an empty handler section is accepted.
-fn parse_hw_handler(a: &mut ArgSet<'_>) -> Result<(), TargetError> {
+/// Kernel `parse_hw_handler`: `<#args> [<name> [<arg>]...]`. Bio-based
+/// multipath ignores the handler (the kernel consumes its words); a
+/// request-based one keeps the name, which only a table without paths can
+/// keep: attaching it to a path fails, as on any non-SCSI device.
+fn parse_hw_handler(a: &mut ArgSet<'_>, mode: QueueMode) -> Result<Option<String>, TargetError> {
     let hw_argc = a.read_group("number of hardware handler args", MAX_ARGS)?;
-    if hw_argc != 0 {
-        let name = a.shift("hardware handler")?;
-        return Err(TargetError::invalid(format!(
-            "hardware handler '{name}' is not supported: blkstack has no SCSI device handlers; use '0' hardware handler args"
-        )));
+    if hw_argc == 0 {
+        return Ok(None);
     }
-    Ok(())
+    let words = a.take(hw_argc as usize);
+    if mode == QueueMode::Bio {
+        tracing::debug!(?words, "bio-based multipath ignores hardware handler args");
+        return Ok(None);
+    }
+    Ok(words.first().map(|w| w.to_string()))
 }
 
 /// `<#priority groups> <initial group>`, checked against each other.
@@ -215,12 +242,9 @@ fn parse_group_counts(a: &mut ArgSet<'_>) -> Result<(u32, u32), TargetError> {
             "invalid initial priority group {initial} for {nr_groups} group(s): it must be 0 exactly when there are no groups"
         )));
     }
-    if initial > nr_groups {
-        return Err(TargetError::invalid(format!(
-            "invalid initial priority group {initial}: there are only {nr_groups} group(s)"
-        )));
-    }
-    Ok((nr_groups, initial))
+    // An initial group past the last is accepted and means none, as in
+    // dm-mpath (its countdown to the group never reaches it).
+    Ok((nr_groups, if initial > nr_groups { 0 } else { initial }))
 }
 
 /// Kernel `parse_priority_group`: `<selector> <#selector args> [arg]...

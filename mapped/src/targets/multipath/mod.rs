@@ -25,8 +25,10 @@
 //! `queue` imply `queue_if_no_path`, `fail` contradicts it). Only
 //! non-default values are printed back by `table`, so tables without them
 //! are dmsetup-identical. There are no SCSI device handlers
-//! here, so a hardware handler is refused and `pg_init_*` are kept only
-//! for the table.
+//! here: as on the kernel's non-SCSI devices, a request-based table whose
+//! hardware handler would attach to a path is refused, a bio-based one
+//! ignores it, and `pg_init_*` are kept only for the table. Multipath is
+//! a singleton target (alone in its table), as in dm.
 //!
 //! I/O: choose a group and path as `choose_pgpath` does (a switch request
 //! first, then the current group, then every group in order, bypassed
@@ -136,6 +138,9 @@ struct Config {
     pg_init_retries: u32,
     pg_init_delay_msecs: Option<u32>,
     retain_attached_hw_handler: bool,
+    /// A request-based table's hardware handler name (kept only by a table
+    /// without paths, see `ctr::parse_hw_handler`).
+    hw_handler: Option<String>,
     start_time: StartTime,
     /// `checker_interval`, `checker_timeout`, `no_path_retry`.
     checker: CheckerConfig,
@@ -430,7 +435,7 @@ impl Multipath {
     }
 
     fn parse_pg_num(&self, verb: &str, s: &str) -> Result<usize, TargetError> {
-        let n: usize = s.parse().map_err(|_| {
+        let n: usize = crate::target::parse_sscanf(verb, s).map_err(|_| {
             TargetError::invalid(format!("{verb}: invalid priority group number '{s}'"))
         })?;
         if n == 0 || n > self.groups.len() {
@@ -524,8 +529,12 @@ impl Multipath {
                 }
             }
         }
-        // No hardware handler.
-        s.push_str("0 ");
+        match (&self.cfg.hw_handler, ty) {
+            (Some(h), StatusType::Table) => {
+                let _ = write!(s, "1 {h} ");
+            }
+            _ => s.push_str("0 "),
+        }
         let pg_num = Self::load_opt(&self.next_pg)
             .or_else(|| Self::load_opt(&self.current_pg))
             .map(|g| g + 1)
