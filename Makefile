@@ -7,13 +7,32 @@ SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page, and iproute2 for the multi-host
-# tests' network namespaces), if any is missing.
+# tests' network namespaces), if any is missing; then the kernel VM's parts
+# (scripts/kernel-vm.sh): qemu-system-x86 and what the guest's initramfs
+# carries. On Debian 12 the machine's qemu-utils comes from
+# bookworm-backports, and Debian 12's own qemu-system-x86 breaks it, so
+# qemu-system-x86 comes from the same backports suite.
+VM_TOOLS := qemu-system-x86_64 busybox dmsetup mkfs.ext4 mkfs.xfs nbd-client depmod cpio xz
+VM_PACKAGES := busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio xz-utils
 deps:
-	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	@SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; export DEBIAN_FRONTEND=noninteractive; \
+	missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system tools (missing:$$missing)"; \
-	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl >/dev/null; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl >/dev/null; \
+	fi; \
+	missing=""; for t in $(VM_TOOLS); do command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || [ -x /sbin/$$t ] || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing the kernel VM's tools (missing:$$missing)"; \
+	  qemu_suite=""; \
+	  if dpkg-query -W -f '$${Version}' qemu-utils 2>/dev/null | grep -q bpo12; then \
+	    echo "deb http://deb.debian.org/debian bookworm-backports main" | $$SUDO tee /etc/apt/sources.list.d/blkstack-bookworm-backports.list >/dev/null; \
+	    qemu_suite="-t bookworm-backports"; \
+	  fi; \
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO apt-get install -y -qq --no-install-recommends $$qemu_suite qemu-system-x86 >/dev/null && \
+	  $$SUDO apt-get install -y -qq --no-install-recommends $(VM_PACKAGES) >/dev/null || \
+	  echo "warning: the kernel VM's tools could not be installed: the kernel VM tests will be skipped"; \
 	fi
 
 # Every test: unit, integration, loom models, interop with the real clients.

@@ -1,0 +1,218 @@
+//! The kernel VM from a test: boot Debian's Linux 6.12 under qemu (TCG)
+//! through `scripts/kernel-vm.sh`, with blkstack's NBD exports as virtio
+//! disks, run one guest shell script and get back what it printed and its
+//! exit status. The real kernel's device-mapper, NBD client and
+//! filesystems are the judges of every claim that blkstack behaves like
+//! Linux; this module is how a test asks them.
+//!
+//! A test calls [`vm_available`] first: it is false (and says why, once,
+//! on stderr) only where qemu-system cannot be installed, the kernel
+//! package cannot be fetched, or the guest does not boot. Anything else
+//! that goes wrong in the guest fails the test.
+
+#![allow(dead_code)] // each test file uses a different part of the harness
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The script that does the work; tests and people run the same one.
+pub fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/kernel-vm.sh")
+}
+
+fn artifacts() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/kernel-vm")
+}
+
+/// Whether a guest can be booted here. Decided once per test binary: the
+/// first caller prepares the kernel and initramfs (cached under
+/// `target/kernel-vm`) and, unless an earlier boot from the same artifacts
+/// succeeded, boots a guest that only answers.
+pub fn vm_available() -> bool {
+    static OK: OnceLock<Result<(), String>> = OnceLock::new();
+    match OK.get_or_init(probe) {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("SKIP kernel VM test: {why}");
+            false
+        }
+    }
+}
+
+fn probe() -> Result<(), String> {
+    if std::env::var_os("BLKSTACK_SKIP_KERNEL_VM").is_some() {
+        return Err("BLKSTACK_SKIP_KERNEL_VM is set".into());
+    }
+    let have_qemu = Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !have_qemu {
+        return Err("qemu-system-x86_64 is not installed (make deps installs it)".into());
+    }
+    let prep = Command::new(script())
+        .arg("prepare")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
+    if !prep.status.success() {
+        return Err(format!(
+            "kernel-vm.sh prepare failed: {}",
+            String::from_utf8_lossy(&prep.stderr).trim()
+        ));
+    }
+    let stamp = artifacts().join("boot-ok");
+    let built = artifacts().join("stamp");
+    let fresh = |p: &Path| p.metadata().and_then(|m| m.modified()).ok();
+    if fresh(&stamp).is_some() && fresh(&stamp) >= fresh(&built) {
+        return Ok(());
+    }
+    let r = Vm::new().timeout(120).run("echo up");
+    if r.code == 0 && r.out.trim() == "up" {
+        let _ = std::fs::write(&stamp, "");
+        Ok(())
+    } else {
+        Err(format!(
+            "the guest did not boot (exit {}): {}\n{}",
+            r.code, r.out, r.stderr
+        ))
+    }
+}
+
+/// One guest boot's configuration.
+#[derive(Default, Clone)]
+pub struct Vm {
+    args: Vec<String>,
+    timeout_s: u64,
+}
+
+/// What the guest script printed (stdout and stderr together, in order)
+/// and its exit status; `stderr` is the host script's own messages (the
+/// console's tail when the guest failed).
+pub struct VmRun {
+    pub code: i32,
+    pub out: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+}
+
+impl VmRun {
+    /// Panics with everything the guest and the host script said unless
+    /// the guest script exited 0.
+    pub fn assert_ok(&self, what: &str) -> &Self {
+        assert_eq!(
+            self.code, 0,
+            "{what}: guest script exited {}\n--- guest output ---\n{}\n--- kernel-vm.sh ---\n{}",
+            self.code, self.out, self.stderr
+        );
+        self
+    }
+
+    /// The lines between `BEGIN name` and `END name` markers a guest
+    /// script printed around one step's output.
+    pub fn section(&self, name: &str) -> Option<String> {
+        let begin = format!("BEGIN {name}");
+        let end = format!("END {name}");
+        let mut lines = self.out.lines().skip_while(|l| *l != begin);
+        lines.next()?;
+        let body: Vec<&str> = lines.take_while(|l| *l != end).collect();
+        Some(body.join("\n"))
+    }
+}
+
+impl Vm {
+    pub fn new() -> Vm {
+        Vm {
+            args: Vec::new(),
+            timeout_s: 240,
+        }
+    }
+
+    /// A virtio disk with this serial (`/dev/disk/by-serial/SERIAL` in the
+    /// guest) backed by an NBD URI or an image file.
+    pub fn disk(mut self, serial: &str, uri: &str) -> Vm {
+        self.args.push("--disk".into());
+        self.args.push(format!("{serial}={uri}"));
+        self
+    }
+
+    /// A virtio disk over an image file that another disk of the same
+    /// guest may also use (two paths to one LUN).
+    pub fn shared_disk(mut self, serial: &str, file: &Path) -> Vm {
+        self.args.push("--shared-disk".into());
+        self.args.push(format!("{serial}={}", file.display()));
+        self
+    }
+
+    /// Guest `10.0.2.100:guest_port` reaches host `127.0.0.1:host_port`.
+    pub fn forward(mut self, guest_port: u16, host_port: u16) -> Vm {
+        self.args.push("--fwd".into());
+        self.args.push(format!("{guest_port}={host_port}"));
+        self
+    }
+
+    /// A host file copied to `guest_path` in the guest.
+    pub fn file(mut self, host: &Path, guest_path: &str) -> Vm {
+        self.args.push("--file".into());
+        self.args.push(format!("{}:{guest_path}", host.display()));
+        self
+    }
+
+    /// An executable (with its libraries) copied to the guest's `/bin`.
+    pub fn bin(mut self, path: &Path) -> Vm {
+        self.args.push("--bin".into());
+        self.args.push(path.display().to_string());
+        self
+    }
+
+    /// blkstack's own binary, as `/bin/blkstack` in the guest.
+    pub fn blkstack(self) -> Vm {
+        self.bin(Path::new(env!("CARGO_BIN_EXE_blkstack")))
+    }
+
+    pub fn timeout(mut self, secs: u64) -> Vm {
+        self.timeout_s = secs;
+        self
+    }
+
+    /// Boots the guest, runs `guest_script` under busybox sh and waits for
+    /// the guest to power off (bounded by the timeout, plus a margin for
+    /// the host script's own work).
+    pub fn run(&self, guest_script: &str) -> VmRun {
+        let dir = std::env::temp_dir().join(format!(
+            "blkstack-vm-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let script_path = dir.join("guest.sh");
+        std::fs::write(&script_path, guest_script).expect("write guest script");
+        let t0 = Instant::now();
+        let out = Command::new(script())
+            .arg("run")
+            .args(&self.args)
+            .arg("--timeout")
+            .arg(self.timeout_s.to_string())
+            .arg(&script_path)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run scripts/kernel-vm.sh");
+        let _ = std::fs::remove_dir_all(&dir);
+        VmRun {
+            code: out.status.code().unwrap_or(-1),
+            out: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            elapsed: t0.elapsed(),
+        }
+    }
+}
+
+/// Shell-quotes one word for a guest script.
+pub fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
