@@ -302,7 +302,11 @@ impl Multipath {
             if path.is_none() || !queue_io {
                 path = self.choose_pgpath(nr_bytes);
             }
-            if queue_io && self.cfg.queue_mode == QueueMode::Bio {
+            // dm-mpath's `__map_bio` tests MPATHF_QUEUE_IO again after
+            // `choose_pgpath`, whose group switch clears it when there is
+            // no hardware handler: a first bio is not queued for pg_init.
+            let queue_io = self.queue_io.load(Ordering::Acquire);
+            if path.is_some() && queue_io && self.cfg.queue_mode == QueueMode::Bio {
                 // Bio-based dm-mpath queues this bio and runs pg_init on
                 // the group; without a hardware handler that completes at
                 // once (SCSI_DH_NOSYS is success) and the bio is mapped
