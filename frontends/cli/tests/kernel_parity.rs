@@ -1,0 +1,169 @@
+//! The kernel parity suite: blkstack's targets beside Linux 6.12's own
+//! device-mapper (dm-linear.c, dm-stripe.c, dm-zero.c, dm-target.c,
+//! dm-delay.c, dm-flakey.c, dm-mpath.c and dm-ps-*.c, dm-table.c), case by
+//! case: the same tables refused, the same `table`/`status` text after
+//! messages and I/O, the same data on the legs.
+//!
+//! `kernel_transcript_is_the_kernels` boots the kernel VM (skipped, saying
+//! so, where qemu-system-x86_64 is missing), runs every case in one boot
+//! and checks the recorded kernel transcript against it, and the corpus's
+//! `ti->error` annotations against the kernel's log.
+//! `blkstack_matches_the_kernel` runs every case through blkstack and
+//! compares with the recorded kernel transcript; every difference must be
+//! listed as deliberate, and docs/KERNEL-PARITY.md must be what the
+//! comparison generates. `BLKSTACK_UPDATE_PARITY=1` rewrites the
+//! transcript (VM test) and the page (blkstack test) instead.
+
+mod kernel_parity_support;
+mod kernel_vm_support;
+
+use kernel_parity_support::*;
+use std::collections::BTreeMap;
+
+fn recorded() -> Transcript {
+    let p = transcript_path();
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}: record it with BLKSTACK_UPDATE_PARITY=1 cargo test -p blkstack --test kernel_parity kernel_transcript",
+            p.display()
+        )
+    });
+    parse_transcript(&text)
+}
+
+fn unique_ids(bad: &[BadCase], good: &[GoodCase]) {
+    let mut seen = std::collections::BTreeSet::new();
+    for id in bad.iter().map(|c| &c.id).chain(good.iter().map(|c| &c.id)) {
+        assert!(seen.insert(id), "case id {id} used twice");
+    }
+}
+
+/// The kernel's log must show the `ti->error` the corpus names for each
+/// table it refuses (and a table marked accepted must be).
+fn check_annotations(bad: &[BadCase], kernel: &Transcript) {
+    let mut wrong = Vec::new();
+    for c in bad {
+        let lines = kernel.get(&c.id).cloned().unwrap_or_default();
+        let accepted = lines.iter().any(|l| l == "result: accepted");
+        let ok = if c.error.starts_with('(') {
+            accepted
+        } else {
+            !accepted
+                && lines
+                    .iter()
+                    .any(|l| l.starts_with("log: ") && l.contains(&c.error))
+        };
+        if !ok {
+            wrong.push(format!(
+                "{} ({}): want '{}': {lines:?}",
+                c.id, c.file, c.error
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "the kernel's answers do not match bad-tables.txt:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn kernel_transcript_is_the_kernels() {
+    if !kernel_vm_support::vm_available() {
+        return;
+    }
+    let (bad, good) = (bad_cases(), good_cases());
+    unique_ids(&bad, &good);
+    let dir = tempfile::tempdir().expect("tempdir");
+    make_images(dir.path());
+    let mut vm = kernel_vm_support::Vm::new().timeout(300);
+    for (name, _) in LEGS {
+        vm = vm.disk(
+            name,
+            &dir.path().join(format!("{name}.img")).display().to_string(),
+        );
+    }
+    let run = vm
+        .file(&dir.path().join("pattern"), "/test/pattern")
+        .run(&kernel_side::script(&bad, &good));
+    run.assert_ok("kernel parity guest script");
+    eprintln!(
+        "kernel VM: {} cases in {:?}",
+        bad.len() + good.len(),
+        run.elapsed
+    );
+    let live = kernel_side::parse(&run.out);
+    check_annotations(&bad, &live);
+    if updating() {
+        std::fs::write(transcript_path(), render_transcript(&live)).expect("write transcript");
+        return;
+    }
+    let rec = recorded();
+    for (id, lines) in &live {
+        assert_eq!(
+            rec.get(id).map(|l| compared(l)),
+            Some(compared(lines)),
+            "{id}: the recorded kernel transcript is stale (BLKSTACK_UPDATE_PARITY=1 rewrites it)"
+        );
+    }
+    assert_eq!(rec.len(), live.len(), "recorded transcript has other cases");
+}
+
+#[test]
+fn blkstack_matches_the_kernel() {
+    let (bad, good) = (bad_cases(), good_cases());
+    unique_ids(&bad, &good);
+    let kernel = recorded();
+    check_annotations(&bad, &kernel);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ours = blkstack_side::run(dir.path(), &bad, &good);
+    let deliberate = notes("deliberate.txt");
+    let fixed = notes("fixed.txt");
+    let mut same = BTreeMap::new();
+    let mut unexpected = Vec::new();
+    for (id, k) in &kernel {
+        let b = ours
+            .get(id)
+            .unwrap_or_else(|| panic!("{id}: not in the corpus any more"));
+        let equal = compared(k) == compared(b);
+        same.insert(id.clone(), equal);
+        let listed = deliberate.iter().any(|n| &n.id == id);
+        if equal == listed {
+            unexpected.push(format!(
+                "{id}: {}\n  kernel:   {:?}\n  blkstack: {:?}",
+                if listed {
+                    "listed as deliberately different but the same"
+                } else {
+                    "differs"
+                },
+                compared(k),
+                compared(b)
+            ));
+        }
+    }
+    for n in fixed.iter().filter(|n| same.get(&n.id) != Some(&true)) {
+        unexpected.push(format!("fixed.txt: {} is not the same", n.id));
+    }
+    let page = page::render(
+        &bad,
+        &good,
+        &page::Outcomes {
+            same: &same,
+            fixed: &fixed,
+            deliberate: &deliberate,
+        },
+    );
+    if updating() {
+        std::fs::write(page_path(), &page).expect("write page");
+    }
+    assert!(
+        unexpected.is_empty(),
+        "blkstack and the kernel differ:\n{}",
+        unexpected.join("\n")
+    );
+    let committed = std::fs::read_to_string(page_path()).unwrap_or_default();
+    assert!(
+        committed == page,
+        "docs/KERNEL-PARITY.md is not what the comparison generates (BLKSTACK_UPDATE_PARITY=1 rewrites it)"
+    );
+}

@@ -1,0 +1,185 @@
+//! The blkstack half of the kernel parity suite: every corpus case run
+//! through blkstack's own device registry (the code behind `blkstack
+//! serve`'s control socket), over `file` legs that start with the same
+//! contents as the kernel VM's virtio disks, written down in the same
+//! transcript form as the kernel's (see `kernel_side`), following
+//! dmsetup's create / table / status / message as dm-ioctl.c answers them.
+
+use super::{
+    make_images, md5_hex, normalise, pattern_skip, subst, BadCase, GoodCase, Step, Transcript, LEGS,
+};
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::{Op, Status};
+use blkstack_mapped::Registry;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+struct Side {
+    reg: Arc<Registry>,
+    dir: PathBuf,
+    pattern: Vec<u8>,
+    /// Write steps so far, across the corpus (picks the pattern slice).
+    writes: u64,
+}
+
+/// What blkstack calls a placeholder's device.
+fn dev_name(p: &str) -> String {
+    match p.strip_prefix("d:") {
+        Some(aux) => format!("a_{aux}"),
+        None => p.to_string(),
+    }
+}
+
+impl Side {
+    fn devnums(&self) -> BTreeMap<String, String> {
+        self.reg
+            .names()
+            .into_iter()
+            .filter_map(|n| {
+                let minor = self.reg.info(&n).ok()?.minor;
+                Some((format!("253:{minor}"), n))
+            })
+            .collect()
+    }
+
+    fn text(&self, t: &[String]) -> String {
+        t.iter()
+            .map(|l| subst(l, &dev_name))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn snap(&self, out: &mut Vec<String>, name: &str) {
+        let nums = self.devnums();
+        for (what, text) in [
+            ("table", self.reg.table_text(name)),
+            ("status", self.reg.status_text(name)),
+        ] {
+            for l in text.unwrap_or_default().lines() {
+                out.push(format!("{what}: {}", normalise(l, &nums)));
+            }
+        }
+    }
+
+    fn bad(&self, c: &BadCase) -> Vec<String> {
+        let mut out = Vec::new();
+        match self.reg.create("b", &self.text(&c.lines)) {
+            Ok(_) => {
+                out.push("result: accepted".to_string());
+                self.snap_table_only(&mut out, "b");
+                self.reg.remove("b", true).expect("remove b");
+            }
+            Err(_) => out.push("result: refused".to_string()),
+        }
+        out
+    }
+
+    fn snap_table_only(&self, out: &mut Vec<String>, name: &str) {
+        let nums = self.devnums();
+        for l in self.reg.table_text(name).unwrap_or_default().lines() {
+            out.push(format!("table: {}", normalise(l, &nums)));
+        }
+    }
+
+    fn legs(&self) -> String {
+        let mut s = String::from("legs:");
+        for (name, _) in LEGS {
+            let data = std::fs::read(self.dir.join(format!("{name}.img"))).expect("leg");
+            s.push_str(&format!(" {name}={}", md5_hex(&data)));
+        }
+        s
+    }
+
+    fn io(&mut self, op: Op, sector: u64, count: u64) -> (Status, Vec<u8>) {
+        let dev = self.reg.device("t").expect("device t");
+        let len = count * 512;
+        let mut buf = vec![0u8; len as usize];
+        if op == Op::Write {
+            let skip = pattern_skip(self.writes, count) as usize * 512;
+            self.writes += 1;
+            buf.copy_from_slice(&self.pattern[skip..skip + len as usize]);
+        }
+        let st = submit_and_wait(&*dev, op, sector * 512, len, &mut buf);
+        (st, buf)
+    }
+
+    fn step(&mut self, s: &Step, out: &mut Vec<String>) {
+        let label = s.label();
+        match s {
+            Step::Msg { sector, words } => {
+                let words: Vec<String> = words.iter().map(|w| subst(w, &dev_name)).collect();
+                let words: Vec<&str> = words.iter().map(String::as_str).collect();
+                let ok = self.reg.message("t", *sector, &words).is_ok();
+                out.push(format!("step {label}: {}", if ok { "ok" } else { "error" }));
+            }
+            Step::Write { sector, count } => {
+                let (st, _) = self.io(Op::Write, *sector, *count);
+                let r = if st == Status::Ok { "ok" } else { "error" };
+                out.push(format!("step {label}: {r}"));
+                out.push(self.legs());
+            }
+            Step::Read { sector, count } => {
+                let (st, data) = self.io(Op::Read, *sector, *count);
+                out.push(match st {
+                    Status::Ok => format!("step {label}: ok {}", md5_hex(&data)),
+                    _ => format!("step {label}: error"),
+                });
+            }
+        }
+        self.snap(out, "t");
+    }
+
+    fn good(&mut self, c: &GoodCase) -> Vec<String> {
+        let mut out = Vec::new();
+        for (name, table) in &c.devs {
+            self.reg
+                .create(&format!("a_{name}"), &subst(table, &dev_name))
+                .unwrap_or_else(|e| panic!("{}: helper {name}: {}", c.id, e.report()));
+        }
+        match self.reg.create("t", &self.text(&c.lines)) {
+            Ok(_) => {
+                out.push("create: ok".to_string());
+                self.snap(&mut out, "t");
+                for s in &c.steps {
+                    self.step(s, &mut out);
+                }
+                self.reg.remove("t", true).expect("remove t");
+            }
+            Err(_) => out.push("create: refused".to_string()),
+        }
+        for (name, _) in c.devs.iter().rev() {
+            self.reg
+                .remove(&format!("a_{name}"), true)
+                .expect("remove helper");
+        }
+        out
+    }
+}
+
+/// Runs the whole corpus through blkstack over fresh legs in `dir`.
+pub fn run(dir: &Path, bad: &[BadCase], good: &[GoodCase]) -> Transcript {
+    make_images(dir);
+    let reg = Registry::new();
+    for (name, sectors) in LEGS {
+        let path = dir.join(format!("{name}.img"));
+        reg.create(name, &format!("0 {sectors} file {}", path.display()))
+            .unwrap_or_else(|e| panic!("leg {name}: {}", e.report()));
+    }
+    let pattern = std::fs::read(dir.join("pattern")).expect("pattern");
+    let mut side = Side {
+        reg,
+        dir: dir.to_path_buf(),
+        pattern,
+        writes: 0,
+    };
+    let mut t = Transcript::new();
+    for c in bad {
+        t.insert(c.id.clone(), side.bad(c));
+    }
+    for c in good {
+        let lines = side.good(c);
+        t.insert(c.id.clone(), lines);
+    }
+    t
+}

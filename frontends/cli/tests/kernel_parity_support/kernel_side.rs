@@ -1,0 +1,153 @@
+//! The kernel half of the kernel parity suite: one guest shell script
+//! that runs every corpus case through Linux 6.12's device-mapper with
+//! `dmsetup` (create, table, status, message as dm-ioctl.c answers them)
+//! and busybox `dd` with O_DIRECT over the legs attached as virtio disks,
+//! and the parser that turns what it printed into a transcript. All cases
+//! share one boot: a TCG boot costs about ten seconds.
+
+use super::{normalise, pattern_skip, subst, BadCase, GoodCase, Step, Transcript, LEGS};
+use std::collections::BTreeMap;
+
+/// Shell-quotes one word.
+fn q(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// What the guest calls a placeholder's device.
+fn dev_path(p: &str) -> String {
+    match p.strip_prefix("d:") {
+        Some(aux) => format!("/dev/mapper/a_{aux}"),
+        None if p == "none" => "/dev/none".to_string(),
+        None => format!("/dev/disk/by-serial/{p}"),
+    }
+}
+
+const PRELUDE: &str = r#"
+snap() { dmsetup table "$1" | sed 's/^/table: /'; dmsetup status "$1" | sed 's/^/status: /'; }
+legs() {
+  printf 'legs:'
+  for s in LEGS; do
+    printf ' %s=%s' "$s" "$(dd if=/dev/disk/by-serial/$s bs=64k iflag=direct 2>/dev/null | md5sum | cut -d' ' -f1)"
+  done
+  echo
+}
+mkdev() { n=$1; shift; printf '%s\n' "$@" | dmsetup create "$n" 2>/dev/null; }
+mapdev() { echo "map $1 $(dmsetup info -c --noheadings -o major,minor "$1")"; }
+klog() {
+  dmesg -c | grep 'device-mapper:' | grep -v 'error adding target to table' \
+    | grep -v 'unable to determine table type' | grep -v 'version .* loaded' \
+    | head -n 1 | sed 's/^\[[^]]*\] */log: /'
+}
+result() { if [ "$1" = 0 ]; then echo "step $2: ok$3"; else echo "step $2: error"; fi; }
+for s in LEGS; do
+  d=$(readlink /dev/disk/by-serial/$s)
+  echo "map $s $(cat /sys/block/${d##*/}/dev)"
+done
+dmesg -c >/dev/null
+"#;
+
+fn table_words(lines: &[String]) -> String {
+    lines
+        .iter()
+        .map(|l| q(&subst(l, &dev_path)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn bad(c: &BadCase, s: &mut String) {
+    s.push_str(&format!(
+        "echo {}\nif mkdev b {}; then echo 'result: accepted'; dmsetup table b | sed 's/^/table: /'; dmsetup remove b; else echo 'result: refused'; fi\nklog\n",
+        q(&format!("== {}", c.id)),
+        table_words(&c.lines)
+    ));
+}
+
+fn step(st: &Step, writes: &mut u64, s: &mut String) {
+    let label = q(&st.label());
+    match st {
+        Step::Msg { sector, words } => {
+            let w: Vec<String> = words.iter().map(|w| q(&subst(w, &dev_path))).collect();
+            s.push_str(&format!(
+                "dmsetup message t {sector} {} 2>/dev/null; result $? {label}\n",
+                w.join(" ")
+            ));
+        }
+        Step::Write { sector, count } => {
+            let skip = pattern_skip(*writes, *count) * 512;
+            *writes += 1;
+            s.push_str(&format!(
+                "dd if=/test/pattern of=/dev/mapper/t bs={} count=1 iflag=skip_bytes skip={skip} oflag=seek_bytes,direct seek={} 2>/dev/null; result $? {label}; legs\n",
+                count * 512,
+                sector * 512
+            ));
+        }
+        Step::Read { sector, count } => {
+            s.push_str(&format!(
+                "rm -f /tmp/r; dd if=/dev/mapper/t of=/tmp/r bs={} count=1 iflag=skip_bytes,direct skip={} 2>/dev/null; r=$?; result $r {label} \" $(md5sum < /tmp/r | cut -d' ' -f1)\"\n",
+                count * 512,
+                sector * 512
+            ));
+        }
+    }
+    s.push_str("snap t\n");
+}
+
+fn good(c: &GoodCase, writes: &mut u64, s: &mut String) {
+    s.push_str(&format!("echo {}\n", q(&format!("== {}", c.id))));
+    for (name, table) in &c.devs {
+        s.push_str(&format!(
+            "mkdev a_{name} {} || echo 'helper {name} refused'; mapdev a_{name}\n",
+            q(&subst(table, &dev_path))
+        ));
+    }
+    s.push_str(&format!(
+        "if mkdev t {}; then echo 'create: ok'; snap t\n",
+        table_words(&c.lines)
+    ));
+    for st in &c.steps {
+        step(st, writes, s);
+    }
+    s.push_str("dmsetup remove t; else echo 'create: refused'; fi\n");
+    for (name, _) in c.devs.iter().rev() {
+        s.push_str(&format!("dmsetup remove a_{name}\n"));
+    }
+    s.push_str("dmesg -c >/dev/null\n");
+}
+
+/// The guest script for the whole corpus.
+pub fn script(bad_cases: &[BadCase], good_cases: &[GoodCase]) -> String {
+    let legs: Vec<&str> = LEGS.iter().map(|(n, _)| *n).collect();
+    let mut s = PRELUDE.replace("LEGS", &legs.join(" "));
+    for c in bad_cases {
+        bad(c, &mut s);
+    }
+    let mut writes = 0;
+    for c in good_cases {
+        good(c, &mut writes, &mut s);
+    }
+    s.push_str("echo '== end'\n");
+    s
+}
+
+/// The guest's output as a transcript: `map` lines give device numbers
+/// their names, every other line after a `== ID` belongs to that case.
+pub fn parse(out: &str) -> Transcript {
+    let mut nums: BTreeMap<String, String> = BTreeMap::new();
+    let mut t = Transcript::new();
+    let mut cur: Option<String> = None;
+    for l in out.lines() {
+        if let Some(rest) = l.strip_prefix("map ") {
+            if let Some((name, num)) = rest.split_once(' ') {
+                nums.insert(num.trim().to_string(), name.to_string());
+            }
+        } else if let Some(id) = l.strip_prefix("== ") {
+            cur = (id != "end").then(|| id.to_string());
+            if let Some(id) = &cur {
+                t.entry(id.clone()).or_default();
+            }
+        } else if let Some(id) = &cur {
+            t.entry(id.clone()).or_default().push(normalise(l, &nums));
+        }
+    }
+    t
+}
