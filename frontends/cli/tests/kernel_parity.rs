@@ -69,11 +69,16 @@ fn check_annotations(bad: &[BadCase], kernel: &Transcript) {
 
 #[test]
 fn kernel_transcript_is_the_kernels() {
+    let (bad, good) = (bad_cases(), good_cases());
+    unique_ids(&bad, &good);
+    let script = kernel_side::script(&bad, &good);
+    // For a person debugging the guest side: the script as it runs.
+    if let Some(p) = std::env::var_os("BLKSTACK_PARITY_SCRIPT") {
+        std::fs::write(p, &script).expect("write the guest script");
+    }
     if !kernel_vm_support::vm_available() {
         return;
     }
-    let (bad, good) = (bad_cases(), good_cases());
-    unique_ids(&bad, &good);
     let dir = tempfile::tempdir().expect("tempdir");
     make_images(dir.path());
     let mut vm = kernel_vm_support::Vm::new().timeout(300);
@@ -85,7 +90,7 @@ fn kernel_transcript_is_the_kernels() {
     }
     let run = vm
         .file(&dir.path().join("pattern"), "/test/pattern")
-        .run(&kernel_side::script(&bad, &good));
+        .run(&script);
     run.assert_ok("kernel parity guest script");
     eprintln!(
         "kernel VM: {} cases in {:?}",

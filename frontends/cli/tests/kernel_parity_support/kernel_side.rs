@@ -22,23 +22,32 @@ fn dev_path(p: &str) -> String {
     }
 }
 
+/// Shell helpers. Under TCG every exec costs tens of milliseconds, so
+/// they use the shell's own `read`/`case` rather than sed and grep.
 const PRELUDE: &str = r#"
-snap() { dmsetup table "$1" | sed 's/^/table: /'; dmsetup status "$1" | sed 's/^/status: /'; }
+prefix() { while IFS= read -r l; do echo "$1: $l"; done; }
+snap() { dmsetup table "$1" | prefix table; dmsetup status "$1" | prefix status; }
 legs() {
   printf 'legs:'
   for s in LEGS; do
-    printf ' %s=%s' "$s" "$(dd if=/dev/disk/by-serial/$s bs=64k iflag=direct 2>/dev/null | md5sum | cut -d' ' -f1)"
+    set -- $(dd if=/dev/disk/by-serial/$s bs=64k iflag=direct 2>/dev/null | md5sum)
+    printf ' %s=%s' "$s" "$1"
   done
   echo
 }
 mkdev() { n=$1; shift; printf '%s\n' "$@" | dmsetup create "$n" 2>/dev/null; }
 mapdev() { echo "map $1 $(dmsetup info -c --noheadings -o major,minor "$1")"; }
 klog() {
-  dmesg -c | grep 'device-mapper:' | grep -v 'error adding target to table' \
-    | grep -v 'unable to determine table type' | grep -v 'version .* loaded' \
-    | head -n 1 | sed 's/^\[[^]]*\] */log: /'
+  dmesg -c > /tmp/klog
+  while IFS= read -r l; do
+    case $l in
+      *'error adding target to table'*|*'unable to determine table type'*|*' loaded'*) ;;
+      *device-mapper:*) echo "log: device-mapper:${l#*device-mapper:}"; break ;;
+    esac
+  done < /tmp/klog
 }
 result() { if [ "$1" = 0 ]; then echo "step $2: ok$3"; else echo "step $2: error"; fi; }
+md5() { set -- $(md5sum < "$1"); echo " $1"; }
 for s in LEGS; do
   d=$(readlink /dev/disk/by-serial/$s)
   echo "map $s $(cat /sys/block/${d##*/}/dev)"
@@ -56,7 +65,7 @@ fn table_words(lines: &[String]) -> String {
 
 fn bad(c: &BadCase, s: &mut String) {
     s.push_str(&format!(
-        "echo {}\nif mkdev b {}; then echo 'result: accepted'; dmsetup table b | sed 's/^/table: /'; dmsetup remove b; else echo 'result: refused'; fi\nklog\n",
+        "echo {}\nif mkdev b {}; then echo 'result: accepted'; dmsetup table b | prefix table; dmsetup remove b; else echo 'result: refused'; fi\nklog\n",
         q(&format!("== {}", c.id)),
         table_words(&c.lines)
     ));
@@ -83,7 +92,7 @@ fn step(st: &Step, writes: &mut u64, s: &mut String) {
         }
         Step::Read { sector, count } => {
             s.push_str(&format!(
-                "rm -f /tmp/r; dd if=/dev/mapper/t of=/tmp/r bs={} count=1 iflag=skip_bytes,direct skip={} 2>/dev/null; r=$?; result $r {label} \" $(md5sum < /tmp/r | cut -d' ' -f1)\"\n",
+                "rm -f /tmp/r; dd if=/dev/mapper/t of=/tmp/r bs={} count=1 iflag=skip_bytes,direct skip={} 2>/dev/null; r=$?; result $r {label} \"$(md5 /tmp/r)\"\n",
                 count * 512,
                 sector * 512
             ));
