@@ -69,9 +69,9 @@ fn check_annotations(bad: &[BadCase], kernel: &Transcript) {
 
 #[test]
 fn kernel_transcript_is_the_kernels() {
-    let (bad, good) = (bad_cases(), good_cases());
+    let (bad, good, cross) = (bad_cases(), good_cases(), cross_cases());
     unique_ids(&bad, &good);
-    let script = kernel_side::script(&bad, &good);
+    let script = kernel_side::script(&bad, &good, &cross);
     // For a person debugging the guest side: the script as it runs.
     if let Some(p) = std::env::var_os("BLKSTACK_PARITY_SCRIPT") {
         std::fs::write(p, &script).expect("write the guest script");
@@ -81,6 +81,8 @@ fn kernel_transcript_is_the_kernels() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     make_images(dir.path());
+    // blkstack writes the first half of each cross table before the boot.
+    blkstack_side::cross(dir.path(), &cross, 0);
     let mut vm = kernel_vm_support::Vm::new().timeout(300);
     for (name, _) in LEGS {
         vm = vm.disk(
@@ -97,8 +99,21 @@ fn kernel_transcript_is_the_kernels() {
         bad.len() + good.len(),
         run.elapsed
     );
-    let live = kernel_side::parse(&run.out);
+    let mut live = kernel_side::parse(&run.out);
+    // ... and reads the second half, which the kernel wrote, after it.
+    for (c, line) in cross
+        .iter()
+        .zip(blkstack_side::cross(dir.path(), &cross, 1))
+    {
+        live.entry(c.id.clone()).or_default().push(line);
+    }
     check_annotations(&bad, &live);
+    let crossed = cross_outcomes(&cross, &live);
+    assert!(
+        crossed.values().all(|ok| *ok),
+        "data written through one stack does not read back through the other: {crossed:?}\n{:?}",
+        cross.iter().map(|c| live.get(&c.id)).collect::<Vec<_>>()
+    );
     if updating() {
         std::fs::write(transcript_path(), render_transcript(&live)).expect("write transcript");
         return;
@@ -116,20 +131,30 @@ fn kernel_transcript_is_the_kernels() {
 
 #[test]
 fn blkstack_matches_the_kernel() {
-    let (bad, good) = (bad_cases(), good_cases());
+    let (bad, good, cross) = (bad_cases(), good_cases(), cross_cases());
     unique_ids(&bad, &good);
     let kernel = recorded();
     check_annotations(&bad, &kernel);
+    let crossed = cross_outcomes(&cross, &kernel);
     let dir = tempfile::tempdir().expect("tempdir");
-    let ours = blkstack_side::run(dir.path(), &bad, &good);
+    let ours = blkstack_side::run(dir.path(), &bad, &good, &cross);
     let deliberate = notes("deliberate.txt");
     let fixed = notes("fixed.txt");
     let mut same = BTreeMap::new();
     let mut unexpected = Vec::new();
-    for (id, k) in &kernel {
-        let b = ours
+    let ids = bad.iter().map(|c| &c.id).chain(good.iter().map(|c| &c.id));
+    let cases = kernel.len() - crossed.len();
+    assert_eq!(
+        cases,
+        ids.clone().count(),
+        "the recorded transcript has other cases: re-record it"
+    );
+    // In corpus order: the legs carry data from case to case.
+    for id in ids {
+        let k = kernel
             .get(id)
-            .unwrap_or_else(|| panic!("{id}: not in the corpus any more"));
+            .unwrap_or_else(|| panic!("{id}: no recorded kernel answer: re-record it"));
+        let b = &ours[id];
         let equal = compared(k) == compared(b);
         same.insert(id.clone(), equal);
         let listed = deliberate.iter().any(|n| &n.id == id);
@@ -146,6 +171,11 @@ fn blkstack_matches_the_kernel() {
             ));
         }
     }
+    for (id, _) in crossed.iter().filter(|(_, ok)| !**ok) {
+        unexpected.push(format!(
+            "{id}: the recorded cross reads are not the patterns written"
+        ));
+    }
     for n in fixed.iter().filter(|n| same.get(&n.id) != Some(&true)) {
         unexpected.push(format!("fixed.txt: {} is not the same", n.id));
     }
@@ -156,6 +186,8 @@ fn blkstack_matches_the_kernel() {
             same: &same,
             fixed: &fixed,
             deliberate: &deliberate,
+            cross: &cross,
+            crossed: &crossed,
         },
     );
     if updating() {
@@ -163,7 +195,7 @@ fn blkstack_matches_the_kernel() {
     }
     assert!(
         unexpected.is_empty(),
-        "blkstack and the kernel differ:\n{}",
+        "blkstack and the kernel differ (the legs carry data from case to case, so the first case whose legs differ is the one to look at):\n{}",
         unexpected.join("\n")
     );
     let committed = std::fs::read_to_string(page_path()).unwrap_or_default();

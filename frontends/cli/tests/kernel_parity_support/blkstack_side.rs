@@ -157,15 +157,17 @@ impl Side {
     }
 }
 
-/// Runs the whole corpus through blkstack over fresh legs in `dir`.
-pub fn run(dir: &Path, bad: &[BadCase], good: &[GoodCase]) -> Transcript {
+/// Runs the whole corpus through blkstack over fresh legs in `dir`, which
+/// start as the kernel's do: with the cross cases' first halves written.
+pub fn run(
+    dir: &Path,
+    bad: &[BadCase],
+    good: &[GoodCase],
+    cross_cases: &[super::CrossCase],
+) -> Transcript {
     make_images(dir);
-    let reg = Registry::new();
-    for (name, sectors) in LEGS {
-        let path = dir.join(format!("{name}.img"));
-        reg.create(name, &format!("0 {sectors} file {}", path.display()))
-            .unwrap_or_else(|e| panic!("leg {name}: {}", e.report()));
-    }
+    cross(dir, cross_cases, 0);
+    let reg = legs_over(dir);
     let pattern = std::fs::read(dir.join("pattern")).expect("pattern");
     let mut side = Side {
         reg,
@@ -182,4 +184,46 @@ pub fn run(dir: &Path, bad: &[BadCase], good: &[GoodCase]) -> Transcript {
         t.insert(c.id.clone(), lines);
     }
     t
+}
+
+/// A registry with the legs over the images in `dir`, as they are.
+fn legs_over(dir: &Path) -> Arc<Registry> {
+    let reg = Registry::new();
+    for (name, sectors) in LEGS {
+        let path = dir.join(format!("{name}.img"));
+        reg.create(name, &format!("0 {sectors} file {}", path.display()))
+            .unwrap_or_else(|e| panic!("leg {name}: {}", e.report()));
+    }
+    reg
+}
+
+/// Half `h` of every cross case through blkstack over the legs in `dir`:
+/// written from the pattern (`h` = 0), or read, giving each read's md5.
+pub fn cross(dir: &Path, cases: &[super::CrossCase], h: u64) -> Vec<String> {
+    let reg = legs_over(dir);
+    let pattern = std::fs::read(dir.join("pattern")).expect("pattern");
+    let mut out = Vec::new();
+    for (k, c) in cases.iter().enumerate() {
+        reg.create("x", &subst(&c.line, &dev_name))
+            .unwrap_or_else(|e| panic!("{}: {}", c.id, e.report()));
+        let dev = reg.device("x").expect("x");
+        let (sector, count) = c.half(h);
+        let mut buf = vec![0u8; (count * 512) as usize];
+        let op = if h == 0 {
+            let skip = c.pattern_skip(k as u64, h) as usize * 512;
+            let len = buf.len();
+            buf.copy_from_slice(&pattern[skip..skip + len]);
+            Op::Write
+        } else {
+            Op::Read
+        };
+        let st = submit_and_wait(&*dev, op, sector * 512, count * 512, &mut buf);
+        out.push(match st {
+            Status::Ok => format!("blkstack-read: ok {}", md5_hex(&buf)),
+            _ => "blkstack-read: error".to_string(),
+        });
+        reg.remove("x", true).expect("remove x");
+    }
+    reg.remove_all();
+    out
 }

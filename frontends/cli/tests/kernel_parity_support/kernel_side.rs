@@ -5,7 +5,7 @@
 //! and the parser that turns what it printed into a transcript. All cases
 //! share one boot: a TCG boot costs about ten seconds.
 
-use super::{normalise, pattern_skip, subst, BadCase, GoodCase, Step, Transcript, LEGS};
+use super::{normalise, pattern_skip, subst, BadCase, CrossCase, GoodCase, Step, Transcript, LEGS};
 use std::collections::BTreeMap;
 
 /// Shell-quotes one word.
@@ -123,8 +123,26 @@ fn good(c: &GoodCase, writes: &mut u64, s: &mut String) {
     s.push_str("dmesg -c >/dev/null\n");
 }
 
-/// The guest script for the whole corpus.
-pub fn script(bad_cases: &[BadCase], good_cases: &[GoodCase]) -> String {
+/// A cross case in the guest: read half 0 (written by blkstack before the
+/// boot), write half 1 (read by blkstack after it).
+fn cross(c: &CrossCase, k: u64, s: &mut String) {
+    let (r_sector, r_count) = c.half(0);
+    let (w_sector, w_count) = c.half(1);
+    let skip = c.pattern_skip(k, 1) * 512;
+    s.push_str(&format!(
+        "echo {}\nmkdev x {} || echo 'create: refused'\nrm -f /tmp/r; dd if=/dev/mapper/x of=/tmp/r bs={} count=1 iflag=skip_bytes,direct skip={} 2>/dev/null; r=$?\nif [ $r = 0 ]; then echo \"kernel-read: ok$(md5 /tmp/r)\"; else echo 'kernel-read: error'; fi\ndd if=/test/pattern of=/dev/mapper/x bs={} count=1 iflag=skip_bytes skip={skip} oflag=seek_bytes,direct seek={} 2>/dev/null || echo 'kernel-write: error'\ndmsetup remove x\n",
+        q(&format!("== {}", c.id)),
+        q(&subst(&c.line, &dev_path)),
+        r_count * 512,
+        r_sector * 512,
+        w_count * 512,
+        w_sector * 512
+    ));
+}
+
+/// The guest script for the whole corpus; the cross cases last, over leg
+/// sectors no other case writes.
+pub fn script(bad_cases: &[BadCase], good_cases: &[GoodCase], cross_cases: &[CrossCase]) -> String {
     let legs: Vec<&str> = LEGS.iter().map(|(n, _)| *n).collect();
     let mut s = PRELUDE.replace("LEGS", &legs.join(" "));
     for c in bad_cases {
@@ -133,6 +151,9 @@ pub fn script(bad_cases: &[BadCase], good_cases: &[GoodCase]) -> String {
     let mut writes = 0;
     for c in good_cases {
         good(c, &mut writes, &mut s);
+    }
+    for (k, c) in cross_cases.iter().enumerate() {
+        cross(c, k as u64, &mut s);
     }
     s.push_str("echo '== end'\n");
     s

@@ -277,6 +277,35 @@ pub fn fill(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The write pattern (what `make_images` writes as `pattern`).
+pub fn pattern() -> Vec<u8> {
+    fill(99, (PATTERN_SECTORS * 512) as usize)
+}
+
+/// Whether each cross case's two reads in `t` gave what was written: the
+/// kernel's read of blkstack's half and blkstack's read of the kernel's.
+pub fn cross_outcomes(cases: &[CrossCase], t: &Transcript) -> BTreeMap<String, bool> {
+    let pattern = pattern();
+    cases
+        .iter()
+        .enumerate()
+        .map(|(k, c)| {
+            let lines = t.get(&c.id).cloned().unwrap_or_default();
+            let want = [
+                format!(
+                    "kernel-read: ok {}",
+                    cross_expected(c, k as u64, 0, &pattern)
+                ),
+                format!(
+                    "blkstack-read: ok {}",
+                    cross_expected(c, k as u64, 1, &pattern)
+                ),
+            ];
+            (c.id.clone(), lines == want)
+        })
+        .collect()
+}
+
 /// Pattern sectors used by the `k`th write step of the whole corpus.
 pub fn pattern_skip(k: u64, count: u64) -> u64 {
     (k * 97) % (PATTERN_SECTORS - count)
@@ -295,9 +324,57 @@ pub fn make_images(dir: &Path) {
         let data = fill(i as u64 + 1, (*sectors * 512) as usize);
         std::fs::write(dir.join(format!("{name}.img")), data).expect("leg image");
     }
-    std::fs::write(
-        dir.join("pattern"),
-        fill(99, (PATTERN_SECTORS * 512) as usize),
-    )
-    .expect("pattern");
+    std::fs::write(dir.join("pattern"), pattern()).expect("pattern");
+}
+
+/// A table data is written through by one stack and read by the other.
+#[derive(Clone, Debug)]
+pub struct CrossCase {
+    pub id: String,
+    pub target: String,
+    pub line: String,
+}
+
+impl CrossCase {
+    pub fn sectors(&self) -> u64 {
+        self.line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|l| l.parse().ok())
+            .unwrap_or_else(|| panic!("{}: no length", self.id))
+    }
+
+    /// (sector, count) of half 0 (blkstack writes, the kernel reads) or
+    /// half 1 (the kernel writes, blkstack reads).
+    pub fn half(&self, h: u64) -> (u64, u64) {
+        let n = self.sectors() / 2;
+        (h * n, n)
+    }
+
+    /// The pattern sectors written into half `h` of the `k`th case.
+    pub fn pattern_skip(&self, k: u64, h: u64) -> u64 {
+        (1000 + (2 * k + h) * 131) % (PATTERN_SECTORS - self.half(h).1)
+    }
+}
+
+pub fn cross_cases() -> Vec<CrossCase> {
+    let text = read("cross.txt");
+    body_lines(&text)
+        .map(|(at, l)| {
+            let f = fields(l, 3, "cross.txt", at);
+            CrossCase {
+                id: f[0].clone(),
+                target: f[1].clone(),
+                line: f[2].clone(),
+            }
+        })
+        .collect()
+}
+
+/// What each direction of cross case `k` must read: the md5 of the
+/// pattern written into that half.
+pub fn cross_expected(c: &CrossCase, k: u64, h: u64, pattern: &[u8]) -> String {
+    let skip = c.pattern_skip(k, h) as usize * 512;
+    let len = c.half(h).1 as usize * 512;
+    md5_hex(&pattern[skip..skip + len])
 }

@@ -5,7 +5,7 @@
 //! and where it differs on purpose, from the comparison of the two
 //! transcripts.
 
-use super::{BadCase, GoodCase, Note};
+use super::{BadCase, CrossCase, GoodCase, Note};
 use std::collections::BTreeMap;
 
 /// The comparison's outcome for every case id.
@@ -13,6 +13,9 @@ pub struct Outcomes<'a> {
     pub same: &'a BTreeMap<String, bool>,
     pub fixed: &'a [Note],
     pub deliberate: &'a [Note],
+    pub cross: &'a [CrossCase],
+    /// Cross case id: both reads gave the pattern written.
+    pub crossed: &'a BTreeMap<String, bool>,
 }
 
 impl Outcomes<'_> {
@@ -44,7 +47,9 @@ contents after every O_DIRECT write and the data of every O_DIRECT read.
 The cases are in `frontends/cli/tests/data/kernel-parity/`: one refused
 table for every reachable `ti->error` path of the 6.12 constructors (and
 dm-table.c's own refusals) in `bad-tables.txt`, tables with messages and
-I/O in `good-tables.txt`.
+I/O in `good-tables.txt`, and in `cross.txt` tables that blkstack writes
+through and the kernel reads back through (before the boot), and the
+reverse (after it), over the same disk images.
 ";
 
 /// The page's text.
@@ -66,17 +71,16 @@ pub fn render(bad: &[BadCase], good: &[GoodCase], o: &Outcomes<'_>) -> String {
         .iter()
         .filter(|id| o.same.get(**id) == Some(&true) && o.fixed.iter().any(|n| &n.id == **id))
         .count();
-    let differ = ids.len() - same - deliberate;
+    let crossed = o.crossed.values().filter(|ok| **ok).count();
+    let total = ids.len() + o.cross.len();
+    let differ = total - same - crossed - deliberate;
     let mut s = String::from(HEAD);
     s.push_str(&format!(
-        "\n**{} cases: {} the same from the start, {} the same after a fix, {} deliberately different, {} differing otherwise.** ({} refused tables, {} tables with steps.)\n",
-        ids.len(),
-        same - fixed,
-        fixed,
-        deliberate,
-        differ,
+        "\n**{total} cases: {} the same from the start, {fixed} the same after a fix, {deliberate} deliberately different, {differ} differing otherwise.** ({} refused tables, {} tables with steps, {} tables written through one stack and read through the other.)\n",
+        same - fixed + crossed,
         bad.len(),
-        good.len()
+        good.len(),
+        o.cross.len()
     ));
     s.push_str(
         "\n## Target × feature\n\n| target | feature | case | outcome |\n|---|---|---|---|\n",
@@ -88,6 +92,15 @@ pub fn render(bad: &[BadCase], good: &[GoodCase], o: &Outcomes<'_>) -> String {
             c.feature,
             c.id,
             o.cell(&c.id)
+        ));
+    }
+    for c in o.cross {
+        let ok = o.crossed.get(&c.id) == Some(&true);
+        s.push_str(&format!(
+            "| {} | written by blkstack, read by the kernel, and the reverse | `{}` | {} |\n",
+            c.target,
+            c.id,
+            if ok { "same" } else { "**differs**" }
         ));
     }
     let mut by_file: BTreeMap<&str, Vec<&BadCase>> = BTreeMap::new();
