@@ -288,6 +288,8 @@ pub struct MappedDevice {
     pub name: String,
     pub uuid: Option<String>,
     pub minor: u32,
+    /// Set by the first table, as dm sets `md->type` (see `table_type`).
+    pub queue_type: crate::table_type::QueueType,
     core: Arc<Core>,
 }
 
@@ -303,6 +305,7 @@ impl MappedDevice {
             name,
             uuid,
             minor,
+            queue_type: crate::table_type::of(&table).unwrap_or(crate::table_type::QueueType::Bio),
             core: Arc::new(Core {
                 live: ArcSwap::from_pointee(table),
                 inactive: Mutex::new(None),

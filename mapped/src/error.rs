@@ -52,6 +52,10 @@ pub enum DmError {
     },
     #[error("device {name}: table would make a cycle through {through}")]
     Cycle { name: String, through: String },
+    /// dm-ioctl.c `table_load`: the device's queue type or immutable target
+    /// does not allow this table.
+    #[error("device {name}: {why}")]
+    TableType { name: String, why: String },
     #[error(transparent)]
     Name(#[from] NameError),
     #[error(transparent)]

@@ -14,6 +14,7 @@ pub mod registry;
 pub mod selectors;
 pub mod split;
 pub mod table;
+pub mod table_type;
 pub mod target;
 pub mod targets;
 

@@ -304,6 +304,7 @@ impl Registry {
             .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
         let live = dev.live_table();
         let mut t = Self::build_table(&state, &[], &dev.name, table, Some(&live))?;
+        crate::table_type::check_reload(&dev.name, dev.queue_type, &live, &t)?;
         t.drops_ram = force;
         let lost = live.ram_lost_to(Some(&t));
         if !lost.is_empty() && !force {

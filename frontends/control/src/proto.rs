@@ -105,7 +105,9 @@ impl From<DmError> for RpcError {
             DmError::Exists(_) => (EBUSY, "exists"),
             DmError::Busy { .. } => (EBUSY, "busy"),
             DmError::WouldLoseData { .. } => (EBUSY, "would_lose_data"),
-            DmError::Line { .. } | DmError::EmptyTable { .. } => (EINVAL, "table"),
+            DmError::Line { .. } | DmError::EmptyTable { .. } | DmError::TableType { .. } => {
+                (EINVAL, "table")
+            }
             _ => (EINVAL, "invalid"),
         };
         let mut r = RpcError::new(code, e.report());
