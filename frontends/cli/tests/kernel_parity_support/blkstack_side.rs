@@ -119,6 +119,11 @@ impl Side {
                 out.push(format!("step {label}: {r}"));
                 out.push(self.legs());
             }
+            Step::Reload { lines } => {
+                let text = self.text(lines);
+                let ok = self.reg.reload("t", &text).is_ok() && self.reg.resume("t").is_ok();
+                out.push(format!("step {label}: {}", if ok { "ok" } else { "error" }));
+            }
             Step::Read { sector, count } => {
                 let (st, data) = self.io(Op::Read, *sector, *count);
                 out.push(match st {

@@ -90,6 +90,12 @@ fn step(st: &Step, writes: &mut u64, s: &mut String) {
                 sector * 512
             ));
         }
+        Step::Reload { lines } => {
+            s.push_str(&format!(
+                "printf '%s\\n' {} | dmsetup reload t 2>/dev/null && dmsetup resume t; result $? {label}\n",
+                table_words(lines)
+            ));
+        }
         Step::Read { sector, count } => {
             s.push_str(&format!(
                 "rm -f /tmp/r; dd if=/dev/mapper/t of=/tmp/r bs={} count=1 iflag=skip_bytes,direct skip={} 2>/dev/null; r=$?; result $r {label} \"$(md5 /tmp/r)\"\n",

@@ -59,9 +59,22 @@ pub struct BadCase {
 /// One step of a good case.
 #[derive(Clone, Debug)]
 pub enum Step {
-    Msg { sector: u64, words: Vec<String> },
-    Write { sector: u64, count: u64 },
-    Read { sector: u64, count: u64 },
+    Msg {
+        sector: u64,
+        words: Vec<String>,
+    },
+    Write {
+        sector: u64,
+        count: u64,
+    },
+    Read {
+        sector: u64,
+        count: u64,
+    },
+    /// `dmsetup reload` then `resume`: its lines.
+    Reload {
+        lines: Vec<String>,
+    },
 }
 
 impl Step {
@@ -71,6 +84,7 @@ impl Step {
             Step::Msg { sector, words } => format!("msg {sector} {}", words.join(" ")),
             Step::Write { sector, count } => format!("write {sector} {count}"),
             Step::Read { sector, count } => format!("read {sector} {count}"),
+            Step::Reload { lines } => format!("reload {}", lines.join(" \\n ")),
         }
     }
 }
@@ -167,6 +181,9 @@ pub fn good_cases() -> Vec<GoodCase> {
                 let words = w.map(str::to_string).collect();
                 c.steps.push(Step::Msg { sector, words });
             }
+            ("reload", Some(c)) => c.steps.push(Step::Reload {
+                lines: rest.split(" \\n ").map(|l| l.trim().to_string()).collect(),
+            }),
             ("write" | "read", Some(c)) => {
                 let (sector, count) = (num(w.next(), at), num(w.next(), at));
                 c.steps.push(if word == "write" {
