@@ -6,14 +6,16 @@
 //! dmsetup's create / table / status / message as dm-ioctl.c answers them.
 
 use super::{
-    make_images, md5_hex, normalise, pattern_skip, subst, BadCase, GoodCase, Step, Transcript, LEGS,
+    make_images, md5_hex, normalise, pattern_skip, subst, BadCase, GoodCase, Step, Transcript,
+    HELD_SNAP_SECS, LEGS,
 };
-use blkstack_core::sync::submit_and_wait;
-use blkstack_core::{Op, Status};
+use blkstack_core::sync::{submit_and_wait, Completion};
+use blkstack_core::{Bio, IoBuf, Op, Status};
 use blkstack_mapped::Registry;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 struct Side {
     reg: Arc<Registry>,
@@ -91,16 +93,42 @@ impl Side {
         s
     }
 
+    /// The buffer of an I/O: the next pattern slice for a write.
+    fn buf_for(&mut self, op: Op, count: u64) -> Vec<u8> {
+        let len = (count * 512) as usize;
+        if op != Op::Write {
+            return vec![0u8; len];
+        }
+        let skip = pattern_skip(self.writes, count) as usize * 512;
+        self.writes += 1;
+        self.pattern[skip..skip + len].to_vec()
+    }
+
     fn io(&mut self, op: Op, sector: u64, count: u64) -> (Status, Vec<u8>) {
         let dev = self.reg.device("t").expect("device t");
-        let len = count * 512;
-        let mut buf = vec![0u8; len as usize];
-        if op == Op::Write {
-            let skip = pattern_skip(self.writes, count) as usize * 512;
-            self.writes += 1;
-            buf.copy_from_slice(&self.pattern[skip..skip + len as usize]);
-        }
-        let st = submit_and_wait(&*dev, op, sector * 512, len, &mut buf);
+        let mut buf = self.buf_for(op, count);
+        let st = submit_and_wait(&*dev, op, sector * 512, count * 512, &mut buf);
+        (st, buf)
+    }
+
+    /// An I/O left in flight while `table` and `status` are taken.
+    fn held(
+        &mut self,
+        op: Op,
+        sector: u64,
+        count: u64,
+        out: &mut Vec<String>,
+    ) -> (Status, Vec<u8>) {
+        let dev = self.reg.device("t").expect("device t");
+        let mut buf = self.buf_for(op, count);
+        let done = Completion::new();
+        // SAFETY: `buf` is neither touched nor dropped before the bio has
+        // completed: `done.wait()` below comes first.
+        let io = unsafe { IoBuf::from_slice(&mut buf) };
+        dev.submit(Bio::new(op, sector * 512, count * 512, io, done.clone(), 0));
+        std::thread::sleep(Duration::from_secs(HELD_SNAP_SECS));
+        self.snap(out, "t");
+        let st = done.wait();
         (st, buf)
     }
 
@@ -118,6 +146,22 @@ impl Side {
                 let r = if st == Status::Ok { "ok" } else { "error" };
                 out.push(format!("step {label}: {r}"));
                 out.push(self.legs());
+            }
+            Step::Held {
+                write,
+                sector,
+                count,
+            } => {
+                let op = if *write { Op::Write } else { Op::Read };
+                let (st, data) = self.held(op, *sector, *count, out);
+                out.push(match (st, write) {
+                    (Status::Ok, true) => format!("step {label}: ok"),
+                    (Status::Ok, false) => format!("step {label}: ok {}", md5_hex(&data)),
+                    _ => format!("step {label}: error"),
+                });
+                if *write {
+                    out.push(self.legs());
+                }
             }
             Step::Reload { lines } => {
                 let text = self.text(lines);

@@ -5,7 +5,10 @@
 //! and the parser that turns what it printed into a transcript. All cases
 //! share one boot: a TCG boot costs about ten seconds.
 
-use super::{normalise, pattern_skip, subst, BadCase, CrossCase, GoodCase, Step, Transcript, LEGS};
+use super::{
+    normalise, pattern_skip, subst, BadCase, CrossCase, GoodCase, Step, Transcript, HELD_SNAP_SECS,
+    LEGS,
+};
 use std::collections::BTreeMap;
 
 /// Shell-quotes one word.
@@ -71,6 +74,22 @@ fn bad(c: &BadCase, s: &mut String) {
     ));
 }
 
+fn dd_write(skip: u64, sector: u64, count: u64) -> String {
+    format!(
+        "dd if=/test/pattern of=/dev/mapper/t bs={} count=1 iflag=skip_bytes skip={skip} oflag=seek_bytes,direct seek={} 2>/dev/null",
+        count * 512,
+        sector * 512
+    )
+}
+
+fn dd_read(sector: u64, count: u64) -> String {
+    format!(
+        "rm -f /tmp/r; dd if=/dev/mapper/t of=/tmp/r bs={} count=1 iflag=skip_bytes,direct skip={} 2>/dev/null",
+        count * 512,
+        sector * 512
+    )
+}
+
 fn step(st: &Step, writes: &mut u64, s: &mut String) {
     let label = q(&st.label());
     match st {
@@ -85,9 +104,8 @@ fn step(st: &Step, writes: &mut u64, s: &mut String) {
             let skip = pattern_skip(*writes, *count) * 512;
             *writes += 1;
             s.push_str(&format!(
-                "dd if=/test/pattern of=/dev/mapper/t bs={} count=1 iflag=skip_bytes skip={skip} oflag=seek_bytes,direct seek={} 2>/dev/null; result $? {label}; legs\n",
-                count * 512,
-                sector * 512
+                "{}; result $? {label}; legs\n",
+                dd_write(skip, *sector, *count)
             ));
         }
         Step::Reload { lines } => {
@@ -98,9 +116,30 @@ fn step(st: &Step, writes: &mut u64, s: &mut String) {
         }
         Step::Read { sector, count } => {
             s.push_str(&format!(
-                "rm -f /tmp/r; dd if=/dev/mapper/t of=/tmp/r bs={} count=1 iflag=skip_bytes,direct skip={} 2>/dev/null; r=$?; result $r {label} \"$(md5 /tmp/r)\"\n",
-                count * 512,
-                sector * 512
+                "{}; r=$?; result $r {label} \"$(md5 /tmp/r)\"\n",
+                dd_read(*sector, *count)
+            ));
+        }
+        Step::Held {
+            write,
+            sector,
+            count,
+        } => {
+            // The I/O in the background, a snapshot while it is held.
+            let dd = if *write {
+                let skip = pattern_skip(*writes, *count) * 512;
+                *writes += 1;
+                dd_write(skip, *sector, *count)
+            } else {
+                dd_read(*sector, *count)
+            };
+            let after = if *write {
+                format!("result $r {label}; legs")
+            } else {
+                format!("result $r {label} \"$(md5 /tmp/r)\"")
+            };
+            s.push_str(&format!(
+                "{dd} & pid=$!; sleep {HELD_SNAP_SECS}; snap t; wait $pid; r=$?; {after}\n"
             ));
         }
     }

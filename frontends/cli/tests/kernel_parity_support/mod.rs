@@ -75,7 +75,18 @@ pub enum Step {
     Reload {
         lines: Vec<String>,
     },
+    /// A write (or read) still held by a slow target when `table` and
+    /// `status` are taken, [`HELD_SNAP_SECS`] after it was issued.
+    Held {
+        write: bool,
+        sector: u64,
+        count: u64,
+    },
 }
+
+/// How long after issuing a held I/O both sides take their snapshot; the
+/// cases' delays are longer (2000 ms).
+pub const HELD_SNAP_SECS: u64 = 1;
 
 impl Step {
     /// The step as the transcript names it (devices as written, `$l0`).
@@ -85,6 +96,14 @@ impl Step {
             Step::Write { sector, count } => format!("write {sector} {count}"),
             Step::Read { sector, count } => format!("read {sector} {count}"),
             Step::Reload { lines } => format!("reload {}", lines.join(" \\n ")),
+            Step::Held {
+                write,
+                sector,
+                count,
+            } => format!(
+                "held {} {sector} {count}",
+                if *write { "write" } else { "read" }
+            ),
         }
     }
 }
@@ -184,6 +203,19 @@ pub fn good_cases() -> Vec<GoodCase> {
             ("reload", Some(c)) => c.steps.push(Step::Reload {
                 lines: rest.split(" \\n ").map(|l| l.trim().to_string()).collect(),
             }),
+            ("held", Some(c)) => {
+                let write = match w.next() {
+                    Some("write") => true,
+                    Some("read") => false,
+                    o => panic!("good-tables.txt:{at}: held read|write, got {o:?}"),
+                };
+                let (sector, count) = (num(w.next(), at), num(w.next(), at));
+                c.steps.push(Step::Held {
+                    write,
+                    sector,
+                    count,
+                });
+            }
             ("write" | "read", Some(c)) => {
                 let (sector, count) = (num(w.next(), at), num(w.next(), at));
                 c.steps.push(if word == "write" {
