@@ -47,7 +47,7 @@ smp=${KERNEL_VM_SMP:-2}
 mem=${KERNEL_VM_MEM:-1024}
 # Bumped whenever what goes into the base initramfs changes, so a cached
 # one from an older script is rebuilt.
-layout=6
+layout=7
 
 # Modules loaded at boot (the rest are in the initramfs for `modprobe`).
 PRELOAD="virtio_blk virtio_net dm-mod"
@@ -165,7 +165,9 @@ mkdir -p /root
 cd /test
 sh /test/script </dev/null >/dev/ttyS1 2>&1
 echo "KERNEL-VM-EXIT=\$?" >/dev/ttyS1
-sync
+# A sync that a dead device holds for ever must not keep the guest up.
+sync & s=\$!
+i=0; while kill -0 \$s 2>/dev/null && [ \$i -lt 100 ]; do usleep 100000; i=\$((i+1)); done
 poweroff -f
 EOF
   chmod +x "$1/init"
@@ -266,7 +268,8 @@ run() {
       case $gp$hp in *[!0-9]*|'') die "--fwd wants GUESTPORT=HOSTPORT, got '$a'" ;; esac
       # cmd: runs one socat per guest connection (a tcp: target would be
       # one connection made at start and shared by all of them).
-      net+=",guestfwd=tcp:10.0.2.100:$gp-cmd:socat STDIO TCP:127.0.0.1:$hp"
+      # socat must say nothing: its stderr is the guest's connection too.
+      net+=",guestfwd=tcp:10.0.2.100:$gp-cmd:socat -lf /dev/null STDIO TCP:127.0.0.1:$hp"
     done
     args+=(-netdev "$net" -device virtio-net-pci,netdev=n0)
   fi

@@ -166,6 +166,10 @@ impl Serve {
         srv
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn uri(&self, export: &str) -> String {
         format!("nbd+unix:///{export}?socket={}", self.nbd_socket.display())
     }
