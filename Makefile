@@ -12,8 +12,8 @@ SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip
 # carries. On Debian 12 the machine's qemu-utils comes from
 # bookworm-backports, and Debian 12's own qemu-system-x86 breaks it, so
 # qemu-system-x86 comes from the same backports suite.
-VM_TOOLS := qemu-system-x86_64 busybox dmsetup mkfs.ext4 mkfs.xfs nbd-client depmod cpio xz
-VM_PACKAGES := busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio xz-utils
+VM_TOOLS := qemu-system-x86_64 busybox dmsetup mkfs.ext4 mkfs.xfs nbd-client depmod cpio xz socat
+VM_PACKAGES := busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio xz-utils socat
 deps:
 	@SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; export DEBIAN_FRONTEND=noninteractive; \
 	missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \

@@ -47,7 +47,7 @@ smp=${KERNEL_VM_SMP:-2}
 mem=${KERNEL_VM_MEM:-1024}
 # Bumped whenever what goes into the base initramfs changes, so a cached
 # one from an older script is rebuilt.
-layout=4
+layout=7
 
 # Modules loaded at boot (the rest are in the initramfs for `modprobe`).
 PRELOAD="virtio_blk virtio_net dm-mod"
@@ -62,13 +62,13 @@ say() { echo "kernel-vm: $*" >&2; }
 
 need_tools() {
   local t missing=""
-  for t in qemu-system-x86_64 cpio depmod xz busybox $TOOLS; do
+  for t in qemu-system-x86_64 cpio depmod xz busybox socat $TOOLS; do
     command -v "$t" >/dev/null 2>&1 || [ -x "/usr/sbin/$t" ] || [ -x "/sbin/$t" ] || missing="$missing $t"
   done
   [ -e /bin/busybox ] && file -L /bin/busybox 2>/dev/null | grep -q static || \
     { [ -n "$(command -v busybox)" ] && ldd "$(command -v busybox)" 2>&1 | grep -q "not a dynamic"; } || \
     missing="$missing busybox-static"
-  [ -z "$missing" ] || die "missing:$missing (make deps installs qemu-system-x86 busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio)"
+  [ -z "$missing" ] || die "missing:$missing (make deps installs qemu-system-x86 busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio socat)"
 }
 
 tool_path() {
@@ -140,7 +140,7 @@ write_init() {
   cat > "$1/init" <<EOF
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
-export PATH=/bin:/sbin:/usr/bin:/usr/sbin
+export PATH=/sbin:/usr/sbin:/bin:/usr/bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
@@ -165,7 +165,9 @@ mkdir -p /root
 cd /test
 sh /test/script </dev/null >/dev/ttyS1 2>&1
 echo "KERNEL-VM-EXIT=\$?" >/dev/ttyS1
-sync
+# A sync that a dead device holds for ever must not keep the guest up.
+sync & s=\$!
+i=0; while kill -0 \$s 2>/dev/null && [ \$i -lt 100 ]; do usleep 100000; i=\$((i+1)); done
 poweroff -f
 EOF
   chmod +x "$1/init"
@@ -221,8 +223,8 @@ run() {
   case $timeout in ''|*[!0-9]*) die "--timeout needs whole seconds, got '$timeout'" ;; esac
   prepare
 
-  local work; work=$(mktemp -d "${TMPDIR:-/tmp}/kernel-vm.XXXXXX")
-  trap 'rm -rf "$work"' EXIT
+  work=$(mktemp -d "${TMPDIR:-/tmp}/kernel-vm.XXXXXX")
+  trap 'rm -rf "${work:-}"' EXIT
   mkdir -p "$work/root/test" "$work/root/bin"
   cp "$script" "$work/root/test/script"
   for a in "${files[@]+"${files[@]}"}"; do
@@ -249,11 +251,11 @@ run() {
     local serial=${spec%%=*} uri=${spec#*=}
     [ "$serial" != "$spec" ] && [ -n "$serial" ] && [ -n "$uri" ] || die "--disk wants SERIAL=URI, got '$spec'"
     case $kind:$uri in
-      nbd:nbd*) args+=(-drive "file=$uri,format=raw,if=none,id=d$n,cache=none") ;;
+      nbd:nbd*) args+=(-drive "file=$uri,format=raw,if=none,id=d$n,cache=none,werror=report,rerror=report") ;;
       nbd:*) [ -e "$uri" ] || die "--disk: no such image: $uri"
-        args+=(-drive "file=$uri,format=raw,if=none,id=d$n,cache=none,aio=threads") ;;
+        args+=(-drive "file=$uri,format=raw,if=none,id=d$n,cache=none,werror=report,rerror=report,aio=threads") ;;
       shared:*) [ -e "$uri" ] || die "--shared-disk: no such image: $uri"
-        args+=(-drive "file=$uri,format=raw,if=none,id=d$n,cache=none,file.locking=off") ;;
+        args+=(-drive "file=$uri,format=raw,if=none,id=d$n,cache=none,werror=report,rerror=report,file.locking=off") ;;
     esac
     local share=""; [ "$kind" = shared ] && share=",share-rw=on"
     args+=(-device "virtio-blk-pci,drive=d$n,serial=$serial$share")
@@ -264,18 +266,38 @@ run() {
     for a in "${fwds[@]}"; do
       local gp=${a%%=*} hp=${a#*=}
       case $gp$hp in *[!0-9]*|'') die "--fwd wants GUESTPORT=HOSTPORT, got '$a'" ;; esac
-      net+=",guestfwd=tcp:10.0.2.100:$gp-tcp:127.0.0.1:$hp"
+      # cmd: runs one socat per guest connection (a tcp: target would be
+      # one connection made at start and shared by all of them).
+      # socat must say nothing: its stderr is the guest's connection too.
+      net+=",guestfwd=tcp:10.0.2.100:$gp-cmd:socat -lf /dev/null STDIO TCP:127.0.0.1:$hp"
     done
     args+=(-netdev "$net" -device virtio-net-pci,netdev=n0)
   fi
 
   : > "$work/out"
-  local rc=0
-  timeout -k 5 "$timeout" qemu-system-x86_64 "${args[@]}" </dev/null >"$work/qemu.log" 2>&1 || rc=$?
+  local rc=0 qemu t=0 marked=""
+  qemu-system-x86_64 "${args[@]}" </dev/null >"$work/qemu.log" 2>&1 &
+  qemu=$!
+  # Once the script has reported, the guest gets 10 s to power off: a
+  # shutdown can wait for ever on I/O a dead device holds (multipath's
+  # queue_if_no_path), and the script's verdict is in.
+  while kill -0 "$qemu" 2>/dev/null; do
+    if [ -z "$marked" ] && grep -q '^KERNEL-VM-EXIT=' "$work/out" 2>/dev/null; then
+      marked=$t
+    fi
+    if [ -n "$marked" ] && [ $((t - marked)) -ge 50 ]; then
+      say "the guest reported but did not power off: stopping it"
+      kill -9 "$qemu" 2>/dev/null || true
+    elif [ $t -ge $((timeout * 5)) ]; then
+      kill -9 "$qemu" 2>/dev/null || true; rc=124
+    fi
+    sleep 0.2; t=$((t + 1))
+  done
+  wait "$qemu" 2>/dev/null || [ "$rc" = 124 ] || rc=$?
   tr -d '\r' < "$work/out" > "$work/out.txt"
   grep -v '^KERNEL-VM-EXIT=' "$work/out.txt" || true
-  local st; st=$(grep -o '^KERNEL-VM-EXIT=[0-9]*' "$work/out.txt" | tail -n1 | cut -d= -f2)
-  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+  local st; st=$(grep -o '^KERNEL-VM-EXIT=[0-9]*' "$work/out.txt" | tail -n1 | cut -d= -f2 || true)
+  if [ -z "$st" ] && [ "$rc" = 124 ]; then
     say "guest killed after ${timeout}s; console tail:"; tail -n 30 "$dir/console.log" >&2; exit 124
   fi
   if [ -z "$st" ]; then

@@ -69,8 +69,6 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     let spec = &setup.spec;
     before_start(&setup)?;
     let mut eng = Engine::new(&setup)?;
-    let cpu0 = blkstack_core::cpu::thread_cpu();
-    let ru0 = thread_rusage_counts();
     let t0 = now_ns();
     let mut result = JobResult::new(&spec.name, setup.groupid, spec, &setup.device_name);
 
@@ -86,6 +84,10 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     }
 
     setup.progress.phase.store(1, Ordering::Relaxed);
+    // CPU and rusage are counted from here, as fio resets them when the
+    // ramp ends: they are shares of the runtime, which excludes the ramp.
+    let cpu0 = blkstack_core::cpu::thread_cpu();
+    let ru0 = thread_rusage_counts();
     let work_start = now_ns();
     eng.start_sampling(work_start);
     let deadline = match spec.runtime {

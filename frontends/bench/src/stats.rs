@@ -118,21 +118,21 @@ impl LatStats {
         list.iter().map(|&p| (p, self.percentile(p))).collect()
     }
 
-    /// Samples in `[lo, hi)` nanoseconds.
+    /// Samples in `[lo, hi)` nanoseconds. Each histogram bucket is placed
+    /// by its median-equivalent value, so adjacent ranges never share a
+    /// bucket and fio's latency rows, which are disjoint, sum to 100 %.
     pub fn count_between(&self, lo: u64, hi: u64) -> u64 {
         if self.samples == 0 || hi <= lo {
             return 0;
         }
-        let hi_incl = (hi - 1).min(HIST_MAX_NS);
-        if lo > hi_incl {
-            return 0;
-        }
-        self.hist.count_between(lo.max(1), hi_incl)
-            + if lo == 0 {
-                self.hist.count_between(0, 0)
-            } else {
-                0
-            }
+        self.hist
+            .iter_recorded()
+            .filter(|v| {
+                let at = self.hist.median_equivalent(v.value_iterated_to());
+                at >= lo && at < hi
+            })
+            .map(|v| v.count_at_value())
+            .sum()
     }
 }
 
@@ -547,6 +547,37 @@ mod tests {
         m.record(50);
         m.merge(&l);
         assert_eq!((m.min(), m.samples), (50, 5));
+    }
+
+    #[test]
+    fn latency_ranges_are_disjoint_around_every_boundary() {
+        // Samples on and around fio's row boundaries (2 ms, 10 ms, 20 ms,
+        // ...), where the histogram's buckets straddle the bound.
+        let mut l = LatStats::default();
+        let bounds = [
+            0u64,
+            1_000,
+            2_000,
+            750_000,
+            1_000_000,
+            2_000_000,
+            4_000_000,
+            10_000_000,
+            20_000_000,
+            50_000_000,
+            1_000_000_000,
+        ];
+        for &b in &bounds[1..] {
+            for d in [-3_000i64, -1, 0, 1, 700, 3_000] {
+                l.record((b as i64 + d).max(1) as u64);
+            }
+        }
+        let mut edges = bounds.to_vec();
+        edges.push(u64::MAX);
+        let counted: u64 = edges.windows(2).map(|w| l.count_between(w[0], w[1])).sum();
+        assert_eq!(counted, l.samples, "every sample in exactly one range");
+        // A sample well inside a range is counted there.
+        assert!(l.count_between(2_000_000, 4_000_000) >= 3);
     }
 
     #[test]

@@ -368,6 +368,34 @@ fn wait_modes_all_complete_io() {
     }
 }
 
+/// CPU is a share of the job's runtime, which excludes the ramp: a job
+/// that spins through a ramp as long as its runtime must not report more
+/// than one CPU's worth (it reported about twice that when the ramp's CPU
+/// was counted).
+#[test]
+fn cpu_share_excludes_the_ramp() {
+    let dev: DeviceRef = TestDev::new(1 << 20, Fault::None, false);
+    let job = JobSpec {
+        name: "cpu".into(),
+        rw: RwMode::RandRead,
+        iodepth: 1,
+        wait: WaitMode::Poll,
+        ramp_time: Duration::from_millis(1000),
+        runtime: Some(Duration::from_millis(1000)),
+        time_based: true,
+        ..JobSpec::default()
+    };
+    let r = run_on_device(dev, "ram", &[job], &quiet()).unwrap();
+    let j = &r.jobs[0];
+    let share = j.usr_cpu_pct() + j.sys_cpu_pct();
+    assert!(
+        share <= 103.0,
+        "usr {:.1}% + sys {:.1}% over one thread's runtime",
+        j.usr_cpu_pct(),
+        j.sys_cpu_pct()
+    );
+}
+
 #[test]
 fn clones_groups_and_stonewall() {
     let dev: DeviceRef = TestDev::new(1 << 20, Fault::None, false);

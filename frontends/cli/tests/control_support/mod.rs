@@ -23,6 +23,9 @@ pub struct Serve {
     pub dir: PathBuf,
     pub control: PathBuf,
     pub nbd_socket: PathBuf,
+    /// `HOST:PORT` of the first TCP listener serve printed, if any was
+    /// asked for with `--listen nbd://...` in the extra arguments.
+    pub tcp: Option<String>,
 }
 
 pub struct Out {
@@ -141,13 +144,19 @@ impl Serve {
             dir,
             control,
             nbd_socket,
+            tcp: None,
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
                 Ok(l) if l == "ready" => break,
-                Ok(_) => {}
+                Ok(l) => {
+                    if let (None, Some(i)) = (&srv.tcp, l.find("nbd://")) {
+                        let hp = l[i + 6..].split('/').next().unwrap_or("");
+                        srv.tcp = Some(hp.to_string());
+                    }
+                }
                 Err(e) => {
                     let st = srv.child.try_wait();
                     panic!("blkstack serve never said ready ({e}; status {st:?})");
@@ -155,6 +164,10 @@ impl Serve {
             }
         }
         srv
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     pub fn uri(&self, export: &str) -> String {

@@ -216,3 +216,81 @@ impl Vm {
 pub fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
+
+/// The guest port a [`HostHooks`] listener is forwarded to.
+pub const HOOK_PORT: u16 = 7000;
+
+/// Shell function a guest script defines to call the host:
+/// `hook CMD ARGS...` prints the host's one-line answer and fails unless
+/// it starts with `ok`.
+pub const GUEST_HOOK_FN: &str = r#"hook() {
+  r=$(echo "$*" | nc -w 30 10.0.2.100 7000)
+  echo "hook $*: $r"
+  case $r in ok*) return 0 ;; *) return 1 ;; esac
+}
+"#;
+
+/// Lets a guest script ask the host to act at a point in its run (reload a
+/// table, kill a server) and wait for it: the guest sends one line over a
+/// forwarded TCP port, the handler runs on the host and its answer goes
+/// back. Each connection carries one command; the handler's answer should
+/// start with `ok` when the action worked.
+pub struct HostHooks {
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HostHooks {
+    pub fn start<F>(handler: F) -> HostHooks
+    where
+        F: FnMut(&str) -> String + Send + 'static,
+    {
+        use std::io::{BufRead, BufReader, Write};
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind hook port");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let port = listener.local_addr().expect("addr").port();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let mut handler = handler;
+        let thread = std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let (mut conn, _) = match listener.accept() {
+                    Ok(c) => c,
+                    Err(_) => {
+                        std::thread::sleep(Duration::from_millis(20));
+                        continue;
+                    }
+                };
+                let _ = conn.set_nonblocking(false);
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+                let mut line = String::new();
+                let Ok(reader) = conn.try_clone() else { continue };
+                if BufReader::new(reader).read_line(&mut line).is_err() {
+                    continue;
+                }
+                let answer = handler(line.trim());
+                let _ = writeln!(conn, "{}", answer.replace('\n', " | "));
+            }
+        });
+        HostHooks {
+            port,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Drop for HostHooks {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
