@@ -154,7 +154,11 @@ fn ext4_and_xfs_live_on_five_kinds_of_blkstack_device() {
         assert_eq!(head_of(&srv, k), "XFSB", "xfs superblock on {k}");
     }
     let file_head = std::fs::read(&img).expect("read the file leaf's image");
-    assert_eq!(&file_head[..4], b"XFSB", "the file leaf's image holds the xfs");
+    assert_eq!(
+        &file_head[..4],
+        b"XFSB",
+        "the file leaf's image holds the xfs"
+    );
     eprintln!("five kinds x two filesystems: {:?}", run.elapsed);
 }
 
