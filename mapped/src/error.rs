@@ -290,6 +290,13 @@ pub enum TargetError {
     /// why: the kernel's per-target `ti->error` strings.
     #[error("{0}")]
     Invalid(String),
+    /// dm-mpath's `setup_scsi_dh`: a hardware handler cannot attach to a
+    /// device that is not SCSI (the kernel's `scsi_dh_attach` gives
+    /// -ENODEV), and no blkstack device is.
+    #[error(
+        "error attaching hardware handler '{0}': blkstack devices have no SCSI device handlers"
+    )]
+    HwHandler(String),
     #[error("empty message")]
     EmptyMessage,
     #[error("sector {sector} is beyond the end of {device}")]

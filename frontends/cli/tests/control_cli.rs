@@ -224,7 +224,7 @@ fn errors_are_clear_and_change_nothing() {
         ("create", &["bad name", "--table", "0 8 zero"], "Invalid argument"),
         ("create", &["n", "--table", "0 8 frob"], "line 1: unknown target type 'frob'"),
         ("create", &["n", "--table", "0 8 zero\n16 8 zero"], "line 2"),
-        ("create", &["n", "--table", "0 8 linear nosuch 0"], "Invalid argument"),
+        ("create", &["n", "--table", "0 8 linear nosuch 0"], "failed: No such file or directory"),
         ("create", &["--concise", "n1,,,rw,0 8 zero;n2,,,rw,0 8 bogus"], "unknown target type 'bogus'"),
         ("reload", &["d0", "--table", "0 2048 linear d0 0"], "cannot use itself"),
         ("reload", &["mem", "--table", "0 2048 linear top 0"], "cycle"),

@@ -8,6 +8,7 @@
 //! dmsetup's `... ioctl on NAME failed: <strerror>` line and a script can
 //! branch on the code without parsing text.
 
+use blkstack_mapped::error::TargetError;
 use blkstack_mapped::DmError;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -19,7 +20,9 @@ pub const METHOD_NOT_FOUND: i64 = -32601;
 pub const INVALID_PARAMS: i64 = -32602;
 
 /// Application codes: the errno the kernel's dm ioctl would return.
+pub const ENOENT: i64 = libc::ENOENT as i64;
 pub const ENXIO: i64 = libc::ENXIO as i64;
+pub const ENODEV: i64 = libc::ENODEV as i64;
 pub const EBUSY: i64 = libc::EBUSY as i64;
 pub const EINVAL: i64 = libc::EINVAL as i64;
 pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
@@ -79,7 +82,9 @@ impl RpcError {
     /// codes; protocol errors have none.
     pub fn strerror(&self) -> Option<&'static str> {
         Some(match self.code {
+            ENOENT => "No such file or directory",
             ENXIO => "No such device or address",
+            ENODEV => "No such device",
             EBUSY => "Device or resource busy",
             EINVAL => "Invalid argument",
             ENOTSUP => "Operation not supported",
@@ -90,7 +95,9 @@ impl RpcError {
 
 fn errno_name(code: i64) -> Option<&'static str> {
     Some(match code {
+        ENOENT => "ENOENT",
         ENXIO => "ENXIO",
+        ENODEV => "ENODEV",
         EBUSY => "EBUSY",
         EINVAL => "EINVAL",
         ENOTSUP => "EOPNOTSUPP",
@@ -105,9 +112,10 @@ impl From<DmError> for RpcError {
             DmError::Exists(_) => (EBUSY, "exists"),
             DmError::Busy { .. } => (EBUSY, "busy"),
             DmError::WouldLoseData { .. } => (EBUSY, "would_lose_data"),
-            DmError::Line { .. } | DmError::EmptyTable { .. } | DmError::TableType { .. } => {
-                (EINVAL, "table")
-            }
+            // The kernel's table load errno: EINVAL but for a missing
+            // device or a hardware handler (see `table_errno`).
+            DmError::Line { .. } => (table_errno(&e).unwrap_or(EINVAL), "table"),
+            DmError::EmptyTable { .. } | DmError::TableType { .. } => (EINVAL, "table"),
             _ => (EINVAL, "invalid"),
         };
         let mut r = RpcError::new(code, e.report());
@@ -116,6 +124,27 @@ impl From<DmError> for RpcError {
         }
         r
     }
+}
+
+/// The errno the kernel's table load returns for a target error other
+/// than EINVAL: ENOENT for a device argument naming no device
+/// (`dm_get_device` on a missing path), ENODEV for a hardware handler
+/// (`scsi_dh_attach` on a device that is not SCSI).
+fn table_errno(e: &DmError) -> Option<i64> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        // A boxed source (`TargetError::In`) shows as the box itself.
+        let target = err
+            .downcast_ref::<TargetError>()
+            .or_else(|| err.downcast_ref::<Box<TargetError>>().map(|b| &**b));
+        match target {
+            Some(TargetError::NoDevice(_)) => return Some(ENOENT),
+            Some(TargetError::HwHandler(_)) => return Some(ENODEV),
+            _ => {}
+        }
+        cur = err.source();
+    }
+    None
 }
 
 /// Build a success response line (without the newline).
@@ -160,6 +189,33 @@ mod tests {
             (e.code, e.message.as_str()),
             (EINVAL, "line 3: zero-length target")
         );
+    }
+
+    #[test]
+    fn a_missing_device_is_enoent_as_in_the_kernel() {
+        let reg = blkstack_mapped::Registry::new();
+        reg.create("z", "0 64 zero").unwrap();
+        for table in [
+            "0 8 linear nosuch 0",
+            "0 16 striped 2 8 z 0 nosuch 0",
+            "0 64 multipath 0 0 1 1 round-robin 0 1 0 nosuch",
+        ] {
+            let e: RpcError = reg.create("b", table).err().expect("refused").into();
+            assert_eq!(e.code, ENOENT, "{table}: {}", e.message);
+            assert_eq!(e.strerror(), Some("No such file or directory"));
+        }
+        let e: RpcError = reg
+            .create("b", "0 64 multipath 0 1 alua 1 1 round-robin 0 1 0 z")
+            .err()
+            .expect("refused")
+            .into();
+        assert_eq!(e.code, ENODEV, "{}", e.message);
+        let e: RpcError = reg
+            .create("b", "0 8 linear z x")
+            .err()
+            .expect("refused")
+            .into();
+        assert_eq!(e.code, EINVAL);
     }
 
     #[test]

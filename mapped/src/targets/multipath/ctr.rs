@@ -199,10 +199,8 @@ pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, 
         if let Some(h) = &cfg.hw_handler {
             // Kernel `setup_scsi_dh`: `scsi_dh_attach` fails on a device
             // that is not SCSI, and no blkstack device is.
-            return Err(TargetError::invalid(format!(
-                "priority group {}: error attaching hardware handler '{h}': blkstack devices have no SCSI device handlers",
-                groups.len() + 1
-            )));
+            let group = format!("priority group {}", groups.len() + 1);
+            return Err(TargetError::HwHandler(h.clone()).within(group));
         }
         groups.push(pg);
     }
