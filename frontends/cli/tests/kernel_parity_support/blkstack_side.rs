@@ -72,7 +72,13 @@ impl Side {
                 self.snap_table_only(&mut out, "b");
                 self.reg.remove("b", true).expect("remove b");
             }
-            Err(_) => out.push("result: refused".to_string()),
+            Err(e) => {
+                // What dmsetup prints after "failed: ": the errno text of
+                // the control socket's answer.
+                let rpc = blkstack_control::proto::RpcError::from(e);
+                let text = rpc.strerror().unwrap_or("(no errno)");
+                out.push(format!("result: refused: {text}"));
+            }
         }
         out
     }

@@ -50,6 +50,10 @@ klog() {
   done < /tmp/klog
 }
 result() { if [ "$1" = 0 ]; then echo "step $2: ok$3"; else echo "step $2: error"; fi; }
+# refused: dmsetup's first line ends in the errno text after "failed: "
+nl='
+'
+refused() { e=${1%%"$nl"*}; echo "result: refused: ${e##*failed: }"; }
 md5() { set -- $(md5sum < "$1"); echo " $1"; }
 for s in LEGS; do
   d=$(readlink /dev/disk/by-serial/$s)
@@ -68,7 +72,7 @@ fn table_words(lines: &[String]) -> String {
 
 fn bad(c: &BadCase, s: &mut String) {
     s.push_str(&format!(
-        "echo {}\nif mkdev b {}; then echo 'result: accepted'; dmsetup table b | prefix table; dmsetup remove b; else echo 'result: refused'; fi\nklog\n",
+        "echo {}\nif e=$(printf '%s\\n' {} | dmsetup create b 2>&1); then echo 'result: accepted'; dmsetup table b | prefix table; dmsetup remove b; else refused \"$e\"; fi\nklog\n",
         q(&format!("== {}", c.id)),
         table_words(&c.lines)
     ));
