@@ -36,6 +36,7 @@ use crate::kblockd::{DelayedWork, Kblockd};
 pub use crate::options::{EngineOptions, EngineOptionsError, KblockdKind, MAX_HW_QUEUES};
 use crate::sbitmap::SbqStats;
 use crate::tags::{Tags, TagsConfig, TagsError};
+use blkstack_core::clock::{now_ns, sleep_until_ns};
 use blkstack_core::{Bio, BioFlags, Status};
 use std::cell::Cell;
 use std::mem::MaybeUninit;
@@ -46,6 +47,14 @@ use std::sync::{Arc, OnceLock};
 /// Kernel `BLK_MQ_RESOURCE_DELAY`: retry a busy queue with nothing in
 /// flight after 3 ms.
 pub const RESOURCE_DELAY_NS: u64 = 3_000_000;
+
+/// Fruitless poll rounds a polled submitter spins through, waiting for a
+/// tag, before it naps between rounds ([`POLLED_TAG_NAP_NS`]).
+const POLLED_TAG_SPINS: u32 = 64;
+/// A polled submitter's nap between poll rounds while its tag set is
+/// full: long enough to hand the CPU to another runnable poller, short
+/// against the completion times of devices worth polling.
+const POLLED_TAG_NAP_NS: u64 = 5_000;
 
 /// How often a shared tag set checks for hardware queues gone idle (the
 /// kernel's check rides on its request timeout work; what matters is that
@@ -379,11 +388,16 @@ impl<D: Driver> QueueInner<D> {
     /// a row (its plug): what a tag sleep declares to the wakeup.
     #[inline]
     fn submit_want(&self, bio: Bio, want: u32) {
-        let h = self.hctx_for(bio.flags.contains(BioFlags::POLLED));
+        let polled = bio.flags.contains(BioFlags::POLLED);
+        let h = self.hctx_for(polled);
         let was_inactive = h.tags.has_fair_share() && !h.tag_state.is_active();
-        let tag = h.tags.get(&h.tag_state, false, &h.wait_index, want, || {
-            self.run_hw_queue(h, false)
-        });
+        let tag = if polled && self.driver.polls() {
+            self.polled_tag(h)
+        } else {
+            h.tags.get(&h.tag_state, false, &h.wait_index, want, || {
+                self.run_hw_queue(h, false)
+            })
+        };
         if was_inactive {
             self.arm_idle_check();
         }
@@ -394,6 +408,36 @@ impl<D: Driver> QueueInner<D> {
             return;
         }
         self.issue(h, tag);
+    }
+
+    /// A tag for a polled bio. The requests that hold the tags end only
+    /// when someone polls, and their submitters are the pollers, so a
+    /// submitter asleep in the tag wait may be waiting for requests that
+    /// nobody will end (every poller asleep there once the pollers' depth
+    /// exceeds the tags). The kernel's polled submitters never sleep there
+    /// either: io_uring submits polled I/O with REQ_NOWAIT, takes -EAGAIN
+    /// from a full tag set and reaps before it submits again. So: poll and
+    /// retry, spinning a little, then napping between fruitless rounds so
+    /// that other pollers on this CPU get it.
+    fn polled_tag(&self, h: &HwQueue) -> u32 {
+        let mut idle = 0u32;
+        loop {
+            if let Some(tag) = h.tags.try_get_now(&h.tag_state, false) {
+                return tag;
+            }
+            self.run_hw_queue(h, false);
+            let completer = CompleterRef { inner: self };
+            if self.driver.poll(&completer) > 0 {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < POLLED_TAG_SPINS {
+                std::hint::spin_loop();
+            } else {
+                sleep_until_ns(now_ns() + POLLED_TAG_NAP_NS);
+            }
+        }
     }
 
     /// Kernel `blk_mq_submit_bio` for a plugged list, with batched tag
@@ -897,6 +941,36 @@ mod tests {
         let g = Queue::new(Gate::default(), EngineOptions::default()).unwrap();
         assert!(!g.polls());
         assert_eq!(g.poll(), 0);
+    }
+
+    /// A polled submitter whose tag set is full polls for the requests
+    /// holding the tags instead of sleeping in the tag wait, where nothing
+    /// would end them (`Holder` ends requests only when polled). It slept
+    /// there for ever before, and with more polling jobs than tags the
+    /// bench's pollers waited on each other.
+    #[test]
+    fn a_polled_submitter_with_no_free_tag_polls_instead_of_sleeping() {
+        let opts = EngineOptions {
+            queue_depth: 2,
+            ..EngineOptions::default()
+        };
+        let q = Arc::new(Queue::new(Holder::default(), opts).unwrap());
+        let done = Arc::new(CompletionRecorder::new());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (q2, d2) = (q.clone(), done.clone());
+        std::thread::spawn(move || {
+            for _ in 0..8 {
+                let mut b = write_bio(&d2);
+                b.flags.insert(BioFlags::POLLED);
+                q2.submit(b);
+            }
+            let _ = tx.send(());
+        });
+        rx.recv_timeout(Duration::from_secs(20))
+            .expect("the submitter slept in the tag wait with every tag held by a polled request");
+        assert_eq!(done.count() + q.stats().in_driver as usize, 8);
+        q.poll();
+        assert_eq!(done.count(), 8);
     }
 
     #[test]

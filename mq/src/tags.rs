@@ -417,6 +417,16 @@ impl Tags {
         tag
     }
 
+    /// What [`Tags::get`] does before it would sleep: a tag now, or
+    /// `None`. For a submitter that must keep polling while it waits (a
+    /// polled bio: the requests holding the tags end only when polled).
+    pub fn try_get_now(&self, hs: &HctxTagState, reserved: bool) -> Option<u32> {
+        self.tag_busy(hs);
+        let tag = self.try_get(hs, reserved)?;
+        self.account_get(hs);
+        Some(tag)
+    }
+
     #[inline]
     fn account_get(&self, hs: &HctxTagState) {
         if self.has_fair_share() {

@@ -77,6 +77,16 @@ pub(crate) enum Phase {
 
 /// Spins of the completion-queue check before a poller yields the CPU.
 const POLL_SPINS: u32 = 256;
+/// Yields after the spins before a poller naps: `sched_yield` does not
+/// reliably hand the CPU to another runnable thread (with more pollers
+/// than CPUs the pollers kept yielding to each other and starved the
+/// ones whose requests were ready), a sleep does.
+const POLL_YIELDS: u32 = 4;
+/// Shortest and longest nap of a poller that found nothing: it sleeps
+/// until the oldest request in flight could be done (its start plus the
+/// shortest latency seen), within these bounds, then polls again.
+const POLL_NAP_MIN_NS: u64 = 2_000;
+const POLL_NAP_MAX_NS: u64 = 200_000;
 /// How long a job whose device has nothing to poll (its connection is
 /// being restored) waits for an ordinary completion before polling again.
 const SLEEPING_POLL_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
@@ -484,10 +494,38 @@ impl Engine {
             if spins < POLL_SPINS {
                 spins += 1;
                 std::hint::spin_loop();
-            } else {
+            } else if spins < POLL_SPINS + POLL_YIELDS {
+                spins += 1;
                 std::thread::yield_now();
+            } else {
+                self.poll_nap();
+                spins = POLL_SPINS;
             }
         }
+    }
+
+    /// A poller's bounded sleep once spinning and yielding found nothing:
+    /// until the oldest request in flight could complete, at least
+    /// [`POLL_NAP_MIN_NS`] and at most [`POLL_NAP_MAX_NS`].
+    fn poll_nap(&self) {
+        let now = self.clock.now_ns();
+        let earliest = if self.min_lat_ns == u64::MAX {
+            now
+        } else {
+            let oldest = self
+                .slots
+                .iter()
+                .filter(|s| s.busy)
+                .map(|s| s.start_ns)
+                .min()
+                .unwrap_or(now);
+            oldest.saturating_add(self.min_lat_ns)
+        };
+        let nap = earliest
+            .saturating_sub(now)
+            .clamp(POLL_NAP_MIN_NS, POLL_NAP_MAX_NS);
+        // Stamps are on the cycle clock; sleep on now_ns.
+        sleep_until_ns(now_ns() + nap);
     }
 
     /// Handle everything in `drained`. Returns the latest completion time.
