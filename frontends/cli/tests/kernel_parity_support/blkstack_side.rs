@@ -52,12 +52,16 @@ impl Side {
             .join("\n")
     }
 
-    fn snap(&self, out: &mut Vec<String>, name: &str) {
+    /// `table:` and/or `status:` lines of device `name`, as the guest's
+    /// `snap` (both) and `stat` (status only) print them.
+    fn show(&self, out: &mut Vec<String>, name: &str, table: bool) {
         let nums = self.devnums();
-        for (what, text) in [
-            ("table", self.reg.table_text(name)),
-            ("status", self.reg.status_text(name)),
-        ] {
+        let mut texts = Vec::new();
+        if table {
+            texts.push(("table", self.reg.table_text(name)));
+        }
+        texts.push(("status", self.reg.status_text(name)));
+        for (what, text) in texts {
             for l in text.unwrap_or_default().lines() {
                 out.push(format!("{what}: {}", normalise(l, &nums)));
             }
@@ -69,7 +73,10 @@ impl Side {
         match self.reg.create("b", &self.text(&c.lines)) {
             Ok(_) => {
                 out.push("result: accepted".to_string());
-                self.snap_table_only(&mut out, "b");
+                let nums = self.devnums();
+                for l in self.reg.table_text("b").unwrap_or_default().lines() {
+                    out.push(format!("table: {}", normalise(l, &nums)));
+                }
                 self.reg.remove("b", true).expect("remove b");
             }
             Err(e) => {
@@ -83,16 +90,10 @@ impl Side {
         out
     }
 
-    fn snap_table_only(&self, out: &mut Vec<String>, name: &str) {
-        let nums = self.devnums();
-        for l in self.reg.table_text(name).unwrap_or_default().lines() {
-            out.push(format!("table: {}", normalise(l, &nums)));
-        }
-    }
-
-    fn legs(&self) -> String {
+    /// `legs:` and the md5 of each named leg's whole contents.
+    fn legs(&self, names: &[&str]) -> String {
         let mut s = String::from("legs:");
-        for (name, _) in LEGS {
+        for name in names {
             let data = std::fs::read(self.dir.join(format!("{name}.img"))).expect("leg");
             s.push_str(&format!(" {name}={}", md5_hex(&data)));
         }
@@ -133,12 +134,12 @@ impl Side {
         let io = unsafe { IoBuf::from_slice(&mut buf) };
         dev.submit(Bio::new(op, sector * 512, count * 512, io, done.clone(), 0));
         std::thread::sleep(Duration::from_secs(HELD_SNAP_SECS));
-        self.snap(out, "t");
+        self.show(out, "t", false);
         let st = done.wait();
         (st, buf)
     }
 
-    fn step(&mut self, s: &Step, out: &mut Vec<String>) {
+    fn step(&mut self, s: &Step, legs: &[&str], out: &mut Vec<String>) {
         let label = s.label();
         match s {
             Step::Msg { sector, words } => {
@@ -151,7 +152,7 @@ impl Side {
                 let (st, _) = self.io(Op::Write, *sector, *count);
                 let r = if st == Status::Ok { "ok" } else { "error" };
                 out.push(format!("step {label}: {r}"));
-                out.push(self.legs());
+                out.push(self.legs(legs));
             }
             Step::Held {
                 write,
@@ -166,7 +167,7 @@ impl Side {
                     _ => format!("step {label}: error"),
                 });
                 if *write {
-                    out.push(self.legs());
+                    out.push(self.legs(legs));
                 }
             }
             Step::Reload { lines } => {
@@ -182,7 +183,7 @@ impl Side {
                 });
             }
         }
-        self.snap(out, "t");
+        self.show(out, "t", s.changes_table());
     }
 
     fn good(&mut self, c: &GoodCase) -> Vec<String> {
@@ -195,9 +196,10 @@ impl Side {
         match self.reg.create("t", &self.text(&c.lines)) {
             Ok(_) => {
                 out.push("create: ok".to_string());
-                self.snap(&mut out, "t");
+                self.show(&mut out, "t", true);
+                let legs = c.legs_used();
                 for s in &c.steps {
-                    self.step(s, &mut out);
+                    self.step(s, &legs, &mut out);
                 }
                 self.reg.remove("t", true).expect("remove t");
             }

@@ -30,9 +30,10 @@ fn dev_path(p: &str) -> String {
 const PRELUDE: &str = r#"
 prefix() { while IFS= read -r l; do echo "$1: $l"; done; }
 snap() { dmsetup table "$1" | prefix table; dmsetup status "$1" | prefix status; }
+stat() { dmsetup status "$1" | prefix status; }
 legs() {
   printf 'legs:'
-  for s in LEGS; do
+  for s in "$@"; do
     set -- $(dd if=/dev/disk/by-serial/$s bs=64k iflag=direct 2>/dev/null | md5sum)
     printf ' %s=%s' "$s" "$1"
   done
@@ -94,7 +95,7 @@ fn dd_read(sector: u64, count: u64) -> String {
     )
 }
 
-fn step(st: &Step, writes: &mut u64, s: &mut String) {
+fn step(st: &Step, legs: &str, writes: &mut u64, s: &mut String) {
     let label = q(&st.label());
     match st {
         Step::Msg { sector, words } => {
@@ -108,7 +109,7 @@ fn step(st: &Step, writes: &mut u64, s: &mut String) {
             let skip = pattern_skip(*writes, *count) * 512;
             *writes += 1;
             s.push_str(&format!(
-                "{}; result $? {label}; legs\n",
+                "{}; result $? {label}; legs {legs}\n",
                 dd_write(skip, *sector, *count)
             ));
         }
@@ -138,16 +139,20 @@ fn step(st: &Step, writes: &mut u64, s: &mut String) {
                 dd_read(*sector, *count)
             };
             let after = if *write {
-                format!("result $r {label}; legs")
+                format!("result $r {label}; legs {legs}")
             } else {
                 format!("result $r {label} \"$(md5 /tmp/r)\"")
             };
             s.push_str(&format!(
-                "{dd} & pid=$!; sleep {HELD_SNAP_SECS}; snap t; wait $pid; r=$?; {after}\n"
+                "{dd} & pid=$!; sleep {HELD_SNAP_SECS}; stat t; wait $pid; r=$?; {after}\n"
             ));
         }
     }
-    s.push_str("snap t\n");
+    s.push_str(if st.changes_table() {
+        "snap t\n"
+    } else {
+        "stat t\n"
+    });
 }
 
 fn good(c: &GoodCase, writes: &mut u64, s: &mut String) {
@@ -162,8 +167,9 @@ fn good(c: &GoodCase, writes: &mut u64, s: &mut String) {
         "if mkdev t {}; then echo 'create: ok'; snap t\n",
         table_words(&c.lines)
     ));
+    let legs = c.legs_used().join(" ");
     for st in &c.steps {
-        step(st, writes, s);
+        step(st, &legs, writes, s);
     }
     s.push_str("dmsetup remove t; else echo 'create: refused'; fi\n");
     for (name, _) in c.devs.iter().rev() {

@@ -108,6 +108,15 @@ impl Step {
     }
 }
 
+impl Step {
+    /// Whether the step can change the table text (a message or a
+    /// reload); after I/O only `status` is taken again, which saves a
+    /// dmsetup call per step in the guest.
+    pub fn changes_table(&self) -> bool {
+        matches!(self, Step::Msg { .. } | Step::Reload { .. })
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct GoodCase {
     pub id: String,
@@ -117,6 +126,28 @@ pub struct GoodCase {
     pub devs: Vec<(String, String)>,
     pub lines: Vec<String>,
     pub steps: Vec<Step>,
+}
+
+impl GoodCase {
+    /// The legs the case names (its table, helpers and reloads): their
+    /// contents are compared after each write. A stray write to another
+    /// leg still shows, in the next case that names that leg.
+    pub fn legs_used(&self) -> Vec<&'static str> {
+        let words: Vec<&str> = self
+            .lines
+            .iter()
+            .chain(self.devs.iter().map(|(_, t)| t))
+            .chain(self.steps.iter().flat_map(|s| match s {
+                Step::Reload { lines } => lines.iter().collect(),
+                _ => Vec::new(),
+            }))
+            .flat_map(|l| l.split_whitespace())
+            .collect();
+        LEGS.iter()
+            .map(|(n, _)| *n)
+            .filter(|n| words.iter().any(|w| w.strip_prefix('$') == Some(n)))
+            .collect()
+    }
 }
 
 /// A documented outcome: `deliberate.txt` or `fixed.txt`.

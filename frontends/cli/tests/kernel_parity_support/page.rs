@@ -43,9 +43,11 @@ registry, the code behind `blkstack serve`'s control socket, errors mapped
 to errno as the socket maps them, over `file` legs with the same
 contents), and the two are compared after every step: whether the table
 is accepted (and if not, the errno text dmsetup prints after `failed:`),
-`dmsetup table` and `dmsetup status` text once device numbers are mapped to names (dmsetup's trailing blank after a
-target's arguments aside), whether each `message` succeeds, the legs'
-contents after every O_DIRECT write and the data of every O_DIRECT read.
+`dmsetup status` text after every step and `dmsetup table` text after
+every load, message and reload, once device numbers are mapped to names
+(dmsetup's trailing blank after a target's arguments aside), whether each
+`message` and reload succeeds, the contents of the legs a case names after
+every O_DIRECT write, and the data of every O_DIRECT read.
 The cases are in `frontends/cli/tests/data/kernel-parity/`: one refused
 table for every reachable `ti->error` path of the 6.12 constructors (and
 dm-table.c's own refusals) in `bad-tables.txt`, tables with messages and
