@@ -64,7 +64,7 @@ fs_cycle() {
     ext4) e2fsck -fn $dev ;;
     xfs) xfs_repair -n $dev ;;
   esac > /tmp/fsck.out 2>&1 || { cat /tmp/fsck.out; fail "fsck of $fs on $serial"; }
-  echo "PASS $fs $serial"
+  echo "PASS $fs $serial at $(cut -d" " -f1 /proc/uptime)"
 }
 "#;
 
@@ -138,11 +138,12 @@ fn ext4_and_xfs_live_on_five_kinds_of_blkstack_device() {
         script.push_str(&format!("fs_cycle xfs {k}\n"));
     }
     let run = vm.timeout(400).run(&script);
+    println!("{}", run.out);
     run.assert_ok("ext4 and xfs on blkstack devices");
     for fs in ["ext4", "xfs"] {
         for k in kinds {
             assert!(
-                run.out.contains(&format!("PASS {fs} {k}\n")),
+                run.out.contains(&format!("PASS {fs} {k} at ")),
                 "{fs} on {k} did not pass:\n{}",
                 run.out
             );
@@ -154,7 +155,11 @@ fn ext4_and_xfs_live_on_five_kinds_of_blkstack_device() {
         assert_eq!(head_of(&srv, k), "XFSB", "xfs superblock on {k}");
     }
     let file_head = std::fs::read(&img).expect("read the file leaf's image");
-    assert_eq!(&file_head[..4], b"XFSB", "the file leaf's image holds the xfs");
+    assert_eq!(
+        &file_head[..4],
+        b"XFSB",
+        "the file leaf's image holds the xfs"
+    );
     eprintln!("five kinds x two filesystems: {:?}", run.elapsed);
 }
 

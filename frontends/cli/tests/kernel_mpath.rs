@@ -178,8 +178,18 @@ fn guest_multipath_fails_over_between_two_blkstack_servers() {
     let slow = format!("0 {SECTORS} delay leg 0 50");
     // The target and its arguments: a table line without START LENGTH.
     let target = |t: &str| t.splitn(3, ' ').nth(2).unwrap_or_default().to_string();
-    let a = Arc::new(Mutex::new(Path::new(scratch.path(), &lun, "pathA", &target(&up))));
-    let b = Arc::new(Mutex::new(Path::new(scratch.path(), &lun, "pathB", &target(&fast))));
+    let a = Arc::new(Mutex::new(Path::new(
+        scratch.path(),
+        &lun,
+        "pathA",
+        &target(&up),
+    )));
+    let b = Arc::new(Mutex::new(Path::new(
+        scratch.path(),
+        &lun,
+        "pathB",
+        &target(&fast),
+    )));
     let (ua, ub) = (a.lock().expect("A").uri(), b.lock().expect("B").uri());
     let (ha, hb) = (a.clone(), b.clone());
     let hooks = HostHooks::start(move |cmd| {

@@ -266,7 +266,9 @@ impl HostHooks {
                 let _ = conn.set_nonblocking(false);
                 let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
                 let mut line = String::new();
-                let Ok(reader) = conn.try_clone() else { continue };
+                let Ok(reader) = conn.try_clone() else {
+                    continue;
+                };
                 if BufReader::new(reader).read_line(&mut line).is_err() {
                     continue;
                 }
