@@ -64,7 +64,7 @@ fs_cycle() {
     ext4) e2fsck -fn $dev ;;
     xfs) xfs_repair -n $dev ;;
   esac > /tmp/fsck.out 2>&1 || { cat /tmp/fsck.out; fail "fsck of $fs on $serial"; }
-  echo "PASS $fs $serial"
+  echo "PASS $fs $serial at $(cut -d" " -f1 /proc/uptime)"
 }
 "#;
 
@@ -138,11 +138,12 @@ fn ext4_and_xfs_live_on_five_kinds_of_blkstack_device() {
         script.push_str(&format!("fs_cycle xfs {k}\n"));
     }
     let run = vm.timeout(400).run(&script);
+    println!("{}", run.out);
     run.assert_ok("ext4 and xfs on blkstack devices");
     for fs in ["ext4", "xfs"] {
         for k in kinds {
             assert!(
-                run.out.contains(&format!("PASS {fs} {k}\n")),
+                run.out.contains(&format!("PASS {fs} {k} at ")),
                 "{fs} on {k} did not pass:\n{}",
                 run.out
             );

@@ -8,6 +8,7 @@ pub mod file;
 pub mod flakey;
 pub mod leaf;
 pub mod linear;
+pub mod log_writes;
 pub mod memory;
 pub mod multipath;
 pub mod nbd;
@@ -31,6 +32,7 @@ pub static TYPES: &[TargetType] = &[
     dust::TYPE,
     file::TYPE,
     nbd::TYPE,
+    log_writes::TYPE,
 ];
 
 pub fn lookup(name: &str) -> Option<&'static TargetType> {
