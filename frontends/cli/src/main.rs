@@ -37,6 +37,8 @@ enum Cmd {
     Control(blkstack_control::Verb),
     /// fio-compatible benchmark runner: job files and fio options against blkstack devices.
     Bench(blkstack_bench::BenchArgs),
+    /// Replay a dm-log-writes log onto a device or image to any point a crash could expose (xfstests' replay-log).
+    ReplayLog(blkstack_crashtest::ReplayLogArgs),
 }
 
 /// Log to stderr at the level `-v` asks for, with RUST_LOG's directives
@@ -69,6 +71,7 @@ fn main() -> ExitCode {
         Cmd::Lab(a) => blkstack_lab::run_cli(a),
         Cmd::Control(v) => blkstack_control::run_cli(v),
         Cmd::Bench(a) => blkstack_bench::run_cli(a),
+        Cmd::ReplayLog(a) => blkstack_crashtest::run_replay_log(a, cli.verbose),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -147,7 +147,7 @@ fn our_log_writes_logs_what_the_kernels_logs() {
     let bytes: Vec<u8> = (0..1u32 << 20)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
         .collect();
-    std::fs::write(&pattern, bytes).expect("pattern");
+    std::fs::write(&pattern, &bytes).expect("pattern");
     let run = Vm::new()
         .disk("kdata", &srv.uri("kdata"))
         .disk("klog", &srv.uri("klog"))

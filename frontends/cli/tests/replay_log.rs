@@ -1,0 +1,175 @@
+//! `blkstack replay-log` as xfstests' scripts run replay-log: a log made
+//! by our log-writes target (in process, its log in an image file) is
+//! replayed to a mark, found, counted and checked with a checker at every
+//! flush; bad logs and options are refused with a clear error and change
+//! nothing.
+
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::{Op, Status};
+use blkstack_mapped::Registry;
+use std::path::Path;
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_blkstack");
+
+fn replay_log(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .arg("replay-log")
+        .args(args)
+        .output()
+        .expect("run blkstack replay-log")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A log of: A at block 0, flush, mark one, B at 0 and C at 8 (4 KiB
+/// each), flush, mark two, and the closing mark.
+fn make_log(dir: &Path) -> std::path::PathBuf {
+    let log = dir.join("log.img");
+    let reg = Registry::new();
+    reg.create("data", "0 4096 memory").unwrap();
+    reg.create("log", &format!("0 4096 file {} create", log.display()))
+        .unwrap();
+    reg.create("lw", "0 4096 log-writes data log").unwrap();
+    let lw = reg.device("lw").unwrap();
+    let put = |off: u64, byte: u8| {
+        let mut b = vec![byte; 4096];
+        assert_eq!(
+            submit_and_wait(&*lw, Op::Write, off, 4096, &mut b),
+            Status::Ok
+        );
+    };
+    put(0, b'A');
+    assert_eq!(submit_and_wait(&*lw, Op::Flush, 0, 0, &mut []), Status::Ok);
+    reg.message("lw", 0, &["mark", "one"]).unwrap();
+    put(0, b'B');
+    put(8 * 512, b'C');
+    assert_eq!(submit_and_wait(&*lw, Op::Flush, 0, 0, &mut []), Status::Ok);
+    reg.message("lw", 0, &["mark", "two"]).unwrap();
+    drop(lw);
+    reg.remove("lw", false).unwrap();
+    reg.remove_all();
+    log
+}
+
+#[test]
+fn replays_to_marks_finds_counts_and_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = make_log(dir.path());
+    let log_s = log.to_str().unwrap();
+    let img = dir.path().join("replay.img");
+    let img_s = img.to_str().unwrap();
+
+    let o = replay_log(&["--log", log_s, "--num-entries"]);
+    assert!(o.status.success(), "{}", text(&o));
+    // A, flush, one, B, C, flush, two, end.
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "8");
+    let o = replay_log(&["--log", log_s]);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "Log version=1, sectorsize=512, entries=8"
+    );
+    // Entry 6 is the mark two; its header is at block 1+9+1+1+9+9+1 = 31,
+    // and find prints the block after it.
+    let o = replay_log(&["--log", log_s, "--find", "--end-mark", "two"]);
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "6@32",
+        "{}",
+        text(&o)
+    );
+
+    std::fs::write(&img, vec![0u8; 4096 * 512]).unwrap();
+    let o = replay_log(&["--log", log_s, "--replay", img_s, "--end-mark", "one"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let b = std::fs::read(&img).unwrap();
+    assert!(b[..4096].iter().all(|&x| x == b'A') && b[4096] == 0);
+    let o = replay_log(&[
+        "--log",
+        log_s,
+        "--replay",
+        img_s,
+        "--start-mark",
+        "one",
+        "-v",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("replaying 3@13: sector 0, size 4096, flags 0x0(NONE)"),
+        "{out}"
+    );
+    let b = std::fs::read(&img).unwrap();
+    assert!(b[..4096].iter().all(|&x| x == b'B'));
+    assert!(b[4096..8192].iter().all(|&x| x == b'C'));
+
+    // A checker at every flush: it passes at the first (A) and fails at
+    // the second (B), and replay stops there naming the entry.
+    std::fs::write(&img, vec![0u8; 4096 * 512]).unwrap();
+    let check = format!("head -c 1 {img_s} | grep -q A");
+    let o = replay_log(&[
+        "--log", log_s, "--replay", img_s, "--fsck", &check, "--check", "flush",
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("fsck errored out on entry 5"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn bad_logs_and_options_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = make_log(dir.path());
+    let log_s = log.to_str().unwrap();
+    let junk = dir.path().join("junk");
+    std::fs::write(&junk, vec![7u8; 4096]).unwrap();
+    let o = replay_log(&["--log", junk.to_str().unwrap(), "--num-entries"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("not a dm-log-writes log"), "{}", text(&o));
+
+    let cut = dir.path().join("cut");
+    let all = std::fs::read(&log).unwrap();
+    std::fs::write(&cut, &all[..512 * 15]).unwrap();
+    let img = dir.path().join("img");
+    std::fs::write(&img, vec![0u8; 4096 * 512]).unwrap();
+    let o = replay_log(&[
+        "--log",
+        cut.to_str().unwrap(),
+        "--replay",
+        img.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("truncated"), "{}", text(&o));
+
+    let o = replay_log(&["--log", log_s, "--find", "--end-mark", "nosuch"]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("couldn't find entry"), "{}", text(&o));
+    let o = replay_log(&["--log", log_s, "--start-mark", "nosuch"]);
+    assert!(
+        text(&o).contains("couldn't find the starting mark 'nosuch'"),
+        "{}",
+        text(&o)
+    );
+    let o = replay_log(&["--log", log_s, "--fsck", "true"]);
+    assert!(
+        text(&o).contains("--fsck and --check go together"),
+        "{}",
+        text(&o)
+    );
+    let o = replay_log(&["--log", log_s, "--check", "0"]);
+    assert!(!o.status.success(), "{}", text(&o));
+    let o = replay_log(&["--log", log_s, "--start-entry", "99"]);
+    assert!(
+        text(&o).contains("invalid entry number 99: the log has 8"),
+        "{}",
+        text(&o)
+    );
+}

@@ -1,0 +1,194 @@
+//! Reading a dm-log-writes log (its format is the kernel's, in
+//! `blkstack_mapped::targets::log_writes::format`) entry by entry, as
+//! xfstests' `src/log-writes/log-writes.c` walks it: the super block, then
+//! for each entry one block of header (and a mark's text), then its data
+//! unless it is a discard. Every read is bounded by the log's own size, so
+//! a log that lies about its entry count or lengths ends in an error that
+//! names the entry, never in a huge allocation or a read past the end.
+
+use blkstack_mapped::targets::log_writes::format::{
+    FormatError, LogEntry, LogSuper, ENTRY_LEN, LOG_DISCARD_FLAG, LOG_MARK_FLAG,
+};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+/// Why a log cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("cannot open the log {path}: {source}")]
+    Open {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Super { path: String, source: FormatError },
+    #[error("reading the log at byte {at}: {source}")]
+    Read { at: u64, source: std::io::Error },
+    #[error("the log ends inside entry {entry} (at byte {at}, log is {size} bytes): truncated")]
+    Truncated { entry: u64, at: u64, size: u64 },
+    #[error("malformed entry {entry} at log block {block}")]
+    Malformed { entry: u64, block: u64 },
+}
+
+/// One entry of the log, with where its data is.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    /// Its number, from 0.
+    pub index: u64,
+    /// Log block (in the log's block size) of its header.
+    pub block: u64,
+    pub header: LogEntry,
+    /// A mark's text (empty for the others).
+    pub mark: String,
+    /// Byte offset in the log of its data, and the data's length.
+    pub data_at: u64,
+    pub data_len: u64,
+}
+
+impl Entry {
+    pub fn is(&self, flag: u64) -> bool {
+        self.header.flags & flag != 0
+    }
+}
+
+pub struct LogReader {
+    file: File,
+    size: u64,
+    pub sup: LogSuper,
+    /// Byte offset of the next entry's header, and its number.
+    pos: u64,
+    next: u64,
+}
+
+impl LogReader {
+    pub fn open(path: &Path) -> Result<LogReader, LogError> {
+        let shown = path.display().to_string();
+        let file = File::open(path).map_err(|source| LogError::Open {
+            path: shown.clone(),
+            source,
+        })?;
+        let size = device_size(&file).map_err(|source| LogError::Open {
+            path: shown.clone(),
+            source,
+        })?;
+        let mut head = [0u8; 512];
+        read_exact_at(&file, &mut head, 0, size, 0)?;
+        let sup = LogSuper::decode(&head).map_err(|source| LogError::Super {
+            path: shown,
+            source,
+        })?;
+        Ok(LogReader {
+            file,
+            size,
+            pos: sup.sectorsize as u64,
+            next: 0,
+            sup,
+        })
+    }
+
+    fn bs(&self) -> u64 {
+        self.sup.sectorsize as u64
+    }
+
+    /// The next entry, or `None` after the last one the super block counts.
+    pub fn next_entry(&mut self) -> Result<Option<Entry>, LogError> {
+        if self.next >= self.sup.nr_entries {
+            return Ok(None);
+        }
+        let bs = self.bs();
+        let mut block = vec![0u8; bs as usize];
+        read_exact_at(&self.file, &mut block, self.pos, self.size, self.next)?;
+        let header = LogEntry::decode(&block).map_err(|_| self.malformed())?;
+        // xfstests' log_entry_valid: an all-zero header, or bytes after a
+        // non-mark header, is not an entry.
+        let mark = header.flags & LOG_MARK_FLAG != 0;
+        if (header.flags == 0 && header.nr_sectors == 0) || (!mark && block[ENTRY_LEN] != 0) {
+            return Err(self.malformed());
+        }
+        let text_len = (header.data_len as usize).min(bs as usize - ENTRY_LEN);
+        let text = if mark {
+            let raw = &block[ENTRY_LEN..ENTRY_LEN + text_len];
+            let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+            String::from_utf8_lossy(&raw[..end]).into_owned()
+        } else {
+            String::new()
+        };
+        let data_len = if header.flags & LOG_DISCARD_FLAG != 0 || mark {
+            0
+        } else {
+            header
+                .nr_sectors
+                .checked_mul(bs)
+                .ok_or_else(|| self.malformed())?
+        };
+        let data_at = self.pos + bs;
+        let end = data_at
+            .checked_add(data_len)
+            .ok_or_else(|| self.malformed())?;
+        if end > self.size {
+            return Err(LogError::Truncated {
+                entry: self.next,
+                at: data_at,
+                size: self.size,
+            });
+        }
+        let e = Entry {
+            index: self.next,
+            block: self.pos / bs,
+            header,
+            mark: text,
+            data_at,
+            data_len,
+        };
+        self.pos = end;
+        self.next += 1;
+        Ok(Some(e))
+    }
+
+    /// Read `len` bytes of an entry's data starting `skip` bytes into it.
+    pub fn read_data(&self, e: &Entry, skip: u64, buf: &mut [u8]) -> Result<(), LogError> {
+        read_exact_at(&self.file, buf, e.data_at + skip, self.size, e.index)
+    }
+
+    fn malformed(&self) -> LogError {
+        LogError::Malformed {
+            entry: self.next,
+            block: self.pos / self.bs(),
+        }
+    }
+}
+
+fn read_exact_at(f: &File, buf: &mut [u8], at: u64, size: u64, entry: u64) -> Result<(), LogError> {
+    if at.saturating_add(buf.len() as u64) > size {
+        return Err(LogError::Truncated { entry, at, size });
+    }
+    f.read_exact_at(buf, at)
+        .map_err(|source| LogError::Read { at, source })
+}
+
+/// Bytes in a regular file or a block device.
+pub fn device_size(f: &File) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileTypeExt;
+    let md = f.metadata()?;
+    if md.file_type().is_block_device() {
+        let mut bytes: u64 = 0;
+        // SAFETY: BLKGETSIZE64 writes one u64 through the pointer.
+        let r = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(f),
+                BLKGETSIZE64,
+                &mut bytes as *mut u64,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(bytes)
+    } else {
+        Ok(md.len())
+    }
+}
+
+/// `_IOR(0x12, 114, size_t)`.
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;

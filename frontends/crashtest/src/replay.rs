@@ -1,0 +1,339 @@
+//! Replaying a dm-log-writes log onto a device or image file with the
+//! semantics and output of xfstests' `replay-log`: replay from the start,
+//! an entry number or a mark, up to a count, the next flush or FUA entry
+//! or a mark; `--find` prints where such an entry is; `--fsck CMD --check
+//! N|flush|fua` runs a checker at each such point and stops at the first
+//! failure; discards become BLKDISCARD where the device takes it and
+//! written zeroes otherwise (up to 128 MiB each, as replay-log).
+
+use crate::log::{Entry, LogError, LogReader};
+use blkstack_mapped::targets::log_writes::format::{
+    LOG_DISCARD_FLAG, LOG_FLUSH_FLAG, LOG_FUA_FLAG, LOG_MARK_FLAG,
+};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::{Path, PathBuf};
+
+/// When `--fsck` runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Check {
+    Every(u64),
+    Flush,
+    Fua,
+}
+
+impl std::str::FromStr for Check {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Check, String> {
+        match s {
+            "flush" => Ok(Check::Flush),
+            "fua" => Ok(Check::Fua),
+            n => match n.parse::<u64>() {
+                Ok(v) if v > 0 => Ok(Check::Every(v)),
+                _ => Err(format!("'{n}' is not flush, fua or a positive entry count")),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ReplayOptions {
+    pub log: PathBuf,
+    pub replay: Option<PathBuf>,
+    pub limit: u64,
+    pub next_flush: bool,
+    pub next_fua: bool,
+    pub start_entry: u64,
+    pub start_mark: Option<String>,
+    pub end_mark: Option<String>,
+    pub find: bool,
+    pub num_entries: bool,
+    pub no_discard: bool,
+    pub fsck: Option<String>,
+    pub check: Option<Check>,
+    pub start_sector: u64,
+    pub end_sector: Option<u64>,
+    /// 1: print replayed entries; 2: skipped ones too.
+    pub verbose: u8,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("--fsck and --check go together")]
+    FsckWithoutCheck,
+    #[error("invalid entry number {0}: the log has {1}")]
+    NoSuchEntry(u64, u64),
+    #[error("couldn't find the starting mark '{0}'")]
+    NoStartMark(String),
+    #[error("couldn't find entry")]
+    NotFound,
+    #[error("cannot open the replay device {path}: {source}")]
+    OpenReplay {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("writing the replay device at byte {at}: {source}")]
+    Write { at: u64, source: std::io::Error },
+    #[error("fsck errored out on entry {0}")]
+    Fsck(u64),
+    #[error("running the fsck command: {0}")]
+    FsckSpawn(std::io::Error),
+}
+
+/// The entry's flags as replay-log prints them.
+pub fn flags_text(flags: u64) -> String {
+    let names = [
+        (LOG_FLUSH_FLAG, "FLUSH"),
+        (LOG_FUA_FLAG, "FUA"),
+        (LOG_DISCARD_FLAG, "DISCARD"),
+        (LOG_MARK_FLAG, "MARK"),
+    ];
+    let mut parts: Vec<String> = names
+        .iter()
+        .filter(|(f, _)| flags & f != 0)
+        .map(|(_, n)| n.to_string())
+        .collect();
+    let rest = flags & !(LOG_FLUSH_FLAG | LOG_FUA_FLAG | LOG_DISCARD_FLAG | LOG_MARK_FLAG);
+    if rest != 0 {
+        parts.push(format!("UNKNOWN.{rest:#x}"));
+    }
+    if parts.is_empty() {
+        "NONE".into()
+    } else {
+        parts.join("|")
+    }
+}
+
+/// Does the entry end the replay: one of `stop` flags, and for a mark
+/// stop, the mark named.
+fn should_stop(e: &Entry, stop: u64, mark: Option<&str>) -> bool {
+    if e.header.flags & stop == 0 {
+        return false;
+    }
+    if stop & LOG_MARK_FLAG == 0 {
+        return true;
+    }
+    e.is(LOG_MARK_FLAG) && Some(e.mark.as_str()) == mark
+}
+
+/// The device or file entries are replayed onto.
+struct Target {
+    file: File,
+    block_device: bool,
+    discard_unsupported: bool,
+}
+
+const MAX_ZERO: u64 = 128 << 20;
+const ZERO_CHUNK: usize = 1 << 20;
+
+impl Target {
+    fn open(path: &Path) -> Result<Target, ReplayError> {
+        let file = OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|source| ReplayError::OpenReplay {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let block_device = file
+            .metadata()
+            .map(|m| m.file_type().is_block_device())
+            .unwrap_or(false);
+        Ok(Target {
+            file,
+            block_device,
+            discard_unsupported: !block_device,
+        })
+    }
+
+    fn write(&self, at: u64, data: &[u8]) -> Result<(), ReplayError> {
+        self.file
+            .write_all_at(data, at)
+            .map_err(|source| ReplayError::Write { at, source })
+    }
+
+    fn discard(&mut self, mut at: u64, mut len: u64) -> Result<(), ReplayError> {
+        const MAX_CHUNK: u64 = 1 << 30;
+        while len > 0 {
+            let n = len.min(MAX_CHUNK);
+            if !self.discard_unsupported && !self.blkdiscard(at, n) {
+                tracing::info!("the replay device does not discard: writing zeroes instead");
+                self.discard_unsupported = true;
+            }
+            if self.discard_unsupported && n <= MAX_ZERO {
+                let zeros = vec![0u8; ZERO_CHUNK.min(n as usize)];
+                let mut off = 0;
+                while off < n {
+                    let k = (n - off).min(zeros.len() as u64) as usize;
+                    self.write(at + off, &zeros[..k])?;
+                    off += k as u64;
+                }
+            }
+            at += n;
+            len -= n;
+        }
+        Ok(())
+    }
+
+    fn blkdiscard(&self, at: u64, len: u64) -> bool {
+        let range = [at, len];
+        // SAFETY: BLKDISCARD reads two u64 through the pointer.
+        let r = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(&self.file),
+                BLKDISCARD,
+                range.as_ptr(),
+            )
+        };
+        self.block_device && r == 0
+    }
+}
+
+/// `_IO(0x12, 119)`.
+const BLKDISCARD: libc::c_ulong = 0x1277;
+
+/// Run replay-log; what it prints goes to `out`.
+pub fn run(o: &ReplayOptions, out: &mut dyn Write) -> Result<(), ReplayError> {
+    if o.fsck.is_some() != o.check.is_some() {
+        return Err(ReplayError::FsckWithoutCheck);
+    }
+    let mut log = LogReader::open(&o.log)?;
+    let nr = log.sup.nr_entries;
+    if let Some(mark) = &o.start_mark {
+        loop {
+            match log.next_entry()? {
+                Some(e) if should_stop(&e, LOG_MARK_FLAG, Some(mark)) => break,
+                Some(_) => {}
+                None => return Err(ReplayError::NoStartMark(mark.clone())),
+            }
+        }
+    } else {
+        if o.start_entry >= nr {
+            return Err(ReplayError::NoSuchEntry(o.start_entry, nr));
+        }
+        for _ in 0..o.start_entry {
+            log.next_entry()?;
+        }
+    }
+    let mut stop = 0;
+    if o.next_flush {
+        stop |= LOG_FLUSH_FLAG;
+    }
+    if o.next_fua {
+        stop |= LOG_FUA_FLAG;
+    }
+    if o.end_mark.is_some() {
+        stop |= LOG_MARK_FLAG;
+    }
+    let end_mark = o.end_mark.as_deref();
+    if o.find {
+        let mut n = 0;
+        while let Some(e) = log.next_entry()? {
+            n += 1;
+            if (o.limit != 0 && n == o.limit) || should_stop(&e, stop, end_mark) {
+                let _ = writeln!(
+                    out,
+                    "{}@{}",
+                    e.index,
+                    e.block + 1 + e.data_len / log.sup.sectorsize as u64
+                );
+                return Ok(());
+            }
+        }
+        return Err(ReplayError::NotFound);
+    }
+    if o.num_entries {
+        let _ = writeln!(out, "{nr}");
+        return Ok(());
+    }
+    let Some(replay) = &o.replay else {
+        let _ = writeln!(
+            out,
+            "Log version=1, sectorsize={}, entries={nr}",
+            log.sup.sectorsize
+        );
+        return Ok(());
+    };
+    let mut target = Target::open(replay)?;
+    let result = replay_entries(o, &mut log, &mut target, stop, out);
+    let _ = target.file.sync_all();
+    result
+}
+
+fn replay_entries(
+    o: &ReplayOptions,
+    log: &mut LogReader,
+    target: &mut Target,
+    stop: u64,
+    out: &mut dyn Write,
+) -> Result<(), ReplayError> {
+    let bs = log.sup.sectorsize as u64;
+    let end_sector = o.end_sector.unwrap_or(u64::MAX);
+    let mut n = 0;
+    while let Some(e) = log.next_entry()? {
+        n += 1;
+        let (sector, count) = (e.header.sector, e.header.nr_sectors);
+        let skip = count != 0 && (sector + count <= o.start_sector || sector > end_sector);
+        if o.verbose > 1 || (o.verbose > 0 && !skip) {
+            let _ = writeln!(
+                out,
+                "{} {}@{}: sector {sector}, size {}, flags {:#x}({})",
+                if skip { "skipping" } else { "replaying" },
+                e.index,
+                e.block + 1,
+                count * bs,
+                e.header.flags,
+                flags_text(e.header.flags)
+            );
+        }
+        if count != 0 && e.is(LOG_DISCARD_FLAG) {
+            if !o.no_discard {
+                target.discard(sector * bs, count * bs)?;
+            }
+        } else if count != 0 && !skip {
+            copy_data(log, &e, target, sector * bs)?;
+        }
+        if let (Some(cmd), Some(check)) = (&o.fsck, o.check) {
+            let due = match check {
+                Check::Every(k) => n % k == 0,
+                Check::Flush => e.is(LOG_FLUSH_FLAG),
+                Check::Fua => e.is(LOG_FUA_FLAG),
+            };
+            if due && !run_fsck(target, cmd)? {
+                return Err(ReplayError::Fsck(e.index));
+            }
+        }
+        if (o.limit != 0 && n == o.limit) || should_stop(&e, stop, o.end_mark.as_deref()) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// An entry's data onto the target, a bounded buffer at a time.
+fn copy_data(log: &LogReader, e: &Entry, target: &Target, at: u64) -> Result<(), ReplayError> {
+    let mut buf = vec![0u8; (e.data_len as usize).min(4 << 20)];
+    let mut done = 0;
+    while done < e.data_len {
+        let k = (e.data_len - done).min(buf.len() as u64) as usize;
+        log.read_data(e, done, &mut buf[..k])?;
+        target.write(at + done, &buf[..k])?;
+        done += k as u64;
+    }
+    Ok(())
+}
+
+/// Sync the target and run the checker through the shell: true when it
+/// exits 0.
+fn run_fsck(target: &Target, cmd: &str) -> Result<bool, ReplayError> {
+    let _ = target.file.sync_all();
+    let st = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .status()
+        .map_err(ReplayError::FsckSpawn)?;
+    Ok(st.success())
+}
