@@ -13,7 +13,11 @@
 //! listed as deliberate, and docs/KERNEL-PARITY.md must be what the
 //! comparison generates. `BLKSTACK_UPDATE_PARITY=1` rewrites the
 //! transcript (VM test) and the page (blkstack test) instead.
+//! `blkstack_create_refuses_what_the_kernel_refuses` sends every refused
+//! table through the real `blkstack serve` and `blkstack create`, as a
+//! user would, and checks dmsetup's errno text on stderr.
 
+mod control_support;
 mod kernel_parity_support;
 mod kernel_vm_support;
 
@@ -202,5 +206,56 @@ fn blkstack_matches_the_kernel() {
     assert!(
         committed == page,
         "docs/KERNEL-PARITY.md is not what the comparison generates (BLKSTACK_UPDATE_PARITY=1 rewrites it)"
+    );
+}
+
+#[test]
+fn blkstack_create_refuses_what_the_kernel_refuses() {
+    let (bad, kernel) = (bad_cases(), recorded());
+    let deliberate = notes("deliberate.txt");
+    let dir = tempfile::tempdir().expect("tempdir");
+    make_images(dir.path());
+    let concise: Vec<String> = LEGS
+        .iter()
+        .map(|(n, s)| {
+            let img = dir.path().join(format!("{n}.img"));
+            format!("{n},,,rw,0 {s} file {}", img.display())
+        })
+        .collect();
+    let srv = control_support::Serve::start(&concise.join(";"), "l0");
+    let mut wrong = Vec::new();
+    for c in bad
+        .iter()
+        .filter(|c| !deliberate.iter().any(|n| n.id == c.id))
+    {
+        let lines = kernel.get(&c.id).cloned().unwrap_or_default();
+        let Some(errno) = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("result: refused: "))
+        else {
+            wrong.push(format!("{}: the kernel accepted it", c.id));
+            continue;
+        };
+        let table: Vec<String> = c
+            .lines
+            .iter()
+            .map(|l| subst(l, &|p| p.to_string()))
+            .collect();
+        let out = srv.run_stdin("create", &["b"], Some(&table.join("\n")));
+        // dmsetup: "device-mapper: reload ioctl on b ... failed: <errno text>"
+        let said = out.stderr.contains(&format!("failed: {errno}"));
+        if out.status.code() != Some(1) || !said {
+            wrong.push(format!(
+                "{}: want '{errno}', got {:?}: {}",
+                c.id,
+                out.status,
+                out.stderr.trim()
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "blkstack create answers otherwise:\n{}",
+        wrong.join("\n")
     );
 }
