@@ -28,6 +28,8 @@
 
 pub mod connection;
 pub mod extents;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handshake;
 pub mod options;
 pub mod poll;
