@@ -7,92 +7,22 @@
 //! first failure and a request is resent a bounded number of times; then
 //! it fails with EIO, which multipath takes as a path error (kernel nbd:
 //! `nbd_handle_reply` errors, `nbd_xmit_timeout`, `dead_conn_timeout`).
+//! The servers are `blkstack_drivers::nbd::scripted`.
 
 use blkstack_core::{Bio, Device, EndIo, IoBuf, Op, Status};
-use blkstack_drivers::nbd::proto::*;
+use blkstack_drivers::nbd::scripted::{self, Misbehaviour};
 use blkstack_drivers::NbdDevice;
-use std::io::{Read, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 const SIZE: u64 = 1 << 20;
 
-#[derive(Clone, Copy, Debug)]
-enum Misbehaviour {
-    UnknownCookie,
-    OutsideRequest,
-    HangMidReply,
-    NeverReply,
-}
-
-fn handshake(s: &mut UnixStream) -> std::io::Result<()> {
-    let mut v = Vec::new();
-    encode_greeting(&mut v, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
-    s.write_all(&v)?;
-    let mut f = [0u8; 4];
-    s.read_exact(&mut f)?;
-    loop {
-        let mut h = [0u8; OptionHeader::SIZE];
-        s.read_exact(&mut h)?;
-        let h = OptionHeader::parse(&h).map_err(std::io::Error::other)?;
-        let mut data = vec![0u8; h.len as usize];
-        s.read_exact(&mut data)?;
-        let mut v = Vec::new();
-        match h.option {
-            OPT_STRUCTURED_REPLY => encode_option_reply(&mut v, h.option, REP_ACK, &[]),
-            OPT_GO => {
-                let mut p = Vec::new();
-                encode_info_export(&mut p, SIZE, TFLAG_HAS_FLAGS);
-                encode_option_reply(&mut v, h.option, REP_INFO, &p);
-                encode_option_reply(&mut v, h.option, REP_ACK, &[]);
-                s.write_all(&v)?;
-                return Ok(());
-            }
-            o => encode_option_reply(&mut v, o, REP_ERR_UNSUP, &[]),
-        }
-        s.write_all(&v)?;
-    }
-}
-
-fn serve(mut s: UnixStream, how: Misbehaviour) -> std::io::Result<()> {
-    handshake(&mut s)?;
-    loop {
-        let mut h = [0u8; Request::SIZE];
-        s.read_exact(&mut h)?;
-        let r = Request::parse(&h).map_err(std::io::Error::other)?;
-        let mut out = Vec::new();
-        match how {
-            Misbehaviour::UnknownCookie => encode_none_chunk(&mut out, r.handle ^ 0x5a5a_0000),
-            Misbehaviour::OutsideRequest => {
-                encode_data_chunk_header(&mut out, REPLY_FLAG_DONE, r.handle, r.offset + SIZE, 16);
-                out.extend_from_slice(&[7u8; 16]);
-            }
-            Misbehaviour::HangMidReply => {
-                encode_data_chunk_header(&mut out, REPLY_FLAG_DONE, r.handle, r.offset, r.len);
-                out.extend_from_slice(&[1u8; 100]);
-            }
-            Misbehaviour::NeverReply => {}
-        }
-        s.write_all(&out)?;
-    }
-}
-
 /// A server misbehaving `how` on every connection; counts connections.
 fn start(how: Misbehaviour) -> (tempfile::TempDir, String, Arc<AtomicU32>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("bad.sock");
-    let listener = UnixListener::bind(&path).expect("bind");
-    let conns = Arc::new(AtomicU32::new(0));
-    let c = conns.clone();
-    std::thread::spawn(move || {
-        for s in listener.incoming() {
-            let Ok(s) = s else { break };
-            c.fetch_add(1, Ordering::SeqCst);
-            std::thread::spawn(move || serve(s, how));
-        }
-    });
+    let conns = scripted::spawn(&path, SIZE, how).expect("scripted server");
     let uri = format!("nbd+unix:///e?socket={}", path.display());
     (dir, uri, conns)
 }
