@@ -58,19 +58,25 @@ fn read_4k(c: &mut RawClient<UnixStream>, handle: u64) {
     c.s.read_exact(&mut data).expect("read data");
 }
 
-/// Send `n` READs of `len` bytes without reading a reply; stops early
-/// when the server stops reading (its receive buffer and ours full).
-/// Returns how many went out whole.
+/// Send `n` READs of `len` bytes in one burst (one buffer, as a client
+/// that pipelines does, so the server's reader finds thousands of them
+/// at once) without reading a reply; stops early when the server stops
+/// reading (its receive buffer and ours full). Returns how many went out.
 fn pipeline_unread(c: &mut RawClient<UnixStream>, n: u64, len: u32) -> u64 {
     c.s.set_write_timeout(Some(Duration::from_secs(2)))
         .expect("write timeout");
+    let mut burst = Vec::with_capacity(n as usize * Request::SIZE);
     for i in 0..n {
-        let r = read_req(i, i * len as u64 % (4 << 30), len);
-        if c.s.write_all(&r.encode()).is_err() {
-            return i;
+        burst.extend_from_slice(&read_req(i, i * len as u64 % (4 << 30), len).encode());
+    }
+    let mut sent = 0;
+    while sent < burst.len() {
+        match c.s.write(&burst[sent..]) {
+            Ok(k) if k > 0 => sent += k,
+            _ => break,
         }
     }
-    n
+    (sent / Request::SIZE) as u64
 }
 
 /// The server's per-connection budget for request data in flight plus
