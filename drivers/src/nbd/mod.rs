@@ -36,6 +36,8 @@ pub mod poll;
 pub mod proto;
 pub mod reconnect;
 pub mod reply;
+#[doc(hidden)]
+pub mod scripted;
 pub mod tls;
 pub mod uri;
 pub mod wire;
