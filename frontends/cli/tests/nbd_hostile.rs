@@ -83,6 +83,11 @@ fn pipeline_unread(c: &mut RawClient<UnixStream>, n: u64, len: u32) -> u64 {
 /// replies produced but not yet sent (frontends/nbd/src/conn/mod.rs).
 const BUDGET_KIB: u64 = 64 << 10;
 
+/// `serve` of `BIG`, exporting `big`, with one more `--FLAG VALUE`.
+fn serve_big_with(flag: &str, value: &str) -> ServerProc {
+    ServerProc::start_args(&["--concise", BIG, "--export", "big", flag, value])
+}
+
 #[test]
 fn pipelined_reads_never_read_cost_at_most_the_connection_budget() {
     let srv = ServerProc::start(BIG, "big");
@@ -231,14 +236,7 @@ fn out_of_threads_a_connection_is_refused_and_the_server_stays_up() {
 
 #[test]
 fn silent_handshakes_do_not_lock_negotiated_clients_out() {
-    let srv = ServerProc::start_args(&[
-        "--concise",
-        BIG,
-        "--export",
-        "big",
-        "--max-connections",
-        "2",
-    ]);
+    let srv = serve_big_with("--max-connections", "2");
     // Two sockets that connect and never speak.
     let silent: Vec<UnixStream> = (0..2).map(|_| connect(&srv)).collect();
     std::thread::sleep(Duration::from_millis(200));
@@ -250,9 +248,21 @@ fn silent_handshakes_do_not_lock_negotiated_clients_out() {
 }
 
 #[test]
+fn a_handshake_that_finds_every_place_taken_is_refused_at_go() {
+    let srv = serve_big_with("--max-connections", "1");
+    // Admitted while a place was free, it chooses its export only after
+    // another client took the last place.
+    let mut late = RawClient::new(connect(&srv));
+    late.start().expect("greeting");
+    let mut first = negotiated(&srv, "big");
+    let e = late.go("big").expect_err("GO with every place taken");
+    assert!(e.to_string().contains("too many connections"), "{e}");
+    read_4k(&mut first, 1);
+}
+
+#[test]
 fn handshakes_beyond_their_own_pool_are_closed_at_once() {
-    let srv =
-        ServerProc::start_args(&["--concise", BIG, "--export", "big", "--max-handshakes", "2"]);
+    let srv = serve_big_with("--max-handshakes", "2");
     let silent: Vec<UnixStream> = (0..2).map(|_| connect(&srv)).collect();
     std::thread::sleep(Duration::from_millis(200));
     let mut third = connect(&srv);

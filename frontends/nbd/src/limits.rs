@@ -97,9 +97,10 @@ impl Admission {
 }
 
 impl HandshakeTicket {
-    /// The handshake is over: leave its pool and take a negotiated place,
-    /// or `None` when all are taken (the connection must then close).
-    pub fn promote(self) -> Option<NegotiatedSlot> {
+    /// The client chose its export: take a negotiated place, or `None`
+    /// when all are taken (the client is refused). The ticket stays in
+    /// the handshake pool until dropped with the handshake.
+    pub fn promote(&self) -> Option<NegotiatedSlot> {
         let max = self.max_connections;
         let taken = self
             .adm
@@ -107,9 +108,9 @@ impl HandshakeTicket {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             });
-        let adm = self.adm.clone();
-        drop(self);
-        taken.ok().map(|_| NegotiatedSlot { adm })
+        taken.ok().map(|_| NegotiatedSlot {
+            adm: self.adm.clone(),
+        })
     }
 }
 

@@ -111,7 +111,7 @@ pub fn serve(
 ) -> io::Result<()> {
     let mut inb = InBuf::new()?;
     inb.deadline = Some(Instant::now() + limits.handshake_deadline);
-    let neg = match handshake::handshake(&sock, &mut inb, exports, tls) {
+    let neg = match handshake::handshake(&sock, &mut inb, exports, tls, ticket) {
         Ok(neg) => neg,
         Err(HandshakeError::Io(e)) => return Err(e),
         Err(e) => {
@@ -120,19 +120,8 @@ pub fn serve(
             return Ok(());
         }
     };
-    // Out of the handshake pool, into the negotiated connections (or
-    // closed when those are all taken meanwhile).
-    let _slot = match ticket.map(HandshakeTicket::promote) {
-        Some(None) => {
-            tracing::warn!(
-                max_connections = limits.max_connections,
-                "nbd: connection closed after its handshake: too many connections"
-            );
-            return Ok(());
-        }
-        Some(Some(slot)) => Some(slot),
-        None => None,
-    };
+    // This connection's place among the negotiated ones, until it ends.
+    let _place = neg.slot;
     inb.deadline = None;
     sock.set_send_timeout(Some(limits.send_timeout))?;
     // Idle connections give their buffers back (`Transmission::fill`).
@@ -142,6 +131,37 @@ pub fn serve(
     let export = &exports[neg.export];
     // Live control: lets `unexport` see and disconnect this client.
     let _listed = export.attach(&sock);
+    let shared = new_shared(&sock, neg.structured, poll_ns, limits)?;
+    let mut t = Transmission {
+        owner: shared.clone(),
+        shared: shared.clone(),
+        export,
+        inb,
+        base_allocation: neg.base_allocation,
+        any_alignment: !neg.knows_block_size,
+        lbs: export.dev.logical_block_size().max(1) as u64,
+        max_request: export.max_request(),
+        size: export.dev.size(),
+        features: export.dev.features(),
+        spin: SpinPolicy::new(poll_ns),
+        wake_spin: SpinPolicy::new(poll_ns),
+        idle_trim: limits.idle_trim,
+        trimmed: false,
+    };
+    let r = t.run();
+    t.drain();
+    shared.stop_writer();
+    r
+}
+
+/// The transmission-phase state of a connection: its slots, reply side
+/// and accounting, all empty.
+fn new_shared(
+    sock: &Arc<Sock>,
+    structured: bool,
+    poll_ns: u64,
+    limits: &Limits,
+) -> io::Result<Arc<Shared>> {
     let slots: Box<[Slot]> = (0..MAX_INFLIGHT)
         .map(|_| Slot {
             meta: Mutex::new(SlotMeta {
@@ -162,9 +182,9 @@ pub fn serve(
     } else {
         None
     };
-    let shared = Arc::new_cyclic(|me| Shared {
+    Ok(Arc::new_cyclic(|me| Shared {
         sock: sock.clone(),
-        structured: neg.structured,
+        structured,
         slots,
         out: Mutex::new(Out {
             // Grows on demand; an idle connection gives it back.
@@ -187,25 +207,5 @@ pub fn serve(
         send_timeout: limits.send_timeout,
         writer: Mutex::new(None),
         me: me.clone(),
-    });
-    let mut t = Transmission {
-        owner: shared.clone(),
-        shared: shared.clone(),
-        export,
-        inb,
-        base_allocation: neg.base_allocation,
-        any_alignment: !neg.knows_block_size,
-        lbs: export.dev.logical_block_size().max(1) as u64,
-        max_request: export.max_request(),
-        size: export.dev.size(),
-        features: export.dev.features(),
-        spin: SpinPolicy::new(poll_ns),
-        wake_spin: SpinPolicy::new(poll_ns),
-        idle_trim: limits.idle_trim,
-        trimmed: false,
-    };
-    let r = t.run();
-    t.drain();
-    shared.stop_writer();
-    r
+    }))
 }

@@ -17,6 +17,10 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+/// How often a reader waiting for room in its budget looks again even if
+/// nobody woke it.
+const ROOM_RECHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Read a WRITE's payload into `dst`, from the receive buffer and then
 /// straight from the socket (no second copy for large writes).
 pub(super) fn read_payload(inb: &mut InBuf, shared: &Shared, dst: &mut [u8]) -> io::Result<()> {
@@ -215,7 +219,9 @@ impl Transmission<'_> {
             if self.shared.out.lock().unsent() + a.inflight_bytes < BUDGET {
                 return Ok(());
             }
-            self.shared.freed.wait(&mut a);
+            // Bounded: a connection killed by a completer under the writer
+            // lock cannot take the accounting lock to wake us.
+            self.shared.freed.wait_for(&mut a, ROOM_RECHECK);
         }
     }
 
@@ -359,7 +365,9 @@ impl Transmission<'_> {
                 a = self.shared.accounting.lock();
                 continue;
             }
-            self.shared.freed.wait(&mut a);
+            // Bounded: a connection killed by a completer under the writer
+            // lock cannot take the accounting lock to wake us.
+            self.shared.freed.wait_for(&mut a, ROOM_RECHECK);
         }
     }
 
