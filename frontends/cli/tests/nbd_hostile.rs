@@ -327,6 +327,35 @@ fn serve_at(listen: Option<&std::path::Path>, control: &std::path::Path) -> (boo
     )
 }
 
+#[test]
+fn a_write_payload_trickled_after_the_handshake_delays_nobody_else() {
+    let srv = ServerProc::start(BIG, "big");
+    let mut slow = negotiated(&srv, "big");
+    let w = Request {
+        flags: 0,
+        cmd: CMD_WRITE,
+        handle: 1,
+        offset: 0,
+        len: 1 << 20,
+    };
+    slow.s.write_all(&w.encode()).expect("write header");
+    let mut other = negotiated(&srv, "big");
+    let t0 = Instant::now();
+    for h in 0..100u64 {
+        if h % 10 == 0 {
+            // A byte of the megabyte now and then: the slow client's
+            // reader waits for the rest, on its own thread only.
+            slow.s.write_all(&[0x5a]).expect("trickle");
+        }
+        read_4k(&mut other, h);
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "another client's reads took {:?}",
+        t0.elapsed()
+    );
+}
+
 /// `serve_at` refused and left the file alone.
 fn refused_and_kept(ok: bool, err: &str, precious: &std::path::Path) {
     assert!(
