@@ -207,5 +207,6 @@ fn new_shared(
         send_timeout: limits.send_timeout,
         writer: Mutex::new(None),
         me: me.clone(),
+        reader: std::thread::current().id(),
     }))
 }

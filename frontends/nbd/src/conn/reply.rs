@@ -9,9 +9,13 @@
 //! client's socket: it sends what the socket takes at once
 //! (`MSG_DONTWAIT`), and leaves the rest to the connection's own writer
 //! thread ([`writer`]), which sends with the connection's send timeout
-//! and disconnects a client that takes nothing for that long. While the
-//! writer holds bytes, replies are only appended behind them, so the
-//! stream stays in order. Unsent bytes count against the connection's
+//! and disconnects a client that takes nothing for that long. The
+//! connection's reader is not shared, so what it cannot send at once it
+//! sends itself, under the same timeout, without the writer lock and
+//! without waking the writer thread (a hand-off per reply would cost a
+//! wake-up on every busy connection, over TLS on every reply). While the
+//! writer (thread or reader) holds bytes, replies are only appended
+//! behind them, so the stream stays in order. Unsent bytes count against the connection's
 //! budget (the reader stops reading requests while it is spent).
 
 use super::{COPY_LIMIT, KEEP_BUF, WRITER_STACK};
@@ -19,7 +23,7 @@ use crate::proto::*;
 use crate::sock::Sock;
 use blkstack_core::device::Extent;
 use blkstack_core::{AlignedBuf, Bio, EndIo, Status};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
@@ -108,6 +112,8 @@ pub(super) struct Shared {
     pub(super) writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// This `Shared`, for the writer thread to own.
     pub(super) me: std::sync::Weak<Shared>,
+    /// The connection's reader thread (see [`Shared::flush`]).
+    pub(super) reader: std::thread::ThreadId,
     /// How long the writer waits for the client to take any byte.
     pub(super) send_timeout: std::time::Duration,
 }
@@ -156,8 +162,9 @@ impl IdleWake {
 
 impl Shared {
     /// Send what is buffered without blocking; what the socket does not
-    /// take goes to the writer thread. Called with the writer lock held.
-    pub(super) fn flush(&self, out: &mut Out) {
+    /// take goes to the writer thread, or, on the connection's own
+    /// reader, is sent there and then. Called with the writer lock held.
+    pub(super) fn flush(&self, out: &mut MutexGuard<'_, Out>) {
         if out.buf.is_empty() || out.writer_busy {
             return;
         }
@@ -174,10 +181,57 @@ impl Shared {
             }
             Ok(n) => {
                 out.buf.drain(..n);
-                self.hand_to_writer(out);
+                if self.on_reader() {
+                    self.send_inline(out);
+                } else {
+                    self.hand_to_writer(out);
+                }
             }
             Err(_) => self.kill(out),
         }
+    }
+
+    /// Whether the caller is the connection's reader: a thread of this
+    /// connection alone, which may block in a send (bounded by the send
+    /// timeout) where a completer shared by other clients must not.
+    fn on_reader(&self) -> bool {
+        std::thread::current().id() == self.reader
+    }
+
+    /// The reader sends what is buffered as the writer thread would:
+    /// without the writer lock (completers append behind it meanwhile),
+    /// blocking at most the send timeout without progress. Sparing the
+    /// hand-off keeps a busy connection off the writer thread.
+    fn send_inline(&self, out: &mut MutexGuard<'_, Out>) {
+        out.writer_busy = true;
+        while !out.dead && !out.buf.is_empty() {
+            let chunk = std::mem::take(&mut out.buf);
+            out.in_writer = chunk.len();
+            let sent = MutexGuard::unlocked(out, || self.sock.send_all(&chunk));
+            out.in_writer = 0;
+            if out.buf.is_empty() && chunk.capacity() <= KEEP_OUT {
+                out.buf = chunk;
+                out.buf.clear();
+            }
+            if let Err(e) = sent {
+                self.disconnect_slow(out, &e);
+            }
+        }
+        out.writer_busy = false;
+    }
+
+    /// A blocking send failed (the send timeout passed without progress,
+    /// or the client is gone): disconnect it.
+    fn disconnect_slow(&self, out: &mut Out, e: &io::Error) {
+        if out.dead {
+            return;
+        }
+        tracing::warn!(
+            error = %e,
+            send_timeout_s = self.send_timeout.as_secs(),
+            "nbd: client takes no replies (or is gone); disconnecting it"
+        );
+        self.kill(out);
     }
 
     fn hand_to_writer(&self, out: &mut Out) {
@@ -328,7 +382,7 @@ impl Shared {
         if out.dead {
             return;
         }
-        if data.len() <= COPY_LIMIT || out.writer_busy || out.batching {
+        if data.len() <= COPY_LIMIT || out.writer_busy {
             out.buf.extend_from_slice(data);
             return;
         }
@@ -341,7 +395,10 @@ impl Shared {
                 let rest = &data[n - from_buf..];
                 if !rest.is_empty() || !out.buf.is_empty() {
                     out.buf.extend_from_slice(rest);
-                    self.hand_to_writer(out);
+                    // The reader sends it at its next flush.
+                    if !self.on_reader() {
+                        self.hand_to_writer(out);
+                    }
                 }
             }
             Err(_) => self.kill(out),
@@ -382,14 +439,7 @@ pub(super) fn writer(shared: &Shared) {
             spare = Vec::new();
         }
         if let Err(e) = sent {
-            if !out.dead {
-                tracing::warn!(
-                    error = %e,
-                    send_timeout_s = shared.send_timeout.as_secs(),
-                    "nbd: client takes no replies (or is gone); disconnecting it"
-                );
-                shared.kill(&mut out);
-            }
+            shared.disconnect_slow(&mut out, &e);
         }
         parking_lot::MutexGuard::unlocked(&mut out, || shared.notify_room());
     }
