@@ -18,7 +18,8 @@
 //! the socket does not take at once goes to the connection's second
 //! thread, its writer (`reply.rs`, started the first time it is needed),
 //! which sends it under the send timeout and disconnects a client that
-//! takes nothing for that long.
+//! takes nothing for that long. The reader, this connection's own, sends
+//! its overflow itself under the same timeout.
 //!
 //! Each request in flight owns a slot (its index is the bio's cookie, as a
 //! blk-mq tag is a request's index): a reusable, page-aligned data buffer
