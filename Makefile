@@ -60,7 +60,7 @@ lab:
 # run and leaves its input in fuzz/artifacts/TARGET: copy it to
 # fuzz/regressions/TARGET so `cargo test` replays it from then on.
 FUZZ_SECS ?= 60
-FUZZ_TARGETS := nbd_server table concise fio_jobfile control_json
+FUZZ_TARGETS := nbd_server nbd_replies table concise fio_jobfile control_json
 fuzz:
 	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz
 	cd fuzz && cargo +nightly fuzz build -O

@@ -40,6 +40,15 @@ pub struct DeviceInfo {
 #[derive(Default)]
 struct State {
     devices: BTreeMap<String, Arc<MappedDevice>>,
+    /// Names, uuids and minors of devices being built by a `create` that
+    /// runs its constructors without the lock.
+    reserved: Vec<Reservation>,
+}
+
+struct Reservation {
+    name: String,
+    uuid: Option<String>,
+    minor: u32,
 }
 
 impl State {
@@ -63,8 +72,57 @@ impl State {
             .values()
             .chain(staged.iter())
             .map(|d| d.minor)
+            .chain(self.reserved.iter().map(|r| r.minor))
             .collect();
         (0..).find(|m| !used.contains(m)).unwrap_or(0)
+    }
+
+    /// Check `spec` against the devices and reservations and reserve its
+    /// name, uuid and minor.
+    fn reserve(&mut self, spec: &DeviceSpec) -> Result<(), DmError> {
+        crate::table::validate_name(&spec.name)?;
+        if self.devices.contains_key(&spec.name)
+            || self.reserved.iter().any(|r| r.name == spec.name)
+        {
+            return Err(DmError::Exists(spec.name.clone()));
+        }
+        if let Some(u) = &spec.uuid {
+            let taken = self.devices.values().any(|d| d.uuid.as_deref() == Some(u))
+                || self.reserved.iter().any(|r| r.uuid.as_deref() == Some(u));
+            if taken {
+                return Err(DmError::UuidInUse {
+                    name: spec.name.clone(),
+                    uuid: u.clone(),
+                });
+            }
+        }
+        let minor = match spec.minor {
+            Some(m) => {
+                let taken = self.devices.values().any(|d| d.minor == m)
+                    || self.reserved.iter().any(|r| r.minor == m);
+                if taken {
+                    return Err(DmError::MinorInUse {
+                        name: spec.name.clone(),
+                        minor: m,
+                    });
+                }
+                m
+            }
+            None => self.next_minor(&[]),
+        };
+        self.reserved.push(Reservation {
+            name: spec.name.clone(),
+            uuid: spec.uuid.clone(),
+            minor,
+        });
+        Ok(())
+    }
+
+    fn reserved_minor(&self, name: &str) -> u32 {
+        self.reserved
+            .iter()
+            .find(|r| r.name == name)
+            .map_or(0, |r| r.minor)
     }
 
     /// Devices whose live or staged table uses `name`.
@@ -116,17 +174,14 @@ impl Registry {
     /// `live` is the table a reload replaces: a `memory` line with the same
     /// start and length as one of its `memory` lines keeps that line's pages.
     fn build_table(
-        state: &State,
-        staged: &[Arc<MappedDevice>],
+        resolve: &dyn Fn(&str) -> Option<Arc<MappedDevice>>,
         name: &str,
         text: &str,
         live: Option<&Table>,
     ) -> Result<Table, DmError> {
         let lines = parse_table(text).map_err(|e| e.in_device(name))?;
         let lookup = |arg: &str| -> Option<(String, u32, DeviceRef)> {
-            state
-                .resolve(staged, arg)
-                .map(|d| (d.name.clone(), d.minor, d.clone() as DeviceRef))
+            resolve(arg).map(|d| (d.name.clone(), d.minor, d.clone() as DeviceRef))
         };
         if let Some(l) = lines
             .iter()
@@ -188,47 +243,52 @@ impl Registry {
 
     /// Create several devices, in order (later ones may use earlier
     /// ones); all of them or none.
+    ///
+    /// The constructors run without the registry's lock (an `nbd` leaf's
+    /// handshake may take its whole timeout): the names, uuids and minors
+    /// are reserved first, and the devices the new tables use are checked
+    /// to be still there when the batch is published. Queries, `message`
+    /// and changes to other devices go on meanwhile, as the kernel's
+    /// `dm_create` builds a table outside `_hash_lock`.
     pub fn create_specs(&self, specs: &[DeviceSpec]) -> Result<Vec<String>, DmError> {
+        {
+            let mut state = self.state.lock();
+            let before = state.reserved.len();
+            for spec in specs {
+                if let Err(e) = state.reserve(spec) {
+                    state.reserved.truncate(before);
+                    return Err(e);
+                }
+            }
+        }
+        let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+        let built = self.build_reserved(specs);
         let mut state = self.state.lock();
+        state.reserved.retain(|r| !names.contains(&r.name));
+        let staged = built?;
+        for d in &staged {
+            for dep in d.live_table().deps() {
+                let there = state.devices.contains_key(&dep) || names.contains(&dep);
+                if !there {
+                    return Err(DmError::NoSuchDevice(dep));
+                }
+            }
+        }
+        for d in staged {
+            state.devices.insert(d.name.clone(), d);
+        }
+        Ok(names)
+    }
+
+    /// Build the devices of reserved `specs`, taking the lock only to
+    /// resolve the devices their tables name.
+    fn build_reserved(&self, specs: &[DeviceSpec]) -> Result<Vec<Arc<MappedDevice>>, DmError> {
         let mut staged: Vec<Arc<MappedDevice>> = Vec::new();
         for spec in specs {
-            crate::table::validate_name(&spec.name)?;
-            if state.devices.contains_key(&spec.name) || staged.iter().any(|d| d.name == spec.name)
-            {
-                return Err(DmError::Exists(spec.name.clone()));
-            }
-            if let Some(u) = &spec.uuid {
-                if state
-                    .devices
-                    .values()
-                    .chain(staged.iter())
-                    .any(|d| d.uuid.as_deref() == Some(u))
-                {
-                    return Err(DmError::UuidInUse {
-                        name: spec.name.clone(),
-                        uuid: u.clone(),
-                    });
-                }
-            }
-            let minor = match spec.minor {
-                Some(m) => {
-                    if state
-                        .devices
-                        .values()
-                        .chain(staged.iter())
-                        .any(|d| d.minor == m)
-                    {
-                        return Err(DmError::MinorInUse {
-                            name: spec.name.clone(),
-                            minor: m,
-                        });
-                    }
-                    m
-                }
-                None => state.next_minor(&staged),
-            };
+            let minor = self.state.lock().reserved_minor(&spec.name);
+            let resolve = |arg: &str| self.state.lock().resolve(&staged, arg);
             let table =
-                Self::build_table(&state, &staged, &spec.name, &spec.table, None).map_err(|e| {
+                Self::build_table(&resolve, &spec.name, &spec.table, None).map_err(|e| {
                     match (e, &spec.origin_lines) {
                         (
                             DmError::Line {
@@ -253,11 +313,7 @@ impl Registry {
                 table,
             )));
         }
-        let names = staged.iter().map(|d| d.name.clone()).collect();
-        for d in staged {
-            state.devices.insert(d.name.clone(), d);
-        }
-        Ok(names)
+        Ok(staged)
     }
 
     /// dmsetup `create --concise`.
@@ -303,7 +359,8 @@ impl Registry {
             .resolve(&[], name)
             .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
         let live = dev.live_table();
-        let mut t = Self::build_table(&state, &[], &dev.name, table, Some(&live))?;
+        let resolve = |arg: &str| state.resolve(&[], arg);
+        let mut t = Self::build_table(&resolve, &dev.name, table, Some(&live))?;
         crate::table_type::check_reload(&dev.name, dev.queue_type, &live, &t)?;
         t.drops_ram = force;
         let lost = live.ram_lost_to(Some(&t));

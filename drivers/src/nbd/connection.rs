@@ -96,6 +96,10 @@ pub struct SlotData {
     /// Bytes of a READ the replies have covered (data or hole chunks,
     /// simple replies' payloads), checked when the last part ends.
     pub covered: u64,
+    /// Connections that died while it was in flight on them without
+    /// having answered anything since it was sent (see
+    /// `reconnect::MAX_FAILED_SENDS`).
+    pub failed_sends: u32,
 }
 
 impl SlotData {
@@ -115,6 +119,7 @@ impl SlotData {
         sent_ns: 0,
         zero_fill: false,
         covered: 0,
+        failed_sends: 0,
     };
 
     /// The byte range of data part `p`, relative to the request.
@@ -143,6 +148,23 @@ pub struct ConnStats {
     pub failed: AtomicU64,
     /// When the connection went down (ns; 0 while up).
     pub down_since: AtomicU64,
+    /// When it first failed since it last made progress (ns; 0: never).
+    /// A reconnect alone is no progress: only an answered request is, so
+    /// the dead timeout runs from here across reconnects.
+    pub failing_since: AtomicU64,
+    /// When a request last ended with a reply from the server (ns).
+    pub progress_ns: AtomicU64,
+    /// The reconnect backoff to resume from while no progress is made
+    /// (ms; 0: start from `reconnect_delay_ms`).
+    pub backoff_ms: AtomicU64,
+}
+
+impl ConnStats {
+    /// Failing since when (ns), if it has not made progress since.
+    pub fn failing(&self) -> Option<u64> {
+        let since = self.failing_since.load(Ordering::Relaxed);
+        (since != 0 && self.progress_ns.load(Ordering::Relaxed) < since).then_some(since)
+    }
 }
 
 pub struct Connection {
@@ -276,6 +298,7 @@ impl Connection {
             sent_ns: 0,
             zero_fill,
             covered: 0,
+            failed_sends: 0,
         };
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.send_slot(&mut tx, rq.tag) {

@@ -110,6 +110,7 @@ impl ExtentQuery {
                 sent_ns: 0,
                 zero_fill: false,
                 covered: 0,
+                failed_sends: 0,
             };
             if let Err(e) = conn.send_slot(&mut tx, tag) {
                 conn.note_send_error(&mut tx, e);

@@ -6,8 +6,10 @@
 //! NBD_OPT_EXPORT_NAME instead, as the kernel's `nbd-client` does; one
 //! that refuses structured replies is spoken to with simple replies.
 //!
-//! Every step runs under the socket timeouts the caller set, so a server
-//! that accepts but never answers fails the table load within its bound.
+//! The whole negotiation runs under one absolute deadline (each read and
+//! write waits at most what is left of it), so a server that accepts but
+//! never answers, or trickles its replies a byte at a time, fails the
+//! table load within its bound.
 
 use super::proto::*;
 use super::uri::{Endpoint, NbdUri};
@@ -15,7 +17,7 @@ use super::wire::{self, Receiver, Sender, Socket};
 use rustls::{ClientConfig, ClientConnection, StreamOwned};
 use std::io::{self, Read, Write};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Longest option reply payload the client accepts (a description or
 /// an error message; the spec bounds strings at 4 KiB).
@@ -347,7 +349,47 @@ pub struct Connected {
     pub info: ExportInfo,
 }
 
-fn greeting(sock: &mut Socket) -> Result<bool, HandshakeError> {
+/// The socket during negotiation: every read and write bounded by what
+/// is left of one deadline, however the server paces its bytes.
+struct Timed {
+    sock: Socket,
+    deadline: Instant,
+}
+
+impl Timed {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the server did not finish the handshake in time",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Timed {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.sock.set_read_timeout(Some(left))?;
+        self.sock.read(buf)
+    }
+}
+
+impl Write for Timed {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.sock.set_write_timeout(Some(left))?;
+        self.sock.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn greeting<S: Read + Write>(sock: &mut S) -> Result<bool, HandshakeError> {
     let mut g = [0u8; 18];
     sock.read_exact(&mut g)
         .map_err(io_step("reading the greeting"))?;
@@ -377,15 +419,17 @@ pub fn connect(
     tls: Option<&Arc<ClientConfig>>,
     timeout: Duration,
 ) -> Result<Connected, HandshakeError> {
-    let mut sock = match &uri.endpoint {
+    let sock = match &uri.endpoint {
         Endpoint::Tcp { host, port } => Socket::connect_tcp(host, *port, timeout),
         Endpoint::Unix(p) => Socket::connect_unix(p),
     }
     .map_err(io_step("connecting"))?;
-    sock.set_read_timeout(Some(timeout))
-        .and_then(|_| sock.set_write_timeout(Some(timeout)))
-        .and_then(|_| sock.set_user_timeout(timeout))
+    sock.set_user_timeout(timeout)
         .map_err(io_step("setting socket timeouts"))?;
+    let mut sock = Timed {
+        sock,
+        deadline: Instant::now() + timeout,
+    };
     let no_zeroes = greeting(&mut sock)?;
     let (info, sock, conn) = match tls {
         None => (negotiate(&mut sock, &uri.export, no_zeroes)?, sock, None),
@@ -402,6 +446,7 @@ pub fn connect(
             (info, sock, Some(conn))
         }
     };
+    let sock = sock.sock;
     sock.set_read_timeout(None)
         .and_then(|_| sock.set_write_timeout(None))
         .map_err(io_step("setting socket timeouts"))?;

@@ -28,12 +28,16 @@
 
 pub mod connection;
 pub mod extents;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod handshake;
 pub mod options;
 pub mod poll;
 pub mod proto;
 pub mod reconnect;
 pub mod reply;
+#[doc(hidden)]
+pub mod scripted;
 pub mod tls;
 pub mod uri;
 pub mod wire;

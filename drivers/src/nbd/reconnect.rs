@@ -2,10 +2,22 @@
 //! when it dies, reconnect with a doubling backoff (from
 //! `reconnect_delay_ms`, capped), resending every request that was in
 //! flight on it. Requests wait for the server at most `dead_timeout_ms`
-//! (counted from when the connection died, or from their submission if
-//! later) and then fail with EIO, as the kernel's nbd `dead_conn_timeout`
-//! fails requests while no connection is alive; dm-multipath sees a path
-//! error and retries them on another path.
+//! (counted from the connection's first failure since it last answered
+//! a request, or from their submission if later) and then fail with EIO,
+//! as the kernel's nbd `dead_conn_timeout` fails requests while no
+//! connection is alive; dm-multipath sees a path error and retries them
+//! on another path.
+//!
+//! A server that accepts connections but misbehaves (replies with
+//! unknown cookies or outside the request, hangs mid-reply, never
+//! answers) must not keep requests for ever by letting each reconnect
+//! succeed: a reconnect is not progress, only an answered request is. So
+//! the dead timeout is not reset by a reconnect, the backoff keeps
+//! doubling across reconnects until a request is answered, a protocol
+//! violation kills the connection as a timeout does (kernel
+//! `nbd_handle_reply` errors), and a request whose connection died
+//! [`MAX_FAILED_SENDS`] times without answering anything since it was
+//! sent fails with EIO rather than being resent again.
 //!
 //! The resend runs on a thread of its own while replies are read, so a
 //! resend larger than the socket holds cannot wait for a server that
@@ -16,7 +28,7 @@
 //! attempt bounded by its timeout) and fails the requests it still holds,
 //! so nothing is left uncompleted and no thread outlives its device.
 
-use super::connection::Connection;
+use super::connection::{Connection, SlotData};
 use super::extents::ExtentQuery;
 use super::handshake;
 use super::options::{NbdOptions, MAX_RECONNECT_DELAY_MS};
@@ -30,6 +42,10 @@ use rustls::ClientConfig;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Sends of one request on connections that then died without answering
+/// anything after it was sent; at this many it fails with EIO.
+pub const MAX_FAILED_SENDS: u32 = 3;
 
 /// Longest the thread sleeps between checks while disconnected (the
 /// granularity of the dead timeout and of noticing removal).
@@ -218,8 +234,24 @@ pub fn mark_down(conn: &Connection, why: &str) {
     if let Some(s) = tx.sender.take() {
         s.shutdown();
     }
+    let now = now_ns();
+    let progress = conn.stats.progress_ns.load(Ordering::Relaxed);
+    if conn.stats.failing().is_none() {
+        conn.stats.failing_since.store(now, Ordering::Relaxed);
+        if progress > 0 {
+            // It had recovered: the backoff starts over.
+            conn.stats.backoff_ms.store(0, Ordering::Relaxed);
+        }
+    }
+    // Requests on this connection that it never answered anything after.
+    for slot in conn.slots.iter() {
+        let mut d = slot.0.lock();
+        if d.active && d.sent_gen == tx.gen && progress < d.sent_ns {
+            d.failed_sends += 1;
+        }
+    }
     conn.stats.up.store(false, Ordering::Relaxed);
-    conn.stats.down_since.store(now_ns(), Ordering::Relaxed);
+    conn.stats.down_since.store(now, Ordering::Relaxed);
     drop(tx);
     tracing::warn!(
         connection = conn.index,
@@ -229,19 +261,18 @@ pub fn mark_down(conn: &Connection, why: &str) {
     conn.set_error(why.to_string());
 }
 
-/// End the active requests `pick` chooses (by their queued time) with
-/// EIO; returns how many.
+/// End the active requests `pick` chooses with EIO; returns how many.
 pub fn fail_waiting(
     conn: &Connection,
     done: &HeldCompleter,
     extents: &ExtentQuery,
-    pick: impl Fn(u64) -> bool,
+    pick: impl Fn(&SlotData) -> bool,
 ) -> usize {
     let last = conn.slots.len() - 1;
     let mut failed = 0;
     for (tag, slot) in conn.slots.iter().enumerate() {
         let mut d = slot.0.lock();
-        if !d.active || !pick(d.queued_ns) {
+        if !d.active || !pick(&d) {
             continue;
         }
         d.active = false;
@@ -258,23 +289,25 @@ pub fn fail_waiting(
     failed
 }
 
-/// Requests that waited longer than the dead timeout fail.
+/// Requests that waited longer than the dead timeout since the first
+/// failure, or whose connections died [`MAX_FAILED_SENDS`] times without
+/// answering, fail.
 fn expire(shared: &DeviceShared, conn: &Connection, done: &HeldCompleter) {
-    let down = conn.stats.down_since.load(Ordering::Relaxed);
-    if down == 0 {
+    let Some(since) = conn.stats.failing() else {
         return;
-    }
+    };
     let now = now_ns();
     let dead = conn.dead_timeout_ns;
-    let failed = fail_waiting(conn, done, &shared.extents, |queued| {
-        now.saturating_sub(queued.max(down)) >= dead
+    let failed = fail_waiting(conn, done, &shared.extents, |d| {
+        d.failed_sends >= MAX_FAILED_SENDS || now.saturating_sub(d.queued_ns.max(since)) >= dead
     });
     if failed > 0 {
         tracing::warn!(
             connection = conn.index,
             requests = failed,
             dead_timeout_ms = shared.opts.dead_timeout_ms,
-            "nbd: server still gone after the dead timeout; requests failed with EIO"
+            max_failed_sends = MAX_FAILED_SENDS,
+            "nbd: server gone or answering nothing; requests failed with EIO"
         );
     }
 }
@@ -287,7 +320,10 @@ fn reconnect(
     done: &HeldCompleter,
 ) -> Option<handshake::Connected> {
     let opts = &shared.opts;
-    let mut delay = Duration::from_millis(opts.reconnect_delay_ms);
+    // A reconnect that made no progress resumes the backoff where the
+    // last one left it.
+    let resumed = conn.stats.backoff_ms.load(Ordering::Relaxed);
+    let mut delay = Duration::from_millis(opts.reconnect_delay_ms.max(resumed));
     let mut next_try = std::time::Instant::now() + delay;
     loop {
         if conn.stop.load(Ordering::Acquire) {
@@ -301,6 +337,10 @@ fn reconnect(
         }
         match handshake::connect(&opts.uri, shared.tls.as_ref(), shared.attempt_timeout()) {
             Ok(c) if c.info.size == conn.geo.info.size && c.info.tflags == conn.geo.info.tflags => {
+                let next = (delay * 2).min(Duration::from_millis(MAX_RECONNECT_DELAY_MS));
+                conn.stats
+                    .backoff_ms
+                    .store(next.as_millis() as u64, Ordering::Relaxed);
                 return Some(c);
             }
             Ok(c) => conn.set_error(format!(

@@ -111,9 +111,19 @@ impl<'a> ReplyReader<'a> {
         if self.conn.stop.load(Ordering::Acquire) {
             return Err(ReaderExit::Stop);
         }
-        if self.timeout_ns > 0 && self.conn.oldest_sent_ns(now_ns()) > self.timeout_ns {
+        let now = now_ns();
+        let oldest = self.conn.oldest_sent_ns(now);
+        if self.timeout_ns > 0 && oldest > self.timeout_ns {
             self.conn.stats.timeouts.fetch_add(1, Ordering::Relaxed);
             return Err(dead("request timed out"));
+        }
+        // Reconnected, yet still nothing answered within the dead
+        // timeout of the first failure: give the requests up.
+        if let Some(since) = self.conn.stats.failing() {
+            let limit = self.conn.dead_timeout_ns;
+            if limit > 0 && oldest > 0 && now.saturating_sub(since) >= limit {
+                return Err(dead("no progress within the dead timeout"));
+            }
         }
         Ok(())
     }
@@ -325,6 +335,11 @@ impl<'a> ReplyReader<'a> {
         }
         let st = d.status;
         drop(d);
+        // An answered request is progress: the connection is healthy.
+        self.conn
+            .stats
+            .progress_ns
+            .store(now_ns(), Ordering::Relaxed);
         if tag as usize == self.conn.slots.len() - 1 {
             self.extents.finish(st);
             return;

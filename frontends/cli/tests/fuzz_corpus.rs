@@ -84,3 +84,11 @@ fn fio_jobfile_corpus() {
 fn control_json_corpus() {
     replay("control_json", 10, blkstack_control::fuzzing::request_lines);
 }
+
+#[test]
+fn nbd_replies_corpus() {
+    replay("nbd_replies", 12, |d| {
+        let st = blkstack_drivers::nbd::fuzzing::replies(d);
+        assert_eq!(st.len(), blkstack_drivers::nbd::fuzzing::REQUESTS.len());
+    });
+}

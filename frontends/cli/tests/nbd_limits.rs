@@ -220,14 +220,6 @@ fn out_of_descriptors_the_accept_loop_backs_off_and_logs_rarely() {
     }
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    st.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS")
-}
-
 #[test]
 fn an_idle_negotiated_connection_keeps_at_most_64_kib() {
     const WARM: u64 = 20;

@@ -5,7 +5,8 @@
 //! its default directory 0700), like `/dev/mapper/control` is to root:
 //! whoever can connect can remove devices. A socket file left by a server
 //! that died is replaced; one a live server listens on is refused, so two
-//! servers never silently share a path.
+//! servers never silently share a path, and anything that is not a socket
+//! is refused too (nbdkit and qemu-nbd never delete a user's file either).
 
 use crate::methods::Control;
 use crate::proto::{
@@ -56,6 +57,44 @@ fn live_socket(path: &Path) -> bool {
     UnixStream::connect(path).is_ok()
 }
 
+/// Make way for a Unix socket at `path` (`what` names it in errors):
+/// nothing there, or a socket nobody listens on (left by a server that
+/// crashed), which is removed. A live socket, or anything that is not a
+/// socket (a user's file, a directory, a symbolic link), is refused with
+/// an error naming the path: a typo in a path must never destroy a file.
+pub fn remove_stale_socket(path: &Path, what: &str) -> io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let shown = path.display();
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(io::Error::new(
+                e.kind(),
+                format!("{what} {shown}: cannot inspect: {e}"),
+            ))
+        }
+    };
+    if !meta.file_type().is_socket() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{what} {shown}: exists and is not a socket; refusing to replace it (remove it or choose another path)"),
+        ));
+    }
+    if live_socket(path) {
+        return Err(io::Error::new(
+            io::ErrorKind::AddrInUse,
+            format!("{what} {shown}: another server is listening there"),
+        ));
+    }
+    std::fs::remove_file(path).map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("{what} {shown}: removing the stale socket: {e}"),
+        )
+    })
+}
+
 impl ControlServer {
     /// Bind `path` and serve `control` on it from a background thread.
     /// When `default_dir` is true the parent directory is created with
@@ -71,23 +110,8 @@ impl ControlServer {
                 std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
             }
         }
-        if path.exists() {
-            if live_socket(path) {
-                return Err(io::Error::new(
-                    io::ErrorKind::AddrInUse,
-                    format!(
-                        "control socket {}: another server is listening there (use --control PATH)",
-                        path.display()
-                    ),
-                ));
-            }
-            std::fs::remove_file(path).map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("removing stale control socket {}: {e}", path.display()),
-                )
-            })?;
-        }
+        remove_stale_socket(path, "control socket")
+            .map_err(|e| io::Error::new(e.kind(), format!("{e} (use --control PATH)")))?;
         // The umask makes the socket 0600 from the moment it exists;
         // set_permissions below holds even if another thread changed the
         // umask meanwhile.

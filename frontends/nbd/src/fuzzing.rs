@@ -96,7 +96,7 @@ fn session<T>(exports: &[Export], client: impl FnOnce(UnixStream) -> T) -> T {
     std::thread::scope(|s| {
         let server = s.spawn(|| {
             // An I/O error here is the client's doing (it hung up).
-            let _ = conn::serve(sock, exports, 0, &limits, &TlsPolicy::default());
+            let _ = conn::serve(sock, exports, 0, &limits, &TlsPolicy::default(), None);
         });
         let r = client(client_end);
         server.join().expect("nbd server thread panicked");

@@ -104,6 +104,20 @@ pub struct NbdArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_connections: usize,
 
+    /// Most connections in their handshake at once, counted apart from
+    /// --max-connections (silent sockets cannot lock negotiated clients
+    /// out); more are closed as soon as they are accepted.
+    #[arg(long, value_name = "N", default_value_t = limits::DEFAULT_MAX_HANDSHAKES,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_handshakes: usize,
+
+    /// Longest a reply may wait for a client that takes none of its bytes,
+    /// in seconds; then the client is disconnected. Meanwhile the client
+    /// costs at most its per-connection byte budget, and nobody else waits.
+    #[arg(long, value_name = "SECS", default_value_t = limits::DEFAULT_SEND_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub send_timeout: u64,
+
     /// Longest a client may take over the whole handshake (greeting to
     /// export chosen), in seconds, however it paces its bytes.
     #[arg(long, value_name = "SECS", default_value_t = limits::DEFAULT_HANDSHAKE_DEADLINE.as_secs(),
@@ -236,7 +250,9 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     );
     server.set_limits(limits::Limits {
         max_connections: args.max_connections,
+        max_handshakes: args.max_handshakes,
         handshake_deadline: std::time::Duration::from_secs(args.handshake_timeout),
+        send_timeout: std::time::Duration::from_secs(args.send_timeout),
         ..limits::Limits::default()
     });
     // Live control (blkstack-control): the control socket lives as long

@@ -1,7 +1,12 @@
-//! What one client, or many, may cost the server: a connection cap, an
-//! absolute handshake deadline, the idle time after which a connection's
-//! buffers are given back, and the accept loop's back-off when the process
-//! is out of file descriptors.
+//! What one client, or many, may cost the server: a cap on negotiated
+//! connections and a separate, smaller pool for connections still in
+//! their handshake (each with an absolute deadline), so that silent
+//! sockets cannot lock negotiated clients out (nbdkit bounds its
+//! handshake the same way, with its own timeout); the send timeout after
+//! which a client that stopped reading is disconnected; the idle time
+//! after which a connection's buffers are given back; and the accept
+//! loop's back-off when the process is out of file descriptors, memory or
+//! threads.
 //!
 //! The back-off follows what a kernel does with a noisy condition it cannot
 //! fix itself: slow down and say so at a bounded rate (`printk_ratelimit`,
@@ -10,12 +15,22 @@
 //! CPU writing one line per failure.
 
 use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Default cap on connections served at once (each has its own thread).
+/// Default cap on negotiated connections served at once (each has its
+/// own threads).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
+/// Default cap on connections still in their handshake, counted apart
+/// from negotiated ones.
+pub const DEFAULT_MAX_HANDSHAKES: usize = 16;
 /// Default bound on the whole handshake, from accept to the export chosen.
 pub const DEFAULT_HANDSHAKE_DEADLINE: Duration = Duration::from_secs(60);
+/// Default time a reply may wait for the client to take any byte of it
+/// before the client is disconnected (qemu-nbd and nbdkit leave this to
+/// TCP; a local socket has no such bound, hence ours).
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default idle time after which a connection frees its request buffers.
 pub const DEFAULT_IDLE_TRIM: Duration = Duration::from_secs(2);
 
@@ -23,7 +38,9 @@ pub const DEFAULT_IDLE_TRIM: Duration = Duration::from_secs(2);
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_connections: usize,
+    pub max_handshakes: usize,
     pub handshake_deadline: Duration,
+    pub send_timeout: Duration,
     pub idle_trim: Duration,
 }
 
@@ -31,9 +48,81 @@ impl Default for Limits {
     fn default() -> Limits {
         Limits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
             handshake_deadline: DEFAULT_HANDSHAKE_DEADLINE,
+            send_timeout: DEFAULT_SEND_TIMEOUT,
             idle_trim: DEFAULT_IDLE_TRIM,
         }
+    }
+}
+
+/// How many connections are in their handshake and how many negotiated,
+/// shared by the accept loop and the connections.
+#[derive(Debug, Default)]
+pub struct Admission {
+    handshaking: AtomicUsize,
+    negotiated: AtomicUsize,
+}
+
+/// A connection counted in the handshake pool until dropped or promoted.
+#[derive(Debug)]
+pub struct HandshakeTicket {
+    adm: Arc<Admission>,
+    max_connections: usize,
+}
+
+/// A negotiated connection's place under `max_connections`.
+#[derive(Debug)]
+pub struct NegotiatedSlot {
+    adm: Arc<Admission>,
+}
+
+impl Admission {
+    /// Admit a new connection into the handshake pool, if there is room
+    /// both there and (eventually) among negotiated connections.
+    pub fn admit(self: &Arc<Self>, limits: &Limits) -> Option<HandshakeTicket> {
+        if self.negotiated.load(Ordering::Acquire) >= limits.max_connections {
+            return None;
+        }
+        let taken = self
+            .handshaking
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limits.max_handshakes).then_some(n + 1)
+            });
+        taken.ok().map(|_| HandshakeTicket {
+            adm: self.clone(),
+            max_connections: limits.max_connections,
+        })
+    }
+}
+
+impl HandshakeTicket {
+    /// The client chose its export: take a negotiated place, or `None`
+    /// when all are taken (the client is refused). The ticket stays in
+    /// the handshake pool until dropped with the handshake.
+    pub fn promote(&self) -> Option<NegotiatedSlot> {
+        let max = self.max_connections;
+        let taken = self
+            .adm
+            .negotiated
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            });
+        taken.ok().map(|_| NegotiatedSlot {
+            adm: self.adm.clone(),
+        })
+    }
+}
+
+impl Drop for HandshakeTicket {
+    fn drop(&mut self) {
+        self.adm.handshaking.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Drop for NegotiatedSlot {
+    fn drop(&mut self) {
+        self.adm.negotiated.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -111,15 +200,36 @@ impl AcceptBackoff {
         self.pause = None;
     }
 
-    /// A connection was refused because `max` are already served.
-    pub fn refused(&mut self, max: usize) {
+    /// A connection was refused because the negotiated or handshaking
+    /// connections are at their cap.
+    pub fn refused(&mut self, limits: &Limits) {
         if let Some(n) = self.refused_log.allow(Instant::now()) {
             tracing::warn!(
-                max_connections = max,
+                max_connections = limits.max_connections,
+                max_handshakes = limits.max_handshakes,
                 suppressed = n,
-                "nbd: connection refused: too many connections"
+                "nbd: connection refused: too many connections or handshakes"
             );
         }
+    }
+
+    /// No thread could be started for an accepted connection (out of
+    /// threads or memory): it is closed, and accepting pauses as for
+    /// any other shortage.
+    pub fn spawn_failed(&mut self, e: &io::Error) -> Duration {
+        if let Some(n) = self.log.allow(Instant::now()) {
+            tracing::warn!(
+                error = %e,
+                suppressed = n,
+                "nbd: cannot start a connection thread; connection refused"
+            );
+        }
+        let next = match self.pause {
+            None => BACKOFF_MIN,
+            Some(p) => (p * 2).min(BACKOFF_MAX),
+        };
+        self.pause = Some(next);
+        next
     }
 }
 
@@ -143,6 +253,29 @@ mod tests {
         assert_eq!(b.failed(&emfile), BACKOFF_MIN);
         let aborted = io::Error::from_raw_os_error(libc::ECONNABORTED);
         assert_eq!(b.failed(&aborted), Duration::ZERO);
+    }
+
+    #[test]
+    fn handshakes_and_negotiated_connections_have_separate_caps() {
+        let limits = Limits {
+            max_connections: 2,
+            max_handshakes: 3,
+            ..Limits::default()
+        };
+        let adm = Arc::new(Admission::default());
+        let hs: Vec<_> = (0..3).map(|_| adm.admit(&limits)).collect();
+        assert!(hs.iter().all(Option::is_some));
+        assert!(adm.admit(&limits).is_none(), "handshake pool full");
+        let mut slots = Vec::new();
+        for t in hs.into_iter().flatten() {
+            slots.push(t.promote());
+        }
+        // Two negotiated, the third handshake finds no place.
+        assert_eq!(slots.iter().filter(|s| s.is_some()).count(), 2);
+        assert!(adm.admit(&limits).is_none(), "negotiated connections full");
+        slots.pop();
+        slots.pop();
+        assert!(adm.admit(&limits).is_some(), "a place freed");
     }
 
     #[test]

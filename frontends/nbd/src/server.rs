@@ -11,7 +11,7 @@
 
 use crate::conn;
 use crate::export::{Export, ExportTable};
-use crate::limits::{AcceptBackoff, Limits};
+use crate::limits::{AcceptBackoff, Admission, HandshakeTicket, Limits};
 use crate::sock::Sock;
 use crate::tls::{TlsMode, TlsPolicy};
 use crate::uri::ListenUri;
@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::TcpListener;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
@@ -116,9 +116,10 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 impl Server {
-    /// Bind every address. A Unix socket path that exists but has nobody
-    /// listening (a crashed earlier server) is replaced; one in use is an
-    /// error.
+    /// Bind every address. A Unix socket path that holds a socket nobody
+    /// listens on (a crashed earlier server) is replaced; a live socket or
+    /// anything else is an error
+    /// ([`blkstack_control::remove_stale_socket`]).
     pub fn bind(exports: Vec<Export>, addrs: &[ListenUri]) -> io::Result<Server> {
         if exports.is_empty() {
             return Err(io::Error::new(
@@ -137,15 +138,7 @@ impl Server {
                     (ListenUri::Tcp(bound), Listener::Tcp(l))
                 }
                 ListenUri::Unix(p) => {
-                    if p.exists() {
-                        if UnixStream::connect(p).is_ok() {
-                            return Err(io::Error::new(
-                                io::ErrorKind::AddrInUse,
-                                format!("{}: a server is already listening there", p.display()),
-                            ));
-                        }
-                        std::fs::remove_file(p)?;
-                    }
+                    blkstack_control::remove_stale_socket(p, "NBD socket")?;
                     let l = UnixListener::bind(p).map_err(|e| {
                         io::Error::new(e.kind(), format!("cannot listen on {a}: {e}"))
                     })?;
@@ -209,6 +202,14 @@ impl Server {
         if tls.mode != TlsMode::Require {
             self.warn_open_tcp();
         }
+        if tls.mode == TlsMode::On && tls.verify_peer {
+            // nbdkit accepts this pair silently; the certificate check
+            // then guards only clients that choose TLS.
+            tracing::warn!(
+                "nbd: --tls-verify-peer with --tls=on checks only clients that choose TLS: \
+                 plaintext clients skip it and get full access; use --tls=require"
+            );
+        }
         self.tls = tls;
     }
 
@@ -236,6 +237,7 @@ impl Server {
     /// module documentation) and return.
     pub fn run(self) -> io::Result<ServeSummary> {
         let live: Live = Arc::default();
+        let admission = Arc::new(Admission::default());
         let mut threads: Vec<JoinHandle<()>> = Vec::new();
         let mut summary = ServeSummary::default();
         let mut backoff = AcceptBackoff::default();
@@ -258,7 +260,12 @@ impl Server {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(e);
+                // Only a signal or a stop ends the server, and always
+                // gracefully: back off as for any other shortage.
+                if self.wait_for_stop(backoff.failed(&e).max(Duration::from_millis(10))) {
+                    break;
+                }
+                continue;
             }
             if pfds[pfds.len() - 1].revents != 0 {
                 break;
@@ -279,15 +286,21 @@ impl Server {
                     }
                 };
                 backoff.succeeded();
-                if live.lock().len() >= self.limits.max_connections {
+                let Some(ticket) = admission.admit(&self.limits) else {
                     // Closed at once: the client sees EOF before the
                     // greeting instead of waiting in a queue.
                     drop(fd);
-                    backoff.refused(self.limits.max_connections);
+                    backoff.refused(&self.limits);
                     continue;
-                }
+                };
                 summary.connections += 1;
-                threads.push(self.spawn_connection(summary.connections, fd, &live)?);
+                match self.spawn_connection(summary.connections, fd, ticket, &live) {
+                    Ok(t) => threads.push(t),
+                    // Out of threads or memory: this client is refused
+                    // (its socket closed with the failed closure), the
+                    // server carries on.
+                    Err(e) => pause = pause.max(backoff.spawn_failed(&e)),
+                }
             }
             threads.retain(|t| !t.is_finished());
             if !pause.is_zero() && self.wait_for_stop(pause) {
@@ -313,18 +326,26 @@ impl Server {
 
     /// Serve connection `id` on its own thread, listed in `live` while it
     /// runs.
-    fn spawn_connection(&self, id: u64, fd: OwnedFd, live: &Live) -> io::Result<JoinHandle<()>> {
+    fn spawn_connection(
+        &self,
+        id: u64,
+        fd: OwnedFd,
+        ticket: HandshakeTicket,
+        live: &Live,
+    ) -> io::Result<JoinHandle<()>> {
         let sock = Arc::new(Sock::new(fd));
         live.lock().insert(id, sock.clone());
         let exports = self.exports.snapshot();
-        let live = live.clone();
+        let live2 = live.clone();
         let poll_ns = self.poll_ns;
         let limits = self.limits;
         let tls = self.tls.clone();
-        std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
-                if let Err(e) = conn::serve(sock, &exports, poll_ns, &limits, &tls) {
+                let live = live2;
+                let r = conn::serve(sock, &exports, poll_ns, &limits, &tls, Some(ticket));
+                if let Err(e) = r {
                     if !matches!(
                         e.kind(),
                         io::ErrorKind::UnexpectedEof
@@ -335,7 +356,11 @@ impl Server {
                     }
                 }
                 live.lock().remove(&id);
-            })
+            });
+        if spawned.is_err() {
+            live.lock().remove(&id);
+        }
+        spawned
     }
 
     /// No new connections, no new requests, in-flight ones answered, and

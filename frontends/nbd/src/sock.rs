@@ -6,8 +6,11 @@
 //! `TcpStream`/`UnixStream`, gives one type for both families, lets replies
 //! go out with `MSG_NOSIGNAL` (a vanished client must not kill the server
 //! with SIGPIPE) and lets a header and a read's data leave in one
-//! `sendmsg` without copying the data. After STARTTLS the same calls go
-//! through the connection's TLS session (`tls.rs`).
+//! `sendmsg` without copying the data. Completers send with
+//! `MSG_DONTWAIT` only ([`Sock::send_nowait2`]); blocking sends, bounded
+//! by the send timeout, are left to the connection's own threads. After
+//! STARTTLS the same calls go through the connection's TLS session
+//! (`tls.rs`).
 
 use crate::tls::TlsSession;
 use std::io::{self, Read};
@@ -239,32 +242,11 @@ impl Sock {
         t.flush(conn, |d| self.raw_send_all2(d, &[]))
     }
 
+    /// Blocking: bounded by the socket's send timeout (SO_SNDTIMEO) when
+    /// no byte goes for that long, which then fails with WouldBlock.
     fn raw_send_all2(&self, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
         while !a.is_empty() || !b.is_empty() {
-            let iov = [
-                libc::iovec {
-                    iov_base: a.as_ptr() as *mut libc::c_void,
-                    iov_len: a.len(),
-                },
-                libc::iovec {
-                    iov_base: b.as_ptr() as *mut libc::c_void,
-                    iov_len: b.len(),
-                },
-            ];
-            // SAFETY: zeroed msghdr is a valid "no name, no control" header.
-            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-            msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-            msg.msg_iovlen = 2;
-            // SAFETY: iov points at two live slices for the call's duration.
-            let n = unsafe { libc::sendmsg(self.raw(), &msg, libc::MSG_NOSIGNAL) };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            let mut n = n as usize;
+            let mut n = self.sendmsg(a, b, libc::MSG_NOSIGNAL)?;
             if n == 0 {
                 return Err(io::ErrorKind::WriteZero.into());
             }
@@ -274,6 +256,60 @@ impl Sock {
             b = &b[n..];
         }
         Ok(())
+    }
+
+    /// Send as much of `a` then `b` as the socket takes without blocking
+    /// (`MSG_DONTWAIT`); how many bytes went. Over TLS nothing is sent
+    /// here (0): the records go out from the connection's writer thread,
+    /// which may block.
+    pub fn send_nowait2(&self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        if self.tls.get().is_some() {
+            return Ok(0);
+        }
+        let mut sent = 0;
+        while sent < a.len() + b.len() {
+            let (ra, rb) = if sent < a.len() {
+                (&a[sent..], b)
+            } else {
+                (&[][..], &b[sent - a.len()..])
+            };
+            match self.sendmsg(ra, rb, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(sent)
+    }
+
+    /// One `sendmsg` of `a` then `b`; retries on EINTR.
+    fn sendmsg(&self, a: &[u8], b: &[u8], flags: libc::c_int) -> io::Result<usize> {
+        let iov = [
+            libc::iovec {
+                iov_base: a.as_ptr() as *mut libc::c_void,
+                iov_len: a.len(),
+            },
+            libc::iovec {
+                iov_base: b.as_ptr() as *mut libc::c_void,
+                iov_len: b.len(),
+            },
+        ];
+        // SAFETY: zeroed msghdr is a valid "no name, no control" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = 2;
+        loop {
+            // SAFETY: iov points at two live slices for the call's duration.
+            let n = unsafe { libc::sendmsg(self.raw(), &msg, flags) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
     }
 
     pub fn send_all(&self, a: &[u8]) -> io::Result<()> {

@@ -69,6 +69,8 @@ pub enum TlsError {
 pub struct TlsPolicy {
     pub mode: TlsMode,
     pub config: Option<Arc<ServerConfig>>,
+    /// Client certificates are checked (`--tls-verify-peer`).
+    pub verify_peer: bool,
 }
 
 impl TlsPolicy {
@@ -85,6 +87,7 @@ impl TlsPolicy {
         Ok(TlsPolicy {
             mode,
             config: Some(Arc::new(server_config(dir, verify_peer)?)),
+            verify_peer,
         })
     }
 }

@@ -242,3 +242,17 @@ pub fn pattern_file(path: &Path, len: usize, seed: u64) {
     }
     std::fs::write(path, v).expect("write pattern file");
 }
+
+/// A KiB field of process `pid`'s /proc status (`VmRSS`, `VmSize`...).
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    st.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// Resident memory of process `pid`, in KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS")
+}

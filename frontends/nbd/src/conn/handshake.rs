@@ -14,6 +14,7 @@
 use super::inbuf::InBuf;
 use super::{BASE_ALLOCATION_ID, MAX_OPTIONS, MAX_OPTION_LEN};
 use crate::export::Export;
+use crate::limits::{HandshakeTicket, NegotiatedSlot};
 use crate::proto::*;
 use crate::sock::Sock;
 use crate::tls::{TlsMode, TlsPolicy, TlsSession};
@@ -27,6 +28,9 @@ pub(super) struct Negotiated {
     /// The client was told the block sizes (NBD_OPT_GO always sends
     /// NBD_INFO_BLOCK_SIZE; NBD_OPT_EXPORT_NAME cannot).
     pub(super) knows_block_size: bool,
+    /// Its place among the negotiated connections (`None`: the server
+    /// counts none, as the fuzzing entry point).
+    pub(super) slot: Option<NegotiatedSlot>,
 }
 
 /// Why a handshake ended without an export.
@@ -52,6 +56,9 @@ pub enum HandshakeError {
     Aborted,
     #[error("the client sent more than {MAX_OPTIONS} options")]
     TooManyOptions,
+    /// NBD_OPT_EXPORT_NAME cannot be refused: hang up.
+    #[error("NBD_OPT_EXPORT_NAME with every negotiated connection taken")]
+    TooManyConnections,
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -72,6 +79,7 @@ pub(super) fn handshake(
     inb: &mut InBuf,
     exports: &[Export],
     tls: &TlsPolicy,
+    ticket: Option<HandshakeTicket>,
 ) -> Result<Negotiated, HandshakeError> {
     let mut v = Vec::new();
     encode_greeting(&mut v, FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES);
@@ -89,6 +97,8 @@ pub(super) fn handshake(
         structured: false,
         meta: None,
         tls,
+        ticket,
+        slot: None,
     };
     for _ in 0..MAX_OPTIONS {
         let (opt, data) = read_option(sock, inb)?;
@@ -145,6 +155,10 @@ struct Haggle<'a> {
     /// Export index and whether base:allocation was selected for it.
     meta: Option<(usize, bool)>,
     tls: &'a TlsPolicy,
+    /// Held while in the handshake pool (dropped with the handshake).
+    ticket: Option<HandshakeTicket>,
+    /// Taken when the client chooses its export.
+    slot: Option<NegotiatedSlot>,
 }
 
 impl Haggle<'_> {
@@ -197,10 +211,26 @@ impl Haggle<'_> {
         Ok(idx)
     }
 
-    fn negotiated(&self, export: usize, knows_block_size: bool) -> Negotiated {
+    /// Take a place among the negotiated connections for the export
+    /// being chosen; false when all are taken.
+    fn take_place(&mut self) -> bool {
+        if self.slot.is_some() {
+            return true;
+        }
+        match &self.ticket {
+            None => true,
+            Some(t) => {
+                self.slot = t.promote();
+                self.slot.is_some()
+            }
+        }
+    }
+
+    fn negotiated(&mut self, export: usize, knows_block_size: bool) -> Negotiated {
         Negotiated {
             export,
             knows_block_size,
+            slot: self.slot.take(),
             structured: self.structured,
             base_allocation: matches!(self.meta, Some((i, true)) if i == export),
         }
@@ -211,6 +241,9 @@ impl Haggle<'_> {
     fn export_name(&mut self, data: &[u8]) -> Result<Next, HandshakeError> {
         let name = parse_name("export name", data).map_err(HandshakeError::ExportName)?;
         let idx = find_export(self.exports, &name).ok_or(HandshakeError::UnknownExport(name))?;
+        if !self.take_place() {
+            return Err(HandshakeError::TooManyConnections);
+        }
         let e = &self.exports[idx];
         let mut v = Vec::new();
         encode_export_name_reply(
@@ -277,6 +310,12 @@ impl Haggle<'_> {
         let Some(idx) = self.lookup(opt, &req.name)? else {
             return Ok(Next::Haggle);
         };
+        // Before the reply: once the client has its ACK it may expect to
+        // be served, and others may count on this place being taken.
+        if opt == OPT_GO && !self.take_place() {
+            let msg = "too many connections; try again later";
+            return self.refuse(opt, REP_ERR_POLICY, msg);
+        }
         let e = &self.exports[idx];
         let mut p = Vec::new();
         encode_info_export(&mut p, e.dev.size(), e.transmission_flags(self.structured));
@@ -393,6 +432,7 @@ mod tests {
             &mut InBuf::new().expect("receive buffer"),
             &[],
             &TlsPolicy::default(),
+            None,
         );
         drop(sock);
         let _ = peer.join().unwrap();

@@ -13,7 +13,13 @@
 //! connection as "batching", and replies produced meanwhile are only
 //! appended to the output buffer, to leave in one `send` when the reader is
 //! about to block. Replies are therefore sent in completion order, not
-//! request order, as the protocol allows.
+//! request order, as the protocol allows. No completer ever blocks on the
+//! socket (it may be a thread every client of the device shares): what
+//! the socket does not take at once goes to the connection's second
+//! thread, its writer (`reply.rs`, started the first time it is needed),
+//! which sends it under the send timeout and disconnects a client that
+//! takes nothing for that long. The reader, this connection's own, sends
+//! its overflow itself under the same timeout.
 //!
 //! Each request in flight owns a slot (its index is the bio's cookie, as a
 //! blk-mq tag is a request's index): a reusable, page-aligned data buffer
@@ -33,10 +39,12 @@
 //! in flight it sleeps on the socket and an eventfd that the completer of
 //! the last of them signals (`IdleWake`). A fixed poll without
 //! those rules loses whenever the next request is slow to come, and costs
-//! CPU per I/O. When every slot is busy, or the requests in flight already
-//! hold `INFLIGHT_BYTES` of data, the reader stops reading: that is the
-//! connection's queue depth limit and the client's backpressure, and it
-//! bounds the memory one client can make the server hold.
+//! CPU per I/O. When every slot is busy, or the data of the requests in
+//! flight plus the replies produced but not yet sent reach [`BUDGET`],
+//! the reader stops reading: that is the connection's queue depth limit
+//! and the client's backpressure (nbdkit and qemu-nbd stop reading a
+//! client whose replies pile up the same way), and it bounds the memory
+//! one client can make the server hold, whatever it sends.
 
 mod handshake;
 mod inbuf;
@@ -47,7 +55,7 @@ mod unaligned;
 pub use handshake::HandshakeError;
 
 use crate::export::Export;
-use crate::limits::Limits;
+use crate::limits::{HandshakeTicket, Limits};
 use crate::sock::Sock;
 use crate::tls::TlsPolicy;
 use blkstack_core::timing::spin::SpinPolicy;
@@ -75,9 +83,13 @@ const INBUF: usize = 256 << 10;
 /// Data buffers larger than this are given back when their request
 /// completes, so an idle connection keeps at most this much per slot.
 const KEEP_BUF: usize = 256 << 10;
-/// Bytes of READ/WRITE data one connection may have in flight: 256 slots
-/// of 32 MiB would otherwise let one client pin 8 GiB of server memory.
-const INFLIGHT_BYTES: usize = 128 << 20;
+/// Bytes one connection may make the server hold: READ/WRITE data in
+/// flight plus replies produced and not yet sent (256 slots of 32 MiB
+/// would otherwise pin 8 GiB, and unread replies had no bound at all).
+/// At least the largest request (32 MiB), so any request can go alone.
+pub const BUDGET: usize = 64 << 20;
+/// Stack of a connection's writer thread: it only sends and logs.
+pub(super) const WRITER_STACK: usize = 128 << 10;
 /// Context id of `base:allocation` on this server.
 const BASE_ALLOCATION_ID: u32 = 1;
 /// At most this many block-status descriptors per reply (the spec lets a
@@ -96,10 +108,11 @@ pub fn serve(
     poll_ns: u64,
     limits: &Limits,
     tls: &TlsPolicy,
+    ticket: Option<HandshakeTicket>,
 ) -> io::Result<()> {
     let mut inb = InBuf::new()?;
     inb.deadline = Some(Instant::now() + limits.handshake_deadline);
-    let neg = match handshake::handshake(&sock, &mut inb, exports, tls) {
+    let neg = match handshake::handshake(&sock, &mut inb, exports, tls, ticket) {
         Ok(neg) => neg,
         Err(HandshakeError::Io(e)) => return Err(e),
         Err(e) => {
@@ -108,8 +121,10 @@ pub fn serve(
             return Ok(());
         }
     };
+    // This connection's place among the negotiated ones, until it ends.
+    let _place = neg.slot;
     inb.deadline = None;
-    sock.set_send_timeout(None)?;
+    sock.set_send_timeout(Some(limits.send_timeout))?;
     // Idle connections give their buffers back (`Transmission::fill`).
     sock.set_recv_timeout(Some(limits.idle_trim))?;
     // The reader's wake-up is on every request's path: see blkstack_core::timing::spin.
@@ -117,47 +132,10 @@ pub fn serve(
     let export = &exports[neg.export];
     // Live control: lets `unexport` see and disconnect this client.
     let _listed = export.attach(&sock);
-    let slots: Box<[Slot]> = (0..MAX_INFLIGHT)
-        .map(|_| Slot {
-            meta: Mutex::new(SlotMeta {
-                handle: 0,
-                cmd: 0,
-                flags: 0,
-                offset: 0,
-                len: 0,
-                buf: None,
-                extents: Vec::new(),
-            }),
-            pending: AtomicU32::new(0),
-            err: AtomicU8::new(0),
-        })
-        .collect();
-    let shared = Arc::new(Shared {
-        sock: sock.clone(),
-        structured: neg.structured,
-        slots,
-        out: Mutex::new(Out {
-            // Grows on demand; an idle connection gives it back.
-            buf: Vec::new(),
-            batching: false,
-            dead: false,
-        }),
-        dead: AtomicBool::new(false),
-        accounting: Mutex::new(Slots {
-            free: (0..MAX_INFLIGHT as u16).rev().collect(),
-            inflight: 0,
-            inflight_bytes: 0,
-        }),
-        freed: Condvar::new(),
-        idle_wake: if poll_ns > 0 {
-            Some(IdleWake::new()?)
-        } else {
-            None
-        },
-    });
+    let shared = new_shared(&sock, neg.structured, poll_ns, limits)?;
     let mut t = Transmission {
         owner: shared.clone(),
-        shared,
+        shared: shared.clone(),
         export,
         inb,
         base_allocation: neg.base_allocation,
@@ -173,6 +151,63 @@ pub fn serve(
     };
     let r = t.run();
     t.drain();
-
+    shared.stop_writer();
     r
+}
+
+/// The transmission-phase state of a connection: its slots, reply side
+/// and accounting, all empty.
+fn new_shared(
+    sock: &Arc<Sock>,
+    structured: bool,
+    poll_ns: u64,
+    limits: &Limits,
+) -> io::Result<Arc<Shared>> {
+    let slots: Box<[Slot]> = (0..MAX_INFLIGHT)
+        .map(|_| Slot {
+            meta: Mutex::new(SlotMeta {
+                handle: 0,
+                cmd: 0,
+                flags: 0,
+                offset: 0,
+                len: 0,
+                buf: None,
+                extents: Vec::new(),
+            }),
+            pending: AtomicU32::new(0),
+            err: AtomicU8::new(0),
+        })
+        .collect();
+    let idle_wake = if poll_ns > 0 {
+        Some(IdleWake::new()?)
+    } else {
+        None
+    };
+    Ok(Arc::new_cyclic(|me| Shared {
+        sock: sock.clone(),
+        structured,
+        slots,
+        out: Mutex::new(Out {
+            // Grows on demand; an idle connection gives it back.
+            buf: Vec::new(),
+            batching: false,
+            dead: false,
+            writer_busy: false,
+            in_writer: 0,
+            quit: false,
+        }),
+        dead: AtomicBool::new(false),
+        accounting: Mutex::new(Slots {
+            free: (0..MAX_INFLIGHT as u16).rev().collect(),
+            inflight: 0,
+            inflight_bytes: 0,
+        }),
+        freed: Condvar::new(),
+        idle_wake,
+        writer_wake: Condvar::new(),
+        send_timeout: limits.send_timeout,
+        writer: Mutex::new(None),
+        me: me.clone(),
+        reader: std::thread::current().id(),
+    }))
 }

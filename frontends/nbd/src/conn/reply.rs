@@ -3,13 +3,27 @@
 //! ([`EndIo`]) that turns a finished bio into its NBD reply (simple, or
 //! structured with OFFSET_DATA / OFFSET_HOLE chunks). Whoever completes a
 //! bio writes its reply; see the parent module for the threading model.
+//!
+//! A completer may be a thread every connection of a device shares (its
+//! completion thread, a kblockd worker), so it never blocks on this
+//! client's socket: it sends what the socket takes at once
+//! (`MSG_DONTWAIT`), and leaves the rest to the connection's own writer
+//! thread ([`writer`]), which sends with the connection's send timeout
+//! and disconnects a client that takes nothing for that long. The
+//! connection's reader is not shared, so what it cannot send at once it
+//! sends itself, under the same timeout, without the writer lock and
+//! without waking the writer thread (a hand-off per reply would cost a
+//! wake-up on every busy connection, over TLS on every reply). While the
+//! writer (thread or reader) holds bytes, replies are only appended
+//! behind them, so the stream stays in order. Unsent bytes count against the connection's
+//! budget (the reader stops reading requests while it is spent).
 
-use super::{COPY_LIMIT, KEEP_BUF};
+use super::{COPY_LIMIT, KEEP_BUF, WRITER_STACK};
 use crate::proto::*;
 use crate::sock::Sock;
 use blkstack_core::device::Extent;
 use blkstack_core::{AlignedBuf, Bio, EndIo, Status};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
@@ -41,12 +55,31 @@ pub(super) struct Slot {
 
 /// The writer side, behind the writer lock.
 pub(super) struct Out {
+    /// Reply bytes not yet sent, in stream order.
     pub(super) buf: Vec<u8>,
     /// The reader is working through buffered requests: append, don't send.
     pub(super) batching: bool,
     /// A send failed: the client is gone; stop writing, keep draining.
     pub(super) dead: bool,
+    /// The writer thread owns the socket's sending side: everyone else
+    /// appends to `buf` behind what it is sending.
+    pub(super) writer_busy: bool,
+    /// Bytes the writer took from `buf` and is still sending.
+    pub(super) in_writer: usize,
+    /// The connection is over: the writer sends what is left and ends.
+    pub(super) quit: bool,
 }
+
+impl Out {
+    /// Reply bytes produced and not yet sent.
+    pub(super) fn unsent(&self) -> usize {
+        self.buf.len() + self.in_writer
+    }
+}
+
+/// An empty reply buffer keeps at most this much capacity: a burst's
+/// buffer is given back once it has been sent.
+const KEEP_OUT: usize = 1 << 20;
 
 /// Slot accounting, behind its own lock so that the reader can start new
 /// requests while a completer is busy sending a large reply.
@@ -72,6 +105,17 @@ pub(super) struct Shared {
     /// Early wake of a reader blocked for input (see [`IdleWake`]); `None`
     /// when polling is off.
     pub(super) idle_wake: Option<IdleWake>,
+    /// Wakes the writer thread (with the writer lock).
+    pub(super) writer_wake: Condvar,
+    /// The writer thread, started the first time the socket does not
+    /// take a reply at once (most connections never need one).
+    pub(super) writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// This `Shared`, for the writer thread to own.
+    pub(super) me: std::sync::Weak<Shared>,
+    /// The connection's reader thread (see [`Shared::flush`]).
+    pub(super) reader: std::thread::ThreadId,
+    /// How long the writer waits for the client to take any byte.
+    pub(super) send_timeout: std::time::Duration,
 }
 
 /// Lets a completer wake the blocked reader as soon as the connection's
@@ -117,22 +161,129 @@ impl IdleWake {
 }
 
 impl Shared {
-    /// Send what is buffered. Called with the writer lock held.
-    pub(super) fn flush(&self, out: &mut Out) {
-        if out.buf.is_empty() {
+    /// Send what is buffered without blocking; what the socket does not
+    /// take goes to the writer thread, or, on the connection's own
+    /// reader, is sent there and then. Called with the writer lock held.
+    pub(super) fn flush(&self, out: &mut MutexGuard<'_, Out>) {
+        if out.buf.is_empty() || out.writer_busy {
             return;
         }
-        if !out.dead && self.sock.send_all(&out.buf).is_err() {
-            self.kill(out);
+        if out.dead {
+            out.buf.clear();
+            return;
         }
-        out.buf.clear();
+        match self.sock.send_nowait2(&out.buf, &[]) {
+            Ok(n) if n == out.buf.len() => {
+                out.buf.clear();
+                if out.buf.capacity() > KEEP_OUT {
+                    out.buf = Vec::new();
+                }
+            }
+            Ok(n) => {
+                out.buf.drain(..n);
+                if self.on_reader() {
+                    self.send_inline(out);
+                } else {
+                    self.hand_to_writer(out);
+                }
+            }
+            Err(_) => self.kill(out),
+        }
+    }
+
+    /// Whether the caller is the connection's reader: a thread of this
+    /// connection alone, which may block in a send (bounded by the send
+    /// timeout) where a completer shared by other clients must not.
+    fn on_reader(&self) -> bool {
+        std::thread::current().id() == self.reader
+    }
+
+    /// The reader sends what is buffered as the writer thread would:
+    /// without the writer lock (completers append behind it meanwhile),
+    /// blocking at most the send timeout without progress. Sparing the
+    /// hand-off keeps a busy connection off the writer thread.
+    fn send_inline(&self, out: &mut MutexGuard<'_, Out>) {
+        out.writer_busy = true;
+        while !out.dead && !out.buf.is_empty() {
+            let chunk = std::mem::take(&mut out.buf);
+            out.in_writer = chunk.len();
+            let sent = MutexGuard::unlocked(out, || self.sock.send_all(&chunk));
+            out.in_writer = 0;
+            if out.buf.is_empty() && chunk.capacity() <= KEEP_OUT {
+                out.buf = chunk;
+                out.buf.clear();
+            }
+            if let Err(e) = sent {
+                self.disconnect_slow(out, &e);
+            }
+        }
+        out.writer_busy = false;
+    }
+
+    /// A blocking send failed (the send timeout passed without progress,
+    /// or the client is gone): disconnect it.
+    fn disconnect_slow(&self, out: &mut Out, e: &io::Error) {
+        if out.dead {
+            return;
+        }
+        tracing::warn!(
+            error = %e,
+            send_timeout_s = self.send_timeout.as_secs(),
+            "nbd: client takes no replies (or is gone); disconnecting it"
+        );
+        self.kill(out);
+    }
+
+    fn hand_to_writer(&self, out: &mut Out) {
+        let mut w = self.writer.lock();
+        if w.is_none() {
+            let Some(me) = self.me.upgrade() else {
+                return self.kill(out);
+            };
+            let spawned = std::thread::Builder::new()
+                .name("nbd-writer".into())
+                .stack_size(WRITER_STACK)
+                .spawn(move || writer(&me));
+            match spawned {
+                Ok(t) => *w = Some(t),
+                Err(e) => {
+                    tracing::warn!(error = %e, "nbd: cannot start a writer thread; disconnecting the client");
+                    return self.kill(out);
+                }
+            }
+        }
+        drop(w);
+        out.writer_busy = true;
+        self.writer_wake.notify_one();
+    }
+
+    /// The connection is over: let the writer send what is left, then
+    /// wait for it to end.
+    pub(super) fn stop_writer(&self) {
+        let mut out = self.out.lock();
+        out.quit = true;
+        self.writer_wake.notify_one();
+        drop(out);
+        if let Some(t) = self.writer.lock().take() {
+            let _ = t.join();
+        }
     }
 
     pub(super) fn kill(&self, out: &mut Out) {
         out.dead = true;
+        out.buf.clear();
         self.dead.store(true, Ordering::Release);
         // Unblock the reader too: nobody is listening any more.
         self.sock.shutdown(std::net::Shutdown::Both);
+        // A reader waiting for room in the budget must see it.
+        self.writer_wake.notify_one();
+    }
+
+    /// Wake a reader waiting for the budget (or a slot) to free up. Takes
+    /// the accounting lock: the reader checks under it before it sleeps.
+    pub(super) fn notify_room(&self) {
+        drop(self.accounting.lock());
+        self.freed.notify_all();
     }
 
     /// Encode a reply with no payload (any command but a successful READ).
@@ -228,15 +379,69 @@ impl Shared {
     }
 
     pub(super) fn push_data(&self, out: &mut Out, data: &[u8]) {
-        if data.len() <= COPY_LIMIT {
+        if out.dead {
+            return;
+        }
+        if data.len() <= COPY_LIMIT || out.writer_busy {
             out.buf.extend_from_slice(data);
             return;
         }
-        // Big: send what is queued and the data in one sendmsg, no copy.
-        if !out.dead && self.sock.send_all2(&out.buf, data).is_err() {
-            self.kill(out);
+        // Big: send what is queued and the data in one sendmsg, no copy;
+        // what the socket does not take now is copied for the writer.
+        match self.sock.send_nowait2(&out.buf, data) {
+            Ok(n) => {
+                let from_buf = n.min(out.buf.len());
+                out.buf.drain(..from_buf);
+                let rest = &data[n - from_buf..];
+                if !rest.is_empty() || !out.buf.is_empty() {
+                    out.buf.extend_from_slice(rest);
+                    // The reader sends it at its next flush.
+                    if !self.on_reader() {
+                        self.hand_to_writer(out);
+                    }
+                }
+            }
+            Err(_) => self.kill(out),
         }
-        out.buf.clear();
+    }
+}
+
+/// The body of a connection's writer thread: send what completers could
+/// not, blocking at most the send timeout without progress, then
+/// disconnect; wake the reader as room frees up; at the end, send what is
+/// left and return.
+pub(super) fn writer(shared: &Shared) {
+    let mut spare: Vec<u8> = Vec::new();
+    let mut out = shared.out.lock();
+    loop {
+        if out.dead || (out.buf.is_empty() && out.writer_busy) {
+            out.buf.clear();
+            out.writer_busy = false;
+            parking_lot::MutexGuard::unlocked(&mut out, || shared.notify_room());
+        }
+        if !out.writer_busy {
+            if out.quit && (out.buf.is_empty() || out.dead) {
+                return;
+            }
+            if out.quit {
+                out.writer_busy = true;
+                continue;
+            }
+            shared.writer_wake.wait(&mut out);
+            continue;
+        }
+        std::mem::swap(&mut out.buf, &mut spare);
+        out.in_writer = spare.len();
+        let sent = parking_lot::MutexGuard::unlocked(&mut out, || shared.sock.send_all(&spare));
+        out.in_writer = 0;
+        spare.clear();
+        if spare.capacity() > KEEP_OUT {
+            spare = Vec::new();
+        }
+        if let Err(e) = sent {
+            shared.disconnect_slow(&mut out, &e);
+        }
+        parking_lot::MutexGuard::unlocked(&mut out, || shared.notify_room());
     }
 }
 

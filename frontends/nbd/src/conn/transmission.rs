@@ -6,7 +6,7 @@
 
 use super::inbuf::InBuf;
 use super::reply::{Shared, SlotMeta};
-use super::{BASE_ALLOCATION_ID, INFLIGHT_BYTES, MAX_DESCRIPTORS};
+use super::{BASE_ALLOCATION_ID, BUDGET, MAX_DESCRIPTORS};
 use crate::export::Export;
 use crate::proto::*;
 use blkstack_core::device::Extent;
@@ -16,6 +16,10 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+/// How often a reader waiting for room in its budget looks again even if
+/// nobody woke it.
+const ROOM_RECHECK: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Read a WRITE's payload into `dst`, from the receive buffer and then
 /// straight from the socket (no second copy for large writes).
@@ -200,8 +204,30 @@ impl Transmission<'_> {
         Ok(())
     }
 
+    /// Wait while replies not yet sent and data in flight hold the whole
+    /// budget: the client's backpressure, whatever it asks for next.
+    fn wait_for_room(&self) -> io::Result<()> {
+        if self.shared.out.lock().unsent() < BUDGET {
+            return Ok(());
+        }
+        self.set_batching(false);
+        let mut a = self.shared.accounting.lock();
+        loop {
+            if self.shared.dead.load(Ordering::Acquire) {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            if self.shared.out.lock().unsent() + a.inflight_bytes < BUDGET {
+                return Ok(());
+            }
+            // Bounded: a connection killed by a completer under the writer
+            // lock cannot take the accounting lock to wake us.
+            self.shared.freed.wait_for(&mut a, ROOM_RECHECK);
+        }
+    }
+
     pub(super) fn run(&mut self) -> io::Result<()> {
         loop {
+            self.wait_for_room()?;
             if !self.need(Request::SIZE)? {
                 return Ok(());
             }
@@ -310,8 +336,9 @@ impl Transmission<'_> {
     }
 
     /// Take a free slot for a request moving `bytes` of data, waiting for
-    /// completions while all slots are busy or the data budget is spent
-    /// (a request alone may always go, whatever its size).
+    /// completions and for the writer while all slots are busy or the
+    /// budget is spent (a request alone may always go, whatever its size,
+    /// once every earlier reply has been sent).
     fn alloc_slot(&self, bytes: usize) -> io::Result<usize> {
         let mut flushed = false;
         let mut a = self.shared.accounting.lock();
@@ -319,7 +346,9 @@ impl Transmission<'_> {
             if self.shared.dead.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
-            let fits = a.inflight == 0 || a.inflight_bytes + bytes <= INFLIGHT_BYTES;
+            let unsent = self.shared.out.lock().unsent();
+            let fits =
+                (a.inflight == 0 && unsent == 0) || a.inflight_bytes + unsent + bytes <= BUDGET;
             if fits {
                 if let Some(i) = a.free.pop() {
                     a.inflight += 1;
@@ -336,7 +365,9 @@ impl Transmission<'_> {
                 a = self.shared.accounting.lock();
                 continue;
             }
-            self.shared.freed.wait(&mut a);
+            // Bounded: a connection killed by a completer under the writer
+            // lock cannot take the accounting lock to wake us.
+            self.shared.freed.wait_for(&mut a, ROOM_RECHECK);
         }
     }
 

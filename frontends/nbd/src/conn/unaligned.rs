@@ -7,6 +7,12 @@
 //! page cache: the enclosing blocks are read, patched and written back
 //! (read-modify-write).
 //!
+//! An unaligned WRITE_ZEROES (up to 4 GiB in one request) never gets a
+//! buffer of its length: the partial blocks at each end are patched one
+//! block at a time and the whole blocks between are zeroed by the
+//! device's own write-zeroes, in pieces of the export's largest request,
+//! as the kernel's `blkdev_issue_zeroout` zeroes a range.
+//!
 //! These requests are rare, so they are served synchronously on the reader
 //! thread after every request of this connection in flight has been
 //! answered: nothing of the same client can then race the read-modify-
@@ -49,6 +55,11 @@ impl Transmission<'_> {
             self.shared.reply_now(r.handle, nbd_error(st), "");
             return Ok(());
         }
+        if r.cmd == CMD_WRITE_ZEROES {
+            let st = self.zero_unaligned(r);
+            self.shared.reply_now(r.handle, nbd_error(st), "");
+            return Ok(());
+        }
         let a = start - start % self.lbs;
         let b = end.next_multiple_of(self.lbs).min(self.size);
         let mut buf = AlignedBuf::new((b - a) as usize);
@@ -65,19 +76,68 @@ impl Transmission<'_> {
             }
             return Ok(());
         }
-        let part = &mut buf.as_mut_slice()[lo..hi];
-        if r.cmd == CMD_WRITE {
-            part.copy_from_slice(&payload);
-        } else {
-            part.fill(0);
-        }
-        let flags = if r.flags & CMD_FLAG_FUA != 0 {
-            BioFlags::FUA
-        } else {
-            BioFlags::NONE
-        };
-        let st = submit_and_wait_flags(dev, Op::Write, flags, a, b - a, buf.as_mut_slice());
+        buf.as_mut_slice()[lo..hi].copy_from_slice(&payload);
+        let st = submit_and_wait_flags(dev, Op::Write, fua(r), a, b - a, buf.as_mut_slice());
         self.shared.reply_now(r.handle, nbd_error(st), "");
         Ok(())
+    }
+
+    /// Zero `r`'s range: partial blocks at the ends by read-modify-write
+    /// of one block each, whole blocks by the device's write-zeroes.
+    fn zero_unaligned(&self, r: &Request) -> Status {
+        let (start, end) = (r.offset, r.offset + r.len as u64);
+        let lbs = self.lbs;
+        let (a, b) = (start.next_multiple_of(lbs), end - end % lbs);
+        let head = start - start % lbs;
+        if start % lbs != 0 {
+            let hi = end.min(head + lbs);
+            let st = self.zero_in_block(head, start - head, hi - head, fua(r));
+            if !st.is_ok() {
+                return st;
+            }
+        }
+        let tail = end - end % lbs;
+        if end % lbs != 0 && (start % lbs == 0 || tail != head) {
+            let st = self.zero_in_block(tail, start.max(tail) - tail, end - tail, fua(r));
+            if !st.is_ok() {
+                return st;
+            }
+        }
+        let mut flags = fua(r);
+        if r.flags & CMD_FLAG_NO_HOLE != 0 {
+            flags.insert(BioFlags::NOUNMAP);
+        }
+        let piece = (self.max_request as u64 / lbs * lbs).max(lbs);
+        let mut at = a;
+        while at < b {
+            let n = piece.min(b - at);
+            let st =
+                submit_and_wait_flags(&*self.export.dev, Op::WriteZeroes, flags, at, n, &mut []);
+            if !st.is_ok() {
+                return st;
+            }
+            at += n;
+        }
+        Status::Ok
+    }
+
+    /// Zero bytes `lo..hi` of the block at `at` (read, patch, write).
+    fn zero_in_block(&self, at: u64, lo: u64, hi: u64, flags: BioFlags) -> Status {
+        let dev = &*self.export.dev;
+        let mut buf = AlignedBuf::new(self.lbs as usize);
+        let st = submit_and_wait(dev, Op::Read, at, self.lbs, buf.as_mut_slice());
+        if !st.is_ok() {
+            return st;
+        }
+        buf.as_mut_slice()[lo as usize..hi as usize].fill(0);
+        submit_and_wait_flags(dev, Op::Write, flags, at, self.lbs, buf.as_mut_slice())
+    }
+}
+
+fn fua(r: &Request) -> BioFlags {
+    if r.flags & CMD_FLAG_FUA != 0 {
+        BioFlags::FUA
+    } else {
+        BioFlags::NONE
     }
 }
