@@ -77,14 +77,16 @@ pub(crate) enum Phase {
 
 /// Spins of the completion-queue check before a poller yields the CPU.
 const POLL_SPINS: u32 = 256;
-/// Yields after the spins before a poller naps: `sched_yield` does not
-/// reliably hand the CPU to another runnable thread (with more pollers
-/// than CPUs the pollers kept yielding to each other and starved the
-/// ones whose requests were ready), a sleep does.
-const POLL_YIELDS: u32 = 4;
-/// Shortest and longest nap of a poller that found nothing: it sleeps
-/// until the oldest request in flight could be done (its start plus the
-/// shortest latency seen), within these bounds, then polls again.
+/// A yield that kept the poller off the CPU this long means another
+/// runnable thread wanted it (more pollers than CPUs, or the thread that
+/// completes the I/O): from then on the poller naps instead of yielding,
+/// because `sched_yield` does not reliably hand the CPU over (pollers
+/// yielding to each other starved the ones whose requests were ready).
+/// Alone on its CPU, a poller spins and yields as classic polling does.
+const YIELD_CONTENDED_NS: u64 = 20_000;
+/// Shortest and longest nap of a poller that found nothing on a contended
+/// CPU: it sleeps until the oldest request in flight could be done (its
+/// start plus the shortest latency seen), within these bounds.
 const POLL_NAP_MIN_NS: u64 = 2_000;
 const POLL_NAP_MAX_NS: u64 = 200_000;
 /// How long a job whose device has nothing to poll (its connection is
@@ -475,6 +477,7 @@ impl Engine {
     /// polling device each round first polls it.
     fn poll_take(&mut self) -> usize {
         let mut spins = 0u32;
+        let mut contended = false;
         loop {
             // What the poll completes for this job lands on this thread's
             // local list, which `has_ready` (other threads' list) does not
@@ -494,17 +497,17 @@ impl Engine {
             if spins < POLL_SPINS {
                 spins += 1;
                 std::hint::spin_loop();
-            } else if spins < POLL_SPINS + POLL_YIELDS {
-                spins += 1;
-                std::thread::yield_now();
-            } else {
+            } else if contended {
                 self.poll_nap();
-                spins = POLL_SPINS;
+            } else {
+                let t = now_ns();
+                std::thread::yield_now();
+                contended = now_ns() - t > YIELD_CONTENDED_NS;
             }
         }
     }
 
-    /// A poller's bounded sleep once spinning and yielding found nothing:
+    /// A poller's bounded sleep on a contended CPU:
     /// until the oldest request in flight could complete, at least
     /// [`POLL_NAP_MIN_NS`] and at most [`POLL_NAP_MAX_NS`].
     fn poll_nap(&self) {

@@ -56,9 +56,12 @@ lose_server() {
   echo "PASS $how"
 }
 modprobe nbd nbds_max=4 || fail "modprobe nbd"
-nbd-client 10.0.2.100 10809 /dev/nbd0 -N plain -C 4 -b 4096 2>&1 || fail "nbd-client -C 4"
+# -t: the kernel's per-request timeout. Without one the kernel waits for
+# ever on a request sent before it noticed the connection die (through
+# nbd-client's TLS proxy it may not notice at all), and umount hangs.
+nbd-client 10.0.2.100 10809 /dev/nbd0 -N plain -C 4 -b 4096 -t 10 2>&1 || fail "nbd-client -C 4"
 fs_check /dev/nbd0
-nbd-client 10.0.2.100 10809 /dev/nbd1 -N tls -b 4096 -x -A /test/ca-cert.pem -H localhost 2>&1 || fail "nbd-client with TLS"
+nbd-client 10.0.2.100 10809 /dev/nbd1 -N tls -b 4096 -t 10 -x -A /test/ca-cert.pem -H localhost 2>&1 || fail "nbd-client with TLS"
 fs_check /dev/nbd1
 lose_server /dev/nbd0 remove_f
 lose_server /dev/nbd1 kill_server
