@@ -39,6 +39,7 @@ mod completion;
 mod controls;
 pub mod distribution;
 mod engine;
+mod engine_poll;
 mod engine_verify;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
 #[doc(hidden)]
