@@ -29,9 +29,9 @@ fn thread_rusage_counts() -> [u64; 3] {
 /// `wait_for`, `startdelay`.
 fn before_start(setup: &ThreadSetup) -> anyhow::Result<()> {
     let spec = &setup.spec;
-    if spec.wait != WaitMode::Interrupt || spec.rate.limited() || !spec.thinktime.time.is_zero() {
-        // Hybrid sleeps, a poller's naps and paced gaps are short; the
-        // default 50 µs slack would swamp them.
+    if spec.wait == WaitMode::Hybrid || spec.rate.limited() || !spec.thinktime.time.is_zero() {
+        // Hybrid sleeps and paced gaps are short; the default 50 µs slack
+        // would swamp them.
         prepare_precise_thread();
     }
     if spec.nice != 0 {
