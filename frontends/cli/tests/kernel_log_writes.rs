@@ -117,12 +117,7 @@ fn our_log_writes_logs_what_the_kernels_logs() {
         false,
         &["--listen", "nbd://127.0.0.1:0"],
     ));
-    let port: u16 = srv
-        .tcp
-        .as_deref()
-        .and_then(|hp| hp.rsplit(':').next())
-        .and_then(|p| p.parse().ok())
-        .expect("serve's TCP port");
+    let port = srv.tcp_port();
     let hs = srv.clone();
     let hooks = HostHooks::start(move |cmd| {
         let words: Vec<&str> = cmd.split_whitespace().collect();

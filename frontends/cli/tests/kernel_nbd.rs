@@ -91,12 +91,7 @@ fn kernel_nbd_client_lives_on_blkstack_and_survives_losing_it() {
             &certs,
         ],
     ));
-    let port: u16 = srv
-        .tcp
-        .as_deref()
-        .and_then(|hp| hp.rsplit(':').next())
-        .and_then(|p| p.parse().ok())
-        .expect("serve's TCP port");
+    let port = srv.tcp_port();
     let hook_srv = srv.clone();
     let hooks = HostHooks::start(move |cmd| match cmd {
         "remove_f" => {

@@ -166,6 +166,15 @@ impl Serve {
         srv
     }
 
+    /// The port of the TCP listener asked for with `--listen nbd://...`.
+    pub fn tcp_port(&self) -> u16 {
+        self.tcp
+            .as_deref()
+            .and_then(|hp| hp.rsplit(':').next())
+            .and_then(|p| p.parse().ok())
+            .expect("serve's TCP port")
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
