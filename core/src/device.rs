@@ -99,9 +99,11 @@ pub trait Device: Send + Sync {
         self.logical_block_size().max(4096)
     }
 
-    /// Largest single request the device accepts, in bytes.
+    /// Largest single request the device accepts, in bytes: 64 MiB, as
+    /// nbdkit's and nbd-server's limit, so a stack re-exported over NBD
+    /// takes what those servers take.
     fn max_io_bytes(&self) -> u64 {
-        32 << 20
+        64 << 20
     }
 
     fn features(&self) -> Features {

@@ -205,7 +205,7 @@ fn nbdinfo_size_block_sizes_list_and_map() {
         "export-size: 67108864",
         "block_size_minimum: 512",
         "block_size_preferred: 4096",
-        "block_size_maximum: 33554432",
+        "block_size_maximum: 67108864",
         "can_multi_conn: true",
         "can_zero: true",
         "is_read_only: false",

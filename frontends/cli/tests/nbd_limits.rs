@@ -3,8 +3,9 @@
 //! handshake trickled byte by byte is cut at an absolute deadline (an idle
 //! timeout that every byte restarts lets a slowloris client keep a thread
 //! for ever), an accept loop out of file descriptors backs off and logs at
-//! a bounded rate instead of spinning, and an idle negotiated connection
-//! keeps little resident memory.
+//! a bounded rate instead of spinning, an idle negotiated connection
+//! keeps little resident memory, and a request may be as large as
+//! nbdkit's limit (64 MiB) but no larger.
 
 mod nbd_common;
 
@@ -249,4 +250,59 @@ fn an_idle_negotiated_connection_keeps_at_most_64_kib() {
     );
     // Still negotiated and served after trimming.
     read_4k(&mut conns[0], 7);
+}
+
+/// Requests up to 64 MiB (nbdkit's limit, advertised in
+/// NBD_INFO_BLOCK_SIZE) go through for libnbd; one block more is
+/// refused with EINVAL and the connection goes on.
+#[test]
+fn requests_up_to_64_mib_are_served_and_larger_ones_refused() {
+    let srv = ServerProc::start("big,,,rw,0 262144 memory", "big");
+    // fio's nbd engine (libnbd, which itself refuses a request over the
+    // server's advertised maximum): 64 MiB writes, verified by reading.
+    let out = run_ok(
+        Command::new(tool("fio")).args([
+            "--name=big",
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.unix_uri("big")),
+            "--rw=write",
+            "--bs=64m",
+            "--size=128m",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--output-format=terse",
+        ]),
+        Duration::from_secs(120),
+    );
+    assert!(
+        out.status.success(),
+        "fio: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut c = RawClient::new(UnixStream::connect(&srv.socket).expect("connect"));
+    c.s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    c.start().expect("greeting");
+    c.go("big").expect("go");
+    let too_big = Request {
+        flags: 0,
+        cmd: CMD_READ,
+        handle: 1,
+        offset: 0,
+        len: (64 << 20) + 512,
+    };
+    c.request(&too_big, &[]).expect("send");
+    let rep = c.simple_reply().expect("reply");
+    assert_eq!((rep.error, rep.handle), (EINVAL, 1));
+    let ok = Request {
+        handle: 2,
+        len: 64 << 20,
+        ..too_big
+    };
+    c.request(&ok, &[]).expect("send");
+    let rep = c.simple_reply().expect("reply");
+    assert_eq!((rep.error, rep.handle), (0, 2));
+    let mut data = vec![0u8; 64 << 20];
+    c.s.read_exact(&mut data).expect("read data");
 }

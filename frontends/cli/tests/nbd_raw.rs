@@ -95,7 +95,7 @@ fn malformed_handshakes_and_requests_leave_other_clients_served() {
     for (r, want) in [
         (req(CMD_READ, 0, 1, 32 << 20, 4096), EINVAL),
         (req(CMD_READ, 0, 2, 7, 4096), EINVAL),
-        (req(CMD_READ, 0, 3, 0, 33 << 20), EINVAL),
+        (req(CMD_READ, 0, 3, 0, 65 << 20), EINVAL),
         (req(77, 0, 4, 0, 512), EINVAL),
         (req(CMD_WRITE_ZEROES, 0x100, 5, 0, 512), EINVAL),
     ] {

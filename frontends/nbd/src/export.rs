@@ -8,9 +8,13 @@ use blkstack_core::DeviceRef;
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-/// Largest READ/WRITE we accept: the protocol's usual 32 MiB cap (qemu and
-/// nbdkit use the same), or the device's own limit if smaller.
-pub const MAX_REQUEST: u32 = 32 << 20;
+/// Largest READ/WRITE we accept: 64 MiB as nbdkit (the protocol's default
+/// is 32 MiB; nbd-server takes more), or the device's own limit if
+/// smaller. Advertised in NBD_INFO_BLOCK_SIZE; a client that never asked
+/// (NBD_OPT_EXPORT_NAME) stays within the 32 MiB default anyway. The
+/// connection's memory budget ([`crate::conn::BUDGET`]) bounds how many
+/// such requests are in flight at once.
+pub const MAX_REQUEST: u32 = 64 << 20;
 
 pub struct Export {
     pub name: String,

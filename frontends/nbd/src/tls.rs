@@ -163,7 +163,7 @@ pub struct TlsSession {
 impl TlsSession {
     pub fn new(config: Arc<ServerConfig>) -> io::Result<TlsSession> {
         let mut conn = ServerConnection::new(config).map_err(io::Error::other)?;
-        // A reply (up to the 32 MiB maximum request) is encrypted whole
+        // A reply (up to the 64 MiB maximum request) is encrypted whole
         // and sent at once (`flush`): no cap on rustls's send buffer,
         // which would otherwise make a large write stop short.
         conn.set_buffer_limit(None);

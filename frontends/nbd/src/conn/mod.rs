@@ -84,9 +84,10 @@ const INBUF: usize = 256 << 10;
 /// completes, so an idle connection keeps at most this much per slot.
 const KEEP_BUF: usize = 256 << 10;
 /// Bytes one connection may make the server hold: READ/WRITE data in
-/// flight plus replies produced and not yet sent (256 slots of 32 MiB
-/// would otherwise pin 8 GiB, and unread replies had no bound at all).
-/// At least the largest request (32 MiB), so any request can go alone.
+/// flight plus replies produced and not yet sent (256 slots of 64 MiB
+/// would otherwise pin 16 GiB, and unread replies had no bound at all).
+/// At least the largest request ([`crate::export::MAX_REQUEST`]), so any
+/// request can go alone.
 pub const BUDGET: usize = 64 << 20;
 /// Stack of a connection's writer thread: it only sends and logs.
 pub(super) const WRITER_STACK: usize = 128 << 10;
