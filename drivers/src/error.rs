@@ -67,6 +67,19 @@ pub enum ArgError {
     },
 }
 
+/// Why an emulated-completion queue (`null`'s and `memory`'s) could not
+/// be built.
+#[derive(Debug, thiserror::Error)]
+pub enum EmulatedQueueError {
+    #[error(transparent)]
+    Engine(#[from] blkstack_mq::QueueError),
+    #[error("cannot start completion thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// The engine never handed the driver its completer.
+    #[error("the engine attached no completer")]
+    NoCompleter,
+}
+
 /// The `memory` driver could not be built.
 #[derive(Debug, Error)]
 pub enum MemoryError {
@@ -75,7 +88,7 @@ pub enum MemoryError {
     /// The blk-mq engine (or the emulated completion it runs under)
     /// refused to start the queue.
     #[error("memory: cannot start its queue")]
-    Queue(#[source] crate::null::EmulatedQueueError),
+    Queue(#[source] EmulatedQueueError),
 }
 
 /// The `file` driver's table line is wrong or its backing file unusable.

@@ -39,6 +39,7 @@ mod backing;
 mod options;
 mod poll;
 mod psync;
+mod refusal;
 mod ring;
 
 pub use options::{EngineKind, FileOptions, PollMode, DEFAULT_QUEUE_DEPTH};
@@ -48,8 +49,8 @@ use crate::error::FileError;
 use backing::{Files, Route};
 use blkstack_core::device::{check_bio, Extent};
 use blkstack_core::{Bio, BioFlags, Device, Features};
-use poll::PollRefusal;
 use psync::Pool;
+use refusal::PollRefusal;
 use ring::{setup_ring, Ring, RingShared};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -15,13 +15,13 @@
 //! the per-I/O refusal before the device is used.
 
 use super::options::PollMode;
+use super::refusal::PollRefusal;
 use super::ring::{setup_ring, RingShared};
 use super::{Backend, FileDevice};
 use blkstack_core::{AlignedBuf, Bio, Device, Op};
 use io_uring::IoUring;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::Ordering;
 
 /// The kernel's `IORING_SETUP_IOPOLL` / `IORING_SETUP_HYBRID_IOPOLL`
 /// (include/uapi/linux/io_uring.h).
@@ -40,35 +40,6 @@ fn poll_flags(mode: PollMode) -> u32 {
 /// backing device.
 const REFUSED_PER_IO: &str =
     "the kernel returned EOPNOTSUPP for a polled read/write: the device has no poll queues";
-
-/// Why and whether polling was turned off, shared by the device and its
-/// polled ring.
-#[derive(Default)]
-pub(super) struct PollRefusal {
-    refused: AtomicBool,
-    reason: OnceLock<&'static str>,
-}
-
-impl PollRefusal {
-    fn refuse(&self, reason: &'static str, path: &Path) {
-        if self.reason.set(reason).is_ok() {
-            tracing::warn!(
-                path = %path.display(),
-                reason,
-                "file: polled completions refused; falling back to interrupt-driven completions"
-            );
-        }
-        self.refused.store(true, Ordering::Release);
-    }
-
-    pub(super) fn is_refused(&self) -> bool {
-        self.refused.load(Ordering::Acquire)
-    }
-
-    pub(super) fn reason(&self) -> Option<&'static str> {
-        self.reason.get().copied()
-    }
-}
 
 /// The polled ring the kernel agreed to, and why it differs from the one
 /// asked for, if it does.
@@ -164,6 +135,3 @@ impl FileDevice {
         }
     }
 }
-
-/// `Arc` so the polled ring can name its fallback ring.
-pub(super) type Fallback = (Arc<RingShared>, Arc<PollRefusal>);

@@ -15,7 +15,7 @@
 
 use super::backing::{ensure_bounce, Files, Route};
 use super::join_unless_self;
-use super::poll::Fallback;
+use super::refusal::PollRefusal;
 use blkstack_core::{AlignedBuf, Bio, BioFlags, Op, Status};
 use io_uring::{opcode, squeue, types, IoUring};
 use parking_lot::{Mutex, MutexGuard};
@@ -24,6 +24,10 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+
+/// The interrupt-driven ring a polled ring falls back to, and the
+/// refusal it records (`Arc` so the polled ring can name both).
+pub(super) type Fallback = (Arc<RingShared>, Arc<PollRefusal>);
 
 /// The kernel's `IORING_SETUP_CQSIZE` (include/uapi/linux/io_uring.h).
 const SETUP_CQSIZE: u32 = 1 << 3;

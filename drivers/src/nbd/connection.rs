@@ -24,8 +24,7 @@
 
 use super::handshake::ExportInfo;
 use super::proto::*;
-use super::reply::ReadSide;
-use super::wire::{Sender, ThreadWake};
+use super::wire::{ReadSide, Sender, ThreadWake};
 use blkstack_core::bio::IoBuf;
 use blkstack_core::clock::now_ns;
 use blkstack_core::{BioFlags, Op, Status};
@@ -230,6 +229,40 @@ fn command(geo: &Geometry, op: Op, flags: BioFlags) -> Result<(u16, u16, bool), 
 }
 
 impl Connection {
+    /// The connection is lost: stop sending on it, count the requests it
+    /// never answered, and let its thread reconnect.
+    pub fn mark_down(&self, why: &str) {
+        let mut tx = self.tx.lock();
+        if let Some(s) = tx.sender.take() {
+            s.shutdown();
+        }
+        let now = now_ns();
+        let progress = self.stats.progress_ns.load(Ordering::Relaxed);
+        if self.stats.failing().is_none() {
+            self.stats.failing_since.store(now, Ordering::Relaxed);
+            if progress > 0 {
+                // It had recovered: the backoff starts over.
+                self.stats.backoff_ms.store(0, Ordering::Relaxed);
+            }
+        }
+        // Requests on this connection that it never answered anything after.
+        for slot in self.slots.iter() {
+            let mut d = slot.0.lock();
+            if d.active && d.sent_gen == tx.gen && progress < d.sent_ns {
+                d.failed_sends += 1;
+            }
+        }
+        self.stats.up.store(false, Ordering::Relaxed);
+        self.stats.down_since.store(now, Ordering::Relaxed);
+        drop(tx);
+        tracing::warn!(
+            connection = self.index,
+            reason = why,
+            "nbd: connection lost, reconnecting"
+        );
+        self.set_error(why.to_string());
+    }
+
     pub fn new(
         index: u32,
         geo: Geometry,

@@ -19,7 +19,6 @@
 use super::connection::Connection;
 use super::extents::ExtentQuery;
 use super::options::MAX_CONNECTIONS;
-use super::reconnect::mark_down;
 use super::reply::{ReaderExit, ReplyReader};
 use blkstack_mq::CompleterRef;
 use std::sync::atomic::Ordering;
@@ -115,7 +114,7 @@ impl Pollers<'_> {
                     s.shutdown();
                 }
                 drop(guard);
-                mark_down(conn, &why);
+                conn.mark_down(&why);
                 conn.wake.wake();
             }
         }

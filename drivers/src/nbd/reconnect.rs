@@ -33,8 +33,8 @@ use super::extents::ExtentQuery;
 use super::handshake;
 use super::options::{NbdOptions, MAX_RECONNECT_DELAY_MS};
 use super::poll::Pollers;
-use super::reply::{ReadSide, ReaderExit, ReplyReader};
-use super::wire::{Receiver, Sender};
+use super::reply::{ReaderExit, ReplyReader};
+use super::wire::{ReadSide, Receiver, Sender};
 use blkstack_core::clock::now_ns;
 use blkstack_core::Status;
 use blkstack_mq::HeldCompleter;
@@ -122,7 +122,7 @@ pub fn run(shared: Arc<DeviceShared>, index: usize, done: HeldCompleter, rx: Rec
         });
         match exit {
             ReaderExit::Stop => break,
-            ReaderExit::Dead(why) => mark_down(conn, &why),
+            ReaderExit::Dead(why) => conn.mark_down(&why),
         }
         drop(side);
         next = parking_lot::MutexGuard::unlocked(&mut reading, || reconnect(&shared, conn, &done))
@@ -226,39 +226,7 @@ fn expire_polled(conn: &Connection, timeout_ns: u64) {
     };
     conn.stats.timeouts.fetch_add(1, Ordering::Relaxed);
     side.shutdown();
-    mark_down(conn, "request timed out");
-}
-
-pub fn mark_down(conn: &Connection, why: &str) {
-    let mut tx = conn.tx.lock();
-    if let Some(s) = tx.sender.take() {
-        s.shutdown();
-    }
-    let now = now_ns();
-    let progress = conn.stats.progress_ns.load(Ordering::Relaxed);
-    if conn.stats.failing().is_none() {
-        conn.stats.failing_since.store(now, Ordering::Relaxed);
-        if progress > 0 {
-            // It had recovered: the backoff starts over.
-            conn.stats.backoff_ms.store(0, Ordering::Relaxed);
-        }
-    }
-    // Requests on this connection that it never answered anything after.
-    for slot in conn.slots.iter() {
-        let mut d = slot.0.lock();
-        if d.active && d.sent_gen == tx.gen && progress < d.sent_ns {
-            d.failed_sends += 1;
-        }
-    }
-    conn.stats.up.store(false, Ordering::Relaxed);
-    conn.stats.down_since.store(now, Ordering::Relaxed);
-    drop(tx);
-    tracing::warn!(
-        connection = conn.index,
-        reason = why,
-        "nbd: connection lost, reconnecting"
-    );
-    conn.set_error(why.to_string());
+    conn.mark_down("request timed out");
 }
 
 /// End the active requests `pick` chooses with EIO; returns how many.

@@ -5,6 +5,9 @@
 //! hardware queue and the tag, a reply for an unknown or finished cookie
 //! is a protocol error that kills the connection).
 //!
+//! The receiving half itself, with what it read ahead, is
+//! [`ReadSide`](super::wire::ReadSide), in `wire.rs` beside the socket.
+//!
 //! The socket is read through one reusable buffer per connection; nothing
 //! is allocated per reply. Reads time out periodically only when the
 //! device has a request timeout, so the reader can notice a request that
@@ -13,11 +16,11 @@
 use super::connection::{split_cookie, status_of, Connection, SlotData};
 use super::extents::ExtentQuery;
 use super::proto::*;
-use super::wire::{timed_out, Receiver};
+use super::wire::{timed_out, ReadSide};
 use blkstack_core::clock::now_ns;
 use blkstack_core::Status;
 use blkstack_mq::CompleterRef;
-use std::io::{self, BufReader, Read};
+use std::io::{self, Read};
 use std::sync::atomic::Ordering;
 
 /// Largest structured-reply payload that is not READ data (an error
@@ -30,44 +33,6 @@ pub enum ReaderExit {
     Stop,
     /// The connection died; the text says how.
     Dead(String),
-}
-
-/// What outlives one reader: the socket's receiving half with the bytes
-/// read ahead of the current reply, and the generation it belongs to. A
-/// connection's thread keeps it; on a poll queue it lives in the
-/// connection's reader lock, where each polling submitter picks it up.
-pub struct ReadSide {
-    pub rx: BufReader<Receiver>,
-    pub gen: u64,
-    scratch: Vec<u8>,
-}
-
-impl ReadSide {
-    pub fn new(rx: Receiver, gen: u64) -> ReadSide {
-        ReadSide {
-            rx: BufReader::with_capacity(64 * 1024, rx),
-            gen,
-            scratch: Vec::with_capacity(4096),
-        }
-    }
-
-    /// Bytes already read from the socket (or decrypted) that no reply
-    /// has consumed yet.
-    pub fn has_buffered(&self) -> bool {
-        !self.rx.buffer().is_empty() || self.rx.get_ref().has_pending()
-    }
-
-    /// Whether a read would find something now (buffered, or on the
-    /// socket) rather than sleep.
-    pub fn readable_now(&self) -> bool {
-        self.has_buffered() || self.rx.get_ref().socket().readable_now()
-    }
-
-    /// Shut the socket down, waking a submitter blocked sending on it
-    /// (it holds the send lock that marking the connection down needs).
-    pub fn shutdown(&self) {
-        self.rx.get_ref().socket().shutdown();
-    }
 }
 
 pub struct ReplyReader<'a> {

@@ -15,7 +15,7 @@
 use blkstack_core::timing::spin::{self, SpinPolicy};
 use parking_lot::Mutex;
 use rustls::ClientConnection;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -403,4 +403,43 @@ pub fn split(sock: Socket, tls: Option<ClientConnection>) -> io::Result<(Sender,
             raw_end: 0,
         },
     ))
+}
+
+/// What outlives one reader: the socket's receiving half with the bytes
+/// read ahead of the current reply, and the generation it belongs to. A
+/// connection's thread keeps it; on a poll queue it lives in the
+/// connection's reader lock, where each polling submitter picks it up.
+pub struct ReadSide {
+    pub rx: BufReader<Receiver>,
+    pub gen: u64,
+    /// A structured reply's chunk payload, read whole (reply.rs).
+    pub scratch: Vec<u8>,
+}
+
+impl ReadSide {
+    pub fn new(rx: Receiver, gen: u64) -> ReadSide {
+        ReadSide {
+            rx: BufReader::with_capacity(64 * 1024, rx),
+            gen,
+            scratch: Vec::with_capacity(4096),
+        }
+    }
+
+    /// Bytes already read from the socket (or decrypted) that no reply
+    /// has consumed yet.
+    pub fn has_buffered(&self) -> bool {
+        !self.rx.buffer().is_empty() || self.rx.get_ref().has_pending()
+    }
+
+    /// Whether a read would find something now (buffered, or on the
+    /// socket) rather than sleep.
+    pub fn readable_now(&self) -> bool {
+        self.has_buffered() || self.rx.get_ref().socket().readable_now()
+    }
+
+    /// Shut the socket down, waking a submitter blocked sending on it
+    /// (it holds the send lock that marking the connection down needs).
+    pub fn shutdown(&self) {
+        self.rx.get_ref().socket().shutdown();
+    }
 }

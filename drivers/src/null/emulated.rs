@@ -11,25 +11,12 @@
 use super::completion::{CompletionMode, CompletionOptions};
 use super::timer::{completion_thread, IrqQueue, TimerStats};
 use crate::engine_args::EngineArgs;
+use crate::error::EmulatedQueueError;
 use blkstack_core::clock::now_ns;
 use blkstack_core::{Bio, BioFlags, Status};
-use blkstack_mq::{
-    CompleterRef, Driver, Queue, QueueError, QueueRq, QueueStats, RequestCompleter, Rq,
-};
+use blkstack_mq::{CompleterRef, Driver, Queue, QueueRq, QueueStats, RequestCompleter, Rq};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-
-/// Why an [`EmulatedQueue`] could not be built.
-#[derive(Debug, thiserror::Error)]
-pub enum EmulatedQueueError {
-    #[error(transparent)]
-    Engine(#[from] QueueError),
-    #[error("cannot start completion thread: {0}")]
-    Thread(#[source] std::io::Error),
-    /// The engine never handed the driver its completer.
-    #[error("the engine attached no completer")]
-    NoCompleter,
-}
 
 /// The completion state shared by the driver wrapper and the threads.
 struct Irq {

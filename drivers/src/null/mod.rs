@@ -34,8 +34,9 @@ pub mod emulated;
 pub mod poll;
 pub mod timer;
 
+pub use crate::error::EmulatedQueueError;
 pub use completion::{CompletionArgs, CompletionMode, CompletionOptions};
-pub use emulated::{Emulated, EmulatedQueue, EmulatedQueueError};
+pub use emulated::{Emulated, EmulatedQueue};
 pub use timer::TimerStats;
 
 use crate::args::{check_block_size, check_size, KvArgs};
