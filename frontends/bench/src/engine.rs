@@ -33,7 +33,7 @@ use crate::buffers::BufferFiller;
 use crate::completion::{stop_requested, CompletionQueue, DoneList, JobProgress};
 use crate::controls::{Controls, Gate};
 use crate::geometry::Geometry;
-use crate::offsets::IoGen;
+use crate::offsets::{IoGen, Req};
 use crate::spec::{Ddir, HybridEstimator, JobSpec, VerifyMode, WaitMode};
 use crate::stats::{DepthStats, DirStats};
 use crate::verify::WriteLog;
@@ -42,14 +42,6 @@ use blkstack_core::clock::{now_ns, sleep_until_ns, CycleClock};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, Op};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-
-/// One I/O the generator asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Req {
-    pub dir: Ddir,
-    pub offset: u64,
-    pub len: u64,
-}
 
 pub(crate) struct Slot {
     pub(crate) buf: AlignedBuf,

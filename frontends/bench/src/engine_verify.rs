@@ -4,7 +4,8 @@
 //! `verify_backlog`), and `trim_percentage`'s trims of verified blocks.
 
 use crate::completion::stop_requested;
-use crate::engine::{Engine, Phase, Req, MAX_FAILURE_TEXTS};
+use crate::engine::{Engine, Phase, MAX_FAILURE_TEXTS};
+use crate::offsets::Req;
 use crate::spec::Ddir;
 
 impl Engine {

@@ -57,6 +57,7 @@ pub mod output_terse;
 pub mod parse;
 pub mod rate;
 mod run;
+pub mod sizes;
 pub mod spec;
 pub mod stats;
 pub mod status;

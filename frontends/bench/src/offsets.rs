@@ -23,12 +23,19 @@
 //! the job's thread number, so a rerun issues the same sequence.
 
 use crate::distribution::BlockSampler;
-use crate::engine::Req;
 use crate::geometry::Geometry;
 use crate::spec::{BlockSizes, Ddir, JobSpec, RwMode, RwModifier};
 use crate::zbd::{zone_set, ZoneCursor};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+
+/// One I/O the generator asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Req {
+    pub dir: Ddir,
+    pub offset: u64,
+    pub len: u64,
+}
 
 /// A bijection on `0..n` from a 4-round Feistel network on the smallest
 /// even number of bits covering `n`.

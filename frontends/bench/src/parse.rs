@@ -7,7 +7,7 @@
 //! `read,write,trim` lists; data patterns are `0x` hex, decimal or quoted
 //! strings.
 
-use crate::spec::{BlockSizes, SizeSpec};
+use crate::sizes::{BlockSizes, SizeSpec};
 use std::time::Duration;
 
 /// fio's boolean spellings.

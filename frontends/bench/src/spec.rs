@@ -11,7 +11,6 @@ use crate::buffers::BufferSpec;
 use crate::distribution::Distribution;
 use crate::logs::LogSpec;
 use crate::rate::{FlowSpec, LatencyTarget, RateSpec, SteadyState, ThinkTime};
-use std::fmt;
 use std::time::Duration;
 
 pub use crate::options::KeyError;
@@ -19,6 +18,13 @@ pub use crate::parse::{
     parse_bool, parse_bssplit, parse_cpu_list, parse_int, parse_percentile_list, parse_size,
     parse_size_spec, parse_time, TimeUnit, MAX_CPU,
 };
+pub use crate::sizes::{BlockSizes, SizeSpec};
+
+/// fio's default `percentile_list`.
+pub const DEFAULT_PERCENTILES: [f64; 17] = [
+    1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95,
+    99.99,
+];
 
 /// A data direction, fio's `enum fio_ddir` (its index is fio's `ddir`
 /// number in log files).
@@ -223,88 +229,6 @@ pub enum RwModifier {
     RandomEvery(u32),
 }
 
-/// A size given either in bytes or as a percentage of the device.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum SizeSpec {
-    Bytes(u64),
-    /// Percent of the device size, 0 < p <= 100.
-    Percent(f64),
-}
-
-impl SizeSpec {
-    /// Resolve against a device of `dev_size` bytes.
-    pub fn resolve(self, dev_size: u64) -> u64 {
-        match self {
-            SizeSpec::Bytes(b) => b,
-            SizeSpec::Percent(p) => ((dev_size as f64) * p / 100.0) as u64,
-        }
-    }
-}
-
-impl fmt::Display for SizeSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SizeSpec::Bytes(b) => write!(f, "{b}"),
-            SizeSpec::Percent(p) => write!(f, "{p}%"),
-        }
-    }
-}
-
-/// Block sizes: one size, fio's `bssplit` weighted list, or fio's
-/// `bsrange` (any multiple of the smallest between two bounds).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BlockSizes {
-    /// `(bytes, percent)` pairs; the percents add up to 100.
-    pub split: Vec<(u64, u32)>,
-    /// `bsrange=MIN-MAX`: uniform over the multiples of `MIN` (of the
-    /// logical block size with `blocksize_unaligned`) up to `MAX`; when set,
-    /// `split` is empty.
-    pub range: Option<(u64, u64)>,
-}
-
-impl BlockSizes {
-    pub fn single(bytes: u64) -> BlockSizes {
-        BlockSizes {
-            split: vec![(bytes, 100)],
-            range: None,
-        }
-    }
-
-    pub fn min(&self) -> u64 {
-        if let Some((lo, _)) = self.range {
-            return lo;
-        }
-        self.split.iter().map(|s| s.0).min().unwrap_or(4096)
-    }
-
-    pub fn max(&self) -> u64 {
-        if let Some((_, hi)) = self.range {
-            return hi;
-        }
-        self.split.iter().map(|s| s.0).max().unwrap_or(4096)
-    }
-
-    /// Every size a job may issue (the bounds only, for a range).
-    pub fn sizes(&self) -> Vec<u64> {
-        match self.range {
-            Some((lo, hi)) => vec![lo, hi],
-            None => self.split.iter().map(|s| s.0).collect(),
-        }
-    }
-
-    /// fio's `bs=(R) 4096B-4096B` notation (min-max).
-    pub fn range_text(&self) -> String {
-        format!("{}B-{}B", self.min(), self.max())
-    }
-}
-
-impl Default for BlockSizes {
-    /// fio's default `bs=4k`.
-    fn default() -> Self {
-        BlockSizes::single(4096)
-    }
-}
-
 /// One job as fio understands it. Build it from code with `..Default::default()`
 /// or from text with [`crate::jobfile::parse_job_file`] /
 /// [`crate::cmdline::parse_command_line`]. Defaults are fio's.
@@ -486,7 +410,7 @@ impl Default for JobSpec {
             wait: WaitMode::Interrupt,
             hybrid_sleep_pct: 90,
             hybrid_estimator: HybridEstimator::Min,
-            percentile_list: crate::stats::DEFAULT_PERCENTILES.to_vec(),
+            percentile_list: DEFAULT_PERCENTILES.to_vec(),
             group_reporting: false,
             stonewall: false,
             new_group: false,

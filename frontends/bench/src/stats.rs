@@ -7,14 +7,8 @@
 //! Bandwidth and IOPS are computed as fio does, from bytes and the
 //! direction's runtime in milliseconds.
 
-use crate::spec::JobSpec;
+use crate::spec::{JobSpec, DEFAULT_PERCENTILES};
 use hdrhistogram::Histogram;
-
-/// fio's default `percentile_list`.
-pub const DEFAULT_PERCENTILES: [f64; 17] = [
-    1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95,
-    99.99,
-];
 
 /// Longest latency the histograms resolve (an hour); longer ones saturate.
 const HIST_MAX_NS: u64 = 3_600_000_000_000;

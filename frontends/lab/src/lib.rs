@@ -129,7 +129,7 @@ pub static EXPERIMENTS: &[Experiment] = &[
         name: "mpath",
         seed: "004",
         about: "multipath per-path share: service-time vs HST with jiffies and ns start times",
-        run: mpath::run,
+        run: mpath_hosts::run,
     },
 ];
 

@@ -50,7 +50,6 @@
 //! and for the remote-paths table `host_ms` (0.1,0.2,0.4,0.8).
 
 use crate::common::{job, mean_sd, round};
-use crate::mpath_hosts::Load;
 use crate::report::{LabReport, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
@@ -211,7 +210,21 @@ pub(crate) fn run_policy(
     })
 }
 
-pub fn run(opts: &LabOpts) -> Result<LabReport> {
+/// What the in-process table's loop passes on.
+pub(crate) struct Load {
+    pub qd: u32,
+    pub jobs: u32,
+    pub runtime: Duration,
+    pub warmup: Duration,
+    pub repeats: usize,
+}
+
+/// A table over other paths (`mpath_hosts`' remote one), given the
+/// selectors and the load of the in-process table, added to its report.
+pub(crate) type ExtraTable = fn(&LabOpts, &mut LabReport, &[Policy], &Load) -> Result<()>;
+
+/// The in-process table, then `extra` (the remote one) in the same report.
+pub(crate) fn run_with(opts: &LabOpts, extra: ExtraTable) -> Result<LabReport> {
     let fast_ms: f64 = opts.param("fast_ms", 0.25)?;
     let costs: Vec<f64> = opts.param_list("costs", &COSTS)?;
     let hz: u32 = opts.param("hz", 250)?;
@@ -357,7 +370,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         .into_iter()
         .filter(|p| p.column != "hst_tick")
         .collect();
-    crate::mpath_hosts::add_table(opts, &mut r, &remote, &load)?;
+    extra(opts, &mut r, &remote, &load)?;
     r.seed = Some(SeedTable {
         caption: "upstream: utilisation of a 10-disk multipath with asymmetric costs, fio randwrite QD64, bio-based mpath".into(),
         columns: ["disk", "ST", "HST (orig)", "HST(ktime)", "Best"]

@@ -20,16 +20,18 @@
 //! binary (`blkstack serve`; `BLKSTACK_BIN` names another).
 //!
 //! `--set` keys: `host_ms` (comma list of remote delays in ms).
+//!
+//! [`run`] is the experiment's entry: the in-process table
+//! ([`crate::mpath`]) with this one added to its report.
 
 use crate::common::{mean_sd, round};
-use crate::mpath::{multipath_line, run_policy, Policy};
+use crate::mpath::{multipath_line, run_policy, Load, Policy};
 use crate::netns::{self, delay_over_file, Daemon, Testbed};
 use crate::report::LabReport;
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::json;
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// Remote service times of the four paths, in ms.
 const HOST_MS: [f64; 4] = [0.1, 0.2, 0.4, 0.8];
@@ -37,15 +39,6 @@ const HOST_MS: [f64; 4] = [0.1, 0.2, 0.4, 0.8];
 const SECTORS: u64 = 2 * 1024 * 1024;
 /// The table's name in the rows' `table` column.
 pub const TABLE: &str = "hosts";
-
-/// What the in-process table's loop passes on.
-pub(crate) struct Load {
-    pub qd: u32,
-    pub jobs: u32,
-    pub runtime: Duration,
-    pub warmup: Duration,
-    pub repeats: usize,
-}
 
 /// A scratch directory, removed on drop.
 struct Scratch(PathBuf);
@@ -125,12 +118,12 @@ fn client_stack(uris: &[String], p: &Policy) -> String {
 
 /// Add the remote-paths rows, checks and notes to `r`, or a note saying
 /// why they could not be measured here.
-pub(crate) fn add_table(
-    opts: &LabOpts,
-    r: &mut LabReport,
-    policies: &[Policy],
-    load: &Load,
-) -> Result<()> {
+/// `lab mpath`: the in-process table, then this one.
+pub fn run(opts: &LabOpts) -> Result<LabReport> {
+    crate::mpath::run_with(opts, add_table)
+}
+
+fn add_table(opts: &LabOpts, r: &mut LabReport, policies: &[Policy], load: &Load) -> Result<()> {
     let host_ms: Vec<f64> = opts.param_list("host_ms", &HOST_MS)?;
     if host_ms.is_empty()
         || host_ms.len() > 64
@@ -248,6 +241,7 @@ fn measure(r: &mut LabReport, policies: &[Policy], load: &Load, host_ms: &[f64])
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn client_stack_is_a_multipath_over_one_nbd_leaf_per_host() {
