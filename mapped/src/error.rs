@@ -14,6 +14,21 @@ use blkstack_drivers::null::NullError;
 use blkstack_drivers::{ArgError, FileError, MemoryError};
 use thiserror::Error;
 
+/// A table line whose RAM-held data a reload or removal would drop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RamLoss {
+    /// The line as `table` prints it.
+    pub line: String,
+    /// Bytes it holds (allocated pages).
+    pub bytes: u64,
+}
+
+impl std::fmt::Display for RamLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "'{}' holds {} bytes", self.line, self.bytes)
+    }
+}
+
 /// A registry operation failed.
 #[derive(Debug, Error)]
 pub enum DmError {
@@ -48,7 +63,7 @@ pub enum DmError {
     WouldLoseData {
         name: String,
         verb: &'static str,
-        lost: Vec<crate::device::RamLoss>,
+        lost: Vec<RamLoss>,
     },
     #[error("device {name}: table would make a cycle through {through}")]
     Cycle { name: String, through: String },
@@ -78,7 +93,7 @@ fn force_hint(verb: &str) -> &'static str {
     }
 }
 
-fn join_losses(lost: &[crate::device::RamLoss]) -> String {
+fn join_losses(lost: &[RamLoss]) -> String {
     lost.iter()
         .map(ToString::to_string)
         .collect::<Vec<_>>()

@@ -6,6 +6,7 @@
 //! one table language describes a whole stack.
 
 pub mod device;
+pub mod dm_table;
 pub mod error;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
 #[doc(hidden)]

@@ -10,7 +10,8 @@
 //! that would make a device use itself (directly or through others) is
 //! refused.
 
-use crate::device::{MappedDevice, Table, TableEntry};
+use crate::device::MappedDevice;
+use crate::dm_table::{Table, TableEntry};
 use crate::error::{DmError, LineError};
 use crate::table::{parse_concise, parse_stack, parse_table, DeviceSpec};
 use crate::target::{CtrContext, DM_MAJOR};

@@ -6,7 +6,7 @@
 //! target (error). blkstack maps every table bio by bio; the type is
 //! kept only so that the same reloads are refused.
 
-use crate::device::Table;
+use crate::dm_table::Table;
 use crate::error::DmError;
 
 /// dm's `enum dm_queue_mode`, as far as a reload can tell them apart.

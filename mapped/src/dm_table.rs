@@ -1,0 +1,208 @@
+//! A constructed table (the kernel's `struct dm_table`, dm-table.c): the
+//! lines in sector order with their built targets, and how a bio is
+//! mapped onto them (split at line boundaries and at a target's
+//! `max_io_len`, as `dm_split_and_process_bio` does). The table grammar
+//! is `table.rs`; the device that holds a live and a staged table is
+//! `device.rs`.
+
+use crate::error::RamLoss;
+use crate::split::Split;
+use crate::table::{render_table, TableLine};
+use crate::target::TargetRef;
+use blkstack_core::{Bio, Features, Op, SECTOR_SIZE};
+use blkstack_drivers::memory::{PageStore, PAGE_SIZE};
+use std::sync::Arc;
+
+/// One constructed table line.
+pub struct TableEntry {
+    pub line: TableLine,
+    pub target: TargetRef,
+    /// Registry names of the devices this line uses.
+    pub deps: Vec<String>,
+}
+
+impl TableEntry {
+    pub(crate) fn start_bytes(&self) -> u64 {
+        self.line.start * SECTOR_SIZE
+    }
+    pub(crate) fn end_bytes(&self) -> u64 {
+        (self.line.start + self.line.len) * SECTOR_SIZE
+    }
+}
+
+/// A constructed table: lines in sector order, tiling `0..size`.
+pub struct Table {
+    pub entries: Vec<TableEntry>,
+    /// Staged with `force`: it may drop data the live table holds in RAM
+    /// when it goes live.
+    pub drops_ram: bool,
+}
+
+impl Table {
+    pub fn size_bytes(&self) -> u64 {
+        self.entries.last().map(|e| e.end_bytes()).unwrap_or(0)
+    }
+
+    /// The RAM store of the `memory`-like line at exactly `start`/`len`.
+    pub fn ram_store_at(&self, start: u64, len: u64) -> Option<Arc<PageStore>> {
+        self.entries
+            .iter()
+            .find(|e| e.line.start == start && e.line.len == len)
+            .and_then(|e| e.target.ram_store())
+    }
+
+    /// The lines of this table holding data in RAM that `next` (a new
+    /// table; `None` for removal) does not keep.
+    pub fn ram_lost_to(&self, next: Option<&Table>) -> Vec<RamLoss> {
+        let kept = |store: &Arc<PageStore>| {
+            next.is_some_and(|t| {
+                t.entries
+                    .iter()
+                    .filter_map(|e| e.target.ram_store())
+                    .any(|s| Arc::ptr_eq(&s, store))
+            })
+        };
+        self.entries
+            .iter()
+            .filter_map(|e| {
+                let store = e.target.ram_store()?;
+                let bytes = store.allocated_pages() * PAGE_SIZE;
+                (bytes > 0 && !kept(&store)).then(|| RamLoss {
+                    line: e.line.to_text(),
+                    bytes,
+                })
+            })
+            .collect()
+    }
+
+    /// Index of the entry containing byte `off`.
+    pub(crate) fn find(&self, off: u64) -> usize {
+        self.entries.partition_point(|e| e.end_bytes() <= off)
+    }
+
+    /// Every device this table uses, without repeats.
+    pub fn deps(&self) -> Vec<String> {
+        let mut v: Vec<String> = Vec::new();
+        for e in &self.entries {
+            for d in &e.deps {
+                if !v.contains(d) {
+                    v.push(d.clone());
+                }
+            }
+        }
+        v
+    }
+
+    /// `dmsetup table` text with the targets' own argument rendering.
+    pub fn table_text(&self) -> String {
+        let lines: Vec<TableLine> = self
+            .entries
+            .iter()
+            .map(|e| TableLine {
+                line: e.line.line,
+                start: e.line.start,
+                len: e.line.len,
+                target: e.line.target.clone(),
+                args: crate::table::split_args(&e.target.table()),
+            })
+            .collect();
+        render_table(&lines)
+    }
+
+    /// `dmsetup status` text.
+    pub fn status_text(&self) -> String {
+        let mut s = String::new();
+        for e in &self.entries {
+            s.push_str(&format!(
+                "{} {} {} {}\n",
+                e.line.start,
+                e.line.len,
+                e.line.target,
+                e.target.status()
+            ));
+        }
+        s
+    }
+
+    pub(crate) fn features(&self) -> Features {
+        let mut f: Option<Features> = None;
+        for e in &self.entries {
+            let t = e.target.features();
+            f = Some(match f {
+                None => t,
+                Some(a) => a.intersect(t),
+            });
+        }
+        f.unwrap_or_default()
+    }
+
+    /// Every target polls (see [`Target::polls`]).
+    pub(crate) fn polls(&self) -> bool {
+        self.entries.iter().all(|e| e.target.polls())
+    }
+
+    /// Map device-relative bios that passed the admission check: a
+    /// one-line table hands the whole batch to its target when no bio
+    /// needs splitting (the common leaf device), anything else is mapped
+    /// one by one.
+    pub(crate) fn map_batch(&self, bios: &mut Vec<Bio>) {
+        if let [e] = &self.entries[..] {
+            let fits = |b: &Bio| {
+                b.op == Op::Flush || {
+                    let rel = b.offset - e.start_bytes();
+                    b.len <= (e.end_bytes() - b.offset).min(e.target.max_io_len(rel))
+                }
+            };
+            if bios.iter().all(fits) {
+                // One line tiles the whole device, so it starts at 0 and
+                // device offsets are already line-relative.
+                debug_assert_eq!(e.start_bytes(), 0);
+                e.target.map_batch(bios);
+                return;
+            }
+        }
+        for bio in bios.drain(..) {
+            self.map(bio);
+        }
+    }
+
+    /// Map a device-relative bio onto the table.
+    pub(crate) fn map(&self, bio: Bio) {
+        if bio.op == Op::Flush {
+            if self.entries.len() == 1 {
+                self.entries[0].target.map(bio);
+            } else {
+                let pieces = vec![(0, 0); self.entries.len()];
+                Split::run(bio, &pieces, |i, child| self.entries[i].target.map(child));
+            }
+            return;
+        }
+        let i = self.find(bio.offset);
+        let e = &self.entries[i];
+        let rel = bio.offset - e.start_bytes();
+        let room = (e.end_bytes() - bio.offset).min(e.target.max_io_len(rel));
+        if bio.len <= room {
+            let mut bio = bio;
+            bio.offset = rel;
+            e.target.map(bio);
+            return;
+        }
+        // Crosses a line or a target's boundary: cut it into pieces that
+        // each fit one entry and its max_io_len.
+        let mut pieces = Vec::new();
+        let mut off = bio.offset;
+        while off < bio.end() {
+            let e = &self.entries[self.find(off)];
+            let rel = off - e.start_bytes();
+            let room = (e.end_bytes() - off).min(e.target.max_io_len(rel)).max(1);
+            let len = room.min(bio.end() - off);
+            pieces.push((off - bio.offset, len));
+            off += len;
+        }
+        Split::run(bio, &pieces, |_, mut child| {
+            let e = &self.entries[self.find(child.offset)];
+            child.offset -= e.start_bytes();
+            e.target.map(child);
+        });
+    }
+}
