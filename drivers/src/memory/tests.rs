@@ -276,3 +276,27 @@ fn concurrent_writers_distinct_blocks() {
         }
     }
 }
+
+#[test]
+fn a_fully_written_device_has_no_holes_until_one_is_punched() {
+    let d = MemoryDevice::from_args(65536, &[]).unwrap();
+    let mut w = pattern(65536 - 4096, 3);
+    submit_and_wait(&d, Op::Write, 0, 65536 - 4096, &mut w);
+    // One page never written: its hole is reported.
+    let ext = d.extents(0, 65536).unwrap();
+    assert_eq!(ext.last().map(|e| (e.offset, e.hole)), Some((61440, true)));
+    let mut last = pattern(4096, 4);
+    submit_and_wait(&d, Op::Write, 61440, 4096, &mut last);
+    // All pages allocated: "all data", without a map.
+    assert_eq!(d.extents(0, 65536), None);
+    assert_eq!(
+        submit_and_wait(&d, Op::Discard, 8192, 4096, &mut []),
+        Status::Ok
+    );
+    let ext = d.extents(0, 65536).unwrap();
+    assert!(ext.contains(&Extent {
+        offset: 8192,
+        len: 4096,
+        hole: true
+    }));
+}
