@@ -300,3 +300,58 @@ fn a_fully_written_device_has_no_holes_until_one_is_punched() {
         hole: true
     }));
 }
+
+/// The chunked store against a byte-array model: random writes, discards
+/// and NOUNMAP zeroings that straddle pages and chunks, then every byte,
+/// the allocated page count and the hole map must agree with the model.
+#[test]
+fn page_store_matches_a_flat_model_under_random_operations() {
+    const PAGES: u64 = 80; // five chunks
+    let size = PAGES * PAGE_SIZE;
+    let store = PageStore::new();
+    let mut model = vec![0u8; size as usize];
+    let mut present = vec![false; PAGES as usize];
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut rnd = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    for step in 0..3000u64 {
+        let off = rnd(size);
+        let len = (1 + rnd(3 * 16 * PAGE_SIZE)).min(size - off);
+        let (first, last) = (off / PAGE_SIZE, (off + len - 1) / PAGE_SIZE);
+        match rnd(3) {
+            0 => {
+                let data: Vec<u8> = (0..len).map(|i| (i ^ step) as u8 | 1).collect();
+                assert_eq!(store.write(off, &data, u64::MAX), Status::Ok);
+                model[off as usize..(off + len) as usize].copy_from_slice(&data);
+                present[first as usize..=last as usize].fill(true);
+            }
+            kind => {
+                let keep = kind == 2;
+                assert_eq!(store.zero_range(off, len, keep, u64::MAX), Status::Ok);
+                model[off as usize..(off + len) as usize].fill(0);
+                for p in first..=last {
+                    let whole = p * PAGE_SIZE >= off && (p + 1) * PAGE_SIZE <= off + len;
+                    if keep {
+                        present[p as usize] = true;
+                    } else if whole {
+                        present[p as usize] = false;
+                    }
+                }
+            }
+        }
+    }
+    let mut back = vec![0xAAu8; size as usize];
+    store.read(0, &mut back);
+    assert!(back == model, "contents differ from the model");
+    let held = present.iter().filter(|&&p| p).count() as u64;
+    assert_eq!(store.allocated_pages(), held);
+    for e in store.extents(0, size) {
+        for p in e.offset / PAGE_SIZE..(e.offset + e.len) / PAGE_SIZE {
+            assert_eq!(present[p as usize], !e.hole, "page {p}");
+        }
+    }
+}
