@@ -113,7 +113,9 @@ impl PageStore {
     }
 
     /// The page at `page` for writing, allocated if absent (None: no
-    /// space; a chunk made for it and left empty is dropped again).
+    /// space). One map lookup: a chunk made for a page that could not be
+    /// allocated stays, empty, until a later free sweeps it (reads treat
+    /// it as holes; at most one per chunk of the device).
     fn page_mut<'m>(
         &self,
         map: &'m mut ChunkMap,
@@ -121,11 +123,11 @@ impl PageStore {
         max_pages: u64,
     ) -> Option<&'m mut Page> {
         let (chunk, slot) = split(page);
-        if map.get(&chunk).is_none_or(|c| c[slot].is_none()) {
-            let new = self.alloc_page(max_pages)?;
-            map.entry(chunk).or_insert_with(empty_chunk)[slot] = Some(new);
+        let p = &mut map.entry(chunk).or_insert_with(empty_chunk)[slot];
+        if p.is_none() {
+            *p = Some(self.alloc_page(max_pages)?);
         }
-        map.get_mut(&chunk).and_then(|c| c[slot].as_mut())
+        p.as_mut()
     }
 
     /// Take the page at `page` out of the store, dropping its chunk when
