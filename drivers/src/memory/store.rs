@@ -46,14 +46,17 @@ impl Hasher for ChunkHasher {
     }
 }
 
-type ChunkMap = HashMap<u64, Box<Chunk>, BuildHasherDefault<ChunkHasher>>;
+/// Chunks are held inline in the map, not boxed: the slot holding a
+/// page's pointer is then in the map entry itself, one cache miss fewer
+/// per lookup on a large store.
+type ChunkMap = HashMap<u64, Chunk, BuildHasherDefault<ChunkHasher>>;
 
 fn zero_page() -> Page {
     Box::new([0u8; PAGE_SIZE as usize])
 }
 
-fn empty_chunk() -> Box<Chunk> {
-    Box::new(std::array::from_fn(|_| None))
+fn empty_chunk() -> Chunk {
+    std::array::from_fn(|_| None)
 }
 
 fn split(page: u64) -> (u64, usize) {
