@@ -131,6 +131,10 @@ fn a_fresh_pool_passes_thin_check_and_reports_like_the_kernel() {
     assert_eq!(s[0], "0");
     assert!(s[1].ends_with("/1024"), "{s:?}");
     assert_eq!(s[2], "0/256");
+    assert!(
+        s[1].starts_with("10"),
+        "the reserve of 102 blocks counts as used: {s:?}"
+    );
     assert_eq!(
         &s[3..9],
         [
@@ -357,13 +361,23 @@ fn multi_level_trees_shared_by_snapshots_pass_thin_check() {
     reg.remove_all();
     thin_check(&f.meta);
     let dump = thin_dump(&f.meta);
-    assert!(dump.contains("dev_id=\"1\" mapped_blocks=\"2500\""), "dev 1");
-    assert!(dump.contains("dev_id=\"3\" mapped_blocks=\"1500\""), "dev 3");
-    assert!(dump.contains("dev_id=\"4\" mapped_blocks=\"2500\""), "dev 4");
+    assert!(
+        dump.contains("dev_id=\"1\" mapped_blocks=\"2500\""),
+        "dev 1"
+    );
+    assert!(
+        dump.contains("dev_id=\"3\" mapped_blocks=\"1500\""),
+        "dev 3"
+    );
+    assert!(
+        dump.contains("dev_id=\"4\" mapped_blocks=\"2500\""),
+        "dev 4"
+    );
 
     let reg = pool(&f, 4096 * 128, "1 skip_block_zeroing");
     for (dev, name) in [(1, "t1"), (3, "t3"), (4, "t4")] {
-        reg.create(name, &format!("0 1048576 thin pool {dev}")).unwrap();
+        reg.create(name, &format!("0 1048576 thin pool {dev}"))
+            .unwrap();
     }
     let (t1, t3, t4) = (
         reg.device("t1").unwrap(),
@@ -373,9 +387,18 @@ fn multi_level_trees_shared_by_snapshots_pass_thin_check() {
     for (i, &b) in first.iter().enumerate() {
         let off = b * BLOCK;
         let origin_tag = if i % 2 == 0 { 2 } else { 1 };
-        assert!(read(&*t1, off, 4096) == pattern(origin_tag, off, 4096), "t1 block {b}");
-        assert!(read(&*t4, off, 4096) == pattern(origin_tag, off, 4096), "t4 block {b}");
-        assert!(read(&*t3, off, 4096) == pattern(1, off, 4096), "t3 block {b}");
+        assert!(
+            read(&*t1, off, 4096) == pattern(origin_tag, off, 4096),
+            "t1 block {b}"
+        );
+        assert!(
+            read(&*t4, off, 4096) == pattern(origin_tag, off, 4096),
+            "t4 block {b}"
+        );
+        assert!(
+            read(&*t3, off, 4096) == pattern(1, off, 4096),
+            "t3 block {b}"
+        );
     }
     reg.remove_all();
     thin_check(&f.meta);
@@ -404,7 +427,10 @@ fn concurrent_partial_writes_to_the_same_new_blocks_all_land() {
     for b in 0..64u64 {
         for t in 0..16u64 {
             let off = b * BLOCK + t * 4096;
-            assert!(read(&*thin, off, 4096) == pattern(t, off, 4096), "block {b} thread {t}");
+            assert!(
+                read(&*thin, off, 4096) == pattern(t, off, 4096),
+                "block {b} thread {t}"
+            );
         }
     }
     assert_eq!(status(&reg, "pool")[2], "64/512");

@@ -158,8 +158,19 @@ impl PoolMetadata {
         self.data_block_size
     }
 
+    /// (used, total) metadata blocks as the pool's status shows them:
+    /// the kernel counts its reserve (`__set_metadata_reserve`: a tenth
+    /// of the device, at most 4096 blocks) as used
+    /// (`dm_pool_get_free_metadata_block_count`).
     pub fn metadata_blocks(&self) -> (u64, u64) {
-        (self.tm.meta.nr_allocated(), self.tm.meta.nr_blocks())
+        let total = self.tm.meta.nr_blocks();
+        (total - self.metadata_free(), total)
+    }
+
+    /// Free metadata blocks beyond the reserve.
+    pub fn metadata_free(&self) -> u64 {
+        let reserve = (self.tm.meta.nr_blocks() / 10).min(4096);
+        self.tm.meta.nr_free().saturating_sub(reserve)
     }
 
     pub fn data_blocks(&self) -> (u64, u64) {
@@ -168,10 +179,6 @@ impl PoolMetadata {
 
     pub fn data_free(&self) -> u64 {
         self.tm.data.nr_free()
-    }
-
-    pub fn metadata_free(&self) -> u64 {
-        self.tm.meta.nr_free()
     }
 
     pub fn exists(&self, dev: u64) -> bool {
