@@ -363,6 +363,17 @@ impl PoolShared {
         }
     }
 
+    /// Wait (a bounded while) for thin device `dev` to have no live
+    /// target: a removed device's table goes with the last reference to
+    /// it, which a completion finishing on another thread may hold for a
+    /// moment after the remove returned.
+    pub fn wait_closed(&self, dev: u64) {
+        let deadline = clock::now_ns() + 1_000_000_000;
+        while self.state.lock().open_thins.contains_key(&dev) && clock::now_ns() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// The worker's loop; returns when told to stop (after a last commit).
     pub fn run(self: &Arc<Self>) {
         let mut next_commit = clock::now_ns() + COMMIT_PERIOD_NS;

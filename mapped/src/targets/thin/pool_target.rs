@@ -341,16 +341,19 @@ impl Target for PoolTarget {
             return Err(TargetError::EmptyMessage);
         }
         let shared = &self.pool.shared;
+        let id = args.get(1).and_then(|a| read_dev_id(a));
+        if args[0].eq_ignore_ascii_case("delete") {
+            if let Some(id) = id {
+                shared.wait_closed(id);
+            }
+        }
         let mut st = shared.state.lock();
         if matches!(st.mode, Mode::ReadOnly | Mode::Fail) {
             return Err(invalid(
                 "unable to service pool target messages in READ_ONLY or FAIL mode",
             ));
         }
-        let open = args
-            .get(1)
-            .and_then(|a| read_dev_id(a))
-            .is_some_and(|id| st.open_thins.contains_key(&id));
+        let open = id.is_some_and(|id| st.open_thins.contains_key(&id));
         let r = self.run_message(&mut st.md, open, args)?;
         match r {
             Ok(()) => {
