@@ -111,6 +111,12 @@ pub trait Target: Send + Sync {
         self.poll()
     }
 
+    /// How many dm events this target raised (`dm_table_event`), which
+    /// the device's event number counts.
+    fn events(&self) -> u64 {
+        0
+    }
+
     /// The target as `Any`, for a target that must find another of its
     /// kind (a `thin` line its `thin-pool`, as dm-thin.c looks a pool up
     /// by its mapped device); `None` for the others.

@@ -438,3 +438,207 @@ fn concurrent_partial_writes_to_the_same_new_blocks_all_land() {
     reg.remove_all();
     thin_check(&f.meta);
 }
+
+/// A pool of `blocks` data blocks over a data file of `file_blocks`.
+fn small_pool(
+    f: &Files,
+    blocks: u64,
+    file_blocks: u64,
+    meta_sectors: u64,
+    args: &str,
+) -> Arc<Registry> {
+    let reg = Registry::new();
+    reg.create(
+        "meta",
+        &format!("0 {meta_sectors} file {} create", f.meta.display()),
+    )
+    .unwrap();
+    reg.create(
+        "data",
+        &format!("0 {} file {} create", file_blocks * 128, f.data.display()),
+    )
+    .unwrap();
+    reg.create(
+        "pool",
+        &format!("0 {} thin-pool meta data 128 {args}", blocks * 128),
+    )
+    .unwrap();
+    reg
+}
+
+fn try_write(dev: &dyn Device, off: u64) -> Status {
+    let mut b = pattern(7, off, 4096);
+    submit_and_wait(dev, Op::Write, off, 4096, &mut b)
+}
+
+#[test]
+fn low_water_out_of_data_space_and_a_larger_pool() {
+    let f = files();
+    let reg = small_pool(&f, 8, 16, 8192, "2");
+    msg(&reg, "create_thin 1");
+    reg.create("thin", "0 8192 thin pool 1").unwrap();
+    let thin = reg.device("thin").unwrap();
+    let events = reg.info("pool").unwrap().event_nr;
+    for b in 0..5 {
+        assert_eq!(try_write(&*thin, b * BLOCK), Status::Ok);
+    }
+    assert_eq!(
+        reg.info("pool").unwrap().event_nr,
+        events,
+        "3 free blocks: above the mark"
+    );
+    assert_eq!(try_write(&*thin, 5 * BLOCK), Status::Ok);
+    assert_eq!(
+        reg.info("pool").unwrap().event_nr,
+        events + 1,
+        "low water mark event"
+    );
+    for b in 6..8 {
+        assert_eq!(try_write(&*thin, b * BLOCK), Status::Ok);
+    }
+    // Out of data space: the write waits (queue_if_no_space) ...
+    let t = thin.clone();
+    let waiter = std::thread::spawn(move || try_write(&*t, 8 * BLOCK));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while status(&reg, "pool")[4] != "out_of_data_space" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            status(&reg, "pool")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(!waiter.is_finished(), "the write waits for space");
+    assert_eq!(
+        try_write(&*thin, 0),
+        Status::Ok,
+        "mapped blocks still take writes"
+    );
+    // ... until the pool is reloaded over a larger data device.
+    reg.reload("pool", "0 2048 thin-pool meta data 128 2")
+        .unwrap();
+    reg.resume("pool").unwrap();
+    assert_eq!(waiter.join().unwrap(), Status::Ok);
+    let s = status(&reg, "pool");
+    assert_eq!((s[2].as_str(), s[4].as_str()), ("9/16", "rw"));
+    assert!(
+        reg.reload("pool", "0 1024 thin-pool meta data 128 2")
+            .is_err(),
+        "a pool cannot shrink"
+    );
+    // error_if_no_space fails at once.
+    reg.reload(
+        "pool",
+        "0 2048 thin-pool meta data 128 2 1 error_if_no_space",
+    )
+    .unwrap();
+    reg.resume("pool").unwrap();
+    for b in 9..16 {
+        assert_eq!(try_write(&*thin, b * BLOCK), Status::Ok);
+    }
+    assert_eq!(try_write(&*thin, 16 * BLOCK), Status::NoSpace);
+    let s = status(&reg, "pool");
+    assert_eq!(
+        (s[4].as_str(), s[6].as_str()),
+        ("out_of_data_space", "error_if_no_space")
+    );
+    drop(thin);
+    reg.remove_all();
+    thin_check(&f.meta);
+}
+
+#[test]
+fn out_of_metadata_space_turns_the_pool_read_only() {
+    let f = files();
+    // 64 metadata blocks, 6 of them the kernel's reserve.
+    let reg = small_pool(&f, 4096, 4096, 512, "0 1 skip_block_zeroing");
+    msg(&reg, "create_thin 1");
+    reg.create("thin", "0 1048576 thin pool 1").unwrap();
+    let thin = reg.device("thin").unwrap();
+    for b in 0..300 {
+        assert_eq!(try_write(&*thin, b * BLOCK), Status::Ok);
+    }
+    // Each snapshot then write copies the origin's path: metadata fills.
+    let mut snaps = 0;
+    for id in 2..200u64 {
+        if reg
+            .message("pool", 0, &["create_snap", &id.to_string(), "1"])
+            .is_err()
+        {
+            break;
+        }
+        snaps += 1;
+        if try_write(&*thin, (id % 300) * BLOCK) != Status::Ok {
+            break;
+        }
+    }
+    assert!(snaps > 5 && snaps < 190, "{snaps} snapshots");
+    let s = status(&reg, "pool");
+    assert_eq!(s[4], "ro", "{s:?}");
+    assert_ne!(try_write(&*thin, 1000 * BLOCK), Status::Ok, "no new blocks");
+    assert!(
+        read(&*thin, BLOCK, 4096) == pattern(7, BLOCK, 4096),
+        "reads still work"
+    );
+    assert!(reg.message("pool", 0, &["create_thin", "500"]).is_err());
+    drop(thin);
+    reg.remove_all();
+    thin_check(&f.meta);
+}
+
+#[test]
+fn an_external_origin_shows_through_until_written() {
+    let f = files();
+    let reg = pool(&f, 32768, "");
+    let origin = f.meta.with_file_name("origin");
+    reg.create(
+        "origin",
+        &format!("0 1000 file {} create", origin.display()),
+    )
+    .unwrap();
+    let o = reg.device("origin").unwrap();
+    let base = pattern(5, 0, 1000 * 512);
+    write(&*o, 0, &base);
+    msg(&reg, "create_thin 1");
+    // Longer than the origin: beyond it, zeroes.
+    reg.create("thin", "0 4096 thin pool 1 origin").unwrap();
+    let table = reg.table_text("thin").unwrap();
+    let minor = reg.info("origin").unwrap().minor;
+    assert!(
+        table.trim_end().ends_with(&format!(" 253:{minor}")),
+        "{table}"
+    );
+    let thin = reg.device("thin").unwrap();
+    assert!(
+        read(&*thin, 0, 4096) == base[..4096],
+        "unmapped reads see the origin"
+    );
+    write(&*thin, 4096, &pattern(6, 4096, 4096));
+    let mut want = base[..BLOCK as usize].to_vec();
+    want[4096..8192].copy_from_slice(&pattern(6, 4096, 4096));
+    assert!(
+        read(&*thin, 0, BLOCK as usize) == want,
+        "the block was copied from the origin"
+    );
+    // The block holding the origin's end: its tail reads as zeroes.
+    let mut tail = vec![0u8; BLOCK as usize];
+    tail[..(1000 * 512 - 7 * BLOCK as usize)].copy_from_slice(&base[7 * BLOCK as usize..]);
+    assert!(
+        read(&*thin, 7 * BLOCK, BLOCK as usize) == tail,
+        "origin's end"
+    );
+    write(&*thin, 7 * BLOCK + 8192, &pattern(8, 0, 512));
+    tail[8192..8704].copy_from_slice(&pattern(8, 0, 512));
+    assert!(
+        read(&*thin, 7 * BLOCK, BLOCK as usize) == tail,
+        "copied across the origin's end"
+    );
+    assert_eq!(
+        read(&*o, 4096, 4096),
+        base[4096..8192].to_vec(),
+        "the origin is not written"
+    );
+    drop((thin, o));
+    reg.remove_all();
+    thin_check(&f.meta);
+}

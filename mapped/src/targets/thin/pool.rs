@@ -32,8 +32,18 @@ const MAX_HELD: usize = 65536;
 pub enum Mode {
     Write,
     OutOfDataSpace,
+    /// No metadata space beyond the reserve: nothing new is provisioned
+    /// until the metadata device grows (kernel PM_OUT_OF_METADATA_SPACE).
+    OutOfMetadataSpace,
     ReadOnly,
     Fail,
+}
+
+impl Mode {
+    /// Modes in which nothing may change the metadata.
+    pub fn is_read_only(self) -> bool {
+        matches!(self, Mode::OutOfMetadataSpace | Mode::ReadOnly | Mode::Fail)
+    }
 }
 
 /// `struct pool_features`.
@@ -219,7 +229,8 @@ impl PoolShared {
             None if !write => return (Prepared::Unmapped, Some(bio)),
             _ => {}
         }
-        if st.mode == Mode::ReadOnly {
+        self.check_for_metadata_space(&mut st);
+        if st.mode.is_read_only() {
             return (Prepared::Fail(Status::IoError), Some(bio));
         }
         let Some(block) = st.md.alloc_data_block() else {
@@ -270,6 +281,16 @@ impl PoolShared {
         (Prepared::Queued, None)
     }
 
+    /// `check_for_metadata_space`: the metadata reserve is for finishing
+    /// what is in flight and for the user's repair, not for new blocks.
+    fn check_for_metadata_space(&self, st: &mut PoolState) {
+        if st.md.metadata_free() == 0 && matches!(st.mode, Mode::Write | Mode::OutOfDataSpace) {
+            tracing::error!(pool = %self.data_dev.name, "thin-pool: switching pool to out-of-metadata-space (read-only) mode");
+            st.mode = Mode::OutOfMetadataSpace;
+            st.events += 1;
+        }
+    }
+
     /// `check_low_water_mark`.
     fn check_low_water(&self, st: &mut PoolState) {
         if st.md.data_free() <= st.low_water_blocks && !st.low_water_triggered {
@@ -316,7 +337,7 @@ impl PoolShared {
         match st.mode {
             Mode::Fail => return Status::IoError,
             Mode::ReadOnly => return Status::Ok,
-            _ => {}
+            Mode::Write | Mode::OutOfDataSpace | Mode::OutOfMetadataSpace => {}
         }
         let flushed = submit_and_wait(&*self.data_dev.dev, Op::Flush, 0, 0, &mut []);
         if !flushed.is_ok() {
@@ -459,7 +480,7 @@ impl PoolShared {
             return;
         };
         if p.generation == st.generation {
-            if status.is_ok() && st.mode != Mode::ReadOnly && st.mode != Mode::Fail {
+            if status.is_ok() && !matches!(st.mode, Mode::ReadOnly | Mode::Fail) {
                 if let Err(e) = st.md.insert_block(p.thin.dev_id, p.vblock, p.block) {
                     self.metadata_failed(&mut st, "dm_thin_insert_block", &e);
                     status = Status::IoError;

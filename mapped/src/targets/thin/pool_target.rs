@@ -275,7 +275,7 @@ impl Target for PoolTarget {
         };
         let mode = match st.mode {
             Mode::OutOfDataSpace => "out_of_data_space",
-            Mode::ReadOnly | Mode::Fail => "ro",
+            Mode::OutOfMetadataSpace | Mode::ReadOnly | Mode::Fail => "ro",
             Mode::Write => "rw",
         };
         let discard = if !st.pf.discard_enabled {
@@ -348,7 +348,7 @@ impl Target for PoolTarget {
             }
         }
         let mut st = shared.state.lock();
-        if matches!(st.mode, Mode::ReadOnly | Mode::Fail) {
+        if st.mode.is_read_only() {
             return Err(invalid(
                 "unable to service pool target messages in READ_ONLY or FAIL mode",
             ));
@@ -388,6 +388,10 @@ impl Target for PoolTarget {
 
     fn features(&self) -> Features {
         self.pool.shared.data_dev.dev.features()
+    }
+
+    fn events(&self) -> u64 {
+        self.pool.shared.state.lock().events
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {
