@@ -3,7 +3,7 @@
 
 SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump
 
-.PHONY: test deps check lab loom fuzz
+.PHONY: test deps check lab loom fuzz thin-crash
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page, and iproute2 for the multi-host
@@ -54,6 +54,12 @@ check:
 
 lab:
 	cargo run --release -- lab all --quick
+
+# The thin pool's kill -9 crash test for longer than `make test` runs it:
+# THIN_CRASH_ROUNDS restarts of `blkstack serve`, thin_check after each.
+THIN_CRASH_ROUNDS ?= 50
+thin-crash:
+	BLKSTACK_THIN_CRASH_ROUNDS=$(THIN_CRASH_ROUNDS) cargo test -p blkstack --release --test thin_crash -- --nocapture
 
 # Each cargo-fuzz target (fuzz/fuzz_targets/) for FUZZ_SECS seconds, one
 # after another, on nightly. New inputs go to fuzz/work/TARGET (ignored by
