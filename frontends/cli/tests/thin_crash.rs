@@ -92,7 +92,7 @@ fn workload(dev: &dyn Device, seed: &mut u64, tag0: u64, stop_at: Instant) -> Ro
         if submit_and_wait(dev, Op::Write, slot * BS as u64, BS as u64, &mut b) != Status::Ok {
             return r;
         }
-        if tag % 8 == 0 {
+        if tag.is_multiple_of(8) {
             let done = r.writes.len();
             if submit_and_wait(dev, Op::Flush, 0, 0, &mut []) != Status::Ok {
                 return r;
