@@ -24,6 +24,22 @@ pub fn lookup(tm: &mut Tm, root: u64, key: u64) -> Result<Option<Vec<u8>>, Metad
     }
 }
 
+/// The 8-byte value stored under `key` (a mapping, a subtree root),
+/// without copying it out.
+pub fn lookup_u64(tm: &mut Tm, root: u64, key: u64) -> Result<Option<u64>, MetadataError> {
+    let mut b = root;
+    loop {
+        let n = tm.node(b)?;
+        if n.leaf {
+            return Ok(n.keys.binary_search(&key).ok().map(|i| n.value_u64(i)));
+        }
+        match n.lower_bound(key) {
+            Some(i) => b = n.value_u64(i),
+            None => return Ok(None),
+        }
+    }
+}
+
 /// The highest key in the tree (`dm_btree_find_highest_key`).
 pub fn highest_key(tm: &mut Tm, root: u64) -> Result<Option<u64>, MetadataError> {
     let mut b = root;

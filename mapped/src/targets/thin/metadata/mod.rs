@@ -297,10 +297,7 @@ impl PoolMetadata {
     }
 
     fn subtree(&mut self, dev: u64) -> Result<u64, MetadataError> {
-        match btree::lookup(&mut self.tm, self.root, dev)? {
-            Some(v) => Ok(tm::u64_of(&v)),
-            None => Err(MetadataError::NoSuchDevice(dev)),
-        }
+        btree::lookup_u64(&mut self.tm, self.root, dev)?.ok_or(MetadataError::NoSuchDevice(dev))
     }
 
     /// `dm_thin_find_block`.
@@ -312,8 +309,8 @@ impl PoolMetadata {
             .details
             .snapshotted_time;
         let sub = self.subtree(dev)?;
-        Ok(btree::lookup(&mut self.tm, sub, vblock)?.map(|v| {
-            let (data_block, time) = unpack_block_time(tm::u64_of(&v));
+        Ok(btree::lookup_u64(&mut self.tm, sub, vblock)?.map(|v| {
+            let (data_block, time) = unpack_block_time(v);
             Lookup {
                 data_block,
                 shared: snapshotted > time,

@@ -12,9 +12,52 @@ use super::space_map::SpaceMap;
 use super::MetadataError;
 use crate::target::DevArg;
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
-use blkstack_core::{BioFlags, Op, Status};
+use blkstack_core::{Bio, BioFlags, EndIo, IoBuf, Op, Status};
+use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
+
+/// Block numbers hash to themselves, spread by one multiplication: the
+/// node cache is looked up on every thin I/O, and SipHash's protection
+/// against chosen keys buys nothing for block numbers the pool chose.
+#[derive(Default)]
+pub struct BlockHasher(u64);
+
+impl Hasher for BlockHasher {
+    fn finish(&self) -> u64 {
+        self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<BlockHasher>>;
+type BlockSet = HashSet<u64, BuildHasherDefault<BlockHasher>>;
+
+/// Writes in flight at once, counted down by their completions.
+#[derive(Default)]
+struct Batch {
+    left: Mutex<(usize, bool)>,
+    cv: Condvar,
+}
+
+impl EndIo for Batch {
+    fn end_io(&self, _bio: Bio, status: Status, _private: u64) {
+        let mut g = self.left.lock();
+        g.0 -= 1;
+        g.1 |= !status.is_ok();
+        if g.0 == 0 {
+            self.cv.notify_all();
+        }
+    }
+}
 
 /// Clean nodes kept in memory before the cache drops them (dirty ones
 /// stay until the commit writes them).
@@ -36,9 +79,9 @@ pub struct Tm {
     pub dev: DevArg,
     pub meta: SpaceMap,
     pub data: SpaceMap,
-    cache: HashMap<u64, Arc<Node>>,
+    cache: BlockMap<Arc<Node>>,
     /// Blocks allocated in this transaction (written at commit).
-    shadows: HashSet<u64>,
+    shadows: BlockSet,
     /// Other metadata blocks (bitmaps, index) to write at commit.
     pub(super) raw_dirty: HashMap<u64, Vec<u8>>,
 }
@@ -49,8 +92,8 @@ impl Tm {
             dev,
             meta,
             data,
-            cache: HashMap::new(),
-            shadows: HashSet::new(),
+            cache: BlockMap::default(),
+            shadows: BlockSet::default(),
             raw_dirty: HashMap::new(),
         }
     }
@@ -195,20 +238,43 @@ impl Tm {
         Ok(())
     }
 
-    /// Write every node this transaction made (before the superblock).
+    /// Write every node this transaction made, and the other blocks
+    /// queued for the commit, all in flight at once (before the
+    /// superblock, which is written after they all completed).
     pub fn write_shadows(&mut self) -> Result<(), MetadataError> {
         let mut blocks: Vec<u64> = self.shadows.iter().copied().collect();
         blocks.sort_unstable();
-        for b in blocks {
-            if let Some(n) = self.cache.get(&b) {
-                let mut raw = n.encode(b);
-                self.write_block(b, &mut raw, false)?;
-            }
+        let mut writes: Vec<(u64, Vec<u8>)> = blocks
+            .into_iter()
+            .filter_map(|b| self.cache.get(&b).map(|n| (b, n.encode(b))))
+            .collect();
+        writes.extend(self.raw_dirty.drain());
+        let batch = Arc::new(Batch::default());
+        batch.left.lock().0 = writes.len();
+        for (b, data) in writes.iter_mut() {
+            // SAFETY: `writes` outlives the bios: we wait below until every
+            // one has completed before it is dropped.
+            let buf = unsafe { IoBuf::from_slice(data) };
+            let bio = Bio::new(
+                Op::Write,
+                *b * BLOCK_SIZE as u64,
+                BLOCK_SIZE as u64,
+                buf,
+                batch.clone(),
+                0,
+            );
+            self.dev.dev.submit(bio);
         }
-        let mut raw: Vec<(u64, Vec<u8>)> = self.raw_dirty.drain().collect();
-        raw.sort_unstable_by_key(|(b, _)| *b);
-        for (b, mut data) in raw {
-            self.write_block(b, &mut data, false)?;
+        let mut g = batch.left.lock();
+        while g.0 > 0 {
+            batch.cv.wait(&mut g);
+        }
+        if g.1 {
+            return Err(MetadataError::Io {
+                what: "write",
+                block: writes.first().map(|w| w.0).unwrap_or(0),
+                status: Status::IoError,
+            });
         }
         Ok(())
     }
