@@ -466,6 +466,14 @@ fn small_pool(
     reg
 }
 
+/// Why creating a device failed (it must fail).
+fn refused(reg: &Registry, name: &str, table: &str) -> String {
+    match reg.create(name, table) {
+        Ok(_) => panic!("{table}: accepted"),
+        Err(e) => format!("{e:?}"),
+    }
+}
+
 fn try_write(dev: &dyn Device, off: u64) -> Status {
     let mut b = pattern(7, off, 4096);
     submit_and_wait(dev, Op::Write, off, 4096, &mut b)
@@ -641,4 +649,102 @@ fn an_external_origin_shows_through_until_written() {
     drop((thin, o));
     reg.remove_all();
     thin_check(&f.meta);
+}
+
+#[test]
+fn damaged_metadata_is_refused_with_a_clear_error_and_nothing_changes() {
+    let f = files();
+    let reg = pool(&f, 32768, "");
+    msg(&reg, "create_thin 1");
+    reg.remove_all();
+    let good = std::fs::read(&f.meta).unwrap();
+    // A flipped byte in the superblock's device-details root.
+    let mut bad = good.clone();
+    bad[330] ^= 0x40;
+    std::fs::write(&f.meta, &bad).unwrap();
+    let reg = Registry::new();
+    reg.create("meta", &format!("0 8192 file {}", f.meta.display()))
+        .unwrap();
+    reg.create("data", &format!("0 32768 file {}", f.data.display()))
+        .unwrap();
+    let err = refused(&reg, "pool", "0 32768 thin-pool meta data 128 0");
+    let text = err.clone();
+    assert!(text.contains("checksum"), "{text}");
+    // A data block size other than the pool's.
+    std::fs::write(&f.meta, &good).unwrap();
+    let err = refused(&reg, "pool", "0 32768 thin-pool meta data 256 0");
+    assert!(err.contains("data block size"), "{err}");
+    // A data device smaller than the pool recorded.
+    let err = refused(&reg, "pool", "0 16384 thin-pool meta data 128 0");
+    assert!(err.contains("too small"), "{err}");
+    reg.remove_all();
+    assert!(
+        std::fs::read(&f.meta).unwrap() == good,
+        "refusals wrote nothing"
+    );
+    thin_check(&f.meta);
+}
+
+#[test]
+fn refused_tables_and_messages_name_what_is_wrong() {
+    let f = files();
+    let reg = pool(&f, 32768, "");
+    for (table, why) in [
+        ("0 32768 thin-pool meta data 128", "Invalid argument count"),
+        (
+            "0 32768 thin-pool meta meta 128 0",
+            "Error setting metadata or data device",
+        ),
+        ("0 32768 thin-pool meta data 100 0", "Invalid block size"),
+        (
+            "0 32768 thin-pool meta data 128 x",
+            "Invalid low water mark",
+        ),
+        (
+            "0 32768 thin-pool meta data 128 0 1 bogus",
+            "Unrecognised pool feature requested",
+        ),
+        (
+            "0 32768 thin-pool meta data 128 0 2 read_only",
+            "Invalid number of pool feature arguments",
+        ),
+        (
+            "0 32768 thin-pool meta none 128 0",
+            "Error getting data device",
+        ),
+    ] {
+        let e = refused(&reg, "p2", table);
+        assert!(e.contains(why), "{table}: {e}");
+    }
+    for (table, why) in [
+        ("0 64 thin pool", "Invalid argument count"),
+        ("0 64 thin pool x", "Invalid device id"),
+        ("0 64 thin pool 16777216", "Invalid device id"),
+        ("0 64 thin data 1", "Couldn't find pool object"),
+        ("0 64 thin pool 9", "Couldn't open thin internal device"),
+        ("0 64 thin pool 1 pool", "Error setting origin device"),
+    ] {
+        let e = refused(&reg, "t", table);
+        assert!(e.contains(why), "{table}: {e}");
+    }
+    for (m, why) in [
+        ("create_thin", "arguments instead of 2"),
+        ("create_thin -1", "invalid device id"),
+        ("create_snap 2 7", "does not exist"),
+        ("delete 7", "does not exist"),
+        ("release_metadata_snap", "No pool metadata snapshot"),
+        ("set_transaction_id 1 2", "mismatch"),
+        ("frobnicate", "Unrecognised thin pool target message"),
+    ] {
+        let args: Vec<&str> = m.split_whitespace().collect();
+        let e = reg.message("pool", 0, &args).unwrap_err();
+        assert!(format!("{e:?}").contains(why), "{m}: {e:?}");
+    }
+    reg.remove_all();
+    thin_check(&f.meta);
+    let dump = thin_dump(&f.meta);
+    assert!(
+        !dump.contains("<device"),
+        "no refused message changed the pool: {dump}"
+    );
 }

@@ -146,6 +146,9 @@ impl Node {
                 "{nr} entries, max {max}, value size {value_size}"
             )));
         }
+        if !leaf && nr == 0 {
+            return Err(invalid("internal node with no entries".into()));
+        }
         if !leaf && value_size != 8 {
             return Err(invalid(format!("internal node value size {value_size}")));
         }

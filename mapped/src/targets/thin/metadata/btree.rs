@@ -9,10 +9,18 @@ use super::super::format::node::{max_entries, Node};
 use super::tm::{Tm, ValueKind};
 use super::MetadataError;
 
+/// Deeper than any tree of 2^64 keys can be: a path longer than this is
+/// a cycle in corrupt metadata, refused instead of followed forever.
+const MAX_DEPTH: usize = 64;
+
+fn too_deep(b: u64) -> MetadataError {
+    MetadataError::corrupt(b, "btree deeper than 64 levels (a cycle?)")
+}
+
 /// The value stored under `key`, if any.
 pub fn lookup(tm: &mut Tm, root: u64, key: u64) -> Result<Option<Vec<u8>>, MetadataError> {
     let mut b = root;
-    loop {
+    for _ in 0..MAX_DEPTH {
         let n = tm.node(b)?;
         if n.leaf {
             return Ok(n.keys.binary_search(&key).ok().map(|i| n.value(i).to_vec()));
@@ -22,15 +30,22 @@ pub fn lookup(tm: &mut Tm, root: u64, key: u64) -> Result<Option<Vec<u8>>, Metad
             None => return Ok(None),
         }
     }
+    Err(too_deep(root))
 }
 
 /// The 8-byte value stored under `key` (a mapping, a subtree root),
 /// without copying it out.
 pub fn lookup_u64(tm: &mut Tm, root: u64, key: u64) -> Result<Option<u64>, MetadataError> {
     let mut b = root;
-    loop {
+    for _ in 0..MAX_DEPTH {
         let n = tm.node(b)?;
         if n.leaf {
+            if n.value_size != 8 {
+                return Err(MetadataError::corrupt(
+                    b,
+                    "leaf of 8-byte values has another size",
+                ));
+            }
             return Ok(n.keys.binary_search(&key).ok().map(|i| n.value_u64(i)));
         }
         match n.lower_bound(key) {
@@ -38,12 +53,13 @@ pub fn lookup_u64(tm: &mut Tm, root: u64, key: u64) -> Result<Option<u64>, Metad
             None => return Ok(None),
         }
     }
+    Err(too_deep(root))
 }
 
 /// The highest key in the tree (`dm_btree_find_highest_key`).
 pub fn highest_key(tm: &mut Tm, root: u64) -> Result<Option<u64>, MetadataError> {
     let mut b = root;
-    loop {
+    for _ in 0..MAX_DEPTH {
         let n = tm.node(b)?;
         if n.is_empty() {
             return Ok(None);
@@ -53,30 +69,46 @@ pub fn highest_key(tm: &mut Tm, root: u64) -> Result<Option<u64>, MetadataError>
         }
         b = n.value_u64(n.len() - 1);
     }
+    Err(too_deep(root))
 }
 
-/// Every (key, value) in key order.
-pub fn walk(tm: &mut Tm, root: u64) -> Result<Vec<(u64, Vec<u8>)>, MetadataError> {
+/// Every (key, value) in key order, from a tree whose values are
+/// `value_size` bytes.
+pub fn walk(
+    tm: &mut Tm,
+    root: u64,
+    value_size: usize,
+) -> Result<Vec<(u64, Vec<u8>)>, MetadataError> {
     let mut out = Vec::new();
-    walk_into(tm, root, &mut out, 0)?;
+    walk_into(tm, root, value_size, &mut out, 0)?;
     Ok(out)
 }
 
 fn walk_into(
     tm: &mut Tm,
     b: u64,
+    value_size: usize,
     out: &mut Vec<(u64, Vec<u8>)>,
     depth: usize,
 ) -> Result<(), MetadataError> {
-    if depth > 64 {
-        return Err(MetadataError::corrupt(b, "btree deeper than 64 levels"));
+    if depth > MAX_DEPTH {
+        return Err(too_deep(b));
     }
     let n = tm.node(b)?;
+    if n.leaf && n.value_size != value_size {
+        return Err(MetadataError::corrupt(
+            b,
+            &format!(
+                "leaf values of {} bytes, expected {value_size}",
+                n.value_size
+            ),
+        ));
+    }
     for i in 0..n.len() {
         if n.leaf {
             out.push((n.keys[i], n.value(i).to_vec()));
         } else {
-            walk_into(tm, n.value_u64(i), out, depth + 1)?;
+            walk_into(tm, n.value_u64(i), value_size, out, depth + 1)?;
         }
     }
     Ok(())
@@ -100,7 +132,7 @@ pub fn insert(
         split_beneath(tm, root)?;
     }
     let mut cur = root;
-    loop {
+    for _ in 0..MAX_DEPTH {
         let n = tm.node(cur)?;
         if n.leaf {
             let (i, old) = match n.keys.binary_search(&key) {
@@ -108,6 +140,9 @@ pub fn insert(
                 Err(i) => (i, None),
             };
             let v = update(tm, old.as_deref())?;
+            if v.len() != n.value_size {
+                return Err(MetadataError::corrupt(cur, "leaf values of another size"));
+            }
             let node = tm.node_mut(cur);
             if old.is_some() {
                 node.set_value(i, &v);
@@ -136,6 +171,7 @@ pub fn insert(
             cur = child;
         }
     }
+    Err(too_deep(root))
 }
 
 /// `split_one_into_two`: move the upper half of `b` (made in this
@@ -217,7 +253,7 @@ pub fn remove(
     value_size: usize,
     kind: ValueKind,
 ) -> Result<u64, MetadataError> {
-    let mut entries = walk(tm, root)?;
+    let mut entries = walk(tm, root, value_size)?;
     entries.retain(|(k, _)| *k != key);
     let new = build(tm, &entries, value_size, kind)?;
     tm.del(root, kind)?;

@@ -92,7 +92,13 @@ fn load(mut tm: Tm, sb: Superblock, data_blocks: u64) -> Result<PoolMetadata, Me
     let index = bitmap::decode_index(&tm.read_block(ms.bitmap_root)?, ms.bitmap_root, n_meta)?;
     let meta = load_sm(&mut tm, ms, &index)?;
     let ds = sb.data_sm;
-    let entries = btree::walk(&mut tm, ds.bitmap_root)?;
+    if ds.nr_blocks > data_blocks {
+        return Err(MetadataError::Refused(format!(
+            "pool target ({data_blocks} blocks) too small: expected {}",
+            ds.nr_blocks
+        )));
+    }
+    let entries = btree::walk(&mut tm, ds.bitmap_root, IndexEntry::SIZE)?;
     let index: Vec<IndexEntry> = entries.iter().map(|(_, v)| IndexEntry::decode(v)).collect();
     if index.len() as u64 != ds.nr_blocks.div_ceil(ENTRIES_PER_BITMAP) {
         return Err(MetadataError::corrupt(
@@ -107,7 +113,7 @@ fn load(mut tm: Tm, sb: Superblock, data_blocks: u64) -> Result<PoolMetadata, Me
     }
     tm.data = data;
     let mut devices = BTreeMap::new();
-    for (k, v) in btree::walk(&mut tm, sb.device_details_root)? {
+    for (k, v) in btree::walk(&mut tm, sb.device_details_root, DeviceDetails::SIZE)? {
         let details = DeviceDetails::decode(&v);
         devices.insert(
             k,
@@ -152,7 +158,7 @@ fn load_sm(tm: &mut Tm, root: SmRoot, index: &[IndexEntry]) -> Result<SpaceMap, 
         }
         blocks.push(ie.blocknr);
     }
-    for (b, v) in btree::walk(tm, root.ref_count_root)? {
+    for (b, v) in btree::walk(tm, root.ref_count_root, 4)? {
         match counts.get_mut(b as usize) {
             Some(c) if *c == 3 => *c = le32(&v, 0),
             _ => {

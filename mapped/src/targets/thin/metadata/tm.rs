@@ -220,16 +220,37 @@ impl Tm {
     /// `dm_btree_del`: drop a reference to the tree at `root`; a node no
     /// longer referred to releases what it refers to.
     pub fn del(&mut self, root: u64, kind: ValueKind) -> Result<(), MetadataError> {
+        self.del_at(root, kind, 0)
+    }
+
+    fn del_at(&mut self, root: u64, kind: ValueKind, depth: usize) -> Result<(), MetadataError> {
+        if depth > 128 {
+            return Err(MetadataError::corrupt(
+                root,
+                "btree deeper than 64 levels (a cycle?)",
+            ));
+        }
         if self.meta.get(root) > 1 {
             self.meta.dec(root);
             return Ok(());
         }
         let n = self.node(root)?;
+        if n.leaf && kind != ValueKind::Plain && n.value_size != 8 {
+            return Err(MetadataError::corrupt(
+                root,
+                "leaf of 8-byte values has another size",
+            ));
+        }
         for i in 0..n.len() {
             if n.leaf {
-                self.dec_value(kind, n.value(i))?;
+                match kind {
+                    ValueKind::Subtree => {
+                        self.del_at(n.value_u64(i), ValueKind::Mapping, depth + 1)?
+                    }
+                    _ => self.dec_value(kind, n.value(i))?,
+                }
             } else {
-                self.del(n.value_u64(i), kind)?;
+                self.del_at(n.value_u64(i), kind, depth + 1)?;
             }
         }
         self.meta.dec(root);
