@@ -543,7 +543,12 @@ impl Drop for Pool {
     fn drop(&mut self) {
         self.shared.stop();
         if let Some(w) = self.worker.take() {
-            let _ = w.join();
+            // The last reference can go on the worker itself (a removed
+            // thin device whose last bio it completed): it then stops
+            // after this job, and cannot wait for itself.
+            if w.thread().id() != std::thread::current().id() {
+                let _ = w.join();
+            }
         }
     }
 }

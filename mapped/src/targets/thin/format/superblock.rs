@@ -103,11 +103,11 @@ impl Superblock {
         })
     }
 
-    /// Whether a block holds a superblock at all (all zeroes does not):
-    /// an unformatted metadata device is formatted, anything else must
-    /// decode.
+    /// Whether the superblock's block is all zeroes
+    /// (`__superblock_all_zeroes`): only such a metadata device is
+    /// formatted; anything else must decode.
     pub fn is_blank(b: &[u8]) -> bool {
-        b[..512].iter().all(|&x| x == 0)
+        b.iter().all(|&x| x == 0)
     }
 }
 
