@@ -413,7 +413,9 @@ impl PoolShared {
             let now = clock::now_ns();
             if now >= next_commit || stop {
                 let mut st = self.state.lock();
-                let _ = self.commit(&mut st);
+                if st.md.is_dirty() {
+                    let _ = self.commit(&mut st);
+                }
                 let expired = self.take_expired(&mut st, now);
                 drop(st);
                 for bio in expired {

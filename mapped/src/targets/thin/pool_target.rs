@@ -371,6 +371,16 @@ impl Target for PoolTarget {
         }
     }
 
+    /// `pool_postsuspend`: commit, so a suspended (or removed) pool has
+    /// everything on disk.
+    fn postsuspend(&self) {
+        let shared = &self.pool.shared;
+        let mut st = shared.state.lock();
+        if st.md.is_dirty() {
+            let _ = shared.commit(&mut st);
+        }
+    }
+
     /// `pool_preresume`: bind the new table's settings, grow the data
     /// space map to the table's length.
     fn resume(&self) {

@@ -227,6 +227,16 @@ impl Target for ThinTarget {
         s
     }
 
+    /// A suspended thin device's writes are committed (dm suspends with
+    /// a flush unless told not to).
+    fn postsuspend(&self) {
+        let pool = &self.core.pool;
+        let mut st = pool.state.lock();
+        if st.md.is_dirty() {
+            let _ = pool.commit(&mut st);
+        }
+    }
+
     fn features(&self) -> Features {
         Features {
             discard: false,
