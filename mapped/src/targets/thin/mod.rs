@@ -10,6 +10,7 @@
 //! read what blkstack writes (mapped/tests/thin_tools.rs,
 //! frontends/cli/tests/kernel_thin.rs).
 
+mod fill;
 pub mod format;
 pub mod metadata;
 pub mod pool;

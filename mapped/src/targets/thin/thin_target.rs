@@ -4,6 +4,7 @@
 //! the first after a snapshot of a block it shares, gets a new data block
 //! from the pool. Status `<mapped sectors> <highest mapped sector|->`.
 
+use super::fill::{self, Fills};
 use super::metadata::MAX_DEV_ID;
 use super::pool::{Mode, Pool, PoolShared, Prepared};
 use super::pool_target::PoolTarget;
@@ -24,6 +25,8 @@ pub struct ThinCore {
     pub pool: Arc<PoolShared>,
     pub dev_id: u64,
     pub origin: Option<DevArg>,
+    /// Blocks being made whole before a partial write.
+    fills: Arc<Fills>,
 }
 
 pub struct ThinTarget {
@@ -83,6 +86,11 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
         core: Arc::new(ThinCore {
             pool: pool.shared.clone(),
             dev_id,
+            fills: Fills::new(
+                pool.shared.data_dev.clone(),
+                origin.clone(),
+                pool.shared.block_bytes(),
+            ),
             origin,
         }),
         _pool: pool,
@@ -135,9 +143,9 @@ impl ThinCore {
             } => {
                 bio.push_end(self.pool.clone(), id);
                 if !(off == 0 && bio.len == bs) {
-                    let st = self.fill_block(block, vblock, copy_from);
-                    if !st.is_ok() {
-                        return bio.complete(st);
+                    let zero = self.pool.state.lock().pf.zero_new_blocks;
+                    if let Some(src) = fill::source(self, vblock, copy_from, zero) {
+                        return self.fills.start(bio, block, off, src);
                     }
                 }
                 bio.offset = block * bs + off;
@@ -165,30 +173,6 @@ impl ThinCore {
             st = submit_and_wait(&*origin.dev, Op::Read, bio.offset, n as u64, &mut buf[..n]);
         }
         bio.complete(st);
-    }
-
-    /// Make a new block whole before a partial write lands in it: a copy
-    /// of the block it replaces, or of the external origin, or zeroes
-    /// (unless `skip_block_zeroing`), as `schedule_copy` / `schedule_zero`.
-    fn fill_block(&self, block: u64, vblock: u64, copy_from: Option<u64>) -> Status {
-        let bs = self.pool.block_bytes();
-        let mut buf = vec![0u8; bs as usize];
-        let data = &*self.pool.data_dev.dev;
-        if let Some(src) = copy_from {
-            let st = submit_and_wait(data, Op::Read, src * bs, bs, &mut buf);
-            if !st.is_ok() {
-                return st;
-            }
-        } else if let Some(o) = self.origin.as_ref().filter(|o| vblock * bs < o.dev.size()) {
-            let n = (o.dev.size() - vblock * bs).min(bs) as usize;
-            let st = submit_and_wait(&*o.dev, Op::Read, vblock * bs, n as u64, &mut buf[..n]);
-            if !st.is_ok() {
-                return st;
-            }
-        } else if !self.pool.state.lock().pf.zero_new_blocks {
-            return Status::Ok;
-        }
-        submit_and_wait(data, Op::Write, block * bs, bs, &mut buf)
     }
 }
 
