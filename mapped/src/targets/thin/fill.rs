@@ -6,7 +6,6 @@
 //! write that asked for the block is sent on from their completion, so a
 //! submitter keeps its queue depth while blocks are provisioned.
 
-use super::thin_target::ThinCore;
 use crate::target::DevArg;
 use blkstack_core::{Bio, EndIo, IoBuf, Op, Status};
 use parking_lot::Mutex;
@@ -132,13 +131,18 @@ impl EndIo for Fills {
     }
 }
 
-/// What a thin device's partial write into a new block needs first.
-pub fn source(thin: &ThinCore, vblock: u64, copy_from: Option<u64>, zero: bool) -> Option<Source> {
-    let bs = thin.pool.block_bytes();
+/// What a partial write into a new block of `bs` bytes needs first.
+pub fn source(
+    bs: u64,
+    origin: Option<&DevArg>,
+    vblock: u64,
+    copy_from: Option<u64>,
+    zero: bool,
+) -> Option<Source> {
     if let Some(b) = copy_from {
         return Some(Source::Block(b));
     }
-    if let Some(o) = thin.origin.as_ref().filter(|o| vblock * bs < o.dev.size()) {
+    if let Some(o) = origin.filter(|o| vblock * bs < o.dev.size()) {
         let len = (o.dev.size() - vblock * bs).min(bs);
         return Some(Source::Origin {
             offset: vblock * bs,

@@ -11,7 +11,6 @@
 //! commit, so everything a committed mapping points to is durable.
 
 use super::metadata::{MetadataError, PoolMetadata};
-use super::thin_target::ThinCore;
 use crate::target::DevArg;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{clock, Bio, EndIo, Op, Status, SECTOR_SIZE};
@@ -68,12 +67,23 @@ impl Default for PoolFeatures {
     }
 }
 
+/// A thin device as the pool sees it: what its bios are mapped by again
+/// when they waited (for a block being provisioned, for space, for a
+/// commit before a PREFLUSH write).
+pub trait ThinDev: Send + Sync {
+    fn dev_id(&self) -> u64;
+    /// Map a bio as it came from the device above.
+    fn map(self: Arc<Self>, bio: Bio);
+    /// Map a read or write again that already went through `map`.
+    fn map_io(self: Arc<Self>, bio: Bio);
+}
+
 /// Bios waiting for a virtual block being provisioned.
-type Waiters = Vec<(Bio, Arc<ThinCore>)>;
+type Waiters = Vec<(Bio, Arc<dyn ThinDev>)>;
 
 /// A provisioning write in flight: where its data goes.
 struct Pending {
-    thin: Arc<ThinCore>,
+    thin: Arc<dyn ThinDev>,
     vblock: u64,
     block: u64,
     /// The metadata generation it was allocated in (an abort starts a new
@@ -95,17 +105,17 @@ pub struct PoolState {
     next_id: u64,
     generation: u64,
     /// Bios waiting for data space, with when they started waiting.
-    no_space: Vec<(Bio, Arc<ThinCore>, u64)>,
+    no_space: Vec<(Bio, Arc<dyn ThinDev>, u64)>,
     /// Thin devices with a live target, and how many.
     pub open_thins: HashMap<u64, usize>,
 }
 
 enum Job {
     Flush(Bio),
-    Preflush(Bio, Arc<ThinCore>),
+    Preflush(Bio, Arc<dyn ThinDev>),
     Fua(Bio, Status),
     Provisioned(Bio, Status, u64),
-    Remap(Bio, Arc<ThinCore>),
+    Remap(Bio, Arc<dyn ThinDev>),
 }
 
 #[derive(Default)]
@@ -191,11 +201,11 @@ impl PoolShared {
         self.push(Job::Flush(bio));
     }
 
-    pub fn defer_preflush(&self, bio: Bio, thin: Arc<ThinCore>) {
+    pub fn defer_preflush(&self, bio: Bio, thin: Arc<dyn ThinDev>) {
         self.push(Job::Preflush(bio, thin));
     }
 
-    pub fn defer_remap(&self, bio: Bio, thin: Arc<ThinCore>) {
+    pub fn defer_remap(&self, bio: Bio, thin: Arc<dyn ThinDev>) {
         self.push(Job::Remap(bio, thin));
     }
 
@@ -203,7 +213,8 @@ impl PoolShared {
     /// that find no unshared block get a new one (or wait, or fail).
     pub fn prepare(
         &self,
-        thin: &Arc<ThinCore>,
+        thin: &dyn Fn() -> Arc<dyn ThinDev>,
+        dev_id: u64,
         vblock: u64,
         bio: Bio,
         write: bool,
@@ -212,12 +223,12 @@ impl PoolShared {
         if st.mode == Mode::Fail {
             return (Prepared::Fail(Status::IoError), Some(bio));
         }
-        let key = (thin.dev_id, vblock);
+        let key = (dev_id, vblock);
         if let Some(waiters) = st.cells.get_mut(&key) {
-            waiters.push((bio, thin.clone()));
+            waiters.push((bio, thin()));
             return (Prepared::Queued, None);
         }
-        let found = match st.md.find_block(thin.dev_id, vblock) {
+        let found = match st.md.find_block(dev_id, vblock) {
             Ok(f) => f,
             Err(e) => {
                 self.metadata_failed(&mut st, "find_block", &e);
@@ -234,7 +245,7 @@ impl PoolShared {
             return (Prepared::Fail(Status::IoError), Some(bio));
         }
         let Some(block) = st.md.alloc_data_block() else {
-            return self.out_of_data_space(&mut st, bio, thin);
+            return self.out_of_data_space(&mut st, bio, thin());
         };
         self.check_low_water(&mut st);
         st.cells.insert(key, Vec::new());
@@ -244,7 +255,7 @@ impl PoolShared {
         st.pending.insert(
             id,
             Pending {
-                thin: thin.clone(),
+                thin: thin(),
                 vblock,
                 block,
                 generation,
@@ -267,7 +278,7 @@ impl PoolShared {
         &self,
         st: &mut PoolState,
         bio: Bio,
-        thin: &Arc<ThinCore>,
+        thin: Arc<dyn ThinDev>,
     ) -> (Prepared, Option<Bio>) {
         if st.mode == Mode::Write {
             tracing::warn!(pool = %self.data_dev.name, "thin-pool: switching pool to out-of-data-space mode");
@@ -277,7 +288,7 @@ impl PoolShared {
         if st.pf.error_if_no_space || st.no_space.len() >= MAX_HELD {
             return (Prepared::Fail(Status::NoSpace), Some(bio));
         }
-        st.no_space.push((bio, thin.clone(), clock::now_ns()));
+        st.no_space.push((bio, thin, clock::now_ns()));
         (Prepared::Queued, None)
     }
 
@@ -469,7 +480,7 @@ impl PoolShared {
                 bio.complete(if status.is_ok() { c } else { status });
             }
             Job::Provisioned(bio, status, id) => self.provisioned(bio, status, id),
-            Job::Remap(bio, thin) => thin.map(bio),
+            Job::Remap(bio, thin) => thin.map_io(bio),
         }
     }
 
@@ -483,7 +494,7 @@ impl PoolShared {
         };
         if p.generation == st.generation {
             if status.is_ok() && !matches!(st.mode, Mode::ReadOnly | Mode::Fail) {
-                if let Err(e) = st.md.insert_block(p.thin.dev_id, p.vblock, p.block) {
+                if let Err(e) = st.md.insert_block(p.thin.dev_id(), p.vblock, p.block) {
                     self.metadata_failed(&mut st, "dm_thin_insert_block", &e);
                     status = Status::IoError;
                 }
@@ -498,12 +509,12 @@ impl PoolShared {
         }
         let waiters = st
             .cells
-            .remove(&(p.thin.dev_id, p.vblock))
+            .remove(&(p.thin.dev_id(), p.vblock))
             .unwrap_or_default();
         drop(st);
         bio.complete(status);
         for (b, thin) in waiters {
-            thin.map(b);
+            thin.map_io(b);
         }
     }
 }

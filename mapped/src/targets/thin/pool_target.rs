@@ -8,9 +8,8 @@
 //! the new table's features and low water mark, and a larger data size,
 //! take effect on resume, which also releases bios that waited for space.
 
-use super::metadata::{MetadataError, PoolMetadata};
+use super::metadata::{read_dev_id, MetadataError, PoolMetadata};
 use super::pool::{Mode, Pool, PoolFeatures, PoolShared};
-use super::thin_target::read_dev_id;
 use crate::error::TargetError;
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, Features};

@@ -5,8 +5,8 @@
 //! from the pool. Status `<mapped sectors> <highest mapped sector|->`.
 
 use super::fill::{self, Fills};
-use super::metadata::MAX_DEV_ID;
-use super::pool::{Mode, Pool, PoolShared, Prepared};
+use super::metadata::read_dev_id;
+use super::pool::{Mode, Pool, PoolShared, Prepared, ThinDev};
 use super::pool_target::PoolTarget;
 use crate::error::TargetError;
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
@@ -38,14 +38,6 @@ pub struct ThinTarget {
 
 fn invalid(s: &str) -> TargetError {
     TargetError::Invalid(s.to_string())
-}
-
-/// `read_dev_id`.
-pub fn read_dev_id(s: &str) -> Option<u64> {
-    if !s.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    s.parse::<u64>().ok().filter(|&id| id <= MAX_DEV_ID)
 }
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
@@ -101,7 +93,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
 impl ThinCore {
     /// A bio from the device above: flushes and PREFLUSH go through a
     /// commit first; a FUA write completes only after one.
-    pub fn map(self: &Arc<Self>, mut bio: Bio) {
+    fn map_bio(self: &Arc<Self>, mut bio: Bio) {
         match bio.op {
             Op::Flush => return self.pool.defer_flush(bio),
             Op::Read | Op::Write => {}
@@ -113,18 +105,19 @@ impl ThinCore {
         if bio.op == Op::Write && bio.flags.contains(BioFlags::FUA) {
             bio.push_end(self.pool.clone(), 0);
         }
-        self.map_io(bio);
+        self.map_rw(bio);
     }
 
     /// Map a read or write (again, for one that waited).
-    pub fn map_io(self: &Arc<Self>, bio: Bio) {
+    fn map_rw(self: &Arc<Self>, bio: Bio) {
         if bio.len == 0 {
             return bio.complete(Status::Ok);
         }
         let bs = self.pool.block_bytes();
         let (vblock, off) = (bio.offset / bs, bio.offset % bs);
         let write = bio.op == Op::Write;
-        let (prepared, bio_back) = self.pool.prepare(self, vblock, bio, write);
+        let me = || self.clone() as Arc<dyn ThinDev>;
+        let (prepared, bio_back) = self.pool.prepare(&me, self.dev_id, vblock, bio, write);
         let Some(mut bio) = bio_back else {
             return;
         };
@@ -144,7 +137,8 @@ impl ThinCore {
                 bio.push_end(self.pool.clone(), id);
                 if !(off == 0 && bio.len == bs) {
                     let zero = self.pool.state.lock().pf.zero_new_blocks;
-                    if let Some(src) = fill::source(self, vblock, copy_from, zero) {
+                    let origin = self.origin.as_ref();
+                    if let Some(src) = fill::source(bs, origin, vblock, copy_from, zero) {
                         return self.fills.start(bio, block, off, src);
                     }
                 }
@@ -176,9 +170,23 @@ impl ThinCore {
     }
 }
 
+impl ThinDev for ThinCore {
+    fn dev_id(&self) -> u64 {
+        self.dev_id
+    }
+
+    fn map(self: Arc<Self>, bio: Bio) {
+        self.map_bio(bio);
+    }
+
+    fn map_io(self: Arc<Self>, bio: Bio) {
+        self.map_rw(bio);
+    }
+}
+
 impl Target for ThinTarget {
     fn map(&self, bio: Bio) {
-        self.core.map(bio);
+        self.core.map_bio(bio);
     }
 
     fn max_io_len(&self, offset: u64) -> u64 {

@@ -27,6 +27,14 @@ use tm::{Tm, ValueKind};
 /// The largest thin device id (`MAX_DEV_ID`, 24 bits).
 pub const MAX_DEV_ID: u64 = (1 << 24) - 1;
 
+/// `read_dev_id`: a thin device id as messages and tables give it.
+pub fn read_dev_id(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse::<u64>().ok().filter(|&id| id <= MAX_DEV_ID)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum MetadataError {
     #[error("metadata {what} of block {block} failed: {status:?}")]
