@@ -1,13 +1,14 @@
 # The two commands a newcomer needs are in README.md; this file holds the
 # test recipe that `.ci/run` also uses.
 
-SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl
+SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump
 
-.PHONY: test deps check lab loom fuzz
+.PHONY: test deps check lab loom fuzz thin-crash
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page, and iproute2 for the multi-host
-# tests' network namespaces), if any is missing; then the kernel VM's parts
+# tests' network namespaces, and thin_check/thin_dump that judge the
+# thin-pool's metadata), if any is missing; then the kernel VM's parts
 # (scripts/kernel-vm.sh): qemu-system-x86 and what the guest's initramfs
 # carries. On Debian 12 the machine's qemu-utils comes from
 # bookworm-backports, and Debian 12's own qemu-system-x86 breaks it, so
@@ -19,7 +20,7 @@ deps:
 	missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system tools (missing:$$missing)"; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl >/dev/null; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl thin-provisioning-tools >/dev/null; \
 	fi; \
 	missing=""; for t in $(VM_TOOLS); do command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || [ -x /sbin/$$t ] || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
@@ -53,6 +54,12 @@ check:
 
 lab:
 	cargo run --release -- lab all --quick
+
+# The thin pool's kill -9 crash test for longer than `make test` runs it:
+# THIN_CRASH_ROUNDS restarts of `blkstack serve`, thin_check after each.
+THIN_CRASH_ROUNDS ?= 50
+thin-crash:
+	BLKSTACK_THIN_CRASH_ROUNDS=$(THIN_CRASH_ROUNDS) cargo test -p blkstack --release --test thin_crash -- --nocapture
 
 # Each cargo-fuzz target (fuzz/fuzz_targets/) for FUZZ_SECS seconds, one
 # after another, on nightly. New inputs go to fuzz/work/TARGET (ignored by

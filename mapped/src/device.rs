@@ -134,8 +134,16 @@ impl MappedDevice {
         self.core.inflight.load(Ordering::SeqCst)
     }
 
+    /// Table swaps, plus the events the live targets raised (kernel
+    /// `dm_table_event`: a thin-pool reaching its low water mark).
     pub fn event_nr(&self) -> u64 {
-        self.core.event_nr.load(Ordering::Relaxed)
+        let raised: u64 = self
+            .live_table()
+            .entries
+            .iter()
+            .map(|e| e.target.events())
+            .sum();
+        self.core.event_nr.load(Ordering::Relaxed) + raised
     }
 
     /// Holders outside the registry (an NBD export) count here; remove

@@ -51,6 +51,15 @@ impl Table {
             .and_then(|e| e.target.ram_store())
     }
 
+    /// The target of the line starting at sector `start` with type
+    /// `target`, which a reload's constructor may take over.
+    pub fn target_at(&self, start: u64, target: &str) -> Option<TargetRef> {
+        self.entries
+            .iter()
+            .find(|e| e.line.start == start && e.line.target == target)
+            .map(|e| e.target.clone())
+    }
+
     /// The lines of this table holding data in RAM that `next` (a new
     /// table; `None` for removal) does not keep.
     pub fn ram_lost_to(&self, next: Option<&Table>) -> Vec<RamLoss> {

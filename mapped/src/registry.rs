@@ -14,7 +14,7 @@ use crate::device::MappedDevice;
 use crate::dm_table::{Table, TableEntry};
 use crate::error::{DmError, LineError};
 use crate::table::{parse_concise, parse_stack, parse_table, DeviceSpec};
-use crate::target::{CtrContext, DM_MAJOR};
+use crate::target::{CtrContext, TargetRef, DM_MAJOR};
 use crate::targets;
 use blkstack_core::{Device, DeviceRef};
 use parking_lot::Mutex;
@@ -184,6 +184,9 @@ impl Registry {
         let lookup = |arg: &str| -> Option<(String, u32, DeviceRef)> {
             resolve(arg).map(|d| (d.name.clone(), d.minor, d.clone() as DeviceRef))
         };
+        let target_lookup = |arg: &str| -> Option<TargetRef> {
+            resolve(arg).and_then(|d| d.live_table().entries.first().map(|e| e.target.clone()))
+        };
         if let Some(l) = lines
             .iter()
             .find(|l| lines.len() > 1 && targets::is_singleton(&l.target))
@@ -203,10 +206,12 @@ impl Registry {
                 )
                 .in_device(name)
             })?;
-            let mut ctx = CtrContext::new(line.start, line.len, name, &lookup);
+            let mut ctx = CtrContext::new(line.start, line.len, name, &lookup)
+                .with_target_lookup(&target_lookup);
             if line.target == "memory" {
                 ctx.kept_store = live.and_then(|t| t.ram_store_at(line.start, line.len));
             }
+            ctx.live_target = live.and_then(|t| t.target_at(line.start, &line.target));
             let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
             let target = (tt.ctr)(&mut ctx, &args).map_err(|source| {
                 let target = line.target.clone();

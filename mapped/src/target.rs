@@ -110,6 +110,19 @@ pub trait Target: Send + Sync {
     fn poll_wait(&self, _ready: &dyn Fn() -> bool) -> usize {
         self.poll()
     }
+
+    /// How many dm events this target raised (`dm_table_event`), which
+    /// the device's event number counts.
+    fn events(&self) -> u64 {
+        0
+    }
+
+    /// The target as `Any`, for a target that must find another of its
+    /// kind (a `thin` line its `thin-pool`, as dm-thin.c looks a pool up
+    /// by its mapped device); `None` for the others.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 pub type TargetRef = Arc<dyn Target>;
@@ -139,6 +152,10 @@ impl fmt::Debug for DevArg {
 /// Resolves a device argument to (registry name, minor, device).
 pub type DeviceLookup<'a> = &'a dyn Fn(&str) -> Option<(String, u32, DeviceRef)>;
 
+/// Resolves a device argument to the target of its live table's first
+/// line (kernel `dm_get_md` + `dm_get_live_table`).
+pub type TargetLookup<'a> = &'a dyn Fn(&str) -> Option<TargetRef>;
+
 /// What a constructor may ask of the world: its place in the table and
 /// the devices it refers to (kernel `dm_get_device`).
 pub struct CtrContext<'a> {
@@ -152,7 +169,12 @@ pub struct CtrContext<'a> {
     /// and length, for a reload to keep (dm keeps the underlying device
     /// across a table swap); a `memory` constructor takes it.
     pub kept_store: Option<Arc<PageStore>>,
+    /// On a reload, the live table's target on the line starting at the
+    /// same sector with the same target type (a `thin-pool` reload keeps
+    /// its pool, as dm-thin.c's `__pool_find` does).
+    pub live_target: Option<TargetRef>,
     lookup: DeviceLookup<'a>,
+    target_lookup: Option<TargetLookup<'a>>,
     used: Vec<String>,
 }
 
@@ -163,9 +185,23 @@ impl<'a> CtrContext<'a> {
             len,
             device_name,
             kept_store: None,
+            live_target: None,
             lookup,
+            target_lookup: None,
             used: Vec::new(),
         }
+    }
+
+    /// Let [`CtrContext::live_target_of`] resolve devices.
+    pub fn with_target_lookup(mut self, f: TargetLookup<'a>) -> Self {
+        self.target_lookup = Some(f);
+        self
+    }
+
+    /// The target of the live table of the device `arg` names (its first
+    /// line), if it has one.
+    pub fn live_target_of(&self, arg: &str) -> Option<TargetRef> {
+        self.target_lookup.and_then(|f| f(arg))
     }
 
     /// Length of the line in bytes (the size of a leaf device).

@@ -14,6 +14,7 @@ pub mod multipath;
 pub mod nbd;
 pub mod null;
 pub mod striped;
+pub mod thin;
 pub mod zero;
 
 use crate::target::TargetType;
@@ -33,6 +34,8 @@ pub static TYPES: &[TargetType] = &[
     file::TYPE,
     nbd::TYPE,
     log_writes::TYPE,
+    thin::pool_target::TYPE,
+    thin::thin_target::TYPE,
 ];
 
 pub fn lookup(name: &str) -> Option<&'static TargetType> {

@@ -1,0 +1,268 @@
+//! dm-thin metadata both ways, judged by the kernel: in the kernel VM,
+//! the guest's dm-thin-pool activates a pool blkstack wrote (its metadata
+//! and data files as virtio disks) and reads every block of a thin device
+//! and of its snapshot as blkstack wrote them (md5 of the whole devices,
+//! whose mapping trees have internal nodes), and prints the same status
+//! blkstack printed; then the guest's kernel makes a pool of its own
+//! (thin device, snapshot, overwrites, a deleted thin) that blkstack
+//! opens afterwards and reads back as the guest wrote it. `thin_check`
+//! passes on both pools.
+
+mod kernel_vm_support;
+
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::{Device, Op, Status};
+use blkstack_mapped::Registry;
+use kernel_vm_support::*;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+const DATA_SECTORS: u64 = 131072;
+const META_SECTORS: u64 = 8192;
+const THIN_SECTORS: u64 = 81920;
+const THIN_BYTES: usize = THIN_SECTORS as usize * 512;
+
+/// Writes as `dd bs=BS count=N seek=S` of the pattern file's start.
+type Write = (usize, usize, usize);
+
+const BLKSTACK_ORIGIN: &[Write] = &[(65536, 1, 0), (4096, 3, 40), (512, 5, 2001), (65536, 4, 60)];
+const BLKSTACK_AFTER_SNAP: &[Write] = &[(4096, 1, 0), (8192, 2, 200)];
+const KERNEL_ORIGIN: &[Write] = &[(65536, 2, 1), (4096, 5, 7), (512, 9, 3333), (65536, 1, 100)];
+const KERNEL_AFTER_SNAP: &[Write] = &[(4096, 2, 16), (65536, 1, 101)];
+
+/// 600 more blocks, one 4 KiB write each, so the mapping trees have
+/// internal nodes (a leaf holds 252 mappings) on both sides.
+fn spread(first: &[Write], offset: usize) -> Vec<Write> {
+    let mut w = first.to_vec();
+    w.extend((0..600).map(|k| (4096, 1, 16 * k + offset)));
+    w
+}
+
+fn pattern() -> Vec<u8> {
+    (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect()
+}
+
+fn apply(img: &mut [u8], pat: &[u8], writes: &[Write]) {
+    for &(bs, n, seek) in writes {
+        img[bs * seek..bs * (seek + n)].copy_from_slice(&pat[..bs * n]);
+    }
+}
+
+fn dev_write(dev: &dyn Device, pat: &[u8], writes: &[Write]) {
+    for &(bs, n, seek) in writes {
+        let mut b = pat[..bs * n].to_vec();
+        let st = submit_and_wait(dev, Op::Write, (bs * seek) as u64, b.len() as u64, &mut b);
+        assert_eq!(st, Status::Ok);
+    }
+}
+
+fn read_all(dev: &dyn Device) -> Vec<u8> {
+    let mut b = vec![0u8; THIN_BYTES];
+    let st = submit_and_wait(dev, Op::Read, 0, THIN_BYTES as u64, &mut b);
+    assert_eq!(st, Status::Ok);
+    b
+}
+
+fn thin_check(meta: &Path) {
+    let out = Command::new("/usr/sbin/thin_check")
+        .arg(meta)
+        .output()
+        .expect("thin_check (make deps installs thin-provisioning-tools)");
+    assert!(
+        out.status.success(),
+        "thin_check {}: {}{}",
+        meta.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn pool_reg(meta: &Path, data: &Path) -> Arc<Registry> {
+    let reg = Registry::new();
+    reg.create("meta", &format!("0 {META_SECTORS} file {}", meta.display()))
+        .unwrap();
+    reg.create("data", &format!("0 {DATA_SECTORS} file {}", data.display()))
+        .unwrap();
+    reg.create(
+        "pool",
+        &format!("0 {DATA_SECTORS} thin-pool meta data 128 0"),
+    )
+    .unwrap();
+    reg
+}
+
+fn status_args(reg: &Registry, name: &str) -> String {
+    let s = reg.status_text(name).unwrap();
+    s.split_whitespace().skip(3).collect::<Vec<_>>().join(" ")
+}
+
+fn dd_lines(dev: &str, writes: &[Write]) -> String {
+    writes
+        .iter()
+        .map(|(bs, n, seek)| format!("w {dev} {bs} {n} {seek}\n"))
+        .collect()
+}
+
+const GUEST: &str = r#"
+fail() { echo "FAIL: $*"; exit 1; }
+dev() { cat /sys/block/$(basename $(readlink /dev/disk/by-serial/$1))/dev; }
+w() { dd if=/test/pattern of=/dev/mapper/$1 bs=$2 count=$3 seek=$4 oflag=direct conv=notrunc 2>/dev/null || fail "write $*"; }
+st() { dmsetup status $1 | sed 's/ *$//' | cut -d' ' -f4-; }
+modprobe dm-thin-pool || fail "modprobe dm-thin-pool"
+dmsetup create bpool --table "0 DATA thin-pool $(dev bmeta) $(dev bdata) 128 0" || fail "activate blkstack's pool"
+dmsetup create bt1 --table "0 THIN thin /dev/mapper/bpool 1" || fail "thin 1"
+dmsetup create bt2 --table "0 THIN thin /dev/mapper/bpool 2" || fail "thin 2"
+echo "BEGIN bstatus"; st bpool; st bt1; st bt2; echo "END bstatus"
+echo "BEGIN bmd5"; md5sum < /dev/mapper/bt1; md5sum < /dev/mapper/bt2; echo "END bmd5"
+dmsetup remove bt1; dmsetup remove bt2; dmsetup remove bpool || fail "remove bpool"
+dmsetup create kpool --table "0 DATA thin-pool $(dev kmeta) $(dev kdata) 128 0" || fail "kernel pool"
+dmsetup message kpool 0 create_thin 1 || fail create_thin
+dmsetup create kt1 --table "0 THIN thin /dev/mapper/kpool 1" || fail "kt1"
+KORIGIN
+dmsetup suspend kt1 && dmsetup message kpool 0 create_snap 2 1 && dmsetup resume kt1 || fail create_snap
+KAFTER
+dmsetup message kpool 0 create_thin 3 && dmsetup message kpool 0 delete 3 || fail "create and delete 3"
+dmsetup message kpool 0 set_transaction_id 0 5 || fail set_transaction_id
+echo "BEGIN kstatus"; st kpool; st kt1; echo "END kstatus"
+dmsetup remove kt1; dmsetup remove kpool || fail "remove kpool"
+echo DONE
+"#;
+
+#[test]
+fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
+    if !vm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("scratch");
+    let p = |n: &str| scratch.path().join(n);
+    let pat = pattern();
+    std::fs::write(p("pattern"), &pat).unwrap();
+    for (name, sectors) in [
+        ("bmeta", META_SECTORS),
+        ("bdata", DATA_SECTORS),
+        ("kmeta", META_SECTORS),
+        ("kdata", DATA_SECTORS),
+    ] {
+        let f = std::fs::File::create(p(name)).unwrap();
+        f.set_len(sectors * 512).unwrap();
+    }
+
+    // blkstack writes a pool: thin 1, its snapshot 2, overwrites of 1.
+    let reg = pool_reg(&p("bmeta"), &p("bdata"));
+    let msg = |reg: &Registry, m: &str| {
+        let args: Vec<&str> = m.split_whitespace().collect();
+        reg.message("pool", 0, &args).unwrap();
+    };
+    msg(&reg, "create_thin 1");
+    reg.create("t1", &format!("0 {THIN_SECTORS} thin pool 1"))
+        .unwrap();
+    let t1 = reg.device("t1").unwrap();
+    let b_origin = spread(BLKSTACK_ORIGIN, 3);
+    dev_write(&*t1, &pat, &b_origin);
+    msg(&reg, "create_snap 2 1");
+    dev_write(&*t1, &pat, BLKSTACK_AFTER_SNAP);
+    msg(&reg, "create_thin 3");
+    msg(&reg, "delete 3");
+    reg.create("t2", &format!("0 {THIN_SECTORS} thin pool 2"))
+        .unwrap();
+    let mut expect1 = vec![0u8; THIN_BYTES];
+    apply(&mut expect1, &pat, &b_origin);
+    let expect2 = expect1.clone();
+    apply(&mut expect1, &pat, BLKSTACK_AFTER_SNAP);
+    assert!(read_all(&*t1) == expect1, "blkstack reads back thin 1");
+    assert!(
+        read_all(&*reg.device("t2").unwrap()) == expect2,
+        "blkstack reads back thin 2"
+    );
+    let ours = [
+        status_args(&reg, "pool"),
+        status_args(&reg, "t1"),
+        status_args(&reg, "t2"),
+    ]
+    .join("\n");
+    drop(t1);
+    reg.remove_all();
+    thin_check(&p("bmeta"));
+    std::fs::write(p("expect1"), &expect1).unwrap();
+    std::fs::write(p("expect2"), &expect2).unwrap();
+
+    let k_origin = spread(KERNEL_ORIGIN, 5);
+    let script = GUEST
+        .replace("DATA", &DATA_SECTORS.to_string())
+        .replace("THIN", &THIN_SECTORS.to_string())
+        .replace("KORIGIN\n", &dd_lines("kt1", &k_origin))
+        .replace("KAFTER\n", &dd_lines("kt1", KERNEL_AFTER_SNAP));
+    let run = Vm::new()
+        .disk("bmeta", &p("bmeta").display().to_string())
+        .disk("bdata", &p("bdata").display().to_string())
+        .disk("kmeta", &p("kmeta").display().to_string())
+        .disk("kdata", &p("kdata").display().to_string())
+        .file(&p("pattern"), "/test/pattern")
+        .timeout(300)
+        .run(&script);
+    println!("{}", run.out);
+    run.assert_ok("the kernel's dm-thin-pool over blkstack's pool, then its own");
+    assert!(run.out.contains("DONE"), "{}", run.out);
+    let md5 = |f: &Path| {
+        let out = Command::new("md5sum").arg(f).output().expect("md5sum");
+        String::from_utf8_lossy(&out.stdout)
+            .split(' ')
+            .next()
+            .unwrap_or("")
+            .to_string()
+    };
+    let want = format!("{}  -\n{}  -", md5(&p("expect1")), md5(&p("expect2")));
+    assert_eq!(
+        run.section("bmd5").unwrap_or_default().trim(),
+        want,
+        "the kernel reads thin 1 and 2 (first, second line) as blkstack wrote them"
+    );
+    assert_eq!(
+        run.section("bstatus").unwrap_or_default().trim(),
+        ours,
+        "the kernel's status of blkstack's pool (right) and blkstack's (left)"
+    );
+
+    // blkstack opens the kernel's pool and reads what the guest wrote.
+    thin_check(&p("kmeta"));
+    let reg = pool_reg(&p("kmeta"), &p("kdata"));
+    reg.create("t1", &format!("0 {THIN_SECTORS} thin pool 1"))
+        .unwrap();
+    reg.create("t2", &format!("0 {THIN_SECTORS} thin pool 2"))
+        .unwrap();
+    let mut k1 = vec![0u8; THIN_BYTES];
+    apply(&mut k1, &pat, &k_origin);
+    let k2 = k1.clone();
+    apply(&mut k1, &pat, KERNEL_AFTER_SNAP);
+    assert!(
+        read_all(&*reg.device("t1").unwrap()) == k1,
+        "the kernel's thin 1"
+    );
+    assert!(
+        read_all(&*reg.device("t2").unwrap()) == k2,
+        "the kernel's snapshot 2"
+    );
+    assert!(
+        reg.message("pool", 0, &["create_thin", "3"]).is_ok(),
+        "thin 3 was deleted by the kernel"
+    );
+    let kstatus = run.section("kstatus").unwrap_or_default();
+    let kpool = kstatus.lines().next().unwrap_or_default();
+    assert_eq!(
+        status_args(&reg, "pool").split(' ').next(),
+        kpool.split(' ').next(),
+        "transaction id set by the kernel"
+    );
+    assert_eq!(
+        status_args(&reg, "t1"),
+        kstatus.lines().nth(1).unwrap_or_default().trim(),
+        "thin 1's status here and in the kernel"
+    );
+    // And blkstack's further changes to the kernel's pool still check.
+    dev_write(&*reg.device("t2").unwrap(), &pat, KERNEL_AFTER_SNAP);
+    reg.remove_all();
+    thin_check(&p("kmeta"));
+}

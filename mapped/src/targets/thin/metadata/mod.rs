@@ -1,0 +1,462 @@
+//! A pool's metadata (`dm-thin-metadata.c`): the two-level mapping tree
+//! (thin device id -> that device's tree of virtual block -> data block
+//! and time), the device-details tree, the data and metadata space maps
+//! and the superblock, changed in copy-on-write transactions that
+//! [`PoolMetadata::commit`] makes durable.
+//!
+//! A commit writes, in order: the changed device details into their
+//! tree; the data space map (new bitmap blocks for the changed bitmaps, a
+//! new index tree, a new reference count tree); the metadata space map
+//! (same, counting its own blocks until nothing more changes); every
+//! block this transaction made; a flush; and last the superblock, with
+//! FUA. Until the superblock lands the previous transaction is intact on
+//! disk, because no block it uses was changed or handed out again.
+
+pub mod btree;
+mod commit;
+pub mod space_map;
+pub mod tm;
+
+use super::format::details::{pack_block_time, unpack_block_time, DeviceDetails};
+use super::format::superblock::Superblock;
+use super::format::FormatError;
+use blkstack_core::Status;
+use std::collections::BTreeMap;
+use tm::{Tm, ValueKind};
+
+/// The largest thin device id (`MAX_DEV_ID`, 24 bits).
+pub const MAX_DEV_ID: u64 = (1 << 24) - 1;
+
+/// `read_dev_id`: a thin device id as messages and tables give it.
+pub fn read_dev_id(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse::<u64>().ok().filter(|&id| id <= MAX_DEV_ID)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MetadataError {
+    #[error("metadata {what} of block {block} failed: {status:?}")]
+    Io {
+        what: &'static str,
+        block: u64,
+        status: Status,
+    },
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("metadata block {block} is corrupt: {why}")]
+    Corrupt { block: u64, why: String },
+    #[error("out of metadata space")]
+    NoMetadataSpace,
+    #[error("thin device {0} already exists")]
+    Exists(u64),
+    #[error("thin device {0} does not exist")]
+    NoSuchDevice(u64),
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl MetadataError {
+    pub fn corrupt(block: u64, why: &str) -> MetadataError {
+        MetadataError::Corrupt {
+            block,
+            why: why.to_string(),
+        }
+    }
+}
+
+/// A thin device's details as the running transaction has them.
+#[derive(Clone, Copy, Debug)]
+struct DevState {
+    details: DeviceDetails,
+    changed: bool,
+}
+
+/// Where a virtual block lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lookup {
+    pub data_block: u64,
+    /// Written before the device's last snapshot: a write must copy it.
+    pub shared: bool,
+}
+
+pub struct PoolMetadata {
+    tm: Tm,
+    /// Top of the two-level mapping tree.
+    root: u64,
+    details_root: u64,
+    time: u32,
+    trans_id: u64,
+    held_root: u64,
+    flags: u32,
+    data_block_size: u32,
+    devices: BTreeMap<u64, DevState>,
+    /// On-disk space map structures of the last commit.
+    sm: commit::SmPlaces,
+    /// Something changed since the last commit.
+    dirty: bool,
+}
+
+impl PoolMetadata {
+    /// Open the metadata on `tm`'s device, formatting it when its first
+    /// block is all zeroes (`dm_pool_metadata_open`), for a data device
+    /// of `data_blocks` blocks of `data_block_size` sectors.
+    pub fn open(
+        dev: crate::target::DevArg,
+        data_blocks: u64,
+        data_block_size: u32,
+    ) -> Result<PoolMetadata, MetadataError> {
+        commit::open(dev, data_blocks, data_block_size)
+    }
+
+    pub fn commit(&mut self) -> Result<(), MetadataError> {
+        if !self.dirty {
+            return Ok(());
+        }
+        commit::commit(self)
+    }
+
+    /// Commit as if the data blocks in `in_flight` (allocated for writes
+    /// not yet finished, so not mapped yet) were still free: a crash
+    /// must not find them allocated and referred to by nothing.
+    pub fn commit_without(&mut self, in_flight: &[u64]) -> Result<(), MetadataError> {
+        if !self.dirty {
+            return Ok(());
+        }
+        for &b in in_flight {
+            self.tm.data.dec(b);
+        }
+        let r = commit::commit(self);
+        for &b in in_flight {
+            self.tm.data.inc(b);
+        }
+        r
+    }
+
+    /// `dm_pool_metadata_set_needs_check`: set the flag in the committed
+    /// superblock (after an aborted transaction).
+    pub fn set_needs_check(&mut self) -> Result<(), MetadataError> {
+        self.flags |= super::format::superblock::NEEDS_CHECK;
+        let loc = super::format::superblock::LOCATION;
+        let mut sb = Superblock::decode(&self.tm.read_block(loc)?, loc)?;
+        sb.flags = self.flags;
+        self.tm.write_block(loc, &mut sb.encode(), true)?;
+        self.tm.flush()
+    }
+
+    /// Whether there is anything to commit.
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
+    pub fn transaction_id(&self) -> u64 {
+        self.trans_id
+    }
+
+    pub fn held_root(&self) -> u64 {
+        self.held_root
+    }
+
+    pub fn needs_check(&self) -> bool {
+        self.flags & super::format::superblock::NEEDS_CHECK != 0
+    }
+
+    pub fn data_block_size(&self) -> u32 {
+        self.data_block_size
+    }
+
+    /// (used, total) metadata blocks as the pool's status shows them:
+    /// the kernel counts its reserve (`__set_metadata_reserve`: a tenth
+    /// of the device, at most 4096 blocks) as used
+    /// (`dm_pool_get_free_metadata_block_count`).
+    pub fn metadata_blocks(&self) -> (u64, u64) {
+        let total = self.tm.meta.nr_blocks();
+        (total - self.metadata_free(), total)
+    }
+
+    /// Free metadata blocks beyond the reserve.
+    pub fn metadata_free(&self) -> u64 {
+        let reserve = (self.tm.meta.nr_blocks() / 10).min(4096);
+        self.tm.meta.nr_free().saturating_sub(reserve)
+    }
+
+    pub fn data_blocks(&self) -> (u64, u64) {
+        (self.tm.data.nr_allocated(), self.tm.data.nr_blocks())
+    }
+
+    pub fn data_free(&self) -> u64 {
+        self.tm.data.nr_free()
+    }
+
+    pub fn exists(&self, dev: u64) -> bool {
+        self.devices.contains_key(&dev)
+    }
+
+    /// The data space map's reference count of a data block.
+    pub fn data_ref_count(&self, b: u64) -> u32 {
+        self.tm.data.get(b)
+    }
+
+    fn check_id(dev: u64) -> Result<(), MetadataError> {
+        if dev > MAX_DEV_ID {
+            return Err(MetadataError::Refused(format!(
+                "device id {dev} is above the largest, {MAX_DEV_ID}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn new_details(&self) -> DevState {
+        DevState {
+            details: DeviceDetails {
+                mapped_blocks: 0,
+                transaction_id: self.trans_id,
+                creation_time: self.time,
+                snapshotted_time: self.time,
+            },
+            changed: true,
+        }
+    }
+
+    /// `__create_thin`.
+    pub fn create_thin(&mut self, dev: u64) -> Result<(), MetadataError> {
+        Self::check_id(dev)?;
+        if self.exists(dev) {
+            return Err(MetadataError::Exists(dev));
+        }
+        self.dirty = true;
+        let sub = btree::build(&mut self.tm, &[], 8, ValueKind::Mapping)?;
+        self.root = btree::insert(
+            &mut self.tm,
+            self.root,
+            dev,
+            ValueKind::Subtree,
+            &mut |_, _| Ok(sub.to_le_bytes().to_vec()),
+        )?;
+        let st = self.new_details();
+        self.devices.insert(dev, st);
+        Ok(())
+    }
+
+    /// `__create_snap`: the snapshot shares the origin's mapping tree (one
+    /// more reference to its root), and both record the new time, so a
+    /// write to either copies blocks mapped before it.
+    pub fn create_snap(&mut self, dev: u64, origin: u64) -> Result<(), MetadataError> {
+        Self::check_id(dev)?;
+        if self.exists(dev) {
+            return Err(MetadataError::Exists(dev));
+        }
+        let origin_root = self.subtree(origin)?;
+        self.dirty = true;
+        self.tm.meta.inc(origin_root);
+        self.root = btree::insert(
+            &mut self.tm,
+            self.root,
+            dev,
+            ValueKind::Subtree,
+            &mut |_, _| Ok(origin_root.to_le_bytes().to_vec()),
+        )?;
+        self.time = self.time.wrapping_add(1);
+        let time = self.time;
+        let mut snap = self.new_details();
+        let o = self
+            .devices
+            .get_mut(&origin)
+            .ok_or(MetadataError::NoSuchDevice(origin))?;
+        o.details.snapshotted_time = time;
+        o.changed = true;
+        snap.details.mapped_blocks = o.details.mapped_blocks;
+        snap.details.snapshotted_time = time;
+        self.devices.insert(dev, snap);
+        Ok(())
+    }
+
+    /// `__delete_device`: its mapping tree loses a reference (and with
+    /// the last one its blocks return to the space maps).
+    pub fn delete(&mut self, dev: u64) -> Result<(), MetadataError> {
+        if !self.exists(dev) {
+            return Err(MetadataError::NoSuchDevice(dev));
+        }
+        self.dirty = true;
+        self.details_root = btree::remove(
+            &mut self.tm,
+            self.details_root,
+            dev,
+            DeviceDetails::SIZE,
+            ValueKind::Plain,
+        )?;
+        self.root = btree::remove(&mut self.tm, self.root, dev, 8, ValueKind::Subtree)?;
+        self.devices.remove(&dev);
+        Ok(())
+    }
+
+    /// `dm_pool_set_metadata_transaction_id`.
+    pub fn set_transaction_id(&mut self, current: u64, new: u64) -> Result<(), MetadataError> {
+        if self.trans_id != current {
+            return Err(MetadataError::Refused(format!(
+                "transaction id mismatch (supplied {current}, expected {})",
+                self.trans_id
+            )));
+        }
+        self.trans_id = new;
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn subtree(&mut self, dev: u64) -> Result<u64, MetadataError> {
+        btree::lookup_u64(&mut self.tm, self.root, dev)?.ok_or(MetadataError::NoSuchDevice(dev))
+    }
+
+    /// `dm_thin_find_block`.
+    pub fn find_block(&mut self, dev: u64, vblock: u64) -> Result<Option<Lookup>, MetadataError> {
+        let snapshotted = self
+            .devices
+            .get(&dev)
+            .ok_or(MetadataError::NoSuchDevice(dev))?
+            .details
+            .snapshotted_time;
+        let sub = self.subtree(dev)?;
+        Ok(btree::lookup_u64(&mut self.tm, sub, vblock)?.map(|v| {
+            let (data_block, time) = unpack_block_time(v);
+            Lookup {
+                data_block,
+                shared: snapshotted > time,
+            }
+        }))
+    }
+
+    /// A free data block, referenced once (`dm_pool_alloc_data_block`).
+    pub fn alloc_data_block(&mut self) -> Option<u64> {
+        let b = self.tm.data.alloc()?;
+        self.dirty = true;
+        Some(b)
+    }
+
+    /// Give back a block from [`Self::alloc_data_block`] that was never
+    /// mapped (a write that failed).
+    pub fn free_data_block(&mut self, b: u64) {
+        self.tm.data.dec(b);
+    }
+
+    /// `dm_thin_insert_block`: map `vblock` to `data_block` (whose
+    /// reference this takes over); a block it replaces loses one.
+    pub fn insert_block(
+        &mut self,
+        dev: u64,
+        vblock: u64,
+        data_block: u64,
+    ) -> Result<(), MetadataError> {
+        if !self.exists(dev) {
+            return Err(MetadataError::NoSuchDevice(dev));
+        }
+        self.dirty = true;
+        let value = pack_block_time(data_block, self.time)
+            .to_le_bytes()
+            .to_vec();
+        let mut inserted = false;
+        let root = self.root;
+        self.root = btree::insert(
+            &mut self.tm,
+            root,
+            dev,
+            ValueKind::Subtree,
+            &mut |tm, old| {
+                let sub = tm::u64_of(old.ok_or(MetadataError::NoSuchDevice(dev))?);
+                let sub = btree::insert(tm, sub, vblock, ValueKind::Mapping, &mut |tm, old| {
+                    match old {
+                        Some(o) => tm.dec_value(ValueKind::Mapping, o)?,
+                        None => inserted = true,
+                    }
+                    Ok(value.clone())
+                })?;
+                Ok(sub.to_le_bytes().to_vec())
+            },
+        )?;
+        if let Some(st) = self.devices.get_mut(&dev) {
+            st.changed = true;
+            if inserted {
+                st.details.mapped_blocks += 1;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn mapped_blocks(&self, dev: u64) -> Option<u64> {
+        self.devices.get(&dev).map(|d| d.details.mapped_blocks)
+    }
+
+    pub fn highest_mapped(&mut self, dev: u64) -> Result<Option<u64>, MetadataError> {
+        let sub = self.subtree(dev)?;
+        btree::highest_key(&mut self.tm, sub)
+    }
+
+    /// Grow the data space map (a pool reloaded over a larger device).
+    pub fn resize_data(&mut self, nr_blocks: u64) -> Result<(), MetadataError> {
+        let have = self.tm.data.nr_blocks();
+        if nr_blocks < have {
+            return Err(MetadataError::Refused(format!(
+                "pool target ({nr_blocks} blocks) too small: expected {have}"
+            )));
+        }
+        if nr_blocks > have {
+            self.tm.data.extend(nr_blocks);
+            self.dirty = true;
+        }
+        Ok(())
+    }
+
+    /// `__reserve_metadata_snap`: commit, then a copy of the superblock
+    /// holding a reference to the committed mapping and details trees.
+    pub fn reserve_metadata_snap(&mut self) -> Result<(), MetadataError> {
+        if self.held_root != 0 {
+            return Err(MetadataError::Refused(
+                "Pool metadata snapshot already exists: release this before taking another.".into(),
+            ));
+        }
+        self.dirty = true;
+        self.commit()?;
+        let copy = self.tm.meta.alloc().ok_or(MetadataError::NoMetadataSpace)?;
+        let sb = Superblock {
+            flags: self.flags,
+            blocknr: copy,
+            time: self.time,
+            trans_id: self.trans_id,
+            held_root: 0,
+            data_sm: Default::default(),
+            metadata_sm: Default::default(),
+            data_mapping_root: self.root,
+            device_details_root: self.details_root,
+            data_block_size: self.data_block_size,
+            metadata_nr_blocks: self.tm.meta.nr_blocks(),
+        };
+        self.tm.raw_dirty.insert(copy, sb.encode());
+        self.tm.meta.inc(self.root);
+        self.tm.meta.inc(self.details_root);
+        self.held_root = copy;
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// `__release_metadata_snap`.
+    pub fn release_metadata_snap(&mut self) -> Result<(), MetadataError> {
+        let held = self.held_root;
+        if held == 0 {
+            return Err(MetadataError::Refused(
+                "No pool metadata snapshot found: please create one via 'reserve_metadata_snap'"
+                    .into(),
+            ));
+        }
+        let sb = match self.tm.raw_dirty.get(&held) {
+            Some(raw) => Superblock::decode(raw, held)?,
+            None => Superblock::decode(&self.tm.read_block(held)?, held)?,
+        };
+        self.tm.raw_dirty.remove(&held);
+        self.tm.del(sb.data_mapping_root, ValueKind::Subtree)?;
+        self.tm.del(sb.device_details_root, ValueKind::Plain)?;
+        self.tm.meta.dec(held);
+        self.held_root = 0;
+        self.dirty = true;
+        Ok(())
+    }
+}

@@ -1,0 +1,18 @@
+//! Thin provisioning and snapshots (kernel `drivers/md/dm-thin.c` and
+//! `dm-thin-metadata.c`): the `thin-pool` target (`pool_target.rs`), the
+//! `thin` target (`thin_target.rs`), the running pool they share
+//! (`pool.rs`), and the kernel's on-disk metadata (`format/`, one file per
+//! structure, and `metadata/`, the copy-on-write btrees, space maps and
+//! commits over it).
+//!
+//! The metadata format is hand-written because no crate implements it;
+//! Debian's `thin_check`/`thin_dump` and the kernel's own dm-thin-pool
+//! read what blkstack writes (mapped/tests/thin_tools.rs,
+//! frontends/cli/tests/kernel_thin.rs).
+
+mod fill;
+pub mod format;
+pub mod metadata;
+pub mod pool;
+pub mod pool_target;
+pub mod thin_target;

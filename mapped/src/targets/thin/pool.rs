@@ -1,0 +1,567 @@
+//! A running pool (`dm-thin.c` `struct pool`): its metadata, mode and
+//! features, the cells of virtual blocks being provisioned (the kernel's
+//! bio prison), the bios held while the pool is out of data space, and
+//! the worker that commits (on FLUSH, on FUA, every second as the
+//! kernel's `COMMIT_PERIOD`) and finishes provisioning after the data
+//! write completes.
+//!
+//! A new mapping enters the metadata only once its data is written (as
+//! `process_prepared_mapping`), so a commit never points at a block whose
+//! data was not written first; the data device is flushed before each
+//! commit, so everything a committed mapping points to is durable.
+
+use super::metadata::{MetadataError, PoolMetadata};
+use crate::target::DevArg;
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::{clock, Bio, EndIo, Op, Status, SECTOR_SIZE};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `COMMIT_PERIOD`: the longest a change waits for a commit.
+const COMMIT_PERIOD_NS: u64 = 1_000_000_000;
+/// `NO_SPACE_TIMEOUT_SECS`: how long bios wait for data space.
+const NO_SPACE_TIMEOUT_NS: u64 = 60_000_000_000;
+/// Bios held for data space at most (beyond this they fail at once).
+const MAX_HELD: usize = 65536;
+
+/// `enum pool_mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Write,
+    OutOfDataSpace,
+    /// No metadata space beyond the reserve: nothing new is provisioned
+    /// until the metadata device grows (kernel PM_OUT_OF_METADATA_SPACE).
+    OutOfMetadataSpace,
+    ReadOnly,
+    Fail,
+}
+
+impl Mode {
+    /// Modes in which nothing may change the metadata.
+    pub fn is_read_only(self) -> bool {
+        matches!(self, Mode::OutOfMetadataSpace | Mode::ReadOnly | Mode::Fail)
+    }
+}
+
+/// `struct pool_features`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolFeatures {
+    pub zero_new_blocks: bool,
+    pub discard_enabled: bool,
+    pub discard_passdown: bool,
+    pub read_only: bool,
+    pub error_if_no_space: bool,
+}
+
+impl Default for PoolFeatures {
+    fn default() -> Self {
+        PoolFeatures {
+            zero_new_blocks: true,
+            discard_enabled: true,
+            discard_passdown: true,
+            read_only: false,
+            error_if_no_space: false,
+        }
+    }
+}
+
+/// A thin device as the pool sees it: what its bios are mapped by again
+/// when they waited (for a block being provisioned, for space, for a
+/// commit before a PREFLUSH write).
+pub trait ThinDev: Send + Sync {
+    fn dev_id(&self) -> u64;
+    /// Map a bio as it came from the device above.
+    fn map(self: Arc<Self>, bio: Bio);
+    /// Map a read or write again that already went through `map`.
+    fn map_io(self: Arc<Self>, bio: Bio);
+}
+
+/// Bios waiting for a virtual block being provisioned.
+type Waiters = Vec<(Bio, Arc<dyn ThinDev>)>;
+
+/// A provisioning write in flight: where its data goes.
+struct Pending {
+    thin: Arc<dyn ThinDev>,
+    vblock: u64,
+    block: u64,
+    /// The metadata generation it was allocated in (an abort starts a new
+    /// one, whose space map never saw the block).
+    generation: u64,
+}
+
+pub struct PoolState {
+    pub md: PoolMetadata,
+    pub mode: Mode,
+    pub pf: PoolFeatures,
+    pub low_water_blocks: u64,
+    low_water_triggered: bool,
+    /// Times the pool raised a dm event (low water, mode changes).
+    pub events: u64,
+    /// Virtual blocks being provisioned, with the bios that wait for them.
+    cells: HashMap<(u64, u64), Waiters>,
+    pending: HashMap<u64, Pending>,
+    next_id: u64,
+    generation: u64,
+    /// Bios waiting for data space, with when they started waiting.
+    no_space: Vec<(Bio, Arc<dyn ThinDev>, u64)>,
+    /// Thin devices with a live target, and how many.
+    pub open_thins: HashMap<u64, usize>,
+}
+
+enum Job {
+    Flush(Bio),
+    Preflush(Bio, Arc<dyn ThinDev>),
+    Fua(Bio, Status),
+    Provisioned(Bio, Status, u64),
+    Remap(Bio, Arc<dyn ThinDev>),
+}
+
+#[derive(Default)]
+struct Jobs {
+    queue: Vec<Job>,
+    stop: bool,
+}
+
+pub struct PoolShared {
+    pub metadata_dev: DevArg,
+    pub data_dev: DevArg,
+    /// Data block size in sectors.
+    pub block_sectors: u64,
+    pub state: Mutex<PoolState>,
+    jobs: Mutex<Jobs>,
+    cv: Condvar,
+}
+
+/// What a bio needs from the pool to be mapped.
+pub enum Prepared {
+    /// Remap to this data block.
+    Mapped(u64),
+    /// Unmapped: reads see zeroes (or the external origin).
+    Unmapped,
+    /// Waiting behind a block being provisioned, or for space: taken.
+    Queued,
+    /// A new block to write to (after copying `copy_from`, if any).
+    Provision {
+        block: u64,
+        id: u64,
+        copy_from: Option<u64>,
+    },
+    Fail(Status),
+}
+
+impl PoolShared {
+    pub fn new(
+        metadata_dev: DevArg,
+        data_dev: DevArg,
+        block_sectors: u64,
+        md: PoolMetadata,
+        pf: PoolFeatures,
+        low_water_blocks: u64,
+    ) -> Arc<PoolShared> {
+        let mode = if pf.read_only {
+            Mode::ReadOnly
+        } else {
+            Mode::Write
+        };
+        Arc::new(PoolShared {
+            metadata_dev,
+            data_dev,
+            block_sectors,
+            state: Mutex::new(PoolState {
+                md,
+                mode,
+                pf,
+                low_water_blocks,
+                low_water_triggered: false,
+                events: 0,
+                cells: HashMap::new(),
+                pending: HashMap::new(),
+                next_id: 1,
+                generation: 0,
+                no_space: Vec::new(),
+                open_thins: HashMap::new(),
+            }),
+            jobs: Mutex::new(Jobs::default()),
+            cv: Condvar::new(),
+        })
+    }
+
+    pub fn block_bytes(&self) -> u64 {
+        self.block_sectors * SECTOR_SIZE
+    }
+
+    fn push(&self, job: Job) {
+        self.jobs.lock().queue.push(job);
+        self.cv.notify_one();
+    }
+
+    pub fn defer_flush(&self, bio: Bio) {
+        self.push(Job::Flush(bio));
+    }
+
+    pub fn defer_preflush(&self, bio: Bio, thin: Arc<dyn ThinDev>) {
+        self.push(Job::Preflush(bio, thin));
+    }
+
+    pub fn defer_remap(&self, bio: Bio, thin: Arc<dyn ThinDev>) {
+        self.push(Job::Remap(bio, thin));
+    }
+
+    /// Look `vblock` up for a bio and decide what it needs; `write` bios
+    /// that find no unshared block get a new one (or wait, or fail).
+    pub fn prepare(
+        &self,
+        thin: &dyn Fn() -> Arc<dyn ThinDev>,
+        dev_id: u64,
+        vblock: u64,
+        bio: Bio,
+        write: bool,
+    ) -> (Prepared, Option<Bio>) {
+        let mut st = self.state.lock();
+        if st.mode == Mode::Fail {
+            return (Prepared::Fail(Status::IoError), Some(bio));
+        }
+        let key = (dev_id, vblock);
+        if let Some(waiters) = st.cells.get_mut(&key) {
+            waiters.push((bio, thin()));
+            return (Prepared::Queued, None);
+        }
+        let found = match st.md.find_block(dev_id, vblock) {
+            Ok(f) => f,
+            Err(e) => {
+                self.metadata_failed(&mut st, "find_block", &e);
+                return (Prepared::Fail(Status::IoError), Some(bio));
+            }
+        };
+        match found {
+            Some(l) if !write || !l.shared => return (Prepared::Mapped(l.data_block), Some(bio)),
+            None if !write => return (Prepared::Unmapped, Some(bio)),
+            _ => {}
+        }
+        self.check_for_metadata_space(&mut st);
+        if st.mode.is_read_only() {
+            return (Prepared::Fail(Status::IoError), Some(bio));
+        }
+        let Some(block) = st.md.alloc_data_block() else {
+            return self.out_of_data_space(&mut st, bio, thin());
+        };
+        self.check_low_water(&mut st);
+        st.cells.insert(key, Vec::new());
+        let id = st.next_id;
+        st.next_id += 1;
+        let generation = st.generation;
+        st.pending.insert(
+            id,
+            Pending {
+                thin: thin(),
+                vblock,
+                block,
+                generation,
+            },
+        );
+        let copy_from = found.map(|l| l.data_block);
+        (
+            Prepared::Provision {
+                block,
+                id,
+                copy_from,
+            },
+            Some(bio),
+        )
+    }
+
+    /// `handle_unserviceable_bio` / `retry_on_resume` for a bio that
+    /// found no free data block.
+    fn out_of_data_space(
+        &self,
+        st: &mut PoolState,
+        bio: Bio,
+        thin: Arc<dyn ThinDev>,
+    ) -> (Prepared, Option<Bio>) {
+        if st.mode == Mode::Write {
+            tracing::warn!(pool = %self.data_dev.name, "thin-pool: switching pool to out-of-data-space mode");
+            st.mode = Mode::OutOfDataSpace;
+            st.events += 1;
+        }
+        if st.pf.error_if_no_space || st.no_space.len() >= MAX_HELD {
+            return (Prepared::Fail(Status::NoSpace), Some(bio));
+        }
+        st.no_space.push((bio, thin, clock::now_ns()));
+        (Prepared::Queued, None)
+    }
+
+    /// `check_for_metadata_space`: the metadata reserve is for finishing
+    /// what is in flight and for the user's repair, not for new blocks.
+    fn check_for_metadata_space(&self, st: &mut PoolState) {
+        if st.md.metadata_free() == 0 && matches!(st.mode, Mode::Write | Mode::OutOfDataSpace) {
+            tracing::error!(pool = %self.data_dev.name, "thin-pool: switching pool to out-of-metadata-space (read-only) mode");
+            st.mode = Mode::OutOfMetadataSpace;
+            st.events += 1;
+        }
+    }
+
+    /// `check_low_water_mark`.
+    fn check_low_water(&self, st: &mut PoolState) {
+        if st.md.data_free() <= st.low_water_blocks && !st.low_water_triggered {
+            tracing::warn!(pool = %self.data_dev.name, "thin-pool: reached low water mark for data device: sending event.");
+            st.low_water_triggered = true;
+            st.events += 1;
+        }
+    }
+
+    /// `metadata_operation_failed`: abort the transaction, mark the
+    /// metadata as needing a check, and go read-only (or fail).
+    pub fn metadata_failed(&self, st: &mut PoolState, op: &str, e: &MetadataError) {
+        tracing::error!(pool = %self.data_dev.name, "thin-pool: metadata operation '{op}' failed: {e}");
+        if matches!(st.mode, Mode::Fail) {
+            return;
+        }
+        let data_blocks = st.md.data_blocks().1;
+        match PoolMetadata::open(
+            self.metadata_dev.clone(),
+            data_blocks,
+            st.md.data_block_size(),
+        ) {
+            Ok(mut md) => {
+                if let Err(e) = md.set_needs_check() {
+                    tracing::error!("thin-pool: failed to set 'needs_check' flag in metadata: {e}");
+                    st.mode = Mode::Fail;
+                } else {
+                    st.mode = Mode::ReadOnly;
+                }
+                st.md = md;
+            }
+            Err(e) => {
+                tracing::error!("thin-pool: failed to abort metadata transaction: {e}");
+                st.mode = Mode::Fail;
+            }
+        }
+        st.generation += 1;
+        st.events += 1;
+    }
+
+    /// Flush the data device, then commit the metadata (`commit`), with
+    /// blocks still being written left out of the space map.
+    pub fn commit(&self, st: &mut PoolState) -> Status {
+        match st.mode {
+            Mode::Fail => return Status::IoError,
+            Mode::ReadOnly => return Status::Ok,
+            Mode::Write | Mode::OutOfDataSpace | Mode::OutOfMetadataSpace => {}
+        }
+        let flushed = submit_and_wait(&*self.data_dev.dev, Op::Flush, 0, 0, &mut []);
+        if !flushed.is_ok() {
+            return flushed;
+        }
+        if !st.md.is_dirty() {
+            return Status::Ok;
+        }
+        let in_flight: Vec<u64> = st
+            .pending
+            .values()
+            .filter(|p| p.generation == st.generation)
+            .map(|p| p.block)
+            .collect();
+        let r = st.md.commit_without(&in_flight);
+        match r {
+            Ok(()) => Status::Ok,
+            Err(e) => {
+                self.metadata_failed(st, "commit", &e);
+                Status::IoError
+            }
+        }
+    }
+
+    /// Grow the data space map to `nr_blocks` and requeue the bios that
+    /// waited for space (`maybe_resize_data_dev` on resume).
+    pub fn resize(&self, nr_blocks: u64) {
+        let held = {
+            let mut st = self.state.lock();
+            st.low_water_triggered = false;
+            if let Err(e) = st.md.resize_data(nr_blocks) {
+                tracing::error!(pool = %self.data_dev.name, "thin-pool: resize failed: {e}");
+                return;
+            }
+            if st.mode == Mode::OutOfDataSpace && st.md.data_free() > 0 {
+                st.mode = Mode::Write;
+                st.events += 1;
+            }
+            let _ = self.commit(&mut st);
+            std::mem::take(&mut st.no_space)
+        };
+        for (bio, thin, _) in held {
+            self.push(Job::Remap(bio, thin));
+        }
+    }
+
+    /// Wait (a bounded while) for thin device `dev` to have no live
+    /// target: a removed device's table goes with the last reference to
+    /// it, which a completion finishing on another thread may hold for a
+    /// moment after the remove returned.
+    pub fn wait_closed(&self, dev: u64) {
+        let deadline = clock::now_ns() + 1_000_000_000;
+        while self.state.lock().open_thins.contains_key(&dev) && clock::now_ns() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The worker's loop; returns when told to stop (after a last commit).
+    pub fn run(self: &Arc<Self>) {
+        let mut next_commit = clock::now_ns() + COMMIT_PERIOD_NS;
+        loop {
+            let (jobs, stop) = {
+                let mut j = self.jobs.lock();
+                if j.queue.is_empty() && !j.stop {
+                    let wait = next_commit.saturating_sub(clock::now_ns()).max(1_000_000);
+                    self.cv.wait_for(&mut j, Duration::from_nanos(wait));
+                }
+                (std::mem::take(&mut j.queue), j.stop)
+            };
+            for job in jobs {
+                self.handle(job);
+            }
+            let now = clock::now_ns();
+            if now >= next_commit || stop {
+                let mut st = self.state.lock();
+                if st.md.is_dirty() {
+                    let _ = self.commit(&mut st);
+                }
+                let expired = self.take_expired(&mut st, now);
+                drop(st);
+                for bio in expired {
+                    bio.complete(Status::NoSpace);
+                }
+                next_commit = now + COMMIT_PERIOD_NS;
+            }
+            if stop && self.jobs.lock().queue.is_empty() {
+                return;
+            }
+        }
+    }
+
+    /// Bios that waited longer than the no-space timeout.
+    fn take_expired(&self, st: &mut PoolState, now: u64) -> Vec<Bio> {
+        let (old, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.no_space)
+            .into_iter()
+            .partition(|(_, _, t)| now.saturating_sub(*t) >= NO_SPACE_TIMEOUT_NS);
+        st.no_space = keep;
+        old.into_iter().map(|(b, _, _)| b).collect()
+    }
+
+    pub fn stop(&self) {
+        self.jobs.lock().stop = true;
+        self.cv.notify_one();
+    }
+
+    fn handle(&self, job: Job) {
+        match job {
+            Job::Flush(bio) => {
+                let st = self.commit(&mut self.state.lock());
+                bio.complete(st);
+            }
+            Job::Preflush(mut bio, thin) => {
+                let st = self.commit(&mut self.state.lock());
+                if !st.is_ok() {
+                    bio.complete(st);
+                    return;
+                }
+                bio.flags.remove(blkstack_core::BioFlags::PREFLUSH);
+                thin.map(bio);
+            }
+            Job::Fua(bio, status) => {
+                let mut st = self.state.lock();
+                let c = if status.is_ok() && st.md.is_dirty() {
+                    self.commit(&mut st)
+                } else {
+                    Status::Ok
+                };
+                drop(st);
+                bio.complete(if status.is_ok() { c } else { status });
+            }
+            Job::Provisioned(bio, status, id) => self.provisioned(bio, status, id),
+            Job::Remap(bio, thin) => thin.map_io(bio),
+        }
+    }
+
+    /// `process_prepared_mapping`: the data is written, so map it.
+    fn provisioned(&self, bio: Bio, mut status: Status, id: u64) {
+        let mut st = self.state.lock();
+        let Some(p) = st.pending.remove(&id) else {
+            drop(st);
+            bio.complete(Status::IoError);
+            return;
+        };
+        if p.generation == st.generation {
+            if status.is_ok() && !matches!(st.mode, Mode::ReadOnly | Mode::Fail) {
+                if let Err(e) = st.md.insert_block(p.thin.dev_id(), p.vblock, p.block) {
+                    self.metadata_failed(&mut st, "dm_thin_insert_block", &e);
+                    status = Status::IoError;
+                }
+            } else {
+                st.md.free_data_block(p.block);
+                if status.is_ok() {
+                    status = Status::IoError;
+                }
+            }
+        } else if status.is_ok() {
+            status = Status::IoError;
+        }
+        let waiters = st
+            .cells
+            .remove(&(p.thin.dev_id(), p.vblock))
+            .unwrap_or_default();
+        drop(st);
+        bio.complete(status);
+        for (b, thin) in waiters {
+            thin.map_io(b);
+        }
+    }
+}
+
+/// Completions of the data writes the pool waits for: `private` 0 is a
+/// FUA write (commit before it completes), anything else a provisioning
+/// write's id.
+impl EndIo for PoolShared {
+    fn end_io(&self, bio: Bio, status: Status, private: u64) {
+        if private == 0 {
+            self.push(Job::Fua(bio, status));
+        } else {
+            self.push(Job::Provisioned(bio, status, private));
+        }
+    }
+}
+
+/// The pool object a `thin-pool` target and its `thin` targets share;
+/// the worker stops (after a last commit) when the last of them goes.
+pub struct Pool {
+    pub shared: Arc<PoolShared>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Pool {
+    pub fn start(shared: Arc<PoolShared>, name: &str) -> std::io::Result<Arc<Pool>> {
+        let s = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name(format!("thin-pool/{name}"))
+            .spawn(move || s.run())?;
+        Ok(Arc::new(Pool {
+            shared,
+            worker: Some(worker),
+        }))
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.shared.stop();
+        if let Some(w) = self.worker.take() {
+            // The last reference can go on the worker itself (a removed
+            // thin device whose last bio it completed): it then stops
+            // after this job, and cannot wait for itself.
+            if w.thread().id() != std::thread::current().id() {
+                let _ = w.join();
+            }
+        }
+    }
+}

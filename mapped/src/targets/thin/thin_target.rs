@@ -1,0 +1,253 @@
+//! `thin <pool dev> <dev id> [<external origin>]`: a thinly provisioned
+//! device (kernel `dm-thin.c` `thin_target`): reads of unmapped blocks
+//! see zeroes (or the external origin), the first write to a block, or
+//! the first after a snapshot of a block it shares, gets a new data block
+//! from the pool. Status `<mapped sectors> <highest mapped sector|->`.
+
+use super::fill::{self, Fills};
+use super::metadata::read_dev_id;
+use super::pool::{Mode, Pool, PoolShared, Prepared, ThinDev};
+use super::pool_target::PoolTarget;
+use crate::error::TargetError;
+use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::{Bio, BioFlags, Features, Op, Status};
+use std::sync::Arc;
+
+pub const TYPE: TargetType = TargetType {
+    name: "thin",
+    version: [1, 23, 0],
+    ctr,
+};
+
+/// What the pool's worker needs to map a thin device's bios again.
+pub struct ThinCore {
+    pub pool: Arc<PoolShared>,
+    pub dev_id: u64,
+    pub origin: Option<DevArg>,
+    /// Blocks being made whole before a partial write.
+    fills: Arc<Fills>,
+}
+
+pub struct ThinTarget {
+    core: Arc<ThinCore>,
+    /// Keeps the pool's worker alive while this device lives.
+    _pool: Arc<Pool>,
+    pool_dev: DevArg,
+}
+
+fn invalid(s: &str) -> TargetError {
+    TargetError::Invalid(s.to_string())
+}
+
+fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
+    if args.len() != 2 && args.len() != 3 {
+        return Err(invalid("Invalid argument count"));
+    }
+    let origin = match args.get(2) {
+        Some(o) if *o == args[0] => return Err(invalid("Error setting origin device")),
+        Some(o) => Some(
+            ctx.get_device(o, 0, 0)
+                .map_err(|_| invalid("Error opening origin device"))?,
+        ),
+        None => None,
+    };
+    let pool_dev = ctx
+        .get_device(args[0], 0, 0)
+        .map_err(|_| invalid("Error opening pool device"))?;
+    let dev_id = read_dev_id(args[1]).ok_or_else(|| invalid("Invalid device id"))?;
+    let target = ctx
+        .live_target_of(args[0])
+        .ok_or_else(|| invalid("Couldn't get pool mapped device"))?;
+    let pool = target
+        .as_any()
+        .and_then(|a| a.downcast_ref::<PoolTarget>())
+        .map(|p| p.pool.clone())
+        .ok_or_else(|| invalid("Couldn't find pool object"))?;
+    {
+        let mut st = pool.shared.state.lock();
+        if st.mode == Mode::Fail {
+            return Err(invalid("Couldn't open thin device, Pool is in fail mode"));
+        }
+        if !st.md.exists(dev_id) {
+            return Err(invalid("Couldn't open thin internal device"));
+        }
+        *st.open_thins.entry(dev_id).or_insert(0) += 1;
+    }
+    Ok(Arc::new(ThinTarget {
+        core: Arc::new(ThinCore {
+            pool: pool.shared.clone(),
+            dev_id,
+            fills: Fills::new(
+                pool.shared.data_dev.clone(),
+                origin.clone(),
+                pool.shared.block_bytes(),
+            ),
+            origin,
+        }),
+        _pool: pool,
+        pool_dev,
+    }))
+}
+
+impl ThinCore {
+    /// A bio from the device above: flushes and PREFLUSH go through a
+    /// commit first; a FUA write completes only after one.
+    fn map_bio(self: &Arc<Self>, mut bio: Bio) {
+        match bio.op {
+            Op::Flush => return self.pool.defer_flush(bio),
+            Op::Read | Op::Write => {}
+            _ => return bio.complete(Status::NotSupported),
+        }
+        if bio.flags.contains(BioFlags::PREFLUSH) {
+            return self.pool.defer_preflush(bio, self.clone());
+        }
+        if bio.op == Op::Write && bio.flags.contains(BioFlags::FUA) {
+            bio.push_end(self.pool.clone(), 0);
+        }
+        self.map_rw(bio);
+    }
+
+    /// Map a read or write (again, for one that waited).
+    fn map_rw(self: &Arc<Self>, bio: Bio) {
+        if bio.len == 0 {
+            return bio.complete(Status::Ok);
+        }
+        let bs = self.pool.block_bytes();
+        let (vblock, off) = (bio.offset / bs, bio.offset % bs);
+        let write = bio.op == Op::Write;
+        let me = || self.clone() as Arc<dyn ThinDev>;
+        let (prepared, bio_back) = self.pool.prepare(&me, self.dev_id, vblock, bio, write);
+        let Some(mut bio) = bio_back else {
+            return;
+        };
+        match prepared {
+            Prepared::Queued => debug_assert!(false, "a queued bio came back"),
+            Prepared::Fail(st) => bio.complete(st),
+            Prepared::Mapped(b) => {
+                bio.offset = b * bs + off;
+                self.pool.data_dev.dev.submit(bio);
+            }
+            Prepared::Unmapped => self.read_unmapped(bio),
+            Prepared::Provision {
+                block,
+                id,
+                copy_from,
+            } => {
+                bio.push_end(self.pool.clone(), id);
+                if !(off == 0 && bio.len == bs) {
+                    let zero = self.pool.state.lock().pf.zero_new_blocks;
+                    let origin = self.origin.as_ref();
+                    if let Some(src) = fill::source(bs, origin, vblock, copy_from, zero) {
+                        return self.fills.start(bio, block, off, src);
+                    }
+                }
+                bio.offset = block * bs + off;
+                self.pool.data_dev.dev.submit(bio);
+            }
+        }
+    }
+
+    /// An unmapped read: the external origin's data where it has some,
+    /// zeroes elsewhere.
+    fn read_unmapped(&self, bio: Bio) {
+        let Some(origin) = &self.origin else {
+            bio.data_mut().fill(0);
+            return bio.complete(Status::Ok);
+        };
+        let size = origin.dev.size();
+        if bio.end() <= size {
+            return origin.dev.submit(bio);
+        }
+        let buf = bio.data_mut();
+        buf.fill(0);
+        let mut st = Status::Ok;
+        if bio.offset < size {
+            let n = (size - bio.offset) as usize;
+            st = submit_and_wait(&*origin.dev, Op::Read, bio.offset, n as u64, &mut buf[..n]);
+        }
+        bio.complete(st);
+    }
+}
+
+impl ThinDev for ThinCore {
+    fn dev_id(&self) -> u64 {
+        self.dev_id
+    }
+
+    fn map(self: Arc<Self>, bio: Bio) {
+        self.map_bio(bio);
+    }
+
+    fn map_io(self: Arc<Self>, bio: Bio) {
+        self.map_rw(bio);
+    }
+}
+
+impl Target for ThinTarget {
+    fn map(&self, bio: Bio) {
+        self.core.map_bio(bio);
+    }
+
+    fn max_io_len(&self, offset: u64) -> u64 {
+        let bs = self.core.pool.block_bytes();
+        bs - offset % bs
+    }
+
+    fn status(&self) -> String {
+        let mut st = self.core.pool.state.lock();
+        if st.mode == Mode::Fail {
+            return "Fail".into();
+        }
+        let spb = self.core.pool.block_sectors;
+        let dev = self.core.dev_id;
+        let Some(mapped) = st.md.mapped_blocks(dev) else {
+            return "-".into();
+        };
+        match st.md.highest_mapped(dev) {
+            Ok(Some(h)) => format!("{} {}", mapped * spb, (h + 1) * spb - 1),
+            Ok(None) => format!("{} -", mapped * spb),
+            Err(_) => "Error".into(),
+        }
+    }
+
+    fn table(&self) -> String {
+        let mut s = format!("{} {}", self.pool_dev, self.core.dev_id);
+        if let Some(o) = &self.core.origin {
+            s.push_str(&format!(" {o}"));
+        }
+        s
+    }
+
+    /// A suspended thin device's writes are committed (dm suspends with
+    /// a flush unless told not to).
+    fn postsuspend(&self) {
+        let pool = &self.core.pool;
+        let mut st = pool.state.lock();
+        if st.md.is_dirty() {
+            let _ = pool.commit(&mut st);
+        }
+    }
+
+    fn features(&self) -> Features {
+        Features {
+            discard: false,
+            write_zeroes: false,
+            fast_zero: false,
+            knows_holes: false,
+            ..Features::default()
+        }
+    }
+}
+
+impl Drop for ThinTarget {
+    fn drop(&mut self) {
+        let mut st = self.core.pool.state.lock();
+        if let Some(n) = st.open_thins.get_mut(&self.core.dev_id) {
+            *n -= 1;
+            if *n == 0 {
+                st.open_thins.remove(&self.core.dev_id);
+            }
+        }
+    }
+}
