@@ -28,7 +28,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client) and as /dev/ublkbN (--ublk).
+    /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client) as /dev/ublkbN (--ublk) and to VMs over vhost-user-blk.
     Serve(ServeArgs),
     /// Rerun five upstream block-layer experiments, old vs new mechanism, into one report page (`lab all --quick`; `lab compare A B`).
     Lab(blkstack_lab::LabArgs),
@@ -48,6 +48,8 @@ struct ServeArgs {
     nbd: blkstack_nbd::NbdArgs,
     #[command(flatten)]
     ublk: blkstack_ublk::cli::UblkArgs,
+    #[command(flatten)]
+    vhost: blkstack_vhost_user_blk::cli::VhostArgs,
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
@@ -55,6 +57,10 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.ublk.enabled() {
         let u = a.ublk;
         extra.push(Box::new(move |reg| u.start(reg)));
+    }
+    if a.vhost.enabled() {
+        let v = a.vhost;
+        extra.push(Box::new(move |reg| v.start(reg)));
     }
     blkstack_nbd::run_serve(a.nbd, extra)
 }

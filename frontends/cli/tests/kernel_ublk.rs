@@ -53,24 +53,6 @@ fmem: 0 $S memory
 flakey: 0 $S flakey fmem 0 3600 0
 spare: 0 $S memory
 EOT
-# A verified random-write pass: the same writes to the device (O_DIRECT)
-# and to an image in RAM, then the whole device read back must match it.
-verify_pass() {
-  dev=$1; n=$2
-  dd if=/dev/zero of=/tmp/exp bs=1M count=$((S/2048)) 2>/dev/null
-  dd if=/dev/zero of=$dev bs=1M count=$((S/2048)) oflag=direct 2>/dev/null || return 1
-  x=12345; i=0
-  while [ $i -lt $n ]; do
-    x=$(( (x * 1103515245 + 12345) % 2147483648 ))
-    blk=$(( x % (S / 8 - 16) )); cnt=$(( x / 7 % 16 + 1 )); src=$(( x / 3 % 900 ))
-    dd if=/test/pattern of=$dev bs=4k skip=$src seek=$blk count=$cnt oflag=direct 2>/dev/null || return 1
-    dd if=/test/pattern of=/tmp/exp bs=4k skip=$src seek=$blk count=$cnt conv=notrunc 2>/dev/null || return 1
-    i=$((i+1))
-  done
-  a=$(dd if=$dev bs=64k iflag=direct 2>/dev/null | md5sum | cut -d' ' -f1)
-  b=$(md5sum < /tmp/exp | cut -d' ' -f1)
-  [ "$a" = "$b" ] || { echo "device $a, expected $b"; return 1; }
-}
 fs_cycle() {
   dev=$1
   mkfs.ext4 -q -F $dev || return 1
@@ -189,7 +171,7 @@ fn guest(script: &str, timeout: u64) -> VmRun {
             "/test/pattern",
         )
         .timeout(timeout)
-        .run(&format!("{GUEST_LIB}{script}"));
+        .run(&format!("{GUEST_LIB}{GUEST_VERIFY_FN}{script}"));
     println!("{}", run.out);
     run
 }

@@ -201,7 +201,7 @@ pub type ExtraFrontend = Box<
 pub fn run_serve(args: NbdArgs, extra: Vec<ExtraFrontend>) -> anyhow::Result<()> {
     let exports = parse_exports(&args.export, &args.readonly)?;
     if exports.is_empty() && extra.is_empty() {
-        bail!("serve needs devices to export: --export NAME (NBD) or --ublk NAME (/dev/ublkbN)");
+        bail!("serve needs devices to export: --export NAME (NBD), --ublk NAME (/dev/ublkbN) or --vhost-user-blk SOCKET:NAME");
     }
     let nbd_listens = !exports.is_empty() || !args.listen.is_empty();
     let listen: Vec<ListenUri> = if !nbd_listens {
