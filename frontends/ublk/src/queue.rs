@@ -161,6 +161,28 @@ fn bio_for(
     .with_flags(flags))
 }
 
+/// Commit every completion waiting in the inbox (each commit also
+/// fetches the tag's next request).
+fn commit_all(
+    q: &UblkQueue,
+    inbox: &Inbox,
+    bufs: &[libublk::helpers::IoBuf<u8>],
+    batch: &mut Vec<(u16, i32)>,
+) {
+    if inbox.done.lock().is_empty() {
+        return;
+    }
+    inbox.take(batch);
+    for (t, res) in batch.drain(..) {
+        let b = &bufs[t as usize];
+        if let Err(e) =
+            q.complete_io_cmd_unified(t, BufDesc::Slice(b.as_slice()), Ok(UblkIORes::Result(res)))
+        {
+            tracing::error!("ublk queue {}: commit of tag {t}: {e}", q.get_qid());
+        }
+    }
+}
+
 fn arm_poll(q: &UblkQueue, inbox: &Inbox) {
     let sqe = io_uring::opcode::PollAdd::new(
         io_uring::types::Fd(inbox.efd.as_raw_fd()),
@@ -205,18 +227,11 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
     let mut batch: Vec<(u16, i32)> = Vec::with_capacity(depth);
     queue.wait_and_handle_io(|q, tag, ctx| {
         if ctx.is_tgt_io() {
-            inbox.take(&mut batch);
-            for (t, res) in batch.drain(..) {
-                let b = &bufs[t as usize];
-                if let Err(e) = q.complete_io_cmd_unified(
-                    t,
-                    BufDesc::Slice(b.as_slice()),
-                    Ok(UblkIORes::Result(res)),
-                ) {
-                    tracing::error!("ublk queue {qid}: commit of tag {t}: {e}");
-                }
+            commit_all(q, &inbox, &bufs, &mut batch);
+            // A failed poll (the ring going away) is not re-armed.
+            if ctx.result() >= 0 {
+                arm_poll(q, &inbox);
             }
-            arm_poll(q, &inbox);
             return;
         }
         let iod = q.get_iod(tag);
@@ -225,6 +240,9 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
             Ok(bio) => {
                 inbox.inflight.fetch_add(1, Ordering::Acquire);
                 target.submit(bio);
+                // A device that completed inline (null, memory) is
+                // committed now, not one poll wake later.
+                commit_all(q, &inbox, &bufs, &mut batch);
             }
             Err(res) => {
                 tracing::debug!(
