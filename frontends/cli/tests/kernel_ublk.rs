@@ -68,7 +68,7 @@ fs_cycle() {
   umount /mnt || return 1
   e2fsck -fn $dev > /tmp/fsck.out 2>&1 || { cat /tmp/fsck.out; return 1; }
 }
-start_serve /tmp/s1.out --stack /tmp/stack.txt --ublk mem,striped,delay,flakey,spare:ro --control $C
+start_serve /tmp/s1.out --stack /tmp/stack.txt --ublk mem,striped,delay,flakey,spare:ro --ublk-queues 2 --control $C
 cat /tmp/s1.out
 for k in mem striped delay flakey; do
   d=$(dev_of $k /tmp/s1.out); [ -b "$d" ] || fail "no block device for $k"
@@ -81,6 +81,7 @@ d=$(dev_of spare /tmp/s1.out)
 echo "BEGIN limits"
 blockdev --getro $d; blockdev --getss $d
 cat /sys/block/${d#/dev/}/queue/max_sectors_kb /sys/block/${d#/dev/}/queue/write_cache /sys/block/${d#/dev/}/queue/fua
+ls /sys/block/${d#/dev/}/mq | wc -l
 echo "END limits"
 dd if=/dev/zero of=$d bs=4k count=1 oflag=direct 2>/dev/null && fail "a write to a read-only ublk device succeeded"
 # A reload under I/O: delay's table changes (1 ms -> 3 ms) while a writer runs.
@@ -196,7 +197,8 @@ fn ext4_and_verified_io_on_four_stacks_over_ublk() {
         );
     }
     // spare:ro: read-only, 512-byte sectors, 512 KiB requests (the
-    // default --ublk-max-io), a volatile cache with FUA (memory's).
+    // default --ublk-max-io), a volatile cache with FUA (memory's), and
+    // the two hardware queues --ublk-queues asked for.
     let limits: Vec<String> = run
         .section("limits")
         .expect("limits section")
@@ -205,7 +207,7 @@ fn ext4_and_verified_io_on_four_stacks_over_ublk() {
         .collect();
     assert_eq!(
         limits,
-        ["1", "512", "512", "write back", "1"],
+        ["1", "512", "512", "write back", "1", "2"],
         "{}",
         run.out
     );
