@@ -81,3 +81,52 @@ fn export_ublk_on_a_serve_without_ublk_is_refused_and_changes_nothing() {
     assert!(err.contains("no ublk frontend"), "{err}");
     assert_eq!(srv.snapshot(), before);
 }
+
+#[test]
+fn a_vhost_user_blk_serve_stops_on_sigterm_even_without_its_socket_path() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vu.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_blkstack"))
+        .arg("serve")
+        .args(["--concise", "d0,,,rw,0 2048 memory", "--vhost-user-blk"])
+        .arg(format!("{}:d0", sock.display()))
+        .arg("--control")
+        .arg(dir.path().join("c.sock"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn serve");
+    let out = BufReader::new(child.stdout.take().unwrap());
+    let lines: Vec<String> = out
+        .lines()
+        .map_while(Result::ok)
+        .take_while(|l| l != "ready")
+        .collect();
+    assert!(
+        lines.iter().any(|l| l.contains("vhost-user socket")),
+        "{lines:?}"
+    );
+    assert!(sock.exists(), "no socket at {}", sock.display());
+    // Whoever started serve may clean its directory before serve is gone:
+    // the stop must not need the path to wake the listener.
+    std::fs::remove_file(&sock).unwrap();
+    let st = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(status.success(), "serve exited {status:?}");
+            break;
+        }
+        if t0.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!("serve did not stop within 20 s of SIGTERM");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}

@@ -1,12 +1,15 @@
 //! One vhost-user-blk socket: listen, serve one VMM connection at a
 //! time, and listen again when it goes, so a VMM whose chardev has
 //! `reconnect=N` (qemu) comes back after this server restarts, or after
-//! it hung up. A stop (serve ending) wakes the listener with a connection
-//! of its own and shuts a live connection down.
+//! it hung up. A stop (serve ending) shuts the listening socket down,
+//! which ends a blocked accept (Linux's `unix_accept` fails once the
+//! socket is shut for reading), and shuts a live connection down; it
+//! never depends on the socket's path still being there.
 
 use crate::backend::BlkBackend;
 use blkstack_core::DeviceRef;
 use parking_lot::Mutex;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -26,6 +29,10 @@ pub struct VhostExport {
     pub socket: PathBuf,
     stop: Arc<AtomicBool>,
     live: Arc<Mutex<Option<ShutdownHandle>>>,
+    /// Kept open here (not only in the thread) so that its descriptor
+    /// stays ours until the stop has used it.
+    listener: Arc<Mutex<Listener>>,
+    listen_fd: RawFd,
     backend: Arc<BlkBackend>,
     thread: Option<JoinHandle<()>>,
 }
@@ -49,8 +56,10 @@ impl VhostExport {
         }
         blkstack_control::remove_stale_socket(socket, "vhost-user socket")
             .map_err(|e| err(e.to_string()))?;
-        let mut listener =
-            Listener::new(socket, true).map_err(|e| err(format!("cannot listen: {e}")))?;
+        let listener = Arc::new(Mutex::new(
+            Listener::new(socket, true).map_err(|e| err(format!("cannot listen: {e}")))?,
+        ));
+        let listen_fd = listener.lock().as_raw_fd();
         let backend =
             BlkBackend::new(name, dev, read_only, queues).map_err(|e| err(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -62,9 +71,10 @@ impl VhostExport {
                 live.clone(),
                 name.to_string(),
             );
+            let listener = listener.clone();
             std::thread::Builder::new()
                 .name(format!("vhost-{name}"))
-                .spawn(move || serve_loop(&name, &mut listener, backend, &stop, &live))
+                .spawn(move || serve_loop(&name, &listener, backend, &stop, &live))
                 .map_err(|e| err(e.to_string()))?
         };
         Ok(VhostExport {
@@ -72,6 +82,8 @@ impl VhostExport {
             socket: socket.to_path_buf(),
             stop,
             live,
+            listener,
+            listen_fd,
             backend,
             thread: Some(thread),
         })
@@ -88,8 +100,11 @@ impl VhostExport {
         if let Some(h) = self.live.lock().take() {
             h.shutdown();
         }
-        // Wake an accept that waits for a VMM.
-        let _ = std::os::unix::net::UnixStream::connect(&self.socket);
+        // End an accept that waits for a VMM. The descriptor is still
+        // ours: `self.listener` keeps it open.
+        // SAFETY: shutdown(2) on a socket descriptor we hold open.
+        unsafe { libc::shutdown(self.listen_fd, libc::SHUT_RDWR) };
+        let _ = &self.listener;
         self.backend.stop_workers();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -108,7 +123,7 @@ impl Drop for VhostExport {
 
 fn serve_loop(
     name: &str,
-    listener: &mut Listener,
+    listener: &Mutex<Listener>,
     backend: Arc<BlkBackend>,
     stop: &AtomicBool,
     live: &Mutex<Option<ShutdownHandle>>,
@@ -124,7 +139,8 @@ fn serve_loop(
                     return;
                 }
             };
-        if let Err(e) = daemon.start(listener) {
+        let started = daemon.start(&mut listener.lock());
+        if let Err(e) = started {
             backend.stop_workers();
             if stop.load(Ordering::SeqCst) {
                 break;
