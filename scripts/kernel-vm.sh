@@ -18,6 +18,12 @@
 #                            in the guest it is /dev/disk/by-serial/SERIAL
 #       --shared-disk SERIAL=FILE  an image file two disks may share
 #                            (qemu's image locking off, cache=none)
+#       --vhost-user-blk SOCKET[:QUEUES]  a virtio disk served over vhost-user
+#                            (blkstack serve --vhost-user-blk SOCKET:NAME), in
+#                            the order given before the --disk ones (so the
+#                            first is /dev/vda); the guest's RAM becomes a
+#                            shared memfd, and qemu reconnects to SOCKET every
+#                            second while the server is away
 #       --fwd GPORT=HPORT    guest 10.0.2.100:GPORT reaches host 127.0.0.1:HPORT
 #       --file HOST[:GUEST]  copy a file into the guest (default /test/NAME)
 #       --bin PATH           copy an executable and the libraries ldd names
@@ -205,12 +211,13 @@ prepare() {
 }
 
 run() {
-  local script="" timeout=300 disks=() fwds=() files=() bins=() n=0 a
+  local script="" timeout=300 disks=() fwds=() files=() bins=() vhosts=() n=0 a
   while [ $# -gt 0 ]; do
     case $1 in
       --disk) disks+=("nbd:$2"); shift 2 ;;
       --shared-disk) disks+=("shared:$2"); shift 2 ;;
       --fwd) fwds+=("$2"); shift 2 ;;
+      --vhost-user-blk) vhosts+=("$2"); shift 2 ;;
       --file) files+=("$2"); shift 2 ;;
       --bin) bins+=("$2"); shift 2 ;;
       --timeout) timeout=$2; shift 2 ;;
@@ -246,6 +253,18 @@ run() {
     -append "console=ttyS0 panic=-1 quiet loglevel=4 rdinit=/init"
     -serial "file:$dir/console.log" -chardev "file,id=out,path=$work/out"
     -device isa-serial,chardev=out)
+  if [ ${#vhosts[@]} -gt 0 ]; then
+    # vhost-user needs the guest's RAM in memory the server can map.
+    args+=(-object "memory-backend-memfd,id=mem,size=${mem}M,share=on" -numa node,memdev=mem)
+    for a in "${vhosts[@]}"; do
+      local sock=${a%%:*} q=1
+      [ "$sock" != "$a" ] && q=${a#*:}
+      case $q in ''|*[!0-9]*) die "--vhost-user-blk wants SOCKET[:QUEUES], got '$a'" ;; esac
+      args+=(-chardev "socket,id=vu$n,path=$sock,reconnect-ms=1000"
+        -device "vhost-user-blk-pci,chardev=vu$n,num-queues=$q")
+      n=$((n + 1))
+    done
+  fi
   for a in "${disks[@]+"${disks[@]}"}"; do
     local kind=${a%%:*} spec=${a#*:}
     local serial=${spec%%=*} uri=${spec#*=}

@@ -28,8 +28,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client).
-    Serve(blkstack_nbd::NbdArgs),
+    /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client) as /dev/ublkbN (--ublk) and to VMs over vhost-user-blk.
+    Serve(ServeArgs),
     /// Rerun five upstream block-layer experiments, old vs new mechanism, into one report page (`lab all --quick`; `lab compare A B`).
     Lab(blkstack_lab::LabArgs),
     /// dmsetup-style verbs against a running `blkstack serve` (create, remove, suspend, ...).
@@ -39,6 +39,30 @@ enum Cmd {
     Bench(blkstack_bench::BenchArgs),
     /// Replay a dm-log-writes log onto a device or image to any point a crash could expose (xfstests' replay-log).
     ReplayLog(blkstack_crashtest::ReplayLogArgs),
+}
+
+/// `serve`'s flags: NBD's and the ublk frontend's.
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    nbd: blkstack_nbd::NbdArgs,
+    #[command(flatten)]
+    ublk: blkstack_ublk::cli::UblkArgs,
+    #[command(flatten)]
+    vhost: blkstack_vhost_user_blk::cli::VhostArgs,
+}
+
+fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let mut extra: Vec<blkstack_nbd::ExtraFrontend> = Vec::new();
+    if a.ublk.enabled() {
+        let u = a.ublk;
+        extra.push(Box::new(move |reg| u.start(reg)));
+    }
+    if a.vhost.enabled() {
+        let v = a.vhost;
+        extra.push(Box::new(move |reg| v.start(reg)));
+    }
+    blkstack_nbd::run_serve(a.nbd, extra)
 }
 
 /// Log to stderr at the level `-v` asks for, with RUST_LOG's directives
@@ -67,7 +91,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
     let result = match cli.cmd {
-        Cmd::Serve(a) => blkstack_nbd::run_cli(a),
+        Cmd::Serve(a) => serve(a),
         Cmd::Lab(a) => blkstack_lab::run_cli(a),
         Cmd::Control(v) => blkstack_control::run_cli(v),
         Cmd::Bench(a) => blkstack_bench::run_cli(a),

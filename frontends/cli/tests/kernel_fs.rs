@@ -69,17 +69,7 @@ fs_cycle() {
 "#;
 
 fn pattern(dir: &Path) -> std::path::PathBuf {
-    let p = dir.join("pattern");
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut v = Vec::with_capacity(8 << 20);
-    while v.len() < 8 << 20 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    std::fs::write(&p, v).expect("pattern");
-    p
+    pattern_file(dir, 8 << 20, 0x9E37_79B9_7F4A_7C15)
 }
 
 /// The first four bytes of an export, read back through blkstack on the

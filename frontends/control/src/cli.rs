@@ -157,6 +157,10 @@ pub struct ExportArgs {
     /// Export read-only (writes, trims and zeroing fail with EPERM).
     #[arg(short = 'r', long)]
     pub readonly: bool,
+    /// Export as a kernel block device, /dev/ublkbN (the server must run
+    /// where /dev/ublk-control exists: `modprobe ublk_drv`), not over NBD.
+    #[arg(long)]
+    pub ublk: bool,
     #[command(flatten)]
     pub control: ControlOpt,
 }
@@ -167,6 +171,10 @@ pub struct UnexportArgs {
     /// their in-flight requests are answered).
     #[arg(short = 'f', long)]
     pub force: bool,
+    /// Withdraw the ublk export (/dev/ublkbN) of that name; needed only
+    /// when the device is exported on both NBD and ublk.
+    #[arg(long)]
+    pub ublk: bool,
     #[arg(value_name = "NAME")]
     pub name: String,
     #[command(flatten)]
@@ -201,9 +209,9 @@ pub enum Verb {
     Ls(LsArgs),
     /// Send a message to a target (dmsetup message).
     Message(MessageArgs),
-    /// Export a device over NBD on the running server.
+    /// Export a device over NBD (or with --ublk as /dev/ublkbN) on the running server.
     Export(ExportArgs),
-    /// Withdraw an NBD export.
+    /// Withdraw an NBD (or ublk) export.
     Unexport(UnexportArgs),
 }
 
@@ -377,7 +385,8 @@ pub fn run_cli(verb: Verb) -> anyhow::Result<()> {
                 &mut c,
                 "export",
                 &a.name,
-                json!({ "name": a.name, "readonly": a.readonly }),
+                json!({ "name": a.name, "readonly": a.readonly,
+                        "frontend": if a.ublk { "ublk" } else { "nbd" } }),
             )?;
             let mut out = String::new();
             for u in r
@@ -405,11 +414,38 @@ pub fn run_cli(verb: Verb) -> anyhow::Result<()> {
                 &mut c,
                 "unexport",
                 &a.name,
-                json!({ "name": a.name, "force": a.force }),
+                if a.ublk {
+                    json!({ "name": a.name, "force": a.force, "frontend": "ublk" })
+                } else {
+                    json!({ "name": a.name, "force": a.force })
+                },
             )?;
             Ok(())
         }
     }
+}
+
+/// `NAME[:ro]` items of a flag (`--export`, `--ublk`): (name, read_only)
+/// pairs, each name once.
+pub fn parse_named_modes(flag: &str, items: &[String]) -> anyhow::Result<Vec<(String, bool)>> {
+    let mut out: Vec<(String, bool)> = Vec::new();
+    for e in items {
+        let e = e.trim();
+        let (name, ro) = match e.rsplit_once(':') {
+            Some((n, "ro")) => (n, true),
+            Some((n, "rw")) => (n, false),
+            Some((_, other)) => bail!("{flag} {e}: unknown mode {other:?} (use NAME or NAME:ro)"),
+            None => (e, false),
+        };
+        if name.is_empty() {
+            bail!("{flag}: empty device name");
+        }
+        if out.iter().any(|(n, _)| n == name) {
+            bail!("{flag}: {name} given twice");
+        }
+        out.push((name.to_string(), ro));
+    }
+    Ok(out)
 }
 
 fn subjects(names: &[String]) -> String {

@@ -64,12 +64,21 @@ pub trait ExportHost: Send + Sync {
     /// requests are answered.
     fn unexport(&self, name: &str, force: bool) -> Result<(), RpcError>;
     fn exports(&self) -> Vec<ExportInfo>;
+    /// Which frontend this is (`nbd`, `ublk`): `export --ublk` picks by it
+    /// and `exports` shows it.
+    fn frontend(&self) -> &'static str {
+        "nbd"
+    }
+    /// End every export (serve is stopping). NBD's exports end with its
+    /// server; a frontend that owns kernel devices removes them here.
+    fn shutdown(&self) {}
 }
 
 /// The state behind a control socket.
 pub struct Control {
     reg: Arc<Registry>,
-    host: Option<Arc<dyn ExportHost>>,
+    /// The export frontends of this server (NBD, ublk), each at most once.
+    hosts: Vec<Arc<dyn ExportHost>>,
     device_locks: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
@@ -137,6 +146,18 @@ struct ExportParams {
     name: String,
     #[serde(default)]
     readonly: bool,
+    /// `nbd` (the default) or `ublk`.
+    frontend: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UnexportParams {
+    name: String,
+    #[serde(default)]
+    force: bool,
+    /// Which frontend's export; needed only when two share the name.
+    frontend: Option<String>,
 }
 
 /// Every method, for `METHOD_NOT_FOUND` messages and the docs test.
@@ -147,10 +168,22 @@ pub const METHODS: &[&str] = &[
 
 impl Control {
     pub fn new(reg: Arc<Registry>, host: Option<Arc<dyn ExportHost>>) -> Control {
+        Control::with_hosts(reg, host.into_iter().collect())
+    }
+
+    /// A control over several export frontends (NBD and ublk).
+    pub fn with_hosts(reg: Arc<Registry>, hosts: Vec<Arc<dyn ExportHost>>) -> Control {
         Control {
             reg,
-            host,
+            hosts,
             device_locks: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// End every frontend's exports (serve is stopping).
+    pub fn shutdown(&self) {
+        for h in &self.hosts {
+            h.shutdown();
         }
     }
 
@@ -175,13 +208,31 @@ impl Control {
         Ok((dev.name.clone(), lock))
     }
 
-    fn host(&self) -> Result<&Arc<dyn ExportHost>, RpcError> {
-        self.host.as_ref().ok_or_else(|| {
-            RpcError::new(
-                ENOTSUP,
-                "this control server has no NBD frontend to export with",
-            )
-        })
+    fn host(&self, frontend: &str) -> Result<&Arc<dyn ExportHost>, RpcError> {
+        self.hosts
+            .iter()
+            .find(|h| h.frontend() == frontend)
+            .ok_or_else(|| {
+                RpcError::new(
+                    ENOTSUP,
+                    format!(
+                        "this server has no {frontend} frontend to export with{}",
+                        if frontend == "ublk" {
+                            " (start serve with --ublk or --ublk-enable)"
+                        } else {
+                            ""
+                        }
+                    ),
+                )
+            })
+    }
+
+    /// Every export of every frontend, with the frontend's name.
+    fn all_exports(&self) -> Vec<(&'static str, ExportInfo)> {
+        self.hosts
+            .iter()
+            .flat_map(|h| h.exports().into_iter().map(move |e| (h.frontend(), e)))
+            .collect()
     }
 
     /// Run one method.
@@ -297,25 +348,50 @@ impl Control {
             }
             "export" => {
                 let p: ExportParams = params(p)?;
-                let host = self.host()?;
+                let frontend = p.frontend.as_deref().unwrap_or("nbd");
+                let host = self.host(frontend)?;
                 let (name, lock) = self.device_lock(&p.name)?;
                 let _g = lock.lock();
                 let dev = self.reg.get(&name).ok_or_else(|| {
                     RpcError::from(blkstack_mapped::DmError::NoSuchDevice(name.clone()))
                 })?;
                 let e = host.export(&name, dev, p.readonly)?;
-                Ok(export_json(&e))
+                Ok(export_json(host.frontend(), &e))
             }
             "unexport" => {
-                let p: RemoveParams = params(p)?;
-                let host = self.host()?;
+                let p: UnexportParams = params(p)?;
+                let host = match p.frontend.as_deref() {
+                    Some(f) => self.host(f)?,
+                    None => {
+                        let owners: Vec<&Arc<dyn ExportHost>> = self
+                            .hosts
+                            .iter()
+                            .filter(|h| h.exports().iter().any(|e| e.name == p.name))
+                            .collect();
+                        match owners.as_slice() {
+                            [] => return Err(not_exported(&p.name)),
+                            [h] => *h,
+                            _ => {
+                                return Err(RpcError::invalid_params(format!(
+                                    "{} is exported on several frontends; say which (frontend: nbd or ublk)",
+                                    p.name
+                                )))
+                            }
+                        }
+                    }
+                };
                 host.unexport(&p.name, p.force)?;
                 Ok(json!({ "name": p.name }))
             }
             "exports" => {
                 let _: HashMap<String, Value> = params(p)?;
-                let list = self.host()?.exports();
-                Ok(json!({ "exports": list.iter().map(export_json).collect::<Vec<_>>() }))
+                if self.hosts.is_empty() {
+                    self.host("nbd")?;
+                }
+                let list = self.all_exports();
+                Ok(
+                    json!({ "exports": list.iter().map(|(f, e)| export_json(f, e)).collect::<Vec<_>>() }),
+                )
             }
             other => Err(RpcError::new(
                 METHOD_NOT_FOUND,
@@ -354,15 +430,12 @@ impl Control {
     fn remove(&self, p: RemoveParams) -> Result<Value, RpcError> {
         let (name, lock) = self.device_lock(&p.name)?;
         let _g = lock.lock();
-        let exported: Vec<String> = match &self.host {
-            Some(h) => h
-                .exports()
-                .into_iter()
-                .filter(|e| e.device == name)
-                .map(|e| e.name)
-                .collect(),
-            None => Vec::new(),
-        };
+        let exported: Vec<(&'static str, String)> = self
+            .all_exports()
+            .into_iter()
+            .filter(|(_, e)| e.device == name)
+            .map(|(f, e)| (f, e.name))
+            .collect();
         // Check what the registry would refuse before withdrawing the
         // export, so a refused remove leaves the export in place.
         let users = self.reg.users(&name)?;
@@ -378,13 +451,21 @@ impl Control {
                 return Err(RpcError::new(
                     EBUSY,
                     format!(
-                        "device {name} is busy: exported over NBD as {}; unexport it or use force",
-                        exported.join(", ")
+                        "device {name} is busy: exported {}; unexport it or use force",
+                        exported
+                            .iter()
+                            .map(|(f, e)| if *f == "nbd" {
+                                format!("over NBD as {e}")
+                            } else {
+                                format!("on {f} as {e}")
+                            })
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     ),
                 ));
             }
-            for e in &exported {
-                self.host()?.unexport(e, true)?;
+            for (f, e) in &exported {
+                self.host(f)?.unexport(e, true)?;
             }
         }
         self.reg.remove(&name, p.force)?;
@@ -445,9 +526,10 @@ impl Control {
     }
 }
 
-fn export_json(e: &ExportInfo) -> Value {
+fn export_json(frontend: &str, e: &ExportInfo) -> Value {
     json!({
         "name": e.name,
+        "frontend": frontend,
         "read_only": e.read_only,
         "connections": e.connections,
         "uris": e.uris,

@@ -66,12 +66,7 @@ pub struct NbdArgs {
     /// Devices to export (comma-separated or repeated). `NAME:ro` exports NAME
     /// read-only (writes, trims and zeroing fail with EPERM). The first export
     /// is also the default one (empty export name).
-    #[arg(
-        long,
-        value_name = "NAME[:ro][,NAME[:ro]...]",
-        value_delimiter = ',',
-        required = true
-    )]
+    #[arg(long, value_name = "NAME[:ro][,NAME[:ro]...]", value_delimiter = ',')]
     pub export: Vec<String>,
 
     /// Export these devices read-only (same as NAME:ro in --export).
@@ -178,23 +173,7 @@ pub fn parse_exports(
     export: &[String],
     readonly: &[String],
 ) -> anyhow::Result<Vec<(String, bool)>> {
-    let mut out: Vec<(String, bool)> = Vec::new();
-    for e in export {
-        let e = e.trim();
-        let (name, ro) = match e.rsplit_once(':') {
-            Some((n, "ro")) => (n, true),
-            Some((n, "rw")) => (n, false),
-            Some((_, other)) => bail!("--export {e}: unknown mode {other:?} (use NAME or NAME:ro)"),
-            None => (e, false),
-        };
-        if name.is_empty() {
-            bail!("--export: empty device name");
-        }
-        if out.iter().any(|(n, _)| n == name) {
-            bail!("--export: {name} given twice");
-        }
-        out.push((name.to_string(), ro));
-    }
+    let mut out = blkstack_control::cli::parse_named_modes("--export", export)?;
     for r in readonly {
         match out.iter_mut().find(|(n, _)| n == r.trim()) {
             Some(x) => x.1 = true,
@@ -205,8 +184,29 @@ pub fn parse_exports(
 }
 
 pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
+    run_serve(args, Vec::new())
+}
+
+/// Another frontend `serve` runs beside NBD (ublk): called once the stack
+/// exists, it exports its devices and returns the host the control socket
+/// drives; serve ends its exports (`ExportHost::shutdown`) when it stops.
+pub type ExtraFrontend = Box<
+    dyn FnOnce(
+        &std::sync::Arc<blkstack_mapped::Registry>,
+    ) -> anyhow::Result<std::sync::Arc<dyn blkstack_control::ExportHost>>,
+>;
+
+/// `serve` with NBD and the `extra` frontends. Without `--export` and
+/// `--listen`, NBD listens nowhere (a ublk-only serve).
+pub fn run_serve(args: NbdArgs, extra: Vec<ExtraFrontend>) -> anyhow::Result<()> {
     let exports = parse_exports(&args.export, &args.readonly)?;
-    let listen: Vec<ListenUri> = if args.listen.is_empty() {
+    if exports.is_empty() && extra.is_empty() {
+        bail!("serve needs devices to export: --export NAME (NBD), --ublk NAME (/dev/ublkbN) or --vhost-user-blk SOCKET:NAME");
+    }
+    let nbd_listens = !exports.is_empty() || !args.listen.is_empty();
+    let listen: Vec<ListenUri> = if !nbd_listens {
+        Vec::new()
+    } else if args.listen.is_empty() {
         vec![ListenUri::Tcp(([127, 0, 0, 1], uri::DEFAULT_PORT).into())]
     } else {
         args.listen
@@ -257,11 +257,28 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
     });
     // Live control (blkstack-control): the control socket lives as long
     // as the server runs.
-    let host = control::NbdExportHost::new(server.export_table(), server.addresses(), held);
-    let control_state = std::sync::Arc::new(blkstack_control::Control::new(
-        reg.clone(),
-        Some(std::sync::Arc::new(host)),
-    ));
+    let mut hosts: Vec<std::sync::Arc<dyn blkstack_control::ExportHost>> = Vec::new();
+    if nbd_listens {
+        hosts.push(std::sync::Arc::new(control::NbdExportHost::new(
+            server.export_table(),
+            server.addresses(),
+            held,
+        )));
+    }
+    for f in extra {
+        match f(&reg) {
+            Ok(h) => hosts.push(h),
+            Err(e) => {
+                for h in &hosts {
+                    h.shutdown();
+                }
+                return Err(e);
+            }
+        }
+    }
+    let control_state =
+        std::sync::Arc::new(blkstack_control::Control::with_hosts(reg.clone(), hosts));
+    let stop_frontends = control_state.clone();
     let control_server = match &args.control {
         Some(p) => Some(blkstack_control::ControlServer::start(
             p,
@@ -302,8 +319,11 @@ pub fn run_cli(args: NbdArgs) -> anyhow::Result<()> {
         writeln!(so, "ready")?;
         so.flush()?;
     }
-    let summary = server.run()?;
+    let summary = server.run();
     drop(control_server);
+    // The other frontends' devices (ublk) end here, before the stack.
+    stop_frontends.shutdown();
+    let summary = summary?;
     // Deliberately user-facing (the counterpart of "ready" on stdout).
     eprintln!(
         "blkstack serve: stopped after {} connection(s); devices flushed",

@@ -121,12 +121,8 @@ impl Server {
     /// anything else is an error
     /// ([`blkstack_control::remove_stale_socket`]).
     pub fn bind(exports: Vec<Export>, addrs: &[ListenUri]) -> io::Result<Server> {
-        if exports.is_empty() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "no exports given",
-            ));
-        }
+        // No exports is allowed: `export` may add them later, and a
+        // ublk-only serve binds no address at all.
         let mut listeners = Vec::new();
         for a in addrs {
             let l = match a {

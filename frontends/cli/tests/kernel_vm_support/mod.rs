@@ -149,6 +149,16 @@ impl Vm {
         self
     }
 
+    /// A virtio disk served over vhost-user at `socket` with `queues`
+    /// virtqueues (`blkstack serve --vhost-user-blk SOCKET:NAME`); the
+    /// first one is the guest's /dev/vda, and qemu reconnects when the
+    /// server comes back.
+    pub fn vhost_user_blk(mut self, socket: &Path, queues: u16) -> Vm {
+        self.args.push("--vhost-user-blk".into());
+        self.args.push(format!("{}:{queues}", socket.display()));
+        self
+    }
+
     /// Guest `10.0.2.100:guest_port` reaches host `127.0.0.1:host_port`.
     pub fn forward(mut self, guest_port: u16, host_port: u16) -> Vm {
         self.args.push("--fwd".into());
@@ -211,6 +221,46 @@ impl Vm {
         }
     }
 }
+
+/// `len` bytes of a fixed xorshift pattern in `dir/pattern`, to copy into
+/// a guest (`/test/pattern`) as data whose every block differs.
+pub fn pattern_file(dir: &Path, len: usize, seed: u64) -> PathBuf {
+    let p = dir.join("pattern");
+    let mut x = seed;
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    std::fs::write(&p, v).expect("pattern");
+    p
+}
+
+/// Guest shell function `verify_pass DEV N`: a verified random-write pass
+/// over the first `$S` sectors of DEV: N writes of 1..16 4 KiB blocks from
+/// /test/pattern (at least 4 MiB) at pseudo-random places, O_DIRECT, the
+/// same writes applied to an image in RAM, then the whole range read back
+/// (O_DIRECT) must hash the same. Needs `S` set (a multiple of 2048).
+pub const GUEST_VERIFY_FN: &str = r#"
+verify_pass() {
+  dev=$1; n=$2
+  dd if=/dev/zero of=/tmp/exp bs=1M count=$((S/2048)) 2>/dev/null
+  dd if=/dev/zero of=$dev bs=1M count=$((S/2048)) oflag=direct 2>/dev/null || return 1
+  x=12345; i=0
+  while [ $i -lt $n ]; do
+    x=$(( (x * 1103515245 + 12345) % 2147483648 ))
+    blk=$(( x % (S / 8 - 16) )); cnt=$(( x / 7 % 16 + 1 )); src=$(( x / 3 % 900 ))
+    dd if=/test/pattern of=$dev bs=4k skip=$src seek=$blk count=$cnt oflag=direct 2>/dev/null || return 1
+    dd if=/test/pattern of=/tmp/exp bs=4k skip=$src seek=$blk count=$cnt conv=notrunc 2>/dev/null || return 1
+    i=$((i+1))
+  done
+  a=$(dd if=$dev bs=64k iflag=direct 2>/dev/null | md5sum | cut -d' ' -f1)
+  b=$(md5sum < /tmp/exp | cut -d' ' -f1)
+  [ "$a" = "$b" ] || { echo "device $a, expected $b"; return 1; }
+}
+"#;
 
 /// Shell-quotes one word for a guest script.
 pub fn sh_quote(s: &str) -> String {

@@ -1,0 +1,247 @@
+//! The ublk frontend judged by the real kernel: inside the kernel VM
+//! (Debian's Linux 6.12, whose ublk_drv is in the guest's initramfs),
+//! blkstack itself runs and presents its devices as /dev/ublkbN, and the
+//! kernel's block layer, ext4 and e2fsck use them.
+//!
+//! - memory, striped, delay and flakey stacks: mkfs.ext4, a workload, a
+//!   remount and `e2fsck -fn` clean; then a verified random-write pass
+//!   (O_DIRECT writes mirrored into an image in RAM, the whole device read
+//!   back and compared); the limits the kernel took from the stack
+//!   (read-only, block size, max I/O, cache, FUA); a table reload under a
+//!   verified writer; `export --ublk` / `unexport` / `remove [-f]` at run
+//!   time; SIGTERM leaving no device behind.
+//! - recovery (`UBLK_F_USER_RECOVERY`): serve killed with SIGKILL under an
+//!   fsyncing ext4 writer and restarted with the same table takes the same
+//!   /dev/ublkbN over, the writer finishes, every file is intact and e2fsck
+//!   clean; without recovery a dead server's device fails I/O at once.
+
+mod kernel_vm_support;
+
+use kernel_vm_support::*;
+
+/// What both guest scripts use.
+const GUEST_LIB: &str = r#"
+fail() { echo "FAIL: $*"; exit 1; }
+modprobe ublk_drv || fail "modprobe ublk_drv"
+modprobe ext4
+# start_serve OUT ARGS...: blkstack serve in the background, until "ready".
+start_serve() {
+  out=$1; shift
+  blkstack serve "$@" > $out 2>&1 &
+  spid=$!
+  i=0; while ! grep -q '^ready' $out 2>/dev/null; do
+    kill -0 $spid 2>/dev/null || { cat $out; fail "serve $* exited"; }
+    [ $i -lt 900 ] || { cat $out; fail "serve $* not ready"; }
+    usleep 100000; i=$((i+1))
+  done
+}
+dev_of() { sed -n "s/^serving $1 .* at \(\/dev\/ublkb[0-9]*\)\$/\1/p" $2; }
+"#;
+
+/// Four stacks on ublk, from one serve.
+const STACKS: &str = r#"
+S=32768
+C=/tmp/c.sock
+cat > /tmp/stack.txt <<EOT
+mem: 0 $S memory
+la: 0 $((S/2)) memory
+lb: 0 $((S/2)) memory
+striped: 0 $S striped 2 128 la 0 lb 0
+dmem: 0 $S memory
+delay: 0 $S delay dmem 0 1
+fmem: 0 $S memory
+flakey: 0 $S flakey fmem 0 3600 0
+spare: 0 $S memory
+EOT
+fs_cycle() {
+  dev=$1
+  mkfs.ext4 -q -F $dev || return 1
+  mount -t ext4 $dev /mnt || return 1
+  mkdir /mnt/d && i=0
+  while [ $i -lt 50 ]; do echo "file $i" > /mnt/d/f$i || return 1; i=$((i+1)); done
+  dd if=/test/pattern of=/mnt/big bs=64k 2>/dev/null || return 1
+  sync || return 1
+  i=0; while [ $i -lt 50 ]; do mv /mnt/d/f$i /mnt/d/g$i || return 1; i=$((i+5)); done
+  umount /mnt && mount -t ext4 $dev /mnt || return 1
+  cmp /test/pattern /mnt/big || return 1
+  [ "$(cat /mnt/d/g5)" = "file 5" ] || return 1
+  umount /mnt || return 1
+  e2fsck -fn $dev > /tmp/fsck.out 2>&1 || { cat /tmp/fsck.out; return 1; }
+}
+start_serve /tmp/s1.out --stack /tmp/stack.txt --ublk mem,striped,delay,flakey,spare:ro --ublk-queues 2 --control $C
+cat /tmp/s1.out
+for k in mem striped delay flakey; do
+  d=$(dev_of $k /tmp/s1.out); [ -b "$d" ] || fail "no block device for $k"
+  fs_cycle $d || fail "ext4 on $k ($d)"
+  echo "PASS ext4 $k $d"
+  verify_pass $d 16 || fail "verify pass on $k ($d)"
+  echo "PASS verify $k $d"
+done
+d=$(dev_of spare /tmp/s1.out)
+echo "BEGIN limits"
+blockdev --getro $d; blockdev --getss $d
+cat /sys/block/${d#/dev/}/queue/max_sectors_kb /sys/block/${d#/dev/}/queue/write_cache /sys/block/${d#/dev/}/queue/fua
+ls /sys/block/${d#/dev/}/mq | wc -l
+echo "END limits"
+dd if=/dev/zero of=$d bs=4k count=1 oflag=direct 2>/dev/null && fail "a write to a read-only ublk device succeeded"
+# A reload under I/O: delay's table changes (1 ms -> 3 ms) while a writer runs.
+d=$(dev_of delay /tmp/s1.out)
+( verify_pass $d 60 && echo writer-ok > /tmp/w.out || echo writer-failed > /tmp/w.out ) &
+w=$!
+sleep 1
+blkstack reload --control $C delay --table "0 $S delay dmem 0 3" || fail reload
+blkstack resume --control $C delay || fail resume
+blkstack table --control $C delay
+wait $w; cat /tmp/w.out
+grep -q writer-ok /tmp/w.out || fail "the verify pass across the reload"
+echo "PASS reload under I/O"
+# Control verbs: export and unexport at run time; remove of an exported device.
+r=$(blkstack export --ublk --control $C fmem) || fail "export --ublk"
+echo "$r"
+d=$(echo "$r" | sed -n 's/.* at \(\/dev\/ublkb[0-9]*\)$/\1/p')
+[ -b "$d" ] || fail "export --ublk made no device"
+dd if=/test/pattern of=$d bs=64k count=4 oflag=direct 2>/dev/null || fail "write to the runtime export"
+blkstack remove --control $C spare 2>&1 && fail "remove of a device exported on ublk"
+d4=$(dev_of spare /tmp/s1.out)
+blkstack remove -f --control $C spare || fail "remove -f of a device exported on ublk"
+[ -e $d4 ] && fail "$d4 still there after remove -f"
+blkstack unexport --ublk --control $C fmem || fail unexport
+[ -e $d ] && fail "$d still there after unexport"
+echo "PASS export/unexport"
+kill -TERM $spid; wait $spid; echo "serve exit $?"
+ls /dev/ublkb* 2>/dev/null && fail "ublk devices left after SIGTERM"
+echo PASS sigterm
+"#;
+
+/// kill -9 and restart, with and without recovery.
+const RECOVERY: &str = r#"
+# Recovery: a file-backed stack (the data outlives the server), ext4 on it,
+# a writer that syncs each file; serve is killed with SIGKILL mid-run and
+# restarted with the same table.
+STACK="rec,,,rw,0 32768 file /tmp/rec.img create"
+start_serve /tmp/r1.out --concise "$STACK" --ublk rec --control /tmp/r.sock
+d=$(dev_of rec /tmp/r1.out); [ -b "$d" ] || { cat /tmp/r1.out; fail "no device"; }
+mkfs.ext4 -q -F $d && mount -t ext4 $d /mnt || fail "mkfs/mount on $d"
+(
+  i=0
+  while [ $i -lt 40 ]; do
+    dd if=/test/pattern of=/mnt/f$i bs=64k count=2 skip=$i conv=fsync 2>/dev/null || { echo "writer: f$i failed"; exit 1; }
+    i=$((i+1))
+  done
+  echo writer-done
+) > /tmp/w.out 2>&1 &
+w=$!
+while [ ! -e /mnt/f5 ]; do usleep 100000; done
+kill -9 $spid; wait $spid 2>/dev/null
+echo "killed serve at $(ls /mnt | wc -l) files"
+sleep 1
+kill -0 $w 2>/dev/null && echo "writer waits while no server runs"
+start_serve /tmp/r2.out --concise "$STACK" --ublk rec --control /tmp/r.sock
+cat /tmp/r2.out
+[ "$(dev_of rec /tmp/r2.out)" = "$d" ] || fail "the restarted serve did not take $d over"
+wait $w; cat /tmp/w.out
+grep -q writer-done /tmp/w.out || fail "the writer did not finish across the restart"
+i=0; while [ $i -lt 40 ]; do
+  dd if=/test/pattern bs=64k count=2 skip=$i 2>/dev/null | cmp - /mnt/f$i || fail "f$i differs"
+  i=$((i+1))
+done
+umount /mnt || fail umount
+e2fsck -fn $d > /tmp/fsck.out 2>&1 || { cat /tmp/fsck.out; fail "e2fsck after the restart"; }
+echo PASS recovery
+kill -TERM $spid; wait $spid
+# Without recovery a dead server's device fails its I/O: never a hang.
+start_serve /tmp/n1.out --concise "nr,,,rw,0 32768 memory" --ublk nr --ublk-no-recovery --control /tmp/n.sock
+d=$(dev_of nr /tmp/n1.out)
+dd if=/dev/zero of=$d bs=4k count=1 oflag=direct 2>/dev/null || fail "write before the kill"
+kill -9 $spid; wait $spid 2>/dev/null
+( dd if=$d of=/dev/null bs=4k count=1 iflag=direct 2>/tmp/dd.err; echo "rc=$?" > /tmp/dd.rc ) &
+r=$!
+i=0; while kill -0 $r 2>/dev/null && [ $i -lt 600 ]; do usleep 100000; i=$((i+1)); done
+kill -0 $r 2>/dev/null && fail "a read of a dead server's device hangs"
+cat /tmp/dd.rc /tmp/dd.err
+grep -q "rc=0" /tmp/dd.rc && fail "a read of a dead server's device succeeded"
+echo "PASS no recovery: I/O failed after $((i/10)) s"
+"#;
+
+fn guest(script: &str, timeout: u64) -> VmRun {
+    let scratch = tempfile::tempdir().expect("scratch");
+    let run = Vm::new()
+        .blkstack()
+        .file(
+            &pattern_file(scratch.path(), 4 << 20, 0x2545_F491_4F6C_DD1D),
+            "/test/pattern",
+        )
+        .timeout(timeout)
+        .run(&format!("{GUEST_LIB}{GUEST_VERIFY_FN}{script}"));
+    println!("{}", run.out);
+    run
+}
+
+#[test]
+fn ext4_and_verified_io_on_four_stacks_over_ublk() {
+    if !vm_available() {
+        return;
+    }
+    let run = guest(STACKS, 400);
+    run.assert_ok("blkstack stacks on ublk in the guest");
+    for k in ["mem", "striped", "delay", "flakey"] {
+        assert!(
+            run.out.contains(&format!("PASS ext4 {k} /dev/ublkb")),
+            "ext4 on {k}:\n{}",
+            run.out
+        );
+        assert!(
+            run.out.contains(&format!("PASS verify {k} /dev/ublkb")),
+            "verify on {k}:\n{}",
+            run.out
+        );
+    }
+    // spare:ro: read-only, 512-byte sectors, 512 KiB requests (the
+    // default --ublk-max-io), a volatile cache with FUA (memory's), and
+    // the two hardware queues --ublk-queues asked for.
+    let limits: Vec<String> = run
+        .section("limits")
+        .expect("limits section")
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        limits,
+        ["1", "512", "512", "write back", "1", "2"],
+        "{}",
+        run.out
+    );
+    assert!(
+        run.out.contains("0 32768 delay 253:4 0 3"),
+        "reloaded table:\n{}",
+        run.out
+    );
+    for step in [
+        "PASS reload under I/O",
+        "PASS export/unexport",
+        "PASS sigterm",
+    ] {
+        assert!(run.out.contains(step), "{step}:\n{}", run.out);
+    }
+    assert!(
+        run.out.contains("is busy: exported on ublk as spare"),
+        "remove of an exported device must say why:\n{}",
+        run.out
+    );
+}
+
+#[test]
+fn a_killed_server_is_taken_over_and_without_recovery_io_fails() {
+    if !vm_available() {
+        return;
+    }
+    let run = guest(RECOVERY, 300);
+    run.assert_ok("ublk recovery in the guest");
+    assert!(
+        run.out.contains("writer waits while no server runs"),
+        "{}",
+        run.out
+    );
+    assert!(run.out.contains("PASS recovery"), "{}", run.out);
+    assert!(run.out.contains("PASS no recovery"), "{}", run.out);
+}

@@ -1,0 +1,83 @@
+//! What can go wrong presenting a device on ublk, typed so the CLI and
+//! the control socket can say it plainly (the missing-module case above
+//! all: most hosts have the driver but not the module loaded).
+
+use std::path::PathBuf;
+
+/// The control node the kernel's ublk driver (drivers/block/ublk_drv.c)
+/// creates when the module is loaded.
+pub const CONTROL_PATH: &str = "/dev/ublk-control";
+
+#[derive(Debug, thiserror::Error)]
+pub enum UblkError {
+    #[error(
+        "{path} is missing: the kernel's ublk driver is not loaded (run `modprobe ublk_drv` as root; \
+         it needs CONFIG_BLK_DEV_UBLK, Linux 6.0 or later)",
+        path = .0.display()
+    )]
+    NoControl(PathBuf),
+    #[error(
+        "{path}: permission denied (ublk devices need root, or an unprivileged-ublk setup: a udev \
+         rule giving users {path} and --ublk-unprivileged)",
+        path = .0.display()
+    )]
+    Permission(PathBuf),
+    #[error("ublk export {0}: already exported on ublk")]
+    AlreadyExported(String),
+    #[error("ublk export {0}: not exported on ublk")]
+    NotExported(String),
+    #[error("ublk export {name}: {what}")]
+    Invalid { name: String, what: String },
+    #[error("ublk export {name}: {what} failed: {source}")]
+    Kernel {
+        name: String,
+        what: &'static str,
+        #[source]
+        source: libublk::UblkError,
+    },
+    #[error("ublk export {name}: {what}: {source}")]
+    Io {
+        name: String,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Refuse early, with the module's name, where the driver is absent or
+/// closed to us: libublk's own error for this is a bare errno.
+pub fn check_control(path: &std::path::Path) -> Result<(), UblkError> {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+    {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(UblkError::NoControl(path.to_path_buf()))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            Err(UblkError::Permission(path.to_path_buf()))
+        }
+        Err(e) => Err(UblkError::Io {
+            name: String::new(),
+            what: "opening the ublk control device",
+            source: e,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_control_node_names_the_module() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = check_control(&dir.path().join("ublk-control")).unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, UblkError::NoControl(_)), "{e:?}");
+        assert!(text.contains("modprobe ublk_drv"), "{text}");
+        assert!(text.contains("ublk-control is missing"), "{text}");
+    }
+}

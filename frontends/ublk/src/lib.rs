@@ -1,0 +1,28 @@
+//! The ublk frontend: a blkstack device as a real kernel block device,
+//! `/dev/ublkbN`, through the kernel's ublk driver
+//! (drivers/block/ublk_drv.c, include/uapi/linux/ublk_cmd.h) and the
+//! libublk crate (ublk-org), which carries the driver's io_uring command
+//! protocol so none of it is written by hand here.
+//!
+//! - [`params`]: the stack's geometry and features as `ublk_params`.
+//! - [`queue`]: one thread per ublk queue, requests to bios and back.
+//! - [`export`]: one device's life (add, start, recover, stop, delete).
+//! - [`host`]: the set of ublk exports of a `serve`, which the control
+//!   socket's `export --ublk` / `unexport` drive.
+//!
+//! Each ublk queue is one hardware queue of ours: its depth is the tag
+//! count (the kernel never sends more than the queue's depth), and its
+//! thread submits into the stack as an NBD connection's reader does.
+
+pub mod cli;
+pub mod error;
+pub mod export;
+pub mod host;
+pub mod options;
+pub mod params;
+pub mod queue;
+
+pub use error::{check_control, UblkError, CONTROL_PATH};
+pub use export::UblkExport;
+pub use host::UblkHost;
+pub use options::UblkOptions;

@@ -1,0 +1,190 @@
+//! The device's queue limits as the kernel's ublk driver takes them
+//! (`struct ublk_params`, checked by `ublk_validate_params` and applied by
+//! `ublk_dev_param_basic_apply` / `_discard_apply` in
+//! drivers/block/ublk_drv.c): sizes, block sizes, the largest request,
+//! discard and write-zeroes limits, the cache, FUA and read-only, all
+//! from the stack's device, so `/dev/ublkbN` shows what the stack is.
+
+use blkstack_core::Device;
+use libublk::sys;
+
+/// Geometry and features of the device, read once when it is exported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub size: u64,
+    pub logical_block_size: u32,
+    pub physical_block_size: u32,
+    pub max_io_bytes: u64,
+    pub features: blkstack_core::Features,
+}
+
+impl Geometry {
+    pub fn of(dev: &dyn Device) -> Geometry {
+        Geometry {
+            size: dev.size(),
+            logical_block_size: dev.logical_block_size(),
+            physical_block_size: dev.physical_block_size(),
+            max_io_bytes: dev.max_io_bytes(),
+            features: dev.features(),
+        }
+    }
+}
+
+fn shift_of(bytes: u32) -> Option<u8> {
+    bytes
+        .is_power_of_two()
+        .then(|| bytes.trailing_zeros() as u8)
+}
+
+/// `ublk_params` for a device of `g`, given the per-tag buffer size
+/// (`max_io_buf_bytes`, which bounds `max_sectors`). Refuses what the
+/// driver would refuse, with the reason.
+pub fn ublk_params(
+    g: &Geometry,
+    io_buf_bytes: u32,
+    read_only: bool,
+) -> Result<sys::ublk_params, String> {
+    let lbs = g.logical_block_size;
+    let lshift = shift_of(lbs)
+        .filter(|s| (9..=12).contains(s))
+        .ok_or_else(|| format!("logical block size {lbs} is not a power of two in 512..=4096"))?;
+    let pbs = g.physical_block_size.max(lbs);
+    let pshift =
+        shift_of(pbs).ok_or_else(|| format!("physical block size {pbs} is not a power of two"))?;
+    if !g.size.is_multiple_of(lbs as u64) || g.size == 0 {
+        return Err(format!(
+            "size {} is not a positive multiple of the logical block size {lbs}",
+            g.size
+        ));
+    }
+    // The largest request: the device's own limit and the buffer, in whole
+    // logical blocks; the driver wants at least a page.
+    let max_bytes = g.max_io_bytes.min(io_buf_bytes as u64);
+    let max_bytes = max_bytes - max_bytes % lbs as u64;
+    if max_bytes < 4096 {
+        return Err(format!(
+            "largest request {max_bytes} bytes is below the driver's minimum of one 4096-byte page"
+        ));
+    }
+    let f = g.features;
+    let mut attrs = 0;
+    if read_only || f.read_only {
+        attrs |= sys::UBLK_ATTR_READ_ONLY;
+    }
+    if f.flush {
+        attrs |= sys::UBLK_ATTR_VOLATILE_CACHE;
+    }
+    if f.fua {
+        attrs |= sys::UBLK_ATTR_FUA;
+    }
+    let mut p = sys::ublk_params {
+        len: std::mem::size_of::<sys::ublk_params>() as u32,
+        types: sys::UBLK_PARAM_TYPE_BASIC,
+        basic: sys::ublk_param_basic {
+            attrs,
+            logical_bs_shift: lshift,
+            physical_bs_shift: pshift,
+            io_opt_shift: pshift,
+            io_min_shift: pshift,
+            max_sectors: (max_bytes >> 9) as u32,
+            chunk_sectors: 0,
+            dev_sectors: g.size >> 9,
+            virt_boundary_mask: 0,
+        },
+        ..Default::default()
+    };
+    let writable = attrs & sys::UBLK_ATTR_READ_ONLY == 0;
+    if writable && (f.discard || f.write_zeroes) {
+        p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
+        p.discard = sys::ublk_param_discard {
+            discard_alignment: 0,
+            discard_granularity: pbs,
+            max_discard_sectors: if f.discard {
+                (max_bytes >> 9) as u32
+            } else {
+                0
+            },
+            max_write_zeroes_sectors: if f.write_zeroes {
+                (max_bytes >> 9) as u32
+            } else {
+                0
+            },
+            max_discard_segments: 1,
+            reserved0: 0,
+        };
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use blkstack_core::Features;
+
+    fn geo(lbs: u32, features: Features) -> Geometry {
+        Geometry {
+            size: 64 << 20,
+            logical_block_size: lbs,
+            physical_block_size: 4096,
+            max_io_bytes: 1 << 20,
+            features,
+        }
+    }
+
+    #[test]
+    fn limits_come_from_the_device() {
+        let f = Features {
+            discard: true,
+            write_zeroes: true,
+            ..Features::default()
+        };
+        let p = ublk_params(&geo(4096, f), 512 << 10, false).unwrap();
+        assert_eq!(p.basic.logical_bs_shift, 12);
+        assert_eq!(p.basic.physical_bs_shift, 12);
+        assert_eq!(p.basic.dev_sectors, (64 << 20) >> 9);
+        // The buffer is the smaller bound here.
+        assert_eq!(p.basic.max_sectors, (512 << 10) >> 9);
+        assert_ne!(p.basic.attrs & sys::UBLK_ATTR_VOLATILE_CACHE, 0);
+        assert_ne!(p.basic.attrs & sys::UBLK_ATTR_FUA, 0);
+        assert_eq!(p.basic.attrs & sys::UBLK_ATTR_READ_ONLY, 0);
+        assert_ne!(p.types & sys::UBLK_PARAM_TYPE_DISCARD, 0);
+        assert_eq!(p.discard.max_discard_segments, 1);
+        assert_eq!(p.discard.max_write_zeroes_sectors, (512 << 10) >> 9);
+    }
+
+    #[test]
+    fn read_only_and_featureless_devices() {
+        let f = Features {
+            flush: false,
+            fua: false,
+            discard: true,
+            ..Features::default()
+        };
+        let p = ublk_params(&geo(512, f), 512 << 10, true).unwrap();
+        assert_ne!(p.basic.attrs & sys::UBLK_ATTR_READ_ONLY, 0);
+        assert_eq!(p.basic.attrs & sys::UBLK_ATTR_VOLATILE_CACHE, 0);
+        assert_eq!(p.basic.attrs & sys::UBLK_ATTR_FUA, 0);
+        // No discard limits on a read-only device.
+        assert_eq!(p.types & sys::UBLK_PARAM_TYPE_DISCARD, 0);
+        let p = ublk_params(&geo(512, Features::default()), 512 << 10, false).unwrap();
+        assert_eq!(p.types & sys::UBLK_PARAM_TYPE_DISCARD, 0);
+    }
+
+    #[test]
+    fn what_the_driver_refuses_is_refused_here() {
+        let mut g = geo(8192, Features::default());
+        assert!(ublk_params(&g, 512 << 10, false)
+            .unwrap_err()
+            .contains("logical block size"));
+        g.logical_block_size = 512;
+        g.max_io_bytes = 2048;
+        assert!(ublk_params(&g, 512 << 10, false)
+            .unwrap_err()
+            .contains("4096-byte page"));
+        g.max_io_bytes = 1 << 20;
+        g.size = 1000;
+        assert!(ublk_params(&g, 512 << 10, false)
+            .unwrap_err()
+            .contains("size"));
+    }
+}
