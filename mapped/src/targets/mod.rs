@@ -13,6 +13,7 @@ pub mod memory;
 pub mod multipath;
 pub mod nbd;
 pub mod null;
+pub mod snapshot;
 pub mod striped;
 pub mod zero;
 
@@ -33,6 +34,7 @@ pub static TYPES: &[TargetType] = &[
     file::TYPE,
     nbd::TYPE,
     log_writes::TYPE,
+    snapshot::TYPE,
 ];
 
 pub fn lookup(name: &str) -> Option<&'static TargetType> {
