@@ -313,3 +313,41 @@ impl Journal {
         summarize(bad, format!("{committed} committed transactions, all with their data"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verify_fails_when_an_acknowledged_write_is_missing() {
+        let reg = Registry::new();
+        reg.create("d", "0 2048 memory").unwrap();
+        let dev = reg.device("d").unwrap();
+        let m = run_verify(&dev, 64, 10, 8).unwrap();
+        let (ok, out) = m.check(&dev, 10);
+        assert!(ok, "{out}");
+        // Older expectations hold too: blocks only move forward.
+        assert!(m.check(&dev, 3).0);
+        let victim = (0..64).find(|&b| m.after_flush[9][b as usize] > 0).unwrap();
+        let mut z = vec![0u8; BLOCK];
+        assert!(io(&dev, Op::Write, BioFlags::NONE, victim, &mut z).is_ok());
+        let (ok, out) = m.check(&dev, 10);
+        assert!(!ok);
+        assert!(out.contains(&format!("block {victim}: holds no valid stamp")), "{out}");
+        assert!(!m.check(&dev, 11).0, "a flush the workload never made");
+    }
+
+    #[test]
+    fn journal_check_fails_on_a_commit_without_its_data() {
+        let reg = Registry::new();
+        reg.create("d", "0 2048 memory").unwrap();
+        let dev = reg.device("d").unwrap();
+        let j = Journal { txns: 4, per_txn: 4 };
+        j.run(&dev, false).unwrap();
+        assert!(j.check(&dev).0);
+        let mut z = vec![0u8; BLOCK];
+        assert!(io(&dev, Op::Write, BioFlags::NONE, j.data_block(2, 1), &mut z).is_ok());
+        let (ok, out) = j.check(&dev);
+        assert!(!ok && out.contains("transaction 2 is committed"), "{out}");
+    }
+}

@@ -52,6 +52,10 @@ pub struct CrashtestArgs {
     /// mark after mkfs).
     #[arg(long, value_name = "TEXT")]
     start_mark: Option<String>,
+    /// Points from the log's first entry, even for a filesystem workload
+    /// (whose states before mkfs ended are not filesystems: they fail).
+    #[arg(long, conflicts_with = "start_mark")]
+    from_start: bool,
     /// Workload size: verify rounds, journal transactions, or the
     /// filesystem workload's steps (each ends with a sync).
     #[arg(long, value_name = "N")]
@@ -118,10 +122,11 @@ pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
     };
     let plan_opts = PlanOptions {
         rule: a.points,
-        start_mark: a
-            .start_mark
-            .clone()
-            .or_else(|| fs.map(|_| MKFS_MARK.to_string())),
+        start_mark: match (&a.start_mark, a.from_start) {
+            (Some(m), _) => Some(m.clone()),
+            (None, true) => None,
+            (None, false) => fs.map(|_| MKFS_MARK.to_string()),
+        },
         every_nth: a.every,
         max_points: a.max_points,
     };
