@@ -99,5 +99,5 @@ fn ext4_long() {
 #[test]
 #[ignore]
 fn xfs_long() {
-    passes("xfs", "32", 100);
+    passes("xfs", "50", 100);
 }

@@ -16,7 +16,7 @@
 //! every later I/O fails, as the kernel's transient store does (`status`
 //! prints `Invalid`).
 //!
-//! Only the transient store (`N`, or its long name `transient`) is built:
+//! Only the transient store (`N`) is built:
 //! its exceptions live in memory and start empty at every construction,
 //! which is what replay wants. The persistent store (`P`, `PO`: the
 //! on-disk exception areas of `dm-snap-persistent.c`) is refused with a
@@ -82,18 +82,22 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             "COW device cannot be the same as origin device",
         ));
     }
-    match args[2].to_ascii_uppercase().as_str() {
-        "N" | "TRANSIENT" => {}
-        "P" | "PO" | "PERSISTENT" => {
+    // dm_exception_store_create: the first letter names the store ("PO"
+    // is persistent with overflow, and "N..." is transient whatever
+    // follows); its errors are logged as "Couldn't create exception store".
+    match args[2].chars().next().map(|c| c.to_ascii_uppercase()) {
+        Some('N') => {}
+        Some('P') => {
             return Err(TargetError::invalid(format!(
                 "Couldn't create exception store: the persistent store '{}' is not built \
                  (only the transient store N is; see docs/KERNEL-PARITY.md)",
                 args[2]
             )))
         }
-        other => {
+        _ => {
             return Err(TargetError::invalid(format!(
-                "Couldn't create exception store: Persistent flag is not P or N: '{other}'"
+                "Couldn't create exception store: Exception store type is not P or N: '{}'",
+                args[2]
             )))
         }
     }
@@ -115,25 +119,30 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
 /// snapshot_ctr's "Chunk size not set" for 0 (a transient store has no
 /// header to read one from).
 fn chunk_size(arg: &str, origin: &DevArg, cow: &DevArg) -> Result<u64, TargetError> {
-    let c: u32 = crate::target::parse_sscanf("chunk size", arg)
-        .map_err(|_| TargetError::invalid("Invalid chunk size"))?;
+    let store = |why: &str| {
+        TargetError::invalid(format!("Couldn't create exception store: {why}"))
+    };
+    // kstrtouint: decimal digits (an optional leading '+'), fitting u32.
+    let digits = arg.strip_prefix('+').unwrap_or(arg);
+    let c: u32 = Some(digits)
+        .filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|d| d.parse().ok())
+        .ok_or_else(|| store("Invalid chunk size"))?;
     if c == 0 {
         return Err(TargetError::invalid("Chunk size not set"));
     }
     if !c.is_power_of_two() {
-        return Err(TargetError::invalid("Chunk size is not a power of 2"));
+        return Err(store("Chunk size is not a power of 2"));
     }
     let c = c as u64;
     for d in [cow, origin] {
         let lbs = (d.dev.logical_block_size() as u64 / SECTOR_SIZE).max(1);
         if c % lbs != 0 {
-            return Err(TargetError::invalid(
-                "Chunk size is not a multiple of device blocksize",
-            ));
+            return Err(store("Chunk size is not a multiple of device blocksize"));
         }
     }
     if c > (i32::MAX as u64) >> 9 {
-        return Err(TargetError::invalid("Chunk size is too high"));
+        return Err(store("Chunk size is too high"));
     }
     Ok(c)
 }
@@ -355,7 +364,8 @@ mod tests {
             ("0 2048 snapshot o c N 6", "not a power of 2"),
             ("0 2048 snapshot o c N 0", "Chunk size not set"),
             ("0 2048 snapshot o c N x", "Invalid chunk size"),
-            ("0 2048 snapshot o c Q 8", "Persistent flag is not P or N"),
+            ("0 2048 snapshot o c Q 8", "Exception store type is not P or N"),
+            ("0 2048 snapshot o c transient 8", "Exception store type is not P or N"),
             ("0 2048 snapshot o c P 8", "persistent store 'P' is not built"),
             ("0 2048 snapshot o o N 8", "cannot be the same"),
             ("0 4096 snapshot o c N 8", "too small"),
