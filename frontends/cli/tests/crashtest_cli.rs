@@ -157,8 +157,14 @@ fn bad_logs_marks_and_options_are_refused_before_anything_changes() {
         ),
         (vec!["--log", l, "--every", "0"], "--every 0"),
         (vec!["--log", l, "--points", "sometimes"], "sometimes"),
-        (vec!["--plant-bug", "--workload", "verify"], "only the journal"),
-        (vec!["--log", l, "--workload", "verify"], "verify checks against"),
+        (
+            vec!["--plant-bug", "--workload", "verify"],
+            "only the journal",
+        ),
+        (
+            vec!["--log", l, "--workload", "verify"],
+            "verify checks against",
+        ),
         (
             vec!["--log", l, "--start-mark", "dm-log-writes-end"],
             "no crash point",

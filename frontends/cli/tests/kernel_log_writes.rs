@@ -213,7 +213,12 @@ fn replay_both_logs(srv: &Serve, dir: &Path, klog: &Path, blog: &Path) {
             .args(["--end-mark", "dm-log-writes-end"])
             .output()
             .expect("run a replay-log");
-        assert!(o.status.success(), "{} on {}: {o:?}", tool.display(), log.display());
+        assert!(
+            o.status.success(),
+            "{} on {}: {o:?}",
+            tool.display(),
+            log.display()
+        );
         std::fs::read(&img).expect("read the image")
     };
     let ours = Path::new(env!("CARGO_BIN_EXE_blkstack"));

@@ -131,9 +131,21 @@ fn xfstests_replay_log_reads_our_logs_as_we_do() {
     let img = dir.path().join("v.img");
     std::fs::write(&img, vec![0u8; SECTORS as usize * 512]).unwrap();
     let i = img.to_str().unwrap();
-    let a = theirs(&tool, &["-v", "--log", l, "--replay", i, "--end-mark", "m2"]);
+    let a = theirs(
+        &tool,
+        &["-v", "--log", l, "--replay", i, "--end-mark", "m2"],
+    );
     let b = Command::new(BIN)
-        .args(["-v", "replay-log", "--log", l, "--replay", i, "--end-mark", "m2"])
+        .args([
+            "-v",
+            "replay-log",
+            "--log",
+            l,
+            "--replay",
+            i,
+            "--end-mark",
+            "m2",
+        ])
         .output()
         .unwrap();
     let lines = |s: String| -> Vec<String> {
@@ -142,7 +154,11 @@ fn xfstests_replay_log_reads_our_logs_as_we_do() {
             .map(str::to_string)
             .collect()
     };
-    let theirs_v = lines(format!("{}{}", stdout(&a), String::from_utf8_lossy(&a.stderr)));
+    let theirs_v = lines(format!(
+        "{}{}",
+        stdout(&a),
+        String::from_utf8_lossy(&a.stderr)
+    ));
     assert!(theirs_v.len() >= 8, "{a:?}");
     assert_eq!(lines(stdout(&b)), theirs_v);
 }
@@ -154,7 +170,14 @@ fn replay_reaches_devices_of_a_stack_file_and_of_a_running_serve() {
     let l = log.to_str().unwrap();
     let want = dir.path().join("want.img");
     std::fs::write(&want, vec![0u8; SECTORS as usize * 512]).unwrap();
-    let o = ours(&["--log", l, "--replay", want.to_str().unwrap(), "--end-mark", "m2"]);
+    let o = ours(&[
+        "--log",
+        l,
+        "--replay",
+        want.to_str().unwrap(),
+        "--end-mark",
+        "m2",
+    ]);
     assert!(o.status.success(), "{o:?}");
     let want = std::fs::read(&want).unwrap();
 
@@ -167,17 +190,38 @@ fn replay_reaches_devices_of_a_stack_file_and_of_a_running_serve() {
     )
     .unwrap();
     let s = stack.to_str().unwrap();
-    let o = ours(&["--log", l, "--replay", "target", "--stack", s, "--end-mark", "m2"]);
+    let o = ours(&[
+        "--log",
+        l,
+        "--replay",
+        "target",
+        "--stack",
+        s,
+        "--end-mark",
+        "m2",
+    ]);
     assert!(o.status.success(), "{o:?}");
     assert!(std::fs::read(&img).unwrap() == want, "stack file replay");
     let o = ours(&["--log", l, "--replay", "nosuch", "--stack", s]);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("nosuch"), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("nosuch"),
+        "{o:?}"
+    );
 
     // A device of a running serve, written through its export.
     let srv = control_support::Serve::start(&format!("m,,,rw,0 {SECTORS} memory"), "m");
     let ctl = srv.control.to_str().unwrap().to_string();
-    let o = ours(&["--log", l, "--replay", "m", "--control", &ctl, "--end-mark", "m2"]);
+    let o = ours(&[
+        "--log",
+        l,
+        "--replay",
+        "m",
+        "--control",
+        &ctl,
+        "--end-mark",
+        "m2",
+    ]);
     assert!(o.status.success(), "{o:?}");
     // nbdcopy (make deps installs it) reads the export back.
     let got = Command::new("nbdcopy")

@@ -188,7 +188,12 @@ impl VerifyModel {
             0 => &zero,
             k => match self.after_flush.get(k as usize - 1) {
                 Some(w) => w,
-                None => return (false, format!("the log has {k} flushes, the workload made fewer")),
+                None => {
+                    return (
+                        false,
+                        format!("the log has {k} flushes, the workload made fewer"),
+                    )
+                }
             },
         };
         let mut bad = Vec::new();
@@ -211,7 +216,13 @@ impl VerifyModel {
                 ));
             }
         }
-        summarize(bad, format!("{} blocks as acknowledged before flush {flushes}", self.blocks))
+        summarize(
+            bad,
+            format!(
+                "{} blocks as acknowledged before flush {flushes}",
+                self.blocks
+            ),
+        )
     }
 }
 
@@ -275,7 +286,10 @@ impl Journal {
                 rec[at..at + 8].copy_from_slice(&b.to_le_bytes());
                 rec[at + 8..at + 16].copy_from_slice(&hash(d).to_le_bytes());
             }
-            must(io(dev, Op::Write, BioFlags::FUA, t, &mut rec), "a commit write")?;
+            must(
+                io(dev, Op::Write, BioFlags::FUA, t, &mut rec),
+                "a commit write",
+            )?;
         }
         flush(dev)
     }
@@ -310,7 +324,10 @@ impl Journal {
                 }
             }
         }
-        summarize(bad, format!("{committed} committed transactions, all with their data"))
+        summarize(
+            bad,
+            format!("{committed} committed transactions, all with their data"),
+        )
     }
 }
 
@@ -333,7 +350,10 @@ mod tests {
         assert!(io(&dev, Op::Write, BioFlags::NONE, victim, &mut z).is_ok());
         let (ok, out) = m.check(&dev, 10);
         assert!(!ok);
-        assert!(out.contains(&format!("block {victim}: holds no valid stamp")), "{out}");
+        assert!(
+            out.contains(&format!("block {victim}: holds no valid stamp")),
+            "{out}"
+        );
         assert!(!m.check(&dev, 11).0, "a flush the workload never made");
     }
 
@@ -342,7 +362,10 @@ mod tests {
         let reg = Registry::new();
         reg.create("d", "0 2048 memory").unwrap();
         let dev = reg.device("d").unwrap();
-        let j = Journal { txns: 4, per_txn: 4 };
+        let j = Journal {
+            txns: 4,
+            per_txn: 4,
+        };
         j.run(&dev, false).unwrap();
         assert!(j.check(&dev).0);
         let mut z = vec![0u8; BLOCK];

@@ -7,11 +7,11 @@
 //! written zeroes otherwise (up to 128 MiB each, as replay-log).
 
 use crate::log::{Entry, LogError, LogReader};
+use crate::sink::{Sink, SinkError};
+use blkstack_core::DeviceRef;
 use blkstack_mapped::targets::log_writes::format::{
     LOG_DISCARD_FLAG, LOG_FLUSH_FLAG, LOG_FUA_FLAG, LOG_MARK_FLAG,
 };
-use crate::sink::{Sink, SinkError};
-use blkstack_core::DeviceRef;
 use std::io::Write;
 use std::path::PathBuf;
 

@@ -57,7 +57,13 @@ impl Report {
             })
             .collect();
         let secs = w.elapsed().as_secs_f64();
-        let per = |x: f64| if checked == 0 { 0.0 } else { x * 1e3 / checked as f64 };
+        let per = |x: f64| {
+            if checked == 0 {
+                0.0
+            } else {
+                x * 1e3 / checked as f64
+            }
+        };
         Report {
             workload: workload.into(),
             planted,
@@ -111,7 +117,11 @@ impl Report {
                 )?;
                 break;
             }
-            writeln!(out, "FAIL point {} at entry {} ({})", f.point, f.entry, f.flags)?;
+            writeln!(
+                out,
+                "FAIL point {} at entry {} ({})",
+                f.point, f.entry, f.flags
+            )?;
             if i < 3 {
                 for l in f.output.lines().take(40) {
                     writeln!(out, "    {l}")?;

@@ -74,13 +74,8 @@ impl Sink {
                 // An aligned copy: a file leaf below may use O_DIRECT.
                 let mut buf = AlignedBuf::new(data.len());
                 buf.as_mut_slice().copy_from_slice(data);
-                let st = submit_and_wait(
-                    &**dev,
-                    Op::Write,
-                    at,
-                    data.len() as u64,
-                    buf.as_mut_slice(),
-                );
+                let st =
+                    submit_and_wait(&**dev, Op::Write, at, data.len() as u64, buf.as_mut_slice());
                 if st.is_ok() {
                     Ok(())
                 } else {

@@ -96,7 +96,7 @@ fn is_point(e: &Entry, rule: PointRule) -> bool {
         PointRule::Flush => e.is(LOG_FLUSH_FLAG),
         PointRule::Fua => e.is(LOG_FUA_FLAG),
         PointRule::Marks => e.is(LOG_MARK_FLAG),
-        PointRule::Every(k) => (e.index + 1) % k == 0,
+        PointRule::Every(k) => (e.index + 1).is_multiple_of(k),
     }
 }
 
@@ -125,7 +125,7 @@ pub fn plan(log: &Path, o: &PlanOptions) -> Result<Plan, WalkError> {
     let points: Vec<Point> = all
         .into_iter()
         .enumerate()
-        .filter(|(i, _)| (i + 1) % nth == 0)
+        .filter(|(i, _)| (i + 1).is_multiple_of(nth))
         .take(o.max_points.unwrap_or(usize::MAX))
         .enumerate()
         .map(|(i, (_, (entry, flags, flushes, mark)))| Point {

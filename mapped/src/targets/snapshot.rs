@@ -119,9 +119,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
 /// snapshot_ctr's "Chunk size not set" for 0 (a transient store has no
 /// header to read one from).
 fn chunk_size(arg: &str, origin: &DevArg, cow: &DevArg) -> Result<u64, TargetError> {
-    let store = |why: &str| {
-        TargetError::invalid(format!("Couldn't create exception store: {why}"))
-    };
+    let store = |why: &str| TargetError::invalid(format!("Couldn't create exception store: {why}"));
     // kstrtouint: decimal digits (an optional leading '+'), fitting u32.
     let digits = arg.strip_prefix('+').unwrap_or(arg);
     let c: u32 = Some(digits)
@@ -137,7 +135,7 @@ fn chunk_size(arg: &str, origin: &DevArg, cow: &DevArg) -> Result<u64, TargetErr
     let c = c as u64;
     for d in [cow, origin] {
         let lbs = (d.dev.logical_block_size() as u64 / SECTOR_SIZE).max(1);
-        if c % lbs != 0 {
+        if !c.is_multiple_of(lbs) {
             return Err(store("Chunk size is not a multiple of device blocksize"));
         }
     }
@@ -364,9 +362,18 @@ mod tests {
             ("0 2048 snapshot o c N 6", "not a power of 2"),
             ("0 2048 snapshot o c N 0", "Chunk size not set"),
             ("0 2048 snapshot o c N x", "Invalid chunk size"),
-            ("0 2048 snapshot o c Q 8", "Exception store type is not P or N"),
-            ("0 2048 snapshot o c transient 8", "Exception store type is not P or N"),
-            ("0 2048 snapshot o c P 8", "persistent store 'P' is not built"),
+            (
+                "0 2048 snapshot o c Q 8",
+                "Exception store type is not P or N",
+            ),
+            (
+                "0 2048 snapshot o c transient 8",
+                "Exception store type is not P or N",
+            ),
+            (
+                "0 2048 snapshot o c P 8",
+                "persistent store 'P' is not built",
+            ),
             ("0 2048 snapshot o o N 8", "cannot be the same"),
             ("0 4096 snapshot o c N 8", "too small"),
             ("0 2048 snapshot nope c N 8", "Cannot get origin device"),
