@@ -149,7 +149,10 @@ pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
         }
         None => run_block(&a, &log_path, &plan_opts)?,
     };
-    let shown_log = a.log.as_ref().unwrap_or(&log_path).display().to_string();
+    let shown_log = match (&a.log, &a.keep_log) {
+        (Some(l), _) | (None, Some(l)) => l.display().to_string(),
+        (None, None) => "(a temporary file, removed; --keep-log keeps it)".to_string(),
+    };
     let wl = format!("{:?}", a.workload).to_lowercase();
     let report = Report::new(&wl, a.plant_bug, &shown_log, &rule_text(&a), &walker);
     report.print(&mut std::io::stdout().lock())?;

@@ -240,25 +240,45 @@ fn start_hooks(
     Ok((port, stop, t))
 }
 
-/// Run the filesystem crash test; returns the walker with every outcome.
-pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
-    if !o.vm_script.exists() {
+/// The kernel VM's artifacts (cached after the first time).
+fn prepare(vm_script: &Path) -> anyhow::Result<()> {
+    if !vm_script.exists() {
         bail!(
             "the kernel VM script {} is not there (run from the repository, or give --vm-script)",
-            o.vm_script.display()
+            vm_script.display()
         );
     }
-    let prep = std::process::Command::new(&o.vm_script)
+    let prep = std::process::Command::new(vm_script)
         .arg("prepare")
         .stdin(std::process::Stdio::null())
         .output()
-        .with_context(|| format!("running {} prepare", o.vm_script.display()))?;
+        .with_context(|| format!("running {} prepare", vm_script.display()))?;
     if !prep.status.success() {
         bail!(
             "kernel-vm.sh prepare failed: {}",
             String::from_utf8_lossy(&prep.stderr).trim()
         );
     }
+    Ok(())
+}
+
+/// The guest script for this filesystem (with the workload, or only the
+/// checks of an existing log).
+fn guest_script(o: &FsOptions, workload: bool) -> String {
+    GUEST
+        .replace("WORKLOAD", if workload { "1" } else { "0" })
+        .replace("LOGWRITES", LOG_WRITES)
+        .replace("OVERLAY", OVERLAY)
+        .replace("MKFSMARK", MKFS_MARK)
+        .replace("MKFS", o.fs.mkfs())
+        .replace("FSCK", o.fs.fsck())
+        .replace("STEPS", &o.steps.to_string())
+        .replace("FS", o.fs.name())
+}
+
+/// Run the filesystem crash test; returns the walker with every outcome.
+pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
+    prepare(&o.vm_script)?;
     let (reg, recorder) = match &o.existing_log {
         Some(_) => (Registry::new(), None),
         None => {
@@ -293,15 +313,7 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
         error: None,
     }));
     let (hook_port, hook_stop, hook_thread) = start_hooks(state.clone())?;
-    let script = GUEST
-        .replace("WORKLOAD", if recorder.is_some() { "1" } else { "0" })
-        .replace("LOGWRITES", LOG_WRITES)
-        .replace("OVERLAY", OVERLAY)
-        .replace("MKFSMARK", MKFS_MARK)
-        .replace("MKFS", o.fs.mkfs())
-        .replace("FSCK", o.fs.fsck())
-        .replace("STEPS", &o.steps.to_string())
-        .replace("FS", o.fs.name());
+    let script = guest_script(o, recorder.is_some());
     let dir = tempfile::tempdir()?;
     let script_path = dir.path().join("guest.sh");
     std::fs::write(&script_path, script)?;

@@ -325,6 +325,48 @@ mod tests {
         assert!(reg.table_text("s").unwrap().ends_with(" N 8\n"));
     }
 
+    /// Threads writing different sectors of the same chunks at once: each
+    /// chunk is copied out once, before any write lands in it, so every
+    /// write survives and every sector nobody wrote keeps the origin's.
+    #[test]
+    fn concurrent_partial_writes_to_one_chunk_all_survive() {
+        let reg = setup(2048);
+        let d = reg.device("s").unwrap();
+        std::thread::scope(|sc| {
+            for t in 0..4u8 {
+                let d = d.clone();
+                sc.spawn(move || {
+                    for chunk in 0..32u64 {
+                        let mut b = vec![b'a' + t; 512];
+                        let off = chunk * 4096 + t as u64 * 1024;
+                        assert_eq!(
+                            submit_and_wait(&*d, Op::Write, off, 512, &mut b),
+                            Status::Ok
+                        );
+                    }
+                });
+            }
+        });
+        for chunk in 0..32u64 {
+            let got = read(&reg, "s", chunk * 4096, 4096);
+            for (i, sector) in got.chunks(512).enumerate() {
+                let want = if i % 2 == 0 && i / 2 < 4 {
+                    b'a' + (i / 2) as u8
+                } else {
+                    b'o'
+                };
+                assert!(
+                    sector.iter().all(|&x| x == want),
+                    "chunk {chunk} sector {i}"
+                );
+            }
+        }
+        assert_eq!(
+            reg.status_text("s").unwrap(),
+            "0 2048 snapshot 256/2048 0\n"
+        );
+    }
+
     #[test]
     fn a_reload_drops_the_overlay() {
         let reg = setup(1024);
