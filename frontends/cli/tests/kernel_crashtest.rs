@@ -78,11 +78,13 @@ fn a_state_before_mkfs_ended_fails_its_check() {
         "--points",
         "every:1",
         "--max-points",
-        "2",
+        "3",
+        "--stop-at-failure",
     ]);
     assert!(!o.status.success());
-    assert_eq!(j["points_checked"], 2);
-    assert_eq!(j["failures"].as_array().map(Vec::len), Some(2), "{j}");
+    assert_eq!(j["points_planned"], 3);
+    assert_eq!(j["points_checked"], 1, "{j}");
+    assert_eq!(j["failures"].as_array().map(Vec::len), Some(1), "{j}");
     assert_eq!(j["first_failure_entry"], 0);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("FAIL point 1 at entry 0"), "{out}");

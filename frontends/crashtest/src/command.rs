@@ -145,6 +145,7 @@ pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
                 plan: plan_opts,
                 vm_script: a.vm_script.clone(),
                 vm_timeout_s: a.vm_timeout,
+                stop_at_failure: a.stop_at_failure,
             })?
         }
         None => run_block(&a, &log_path, &plan_opts)?,

@@ -68,7 +68,7 @@ const HOOK_GUEST_PORT: u16 = 7000;
 const GUEST: &str = r#"
 fail() { echo "FAIL: $*"; exit 1; }
 ask() { echo "$*" | nc -w 60 10.0.2.100 7000; }
-hook() { r=$(ask "$@"); case $r in ok*) return 0 ;; *) echo "hook $*: $r"; return 1 ;; esac; }
+hook() { r=$(ask "$@"); [ -n "$r" ] || r=$(ask "$@"); case $r in ok*) return 0 ;; *) echo "hook $*: $r"; return 1 ;; esac; }
 modprobe nbd || fail "modprobe nbd"
 if [ WORKLOAD = 1 ]; then
   nbd-client 10.0.2.100 10809 /dev/nbd0 -N LOGWRITES -b 512 >/dev/null 2>&1 || fail "nbd-client LOGWRITES"
@@ -93,8 +93,11 @@ fi
 hook plan || fail "plan the crash points"
 nbd-client 10.0.2.100 10809 /dev/nbd1 -N OVERLAY -b 512 >/dev/null 2>&1 || fail "nbd-client OVERLAY"
 mkdir -p /mnt
+k=1; prc=-
 while :; do
-  r=$(ask next)
+  # "next K RC": the point wanted and the last one's result; asking again
+  # for the same K gets the same answer, so a lost answer is retried.
+  r=$(ask next $k $prc); [ -n "$r" ] || r=$(ask next $k $prc)
   case $r in ok*) ;; done*) break ;; *) fail "next point: $r" ;; esac
   set -- $r
   n=$2; e=$3
@@ -107,6 +110,7 @@ while :; do
   fi
   echo "POINT $n $e $rc"
   if [ "$rc" != 0 ]; then echo "BEGIN point-$n"; cat /tmp/out; echo "END point-$n"; fi
+  prc=$rc; k=$((k + 1))
 done
 nbd-client -d /dev/nbd1 >/dev/null 2>&1
 echo CRASHTEST-DONE
@@ -123,6 +127,7 @@ pub struct FsOptions {
     pub plan: PlanOptions,
     pub vm_script: PathBuf,
     pub vm_timeout_s: u64,
+    pub stop_at_failure: bool,
 }
 
 /// What the hooks share with the run.
@@ -135,6 +140,7 @@ struct HookState {
     /// When each point was handed to the guest.
     handed: Vec<(Point, Instant)>,
     error: Option<String>,
+    stop_at_failure: bool,
 }
 
 impl HookState {
@@ -148,7 +154,10 @@ impl HookState {
                 .map_err(anyhow::Error::from),
             ["endlog"] => self.end_log().map(|_| "ok".to_string()),
             ["plan"] => self.make_plan(),
-            ["next"] => self.next(),
+            ["next", k, last_rc] => match k.parse::<usize>() {
+                Ok(k) => self.next(k, last_rc),
+                Err(_) => Err(anyhow::anyhow!("next: '{k}' is not a point number")),
+            },
             _ => Err(anyhow::anyhow!("unknown hook '{cmd}'")),
         };
         r.unwrap_or_else(|e| {
@@ -183,6 +192,10 @@ impl HookState {
     }
 
     fn make_plan(&mut self) -> anyhow::Result<String> {
+        if let Some(w) = &self.walker {
+            // A retry of a lost answer.
+            return Ok(format!("ok {}", w.plan.points.len()));
+        }
         let p = plan(&self.log, &self.plan)?;
         let n = p.points.len();
         // Created before the boot, as it is exported.
@@ -191,7 +204,20 @@ impl HookState {
         Ok(format!("ok {n}"))
     }
 
-    fn next(&mut self) -> anyhow::Result<String> {
+    /// Point `k` (from 1) for the guest; `last_rc` is point k-1's result
+    /// (`-` for none). Asking for the point already handed answers the
+    /// same again, so the guest may retry a lost answer.
+    fn next(&mut self, k: usize, last_rc: &str) -> anyhow::Result<String> {
+        if let Some((p, _)) = self.handed.get(k.wrapping_sub(1)) {
+            return Ok(format!("ok {} {}", p.n, p.entry));
+        }
+        if k != self.handed.len() + 1 {
+            bail!("next {k}: {} points handed so far", self.handed.len());
+        }
+        if last_rc != "0" && last_rc != "-" && self.stop_at_failure {
+            tracing::info!(point = k - 1, "crashtest: a point failed: stopping");
+            return Ok("done".into());
+        }
         let w = self.walker.as_mut().context("next before plan")?;
         match w.advance()? {
             Some(p) => {
@@ -311,6 +337,7 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
         walker: None,
         handed: Vec::new(),
         error: None,
+        stop_at_failure: o.stop_at_failure,
     }));
     let (hook_port, hook_stop, hook_thread) = start_hooks(state.clone())?;
     let script = guest_script(o, recorder.is_some());
@@ -326,6 +353,7 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
         .stdin(std::process::Stdio::null())
         .output()
         .context("running the kernel VM")?;
+    let ended = Instant::now();
     hook_stop.store(true, Ordering::Relaxed);
     let _ = hook_thread.join();
     stopper.stop();
@@ -344,7 +372,7 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
         );
     };
     drop(st);
-    collect(&mut walker, &handed, &text)?;
+    collect(&mut walker, &handed, &text, ended)?;
     if !text.contains("CRASHTEST-DONE") {
         bail!(
             "the guest stopped after {} of {} points (exit {:?}):\n{text}\n{}",
@@ -359,7 +387,12 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
 }
 
 /// The guest's `POINT n entry rc` lines (and failures' output) as outcomes.
-fn collect(w: &mut Walker, handed: &[(Point, Instant)], text: &str) -> anyhow::Result<()> {
+fn collect(
+    w: &mut Walker,
+    handed: &[(Point, Instant)],
+    text: &str,
+    ended: Instant,
+) -> anyhow::Result<()> {
     let mut rc: HashMap<usize, String> = HashMap::new();
     for l in text.lines() {
         let f: Vec<&str> = l.split_whitespace().collect();
@@ -371,10 +404,12 @@ fn collect(w: &mut Walker, handed: &[(Point, Instant)], text: &str) -> anyhow::R
     }
     for (i, (p, at)) in handed.iter().enumerate() {
         let Some(code) = rc.get(&p.n) else { continue };
+        // Until the guest asked for the next point (or, for the last,
+        // until it powered off).
         let took = handed
             .get(i + 1)
-            .map(|(_, next)| next.duration_since(*at))
-            .unwrap_or_default();
+            .map_or(ended, |(_, next)| *next)
+            .duration_since(*at);
         let ok = code == "0";
         let output = if ok {
             String::new()
