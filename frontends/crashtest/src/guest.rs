@@ -373,6 +373,7 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
     };
     drop(st);
     collect(&mut walker, &handed, &text, ended)?;
+    walker.costs.cow_sectors += walker.overlay.cow_sectors();
     if !text.contains("CRASHTEST-DONE") {
         bail!(
             "the guest stopped after {} of {} points (exit {:?}):\n{text}\n{}",

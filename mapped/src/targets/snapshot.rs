@@ -30,7 +30,7 @@
 use crate::error::TargetError;
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::sync::submit_and_wait;
-use blkstack_core::{Bio, BioFlags, Features, Op, Status, SECTOR_SIZE};
+use blkstack_core::{AlignedBuf, Bio, BioFlags, Features, Op, Status, SECTOR_SIZE};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -180,10 +180,12 @@ impl SnapshotTarget {
             // same chunk waits for it instead of racing it (the kernel's
             // pending exception).
             let len = cb.min(self.len_bytes - chunk * cb);
-            let mut buf = vec![0u8; len as usize];
-            let r = submit_and_wait(&*self.origin.dev, Op::Read, chunk * cb, len, &mut buf);
+            // Aligned: a file leaf below may do direct I/O.
+            let mut buf = AlignedBuf::new(len as usize);
+            let b = buf.as_mut_slice();
+            let r = submit_and_wait(&*self.origin.dev, Op::Read, chunk * cb, len, b);
             let w = if r.is_ok() {
-                submit_and_wait(&*self.cow.dev, Op::Write, new * cb, len, &mut buf)
+                submit_and_wait(&*self.cow.dev, Op::Write, new * cb, len, b)
             } else {
                 r
             };
