@@ -39,6 +39,8 @@ enum Cmd {
     Bench(blkstack_bench::BenchArgs),
     /// Replay a dm-log-writes log onto a device or image to any point a crash could expose (xfstests' replay-log).
     ReplayLog(blkstack_crashtest::ReplayLogArgs),
+    /// Record a workload through log-writes, replay to every crash point through a CoW overlay and check each (fsck in the kernel VM for ext4/xfs).
+    Crashtest(blkstack_crashtest::CrashtestArgs),
 }
 
 /// `serve`'s flags: NBD's and the ublk frontend's.
@@ -96,6 +98,7 @@ fn main() -> ExitCode {
         Cmd::Control(v) => blkstack_control::run_cli(v),
         Cmd::Bench(a) => blkstack_bench::run_cli(a),
         Cmd::ReplayLog(a) => blkstack_crashtest::run_replay_log(a, cli.verbose),
+        Cmd::Crashtest(a) => blkstack_crashtest::run_crashtest(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,10 +5,15 @@
 //! passes flushes and FUA as they are). Both logs land in files on the
 //! host, and must hold the same entries: sectors, lengths, flags, mark
 //! texts and data, in the same order, ending with the mark both targets
-//! write when they are removed.
+//! write when they are removed. A direct O_SYNC write (xfs_io -d -s)
+//! makes a FUA entry on both. Then the replay tools: `blkstack
+//! replay-log` replaying the kernel's log rebuilds the kernel's data
+//! device byte for byte, and xfstests' own replay-log (built with cc)
+//! replays both logs to the same images as ours.
 
 mod control_support;
 mod kernel_vm_support;
+mod xfstests_support;
 
 use blkstack_mapped::targets::log_writes::format::{LogEntry, LogSuper, LOG_MARK_FLAG};
 use control_support::Serve;
@@ -34,6 +39,7 @@ workload() {
   blkdiscard -o 1048576 -l 65536 $D || fail "discard on $D"
   flush
   w 8192 1 7
+  xfs_io -d -s -c "pwrite -q -S 0x5a 409600 4096" $D || fail "FUA write on $D"
   mark m2
   flush
 }
@@ -147,6 +153,7 @@ fn our_log_writes_logs_what_the_kernels_logs() {
         .disk("kdata", &srv.uri("kdata"))
         .disk("klog", &srv.uri("klog"))
         .file(&pattern, "/test/pattern")
+        .bin(Path::new("/usr/sbin/xfs_io"))
         .forward(NBD_PORT, port)
         .forward(HOOK_PORT, hooks.port())
         .timeout(200)
@@ -176,4 +183,62 @@ fn our_log_writes_logs_what_the_kernels_logs() {
         kernel.last().map(|e| e.3.as_str()),
         Some("dm-log-writes-end")
     );
+    assert!(
+        kernel.iter().any(|e| e.2 & 2 != 0),
+        "no FUA entry in the kernel's log"
+    );
+    replay_both_logs(&srv, scratch.path(), &klog, &blog);
+}
+
+/// Our replay-log on the kernel's log rebuilds the kernel's data device;
+/// xfstests' replay-log, where it builds, replays both logs as ours does.
+fn replay_both_logs(srv: &Serve, dir: &Path, klog: &Path, blog: &Path) {
+    use std::process::Command;
+    let size = (SECTORS * 512) as usize;
+    let kdata = dir.join("kdata.img");
+    let o = Command::new("nbdcopy")
+        .arg(srv.uri("kdata"))
+        .arg(&kdata)
+        .output()
+        .expect("run nbdcopy");
+    assert!(o.status.success(), "nbdcopy kdata: {o:?}");
+    let replay = |tool: &Path, log: &Path, name: &str| -> Vec<u8> {
+        let img = dir.join(name);
+        std::fs::write(&img, vec![0u8; size]).expect("image");
+        let o = Command::new(tool)
+            .arg("--log")
+            .arg(log)
+            .arg("--replay")
+            .arg(&img)
+            .args(["--end-mark", "dm-log-writes-end"])
+            .output()
+            .expect("run a replay-log");
+        assert!(
+            o.status.success(),
+            "{} on {}: {o:?}",
+            tool.display(),
+            log.display()
+        );
+        std::fs::read(&img).expect("read the image")
+    };
+    let ours = Path::new(env!("CARGO_BIN_EXE_blkstack"));
+    let args_tool = std::env::temp_dir().join(format!("blkstack-rl-{}", std::process::id()));
+    // `blkstack replay-log`, as one executable a test can call like the C one.
+    std::fs::write(
+        &args_tool,
+        format!("#!/bin/sh\nexec {} replay-log \"$@\"\n", ours.display()),
+    )
+    .expect("wrapper");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&args_tool, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let from_kernel_log = replay(&args_tool, klog, "k-ours.img");
+    assert!(
+        from_kernel_log == std::fs::read(&kdata).expect("kdata"),
+        "replaying the kernel's log does not give the kernel's data device"
+    );
+    if let Some(tool) = xfstests_support::xfstests_replay_log() {
+        assert!(replay(&tool, klog, "k-theirs.img") == from_kernel_log);
+        assert!(replay(&tool, blog, "b-theirs.img") == replay(&args_tool, blog, "b-ours.img"));
+    }
+    let _ = std::fs::remove_file(&args_tool);
 }

@@ -4,10 +4,22 @@
 //! device to any point a crash could expose, running a checker there.
 //! `blkstack replay-log` takes xfstests' `replay-log` options and prints
 //! what it prints, so its scripts work unchanged; it reads logs the
-//! kernel's dm-log-writes wrote as well as ours.
+//! kernel's dm-log-writes wrote as well as ours. `blkstack crashtest`
+//! does the whole method: record a workload, then replay to every crash
+//! point through a copy-on-write overlay and check each.
 
+pub mod block;
+pub mod command;
+pub mod guest;
 pub mod log;
 pub mod replay;
+pub mod report;
+pub mod runner;
+pub mod sink;
+mod stack_device;
+pub mod walk;
+
+pub use command::{run as run_crashtest, CrashtestArgs};
 
 use clap::Args;
 use std::path::PathBuf;
@@ -19,9 +31,19 @@ pub struct ReplayLogArgs {
     #[arg(long, value_name = "LOG")]
     log: PathBuf,
     /// Replay onto this device or image file (without it, print the log's
-    /// version, block size and entry count).
+    /// version, block size and entry count). A name that is no path is a
+    /// blkstack device: of the stack file given with --stack, or of the
+    /// running serve whose control socket --control names.
     #[arg(long, value_name = "DEV")]
-    replay: Option<PathBuf>,
+    replay: Option<String>,
+    /// With --replay NAME: build the devices of this stack file (dmsetup
+    /// concise text or `NAME: <table>` lines) here and replay onto NAME.
+    #[arg(long, value_name = "FILE", conflicts_with = "control")]
+    stack: Option<PathBuf>,
+    /// With --replay NAME: the control socket of the `blkstack serve`
+    /// that has NAME; replay writes through its NBD export.
+    #[arg(long, value_name = "SOCK")]
+    control: Option<PathBuf>,
     /// Replay (or find) this many entries.
     #[arg(long, value_name = "N", default_value_t = 0)]
     limit: u64,
@@ -67,9 +89,17 @@ pub struct ReplayLogArgs {
 /// Run `replay-log`; `verbose` is the global `-v` count (1: print the
 /// replayed entries, 2: the skipped ones too), as replay-log's own -v.
 pub fn run_replay_log(a: ReplayLogArgs, verbose: u8) -> anyhow::Result<()> {
+    // The registry of a --stack file lives as long as the replay.
+    let (replay, _stack) = match &a.replay {
+        None => (None, None),
+        Some(r) => {
+            let (dev, keep) = stack_device::resolve(r, a.stack.as_deref(), a.control.as_deref())?;
+            (Some(dev), keep)
+        }
+    };
     let o = replay::ReplayOptions {
         log: a.log,
-        replay: a.replay,
+        replay,
         limit: a.limit,
         next_flush: a.next_flush,
         next_fua: a.next_fua,

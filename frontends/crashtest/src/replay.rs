@@ -7,13 +7,13 @@
 //! written zeroes otherwise (up to 128 MiB each, as replay-log).
 
 use crate::log::{Entry, LogError, LogReader};
+use crate::sink::{Sink, SinkError};
+use blkstack_core::DeviceRef;
 use blkstack_mapped::targets::log_writes::format::{
     LOG_DISCARD_FLAG, LOG_FLUSH_FLAG, LOG_FUA_FLAG, LOG_MARK_FLAG,
 };
-use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::fs::{FileExt, FileTypeExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// When `--fsck` runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,10 +37,18 @@ impl std::str::FromStr for Check {
     }
 }
 
-#[derive(Clone, Debug, Default)]
+/// What `--replay` names: an image file or block device, or a blkstack
+/// device (from a stack file or a running serve) opened in this process.
+#[derive(Clone)]
+pub enum ReplayDev {
+    Path(PathBuf),
+    Device { name: String, dev: DeviceRef },
+}
+
+#[derive(Clone, Default)]
 pub struct ReplayOptions {
     pub log: PathBuf,
-    pub replay: Option<PathBuf>,
+    pub replay: Option<ReplayDev>,
     pub limit: u64,
     pub next_flush: bool,
     pub next_fua: bool,
@@ -70,13 +78,10 @@ pub enum ReplayError {
     NoStartMark(String),
     #[error("couldn't find entry")]
     NotFound,
-    #[error("cannot open the replay device {path}: {source}")]
-    OpenReplay {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("writing the replay device at byte {at}: {source}")]
-    Write { at: u64, source: std::io::Error },
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    #[error("the replay device: {0}")]
+    Device(String),
     #[error("fsck errored out on entry {0}")]
     Fsck(u64),
     #[error("running the fsck command: {0}")]
@@ -118,82 +123,6 @@ fn should_stop(e: &Entry, stop: u64, mark: Option<&str>) -> bool {
     }
     e.is(LOG_MARK_FLAG) && Some(e.mark.as_str()) == mark
 }
-
-/// The device or file entries are replayed onto.
-struct Target {
-    file: File,
-    block_device: bool,
-    discard_unsupported: bool,
-}
-
-const MAX_ZERO: u64 = 128 << 20;
-const ZERO_CHUNK: usize = 1 << 20;
-
-impl Target {
-    fn open(path: &Path) -> Result<Target, ReplayError> {
-        let file = OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map_err(|source| ReplayError::OpenReplay {
-                path: path.display().to_string(),
-                source,
-            })?;
-        let block_device = file
-            .metadata()
-            .map(|m| m.file_type().is_block_device())
-            .unwrap_or(false);
-        Ok(Target {
-            file,
-            block_device,
-            discard_unsupported: !block_device,
-        })
-    }
-
-    fn write(&self, at: u64, data: &[u8]) -> Result<(), ReplayError> {
-        self.file
-            .write_all_at(data, at)
-            .map_err(|source| ReplayError::Write { at, source })
-    }
-
-    fn discard(&mut self, mut at: u64, mut len: u64) -> Result<(), ReplayError> {
-        const MAX_CHUNK: u64 = 1 << 30;
-        while len > 0 {
-            let n = len.min(MAX_CHUNK);
-            if !self.discard_unsupported && !self.blkdiscard(at, n) {
-                tracing::info!("the replay device does not discard: writing zeroes instead");
-                self.discard_unsupported = true;
-            }
-            if self.discard_unsupported && n <= MAX_ZERO {
-                let zeros = vec![0u8; ZERO_CHUNK.min(n as usize)];
-                let mut off = 0;
-                while off < n {
-                    let k = (n - off).min(zeros.len() as u64) as usize;
-                    self.write(at + off, &zeros[..k])?;
-                    off += k as u64;
-                }
-            }
-            at += n;
-            len -= n;
-        }
-        Ok(())
-    }
-
-    fn blkdiscard(&self, at: u64, len: u64) -> bool {
-        let range = [at, len];
-        // SAFETY: BLKDISCARD reads two u64 through the pointer.
-        let r = unsafe {
-            libc::ioctl(
-                std::os::fd::AsRawFd::as_raw_fd(&self.file),
-                BLKDISCARD,
-                range.as_ptr(),
-            )
-        };
-        self.block_device && r == 0
-    }
-}
-
-/// `_IO(0x12, 119)`.
-const BLKDISCARD: libc::c_ulong = 0x1277;
 
 /// Run replay-log; what it prints goes to `out`.
 pub fn run(o: &ReplayOptions, out: &mut dyn Write) -> Result<(), ReplayError> {
@@ -257,16 +186,19 @@ pub fn run(o: &ReplayOptions, out: &mut dyn Write) -> Result<(), ReplayError> {
         );
         return Ok(());
     };
-    let mut target = Target::open(replay)?;
+    let mut target = match replay {
+        ReplayDev::Path(p) => Sink::open_path(p)?,
+        ReplayDev::Device { dev, .. } => Sink::device(dev.clone()),
+    };
     let result = replay_entries(o, &mut log, &mut target, stop, out);
-    let _ = target.file.sync_all();
+    target.sync();
     result
 }
 
 fn replay_entries(
     o: &ReplayOptions,
     log: &mut LogReader,
-    target: &mut Target,
+    target: &mut Sink,
     stop: u64,
     out: &mut dyn Write,
 ) -> Result<(), ReplayError> {
@@ -314,7 +246,12 @@ fn replay_entries(
 }
 
 /// An entry's data onto the target, a bounded buffer at a time.
-fn copy_data(log: &LogReader, e: &Entry, target: &Target, at: u64) -> Result<(), ReplayError> {
+pub(crate) fn copy_data(
+    log: &LogReader,
+    e: &Entry,
+    target: &Sink,
+    at: u64,
+) -> Result<(), ReplayError> {
     let mut buf = vec![0u8; (e.data_len as usize).min(4 << 20)];
     let mut done = 0;
     while done < e.data_len {
@@ -328,8 +265,8 @@ fn copy_data(log: &LogReader, e: &Entry, target: &Target, at: u64) -> Result<(),
 
 /// Sync the target and run the checker through the shell: true when it
 /// exits 0.
-fn run_fsck(target: &Target, cmd: &str) -> Result<bool, ReplayError> {
-    let _ = target.file.sync_all();
+fn run_fsck(target: &Sink, cmd: &str) -> Result<bool, ReplayError> {
+    target.sync();
     let st = std::process::Command::new("sh")
         .arg("-c")
         .arg(cmd)

@@ -13,6 +13,7 @@ pub mod memory;
 pub mod multipath;
 pub mod nbd;
 pub mod null;
+pub mod snapshot;
 pub mod striped;
 pub mod thin;
 pub mod zero;
@@ -36,6 +37,7 @@ pub static TYPES: &[TargetType] = &[
     log_writes::TYPE,
     thin::pool_target::TYPE,
     thin::thin_target::TYPE,
+    snapshot::TYPE,
 ];
 
 pub fn lookup(name: &str) -> Option<&'static TargetType> {
