@@ -131,7 +131,8 @@ mkfs.ext4 -q -F $d && mount -t ext4 $d /mnt || fail "mkfs/mount on $d"
   echo writer-done
 ) > /tmp/w.out 2>&1 &
 w=$!
-while [ ! -e /mnt/f5 ]; do usleep 100000; done
+n=0; while [ ! -e /mnt/f5 ] && [ $n -lt 600 ]; do usleep 100000; n=$((n+1)); done
+[ -e /mnt/f5 ] || fail "the writer made no files in 60 s"
 kill -9 $spid; wait $spid 2>/dev/null
 echo "killed serve at $(ls /mnt | wc -l) files"
 sleep 1
@@ -163,7 +164,15 @@ grep -q "rc=0" /tmp/dd.rc && fail "a read of a dead server's device succeeded"
 echo "PASS no recovery: I/O failed after $((i/10)) s"
 "#;
 
+/// One guest at a time. The recovery test hung once (the guest's I/O on
+/// the recovered device blocked past the kernel's 120 s hung-task report,
+/// and the guest timed out) while a second guest and a build competed
+/// for the CPUs; run alone it passes. The cause is not found yet, so the
+/// tests do not add that competition themselves.
+static ONE_GUEST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn guest(script: &str, timeout: u64) -> VmRun {
+    let _one = ONE_GUEST.lock().unwrap_or_else(|e| e.into_inner());
     let scratch = tempfile::tempdir().expect("scratch");
     let run = Vm::new()
         .blkstack()
