@@ -10,7 +10,7 @@
 # noisy moment on the shared machine hits all of them alike.
 #
 # Usage: ab-servers.sh ROW REPS SECONDS VARIANT...
-#   ROW: null-qd1 null-qd64 null-qd64x2 mem-qd16 delay-qd1 delay-qd32
+#   ROW: null-qd1 null-qd64 null-qd64x2 mem-qd16 mem-read64k-qd8 delay-qd1 delay-qd32
 #   VARIANT: "nbdkit", "qemu", or a command that runs blkstack, e.g. a
 #   wrapper script `exec /path/to/blkstack "$@" --poll-us 0` (it must
 #   exec, so that its PID is the server's for the CPU reading).
@@ -29,6 +29,7 @@ null-qd1) kind=null f="--rw=randread --iodepth=1 --numjobs=1" ;;
 null-qd64) kind=null f="--rw=randread --iodepth=64 --numjobs=1" ;;
 null-qd64x2) kind=null f="--rw=randread --iodepth=64 --numjobs=2" ;;
 mem-qd16) kind=mem f="--rw=randwrite --iodepth=16 --numjobs=1" ;;
+mem-read64k-qd8) kind=mem f="--rw=read --bs=64k --iodepth=8 --numjobs=1" ;;
 delay-qd1) kind=delay f="--rw=randread --iodepth=1 --numjobs=1" ;;
 delay-qd32) kind=delay f="--rw=randread --iodepth=32 --numjobs=1" ;;
 *) echo "unknown row $row" >&2; exit 2 ;;
