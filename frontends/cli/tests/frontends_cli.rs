@@ -1,7 +1,7 @@
 //! The kernel-facing frontends' refusals, on the host: `serve --ublk`
-//! where the ublk driver is not loaded names the module to load (this
-//! machine's kernel has no /dev/ublk-control; where one exists the case
-//! is skipped, saying so: the guest tests cover the working path),
+//! where the ublk driver is not loaded names the module to load (run
+//! where /dev/ublk-control is missing; where it exists the case is
+//! skipped, saying so: the guest tests cover the working path),
 //! `export --ublk` on a serve without the ublk frontend says how to get
 //! one, a serve with nothing to export says what it needs, and a bad
 //! `--vhost-user-blk` spec is named. Each refusal leaves nothing behind.
