@@ -30,6 +30,7 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+mod slab;
 mod store;
 
 pub use store::PageStore;

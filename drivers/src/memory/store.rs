@@ -11,6 +11,7 @@
 //! one lock and the store holds no global lock. A chunk lives while any
 //! of its pages does.
 
+use super::slab::{PageSlab, SlabPage};
 use super::{AllocBudget, PAGE_SHIFT, PAGE_SIZE};
 use blkstack_core::device::Extent;
 use blkstack_core::Status;
@@ -24,7 +25,7 @@ const SHARDS: usize = 64;
 /// Pages per chunk: one map lookup covers this many.
 pub(super) const CHUNK_PAGES: u64 = 16;
 
-type Page = Box<[u8; PAGE_SIZE as usize]>;
+type Page = SlabPage;
 type Chunk = [Option<Page>; CHUNK_PAGES as usize];
 
 /// Chunk numbers are already well spread integers; SipHash would cost more
@@ -51,8 +52,11 @@ impl Hasher for ChunkHasher {
 /// per lookup on a large store.
 type ChunkMap = HashMap<u64, Chunk, BuildHasherDefault<ChunkHasher>>;
 
-fn zero_page() -> Page {
-    Box::new([0u8; PAGE_SIZE as usize])
+/// One shard: its chunks, and the slab their pages come from.
+#[derive(Default)]
+struct Shard {
+    map: ChunkMap,
+    slab: PageSlab,
 }
 
 fn empty_chunk() -> Chunk {
@@ -66,7 +70,7 @@ fn split(page: u64) -> (u64, usize) {
 /// Page storage with per-shard locks; shared by the inline device and the
 /// engine-driven one.
 pub struct PageStore {
-    shards: Box<[crossbeam_utils::CachePadded<RwLock<ChunkMap>>]>,
+    shards: Box<[crossbeam_utils::CachePadded<RwLock<Shard>>]>,
     allocated: AtomicU64,
     pub(super) budget: &'static AllocBudget,
 }
@@ -92,7 +96,7 @@ impl PageStore {
     pub fn with_budget(budget: &'static AllocBudget) -> PageStore {
         PageStore {
             shards: (0..SHARDS)
-                .map(|_| crossbeam_utils::CachePadded::new(RwLock::new(ChunkMap::default())))
+                .map(|_| crossbeam_utils::CachePadded::new(RwLock::new(Shard::default())))
                 .collect(),
             allocated: AtomicU64::new(0),
             budget,
@@ -101,13 +105,17 @@ impl PageStore {
 
     /// A new zeroed page, if this store holds fewer than `max_pages` and
     /// the budget has room.
-    fn alloc_page(&self, max_pages: u64) -> Option<Page> {
+    fn alloc_page(&self, slab: &mut PageSlab, max_pages: u64) -> Option<Page> {
         let prev = self.allocated.fetch_add(1, Ordering::Relaxed);
         if prev >= max_pages || !self.budget.try_take() {
             self.allocated.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
-        Some(zero_page())
+        let page = slab.alloc();
+        if page.is_none() {
+            self.freed(1);
+        }
+        page
     }
 
     fn freed(&self, pages: u64) {
@@ -121,34 +129,37 @@ impl PageStore {
     /// it as holes; at most one per chunk of the device).
     fn page_mut<'m>(
         &self,
-        map: &'m mut ChunkMap,
+        shard: &'m mut Shard,
         page: u64,
         max_pages: u64,
     ) -> Option<&'m mut Page> {
         let (chunk, slot) = split(page);
-        let p = &mut map.entry(chunk).or_insert_with(empty_chunk)[slot];
+        let p = &mut shard.map.entry(chunk).or_insert_with(empty_chunk)[slot];
         if p.is_none() {
-            *p = Some(self.alloc_page(max_pages)?);
+            *p = Some(self.alloc_page(&mut shard.slab, max_pages)?);
         }
         p.as_mut()
     }
 
     /// Take the page at `page` out of the store, dropping its chunk when
     /// it was the last page; whether there was one.
-    fn remove_page(map: &mut ChunkMap, page: u64) -> bool {
+    fn remove_page(shard: &mut Shard, page: u64) -> bool {
         let (chunk, slot) = split(page);
-        let Some(c) = map.get_mut(&chunk) else {
+        let Some(c) = shard.map.get_mut(&chunk) else {
             return false;
         };
-        let had = c[slot].take().is_some();
-        if had && c.iter().all(Option::is_none) {
-            map.remove(&chunk);
+        let Some(p) = c[slot].take() else {
+            return false;
+        };
+        shard.slab.free(p);
+        if c.iter().all(Option::is_none) {
+            shard.map.remove(&chunk);
         }
-        had
+        true
     }
 
     #[inline]
-    fn shard(&self, chunk: u64) -> &RwLock<ChunkMap> {
+    fn shard(&self, chunk: u64) -> &RwLock<Shard> {
         &self.shards[(chunk as usize) % SHARDS]
     }
 
@@ -195,8 +206,8 @@ impl PageStore {
 
     pub fn read(&self, offset: u64, out: &mut [u8]) {
         for (chunk, start, len) in Self::chunk_spans(offset, out.len() as u64) {
-            let map = self.shard(chunk).read();
-            let c = map.get(&chunk);
+            let shard = self.shard(chunk).read();
+            let c = shard.map.get(&chunk);
             let base = (start - offset) as usize;
             for (page, in_page, n, at) in Self::pieces(start, len) {
                 let dst = &mut out[base + at..base + at + n];
@@ -214,10 +225,10 @@ impl PageStore {
     /// partial write is.
     pub fn write(&self, offset: u64, data: &[u8], max_pages: u64) -> Status {
         for (chunk, start, len) in Self::chunk_spans(offset, data.len() as u64) {
-            let mut map = self.shard(chunk).write();
+            let mut shard = self.shard(chunk).write();
             let base = (start - offset) as usize;
             for (page, in_page, n, at) in Self::pieces(start, len) {
-                let Some(p) = self.page_mut(&mut map, page, max_pages) else {
+                let Some(p) = self.page_mut(&mut shard, page, max_pages) else {
                     return Status::NoSpace;
                 };
                 p[in_page..in_page + n].copy_from_slice(&data[base + at..base + at + n]);
@@ -246,13 +257,14 @@ impl PageStore {
             if n == PAGE_SIZE as usize && !keep_allocated {
                 continue; // a whole page: freed below
             }
-            let mut map = self.shard(split(page).0).write();
+            let mut shard = self.shard(split(page).0).write();
             if keep_allocated {
-                let Some(p) = self.page_mut(&mut map, page, max_pages) else {
+                let Some(p) = self.page_mut(&mut shard, page, max_pages) else {
                     return Status::NoSpace;
                 };
                 p[in_page..in_page + n].fill(0);
-            } else if let Some(p) = map
+            } else if let Some(p) = shard
+                .map
                 .get_mut(&split(page).0)
                 .and_then(|c| c[split(page).1].as_mut())
             {
@@ -278,12 +290,16 @@ impl PageStore {
         }
         // A huge range over a small store: visit what exists instead.
         for shard in self.shards.iter() {
-            let mut map = shard.write();
+            let mut guard = shard.write();
+            let Shard { map, slab } = &mut *guard;
             let mut pages = 0;
             map.retain(|&chunk, c| {
                 for (slot, p) in c.iter_mut().enumerate() {
-                    if (first..end).contains(&(chunk * CHUNK_PAGES + slot as u64)) && p.is_some() {
-                        *p = None;
+                    if !(first..end).contains(&(chunk * CHUNK_PAGES + slot as u64)) {
+                        continue;
+                    }
+                    if let Some(p) = p.take() {
+                        slab.free(p);
                         pages += 1;
                     }
                 }
@@ -301,8 +317,8 @@ impl PageStore {
             for (chunk, start, len) in
                 Self::chunk_spans(first * PAGE_SIZE, span.saturating_mul(PAGE_SIZE))
             {
-                let map = self.shard(chunk).read();
-                let Some(c) = map.get(&chunk) else {
+                let shard = self.shard(chunk).read();
+                let Some(c) = shard.map.get(&chunk) else {
                     continue;
                 };
                 let (lo, hi) = (start / PAGE_SIZE, (start + len) / PAGE_SIZE);
@@ -310,7 +326,7 @@ impl PageStore {
             }
         } else {
             for shard in self.shards.iter() {
-                for (&chunk, c) in shard.read().iter() {
+                for (&chunk, c) in shard.read().map.iter() {
                     pages.extend(
                         (0..CHUNK_PAGES)
                             .filter(|&s| c[s as usize].is_some())
