@@ -6,6 +6,7 @@
 //! the device trees after a removal).
 
 use super::super::format::node::{max_entries, Node};
+use super::mapping_cache::LeafSpan;
 use super::tm::{Tm, ValueKind};
 use super::MetadataError;
 
@@ -36,6 +37,15 @@ pub fn lookup(tm: &mut Tm, root: u64, key: u64) -> Result<Option<Vec<u8>>, Metad
 /// The 8-byte value stored under `key` (a mapping, a subtree root),
 /// without copying it out.
 pub fn lookup_u64(tm: &mut Tm, root: u64, key: u64) -> Result<Option<u64>, MetadataError> {
+    Ok(leaf_span(tm, root, key)?.value(key))
+}
+
+/// The leaf a lookup of `key` in a tree of 8-byte values ends in, with
+/// the range of keys whose lookup ends there too (each internal node
+/// sends `[keys[i], keys[i + 1])` to child `i`, and keys below its first
+/// to no child at all).
+pub fn leaf_span(tm: &mut Tm, root: u64, key: u64) -> Result<LeafSpan, MetadataError> {
+    let (mut lo, mut hi) = (0u64, u64::MAX);
     let mut b = root;
     for _ in 0..MAX_DEPTH {
         let n = tm.node(b)?;
@@ -46,11 +56,26 @@ pub fn lookup_u64(tm: &mut Tm, root: u64, key: u64) -> Result<Option<u64>, Metad
                     "leaf of 8-byte values has another size",
                 ));
             }
-            return Ok(n.keys.binary_search(&key).ok().map(|i| n.value_u64(i)));
+            return Ok(LeafSpan {
+                leaf: Some(n),
+                lo,
+                hi,
+            });
         }
         match n.lower_bound(key) {
-            Some(i) => b = n.value_u64(i),
-            None => return Ok(None),
+            Some(i) => {
+                lo = lo.max(n.keys[i]);
+                if let Some(&next) = n.keys.get(i + 1) {
+                    hi = hi.min(next);
+                }
+                b = n.value_u64(i);
+            }
+            None => {
+                if let Some(&first) = n.keys.first() {
+                    hi = hi.min(first);
+                }
+                return Ok(LeafSpan { leaf: None, lo, hi });
+            }
         }
     }
     Err(too_deep(root))

@@ -71,6 +71,7 @@ fn format(mut tm: Tm, data_block_size: u32) -> Result<PoolMetadata, MetadataErro
         data_block_size,
         devices: BTreeMap::new(),
         sm: SmPlaces::default(),
+        cache: Default::default(),
         dirty: true,
     };
     commit(&mut pmd)?;
@@ -134,6 +135,7 @@ fn load(mut tm: Tm, sb: Superblock, data_blocks: u64) -> Result<PoolMetadata, Me
         flags: sb.flags,
         data_block_size: sb.data_block_size,
         devices,
+        cache: Default::default(),
         sm: SmPlaces {
             data_index_root: ds.bitmap_root,
             data_rc_root: ds.ref_count_root,

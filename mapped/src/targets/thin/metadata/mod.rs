@@ -14,6 +14,7 @@
 
 pub mod btree;
 mod commit;
+pub mod mapping_cache;
 pub mod space_map;
 pub mod tm;
 
@@ -21,6 +22,7 @@ use super::format::details::{pack_block_time, unpack_block_time, DeviceDetails};
 use super::format::superblock::Superblock;
 use super::format::FormatError;
 use blkstack_core::Status;
+use mapping_cache::MappingCache;
 use std::collections::BTreeMap;
 use tm::{Tm, ValueKind};
 
@@ -94,6 +96,8 @@ pub struct PoolMetadata {
     devices: BTreeMap<u64, DevState>,
     /// On-disk space map structures of the last commit.
     sm: commit::SmPlaces,
+    /// What the mapping trees said, kept coherent by every change here.
+    cache: MappingCache,
     /// Something changed since the last commit.
     dirty: bool,
 }
@@ -226,6 +230,7 @@ impl PoolMetadata {
             return Err(MetadataError::Exists(dev));
         }
         self.dirty = true;
+        self.cache.forget(dev);
         let sub = btree::build(&mut self.tm, &[], 8, ValueKind::Mapping)?;
         self.root = btree::insert(
             &mut self.tm,
@@ -249,6 +254,7 @@ impl PoolMetadata {
         }
         let origin_root = self.subtree(origin)?;
         self.dirty = true;
+        self.cache.forget(dev);
         self.tm.meta.inc(origin_root);
         self.root = btree::insert(
             &mut self.tm,
@@ -286,6 +292,7 @@ impl PoolMetadata {
             DeviceDetails::SIZE,
             ValueKind::Plain,
         )?;
+        self.cache.forget(dev);
         self.root = btree::remove(&mut self.tm, self.root, dev, 8, ValueKind::Subtree)?;
         self.devices.remove(&dev);
         Ok(())
@@ -316,8 +323,16 @@ impl PoolMetadata {
             .ok_or(MetadataError::NoSuchDevice(dev))?
             .details
             .snapshotted_time;
-        let sub = self.subtree(dev)?;
-        Ok(btree::lookup_u64(&mut self.tm, sub, vblock)?.map(|v| {
+        let packed = match self.cache.get(dev, vblock) {
+            Some(known) => known,
+            None => {
+                let sub = self.subtree(dev)?;
+                let span = btree::leaf_span(&mut self.tm, sub, vblock)?;
+                self.cache.fill(dev, vblock, &span);
+                span.value(vblock)
+            }
+        };
+        Ok(packed.map(|v| {
             let (data_block, time) = unpack_block_time(v);
             Lookup {
                 data_block,
@@ -351,12 +366,11 @@ impl PoolMetadata {
             return Err(MetadataError::NoSuchDevice(dev));
         }
         self.dirty = true;
-        let value = pack_block_time(data_block, self.time)
-            .to_le_bytes()
-            .to_vec();
+        let packed = pack_block_time(data_block, self.time);
+        let value = packed.to_le_bytes().to_vec();
         let mut inserted = false;
         let root = self.root;
-        self.root = btree::insert(
+        let r = btree::insert(
             &mut self.tm,
             root,
             dev,
@@ -372,7 +386,15 @@ impl PoolMetadata {
                 })?;
                 Ok(sub.to_le_bytes().to_vec())
             },
-        )?;
+        );
+        self.root = match r {
+            Ok(root) => root,
+            Err(e) => {
+                self.cache.forget(dev);
+                return Err(e);
+            }
+        };
+        self.cache.set(dev, vblock, Some(packed));
         if let Some(st) = self.devices.get_mut(&dev) {
             st.changed = true;
             if inserted {
@@ -460,3 +482,6 @@ impl PoolMetadata {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -34,7 +34,8 @@ impl Hasher for BlockHasher {
         }
     }
     fn write_u64(&mut self, n: u64) {
-        self.0 = n;
+        // One key is itself; a pair (the mapping cache's) mixes both.
+        self.0 = self.0.rotate_left(29) ^ n;
     }
 }
 
