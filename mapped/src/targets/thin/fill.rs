@@ -66,7 +66,11 @@ impl Fills {
         let bs = self.block_bytes;
         let mut fill = Fill {
             bio,
-            buf: vec![0u8; bs as usize],
+            buf: if matches!(src, Source::Zeroes) && self.data.dev.features().write_zeroes {
+                Vec::new()
+            } else {
+                vec![0u8; bs as usize]
+            },
             block,
             offset,
             read_done: false,
@@ -77,6 +81,21 @@ impl Fills {
                 Some(o) => (o, Op::Read, offset, len),
                 None => (&self.data, Op::Write, block * bs, bs),
             },
+            Source::Zeroes if self.data.dev.features().write_zeroes => {
+                // As kcopyd zeroes a block (`dm_kcopyd_zero`): with
+                // WRITE_ZEROES where the data device has it, so no buffer
+                // of zeroes is made, sent or stored.
+                fill.read_done = true;
+                self.pending.lock().insert(id, fill);
+                return self.submit(
+                    &self.data,
+                    Op::WriteZeroes,
+                    block * bs,
+                    bs,
+                    IoBuf::empty(),
+                    id,
+                );
+            }
             Source::Zeroes => {
                 fill.read_done = true;
                 (&self.data, Op::Write, block * bs, bs)
