@@ -141,23 +141,6 @@ impl PageStore {
         p.as_mut()
     }
 
-    /// Take the page at `page` out of the store, dropping its chunk when
-    /// it was the last page; whether there was one.
-    fn remove_page(shard: &mut Shard, page: u64) -> bool {
-        let (chunk, slot) = split(page);
-        let Some(c) = shard.map.get_mut(&chunk) else {
-            return false;
-        };
-        let Some(p) = c[slot].take() else {
-            return false;
-        };
-        shard.slab.free(p);
-        if c.iter().all(Option::is_none) {
-            shard.map.remove(&chunk);
-        }
-        true
-    }
-
     #[inline]
     fn shard(&self, chunk: u64) -> &RwLock<Shard> {
         &self.shards[(chunk as usize) % SHARDS]
@@ -281,10 +264,28 @@ impl PageStore {
     /// Free every page in `first..end` (page numbers).
     fn free_pages(&self, first: u64, end: u64) {
         if end - first <= self.allocated_pages() {
-            for page in first..end {
-                if Self::remove_page(&mut self.shard(split(page).0).write(), page) {
-                    self.freed(1);
+            // Chunk by chunk: one lock and one lookup per 64 KiB.
+            for (chunk, start, len) in
+                Self::chunk_spans(first * PAGE_SIZE, (end - first) * PAGE_SIZE)
+            {
+                let mut guard = self.shard(chunk).write();
+                let Shard { map, slab } = &mut *guard;
+                let Some(c) = map.get_mut(&chunk) else {
+                    continue;
+                };
+                let (lo, hi) = (
+                    split(start / PAGE_SIZE).1,
+                    split(start / PAGE_SIZE).1 + (len / PAGE_SIZE) as usize,
+                );
+                let mut pages = 0;
+                for p in c[lo..hi].iter_mut().filter_map(Option::take) {
+                    slab.free(p);
+                    pages += 1;
                 }
+                if c.iter().all(Option::is_none) {
+                    map.remove(&chunk);
+                }
+                self.freed(pages);
             }
             return;
         }
