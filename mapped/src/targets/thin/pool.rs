@@ -14,7 +14,7 @@ use super::metadata::{MetadataError, PoolMetadata};
 use crate::target::DevArg;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{clock, Bio, EndIo, Op, Status, SECTOR_SIZE};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +25,9 @@ const COMMIT_PERIOD_NS: u64 = 1_000_000_000;
 const NO_SPACE_TIMEOUT_NS: u64 = 60_000_000_000;
 /// Bios held for data space at most (beyond this they fail at once).
 const MAX_HELD: usize = 65536;
+/// Free metadata blocks below which a provisioning insert is left to the
+/// worker: more than the shadows and splits of two paths down can take.
+const INLINE_METADATA_RESERVE: u64 = 64;
 
 /// `enum pool_mode`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -485,8 +488,33 @@ impl PoolShared {
     }
 
     /// `process_prepared_mapping`: the data is written, so map it.
-    fn provisioned(&self, bio: Bio, mut status: Status, id: u64) {
-        let mut st = self.state.lock();
+    fn provisioned(&self, bio: Bio, status: Status, id: u64) {
+        self.finish_provisioning(self.state.lock(), bio, status, id, false);
+    }
+
+    /// Whether provisioning `id` can be finished right where its write
+    /// completed: the insert touches only nodes in memory, so nothing
+    /// waits on the metadata device (whose completions may come from the
+    /// very thread this runs on), and it cannot fail for want of space.
+    fn can_finish_inline(&self, st: &PoolState, status: Status, id: u64) -> bool {
+        let Some(p) = st.pending.get(&id) else {
+            return false;
+        };
+        status.is_ok()
+            && p.generation == st.generation
+            && matches!(st.mode, Mode::Write | Mode::OutOfDataSpace)
+            && st.md.metadata_free() >= INLINE_METADATA_RESERVE
+            && st.md.insert_is_cached(p.thin.dev_id(), p.vblock)
+    }
+
+    fn finish_provisioning(
+        &self,
+        mut st: MutexGuard<'_, PoolState>,
+        bio: Bio,
+        mut status: Status,
+        id: u64,
+        in_completion: bool,
+    ) {
         let Some(p) = st.pending.remove(&id) else {
             drop(st);
             bio.complete(Status::IoError);
@@ -514,7 +542,12 @@ impl PoolShared {
         drop(st);
         bio.complete(status);
         for (b, thin) in waiters {
-            thin.map_io(b);
+            // Mapping them takes the lock: not in a completion.
+            if in_completion {
+                self.push(Job::Remap(b, thin));
+            } else {
+                thin.map_io(b);
+            }
         }
     }
 }
@@ -525,9 +558,19 @@ impl PoolShared {
 impl EndIo for PoolShared {
     fn end_io(&self, bio: Bio, status: Status, private: u64) {
         if private == 0 {
-            self.push(Job::Fua(bio, status));
-        } else {
-            self.push(Job::Provisioned(bio, status, private));
+            return self.push(Job::Fua(bio, status));
+        }
+        // Most provisioning finishes here rather than on the worker (a
+        // hand-off and a wake-up per new block). Nothing here may wait:
+        // this thread may be the one to deliver the completion that the
+        // holder of the lock waits for (a commit's flush of the data
+        // device), so a busy lock, or an insert that would read metadata,
+        // goes to the worker as in dm-thin.
+        match self.state.try_lock() {
+            Some(st) if self.can_finish_inline(&st, status, private) => {
+                self.finish_provisioning(st, bio, status, private, true);
+            }
+            _ => self.push(Job::Provisioned(bio, status, private)),
         }
     }
 }

@@ -81,6 +81,25 @@ pub fn leaf_span(tm: &mut Tm, root: u64, key: u64) -> Result<LeafSpan, MetadataE
     Err(too_deep(root))
 }
 
+/// Whether [`insert`] of `key` would find every node on its way down in
+/// memory (it then reads nothing from the metadata device), and the
+/// value `key` has now if so.
+pub fn insert_path_cached(tm: &Tm, root: u64, key: u64) -> Option<Option<u64>> {
+    let mut b = root;
+    for _ in 0..MAX_DEPTH {
+        let n = tm.cached(b)?;
+        if n.leaf {
+            if n.value_size != 8 {
+                return None;
+            }
+            return Some(n.keys.binary_search(&key).ok().map(|i| n.value_u64(i)));
+        }
+        // As `insert` descends: keys below the first go to child 0.
+        b = n.value_u64(n.lower_bound(key).unwrap_or(0));
+    }
+    None
+}
+
 /// The highest key in the tree (`dm_btree_find_highest_key`).
 pub fn highest_key(tm: &mut Tm, root: u64) -> Result<Option<u64>, MetadataError> {
     let mut b = root;

@@ -354,6 +354,15 @@ impl PoolMetadata {
         self.tm.data.dec(b);
     }
 
+    /// Whether [`Self::insert_block`] of `vblock` would read nothing from
+    /// the metadata device: every node on both trees' paths is in memory.
+    pub fn insert_is_cached(&self, dev: u64, vblock: u64) -> bool {
+        match btree::insert_path_cached(&self.tm, self.root, dev) {
+            Some(Some(sub)) => btree::insert_path_cached(&self.tm, sub, vblock).is_some(),
+            _ => false,
+        }
+    }
+
     /// `dm_thin_insert_block`: map `vblock` to `data_block` (whose
     /// reference this takes over); a block it replaces loses one.
     pub fn insert_block(

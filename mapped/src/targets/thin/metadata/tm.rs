@@ -154,6 +154,11 @@ impl Tm {
         Ok(n)
     }
 
+    /// Node `b` if it is in memory, without reading it.
+    pub fn cached(&self, b: u64) -> Option<&Arc<Node>> {
+        self.cache.get(&b)
+    }
+
     /// A node made in this transaction, to change in place.
     pub fn node_mut(&mut self, b: u64) -> &mut Node {
         debug_assert!(self.shadows.contains(&b));
