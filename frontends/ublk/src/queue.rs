@@ -162,14 +162,17 @@ fn bio_for(
 }
 
 /// Commit every completion waiting in the inbox (each commit also
-/// fetches the tag's next request).
+/// fetches the tag's next request). From the poll (`woken`), the eventfd
+/// is always reset, so a wake that found the inbox already emptied does
+/// not fire the re-armed poll again at once.
 fn commit_all(
     q: &UblkQueue,
     inbox: &Inbox,
     bufs: &[libublk::helpers::IoBuf<u8>],
     batch: &mut Vec<(u16, i32)>,
+    woken: bool,
 ) {
-    if inbox.done.lock().is_empty() {
+    if !woken && inbox.done.lock().is_empty() {
         return;
     }
     inbox.take(batch);
@@ -203,12 +206,15 @@ fn arm_poll(q: &UblkQueue, inbox: &Inbox) {
 }
 
 /// Serve queue `qid` of `udev` from `target` until the device stops.
-pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
+/// A queue that cannot be set up says why through `failed` (the kernel
+/// would otherwise wait for its fetch commands for ever).
+pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(String)) {
     let depth = udev.dev_info.queue_depth as usize;
     let inbox = match Inbox::new(depth) {
         Ok(i) => i,
         Err(e) => {
             tracing::error!("ublk queue {qid}: eventfd: {e}");
+            failed(format!("queue {qid}: eventfd: {e}"));
             return;
         }
     };
@@ -219,6 +225,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
         Ok(q) => q,
         Err(e) => {
             tracing::error!("ublk queue {qid}: setting up: {e}");
+            failed(format!("queue {qid} could not be set up: {e}"));
             return;
         }
     };
@@ -227,7 +234,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
     let mut batch: Vec<(u16, i32)> = Vec::with_capacity(depth);
     queue.wait_and_handle_io(|q, tag, ctx| {
         if ctx.is_tgt_io() {
-            commit_all(q, &inbox, &bufs, &mut batch);
+            commit_all(q, &inbox, &bufs, &mut batch, true);
             // A failed poll (the ring going away) is not re-armed.
             if ctx.result() >= 0 {
                 arm_poll(q, &inbox);
@@ -242,7 +249,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
                 target.submit(bio);
                 // A device that completed inline (null, memory) is
                 // committed now, not one poll wake later.
-                commit_all(q, &inbox, &bufs, &mut batch);
+                commit_all(q, &inbox, &bufs, &mut batch, false);
             }
             Err(res) => {
                 tracing::debug!(
@@ -264,6 +271,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
             }
         }
     });
+    tracing::debug!(qid, "ublk queue: the device stopped");
     if !drain(qid, &inbox) {
         // Bios still write into these: leaking them is the safe end.
         std::mem::forget(bufs);
