@@ -32,6 +32,7 @@ use blkstack_core::DeviceRef;
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::{sys, UblkFlags};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -72,6 +73,9 @@ pub struct UblkExport {
     /// Whether it was taken over from a killed server.
     pub recovered: bool,
     ctrl: Arc<UblkCtrl>,
+    /// Set before the device is stopped on purpose, so a queue ending
+    /// then is not taken for a queue that died.
+    stopping: Arc<AtomicBool>,
     server: Option<JoinHandle<()>>,
 }
 
@@ -202,6 +206,109 @@ fn take_over(name: &str, id: u32) -> Result<(u16, u16), UblkError> {
     })
 }
 
+/// One queue's thread, as libublk's `run_target` calls it: serve until the
+/// device stops. A queue that ends while the export is not being stopped
+/// (a ring error, a panic below) would leave its requests waiting for a
+/// server that is still alive, for ever (the kernel quiesces the device
+/// once the queue's ring goes and waits for a recovery): the device is
+/// stopped instead, so its I/O fails rather than hangs. The stop is sent
+/// from another thread: the kernel finishes it only once this queue's
+/// ring is gone, which is when this thread ends.
+fn serve_queue(
+    qid: u16,
+    d: &libublk::io::UblkDev,
+    dev: DeviceRef,
+    tx: &mpsc::Sender<Started>,
+    ctrl: &Arc<UblkCtrl>,
+    stopping: &Arc<AtomicBool>,
+) {
+    let failed = tx.clone();
+    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        queue::run(qid, d, dev, move |why| {
+            let _ = failed.send(Started::QueueFailed(why));
+        })
+    }))
+    .unwrap_or(true);
+    if served && !stopping.load(Ordering::Acquire) {
+        tracing::error!(
+            dev_id = d.dev_info.dev_id,
+            qid,
+            "ublk: a queue ended while the device is live; stopping the device so its I/O fails instead of waiting"
+        );
+        let ctrl = ctrl.clone();
+        let _ = std::thread::Builder::new()
+            .name("ublk-failstop".into())
+            .spawn(move || {
+                if ensure_ctrl_ring().is_ok() {
+                    let _ = ctrl.kill_dev();
+                }
+            });
+    }
+}
+
+/// The device's thread: libublk's `run_target` (queues, START_DEV or
+/// END_USER_RECOVERY) with our queues; what happens goes to `tx`.
+fn spawn_server(
+    name: &str,
+    ctrl: &Arc<UblkCtrl>,
+    dev: DeviceRef,
+    geo: Geometry,
+    params: sys::ublk_params,
+    tx: mpsc::Sender<Started>,
+    stopping: &Arc<AtomicBool>,
+) -> Result<JoinHandle<()>, UblkError> {
+    let ctrl = ctrl.clone();
+    let stopping_q = stopping.clone();
+    let export = name.to_string();
+    let tx_fail = tx.clone();
+    std::thread::Builder::new()
+        .name(format!("ublk-{name}"))
+        .spawn(move || {
+            if let Err(e) = ensure_ctrl_ring() {
+                let _ = tx_fail.send(Started::Failed(e));
+                return;
+            }
+            let tx_queue = tx_fail.clone();
+            let queue_ctrl = ctrl.clone();
+            let depth = ctrl.dev_info().queue_depth;
+            let run = std::panic::AssertUnwindSafe(|| {
+                ctrl.run_target(
+                    move |d| {
+                        d.tgt.dev_size = geo.size;
+                        d.tgt.params = params;
+                        // One more slot per ring: the completion poll.
+                        d.tgt.extra_ios = 1;
+                        d.tgt.sq_depth = depth + 1;
+                        d.tgt.cq_depth = depth + 1;
+                        d.set_target_json(serde_json::json!({ NAME_KEY: export }));
+                        Ok(())
+                    },
+                    move |qid, d| {
+                        serve_queue(qid, d, dev.clone(), &tx_queue, &queue_ctrl, &stopping_q)
+                    },
+                    move |c| {
+                        let _ = tx.send(Started::Live(c.dev_info().dev_id));
+                    },
+                )
+            });
+            match std::panic::catch_unwind(run) {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    let _ = tx_fail.send(Started::Failed(e));
+                }
+                Err(_) => {
+                    let _ =
+                        tx_fail.send(Started::Failed(libublk::UblkError::OtherError(-libc::EIO)));
+                }
+            }
+        })
+        .map_err(|source| UblkError::Io {
+            name: name.into(),
+            what: "spawning the device's thread",
+            source,
+        })
+}
+
 impl UblkExport {
     /// Present `dev` as a ublk device, or take over the one a killed
     /// server left for `name`. Returns once `/dev/ublkbN` exists.
@@ -264,59 +371,8 @@ impl UblkExport {
             .map_err(kernel(name, "ADD_DEV"))?;
         let ctrl = Arc::new(ctrl);
         let (tx, rx) = mpsc::channel::<Started>();
-        let server = {
-            let ctrl = ctrl.clone();
-            let export = name.to_string();
-            let tx_fail = tx.clone();
-            std::thread::Builder::new()
-                .name(format!("ublk-{name}"))
-                .spawn(move || {
-                    if let Err(e) = ensure_ctrl_ring() {
-                        let _ = tx_fail.send(Started::Failed(e));
-                        return;
-                    }
-                    let tx_queue = tx_fail.clone();
-                    let depth = ctrl.dev_info().queue_depth;
-                    let run = std::panic::AssertUnwindSafe(|| {
-                        ctrl.run_target(
-                            move |d| {
-                                d.tgt.dev_size = geo.size;
-                                d.tgt.params = params;
-                                // One more slot per ring: the completion poll.
-                                d.tgt.extra_ios = 1;
-                                d.tgt.sq_depth = depth + 1;
-                                d.tgt.cq_depth = depth + 1;
-                                d.set_target_json(serde_json::json!({ NAME_KEY: export }));
-                                Ok(())
-                            },
-                            move |qid, d| {
-                                let failed = tx_queue.clone();
-                                queue::run(qid, d, dev.clone(), move |why| {
-                                    let _ = failed.send(Started::QueueFailed(why));
-                                })
-                            },
-                            move |c| {
-                                let _ = tx.send(Started::Live(c.dev_info().dev_id));
-                            },
-                        )
-                    });
-                    match std::panic::catch_unwind(run) {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) => {
-                            let _ = tx_fail.send(Started::Failed(e));
-                        }
-                        Err(_) => {
-                            let _ = tx_fail
-                                .send(Started::Failed(libublk::UblkError::OtherError(-libc::EIO)));
-                        }
-                    }
-                })
-                .map_err(|source| UblkError::Io {
-                    name: name.into(),
-                    what: "spawning the device's thread",
-                    source,
-                })?
-        };
+        let stopping = Arc::new(AtomicBool::new(false));
+        let server = spawn_server(name, &ctrl, dev, geo, params, tx, &stopping)?;
         let fail = |what: String| {
             // The device's thread may be blocked in the kernel (waiting for
             // fetches that will not come): stopping the device ends that
@@ -347,6 +403,7 @@ impl UblkExport {
             read_only: read_only || geo.features.read_only,
             recovered: left.is_some(),
             ctrl,
+            stopping,
             server: Some(server),
         })
     }
@@ -363,6 +420,7 @@ impl UblkExport {
     }
 
     fn stop_inner(&mut self) {
+        self.stopping.store(true, Ordering::Release);
         if let Err(e) = ensure_ctrl_ring() {
             tracing::error!(export = %self.name, "ublk: no control ring to stop the device with: {e}");
             return;

@@ -94,9 +94,11 @@ impl UblkOptions {
             None => DEFAULT_QUEUES,
         };
         let depth = match self.depth {
-            Some(d) if d > have_d => return Err(format!(
+            Some(d) if d > have_d => {
+                return Err(format!(
                 "--ublk-depth {d}: {what} offers {have_d} tags per queue; ask for at most {have_d}"
-            )),
+            ))
+            }
             Some(d) => d,
             None if stack.is_some() => have_d,
             None => DEFAULT_DEPTH,

@@ -205,17 +205,18 @@ fn arm_poll(q: &UblkQueue, inbox: &Inbox) {
     });
 }
 
-/// Serve queue `qid` of `udev` from `target` until the device stops.
-/// A queue that cannot be set up says why through `failed` (the kernel
-/// would otherwise wait for its fetch commands for ever).
-pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(String)) {
+/// Serve queue `qid` of `udev` from `target` until the device stops;
+/// true once it has served (false: it could not be set up, and said why
+/// through `failed`, since the kernel would otherwise wait for its fetch
+/// commands for ever).
+pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(String)) -> bool {
     let depth = udev.dev_info.queue_depth as usize;
     let inbox = match Inbox::new(depth) {
         Ok(i) => i,
         Err(e) => {
             tracing::error!("ublk queue {qid}: eventfd: {e}");
             failed(format!("queue {qid}: eventfd: {e}"));
-            return;
+            return false;
         }
     };
     let bufs = udev.alloc_queue_io_bufs();
@@ -226,7 +227,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(Stri
         Err(e) => {
             tracing::error!("ublk queue {qid}: setting up: {e}");
             failed(format!("queue {qid} could not be set up: {e}"));
-            return;
+            return false;
         }
     };
     arm_poll(&queue, &inbox);
@@ -276,6 +277,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(Stri
         // Bios still write into these: leaking them is the safe end.
         std::mem::forget(bufs);
     }
+    true
 }
 
 /// How long a stopped queue waits for the stack to complete its bios
