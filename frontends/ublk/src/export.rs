@@ -198,7 +198,7 @@ fn take_over(name: &str, id: u32) -> Result<(u16, u16), UblkError> {
     Err(UblkError::Invalid {
         name: name.into(),
         what: format!(
-            "/dev/ublkb{id}, left by a killed server, is still {} after {:?} (the kernel \
+            "/dev/ublkb{id}, left by a killed server, is {} after {:?} (the kernel \
              has not released it for recovery); its queued I/O waits",
             state_name(state),
             t0.elapsed()
