@@ -62,6 +62,35 @@ impl Features {
     }
 }
 
+/// The blk-mq tag set a device's requests land in (kernel `struct
+/// blk_mq_tag_set`'s `nr_hw_queues` and `queue_depth`): how many hardware
+/// queues take ordinary (unpolled) bios and how many requests each holds
+/// at once. A frontend that is itself a blk-mq driver (ublk) takes its
+/// queues and depth from it, so the kernel never queues more on one of
+/// its queues than one of ours can take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QueueShape {
+    pub hw_queues: u32,
+    /// Tags per hardware queue (a shared tag set's fair share of it).
+    pub depth: u32,
+}
+
+impl QueueShape {
+    /// The wider of two shapes, member by member: a stack is as parallel
+    /// as the most parallel device below it (dm-table.c's limits are the
+    /// members' combined the same way, one field at a time).
+    pub fn widest(a: Option<QueueShape>, b: Option<QueueShape>) -> Option<QueueShape> {
+        match (a, b) {
+            (Some(a), Some(b)) => Some(QueueShape {
+                hw_queues: a.hw_queues.max(b.hw_queues),
+                depth: a.depth.max(b.depth),
+            }),
+            (a, None) => a,
+            (None, b) => b,
+        }
+    }
+}
+
 /// A run of bytes that is either data or a hole (reads as zeroes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
@@ -108,6 +137,13 @@ pub trait Device: Send + Sync {
 
     fn features(&self) -> Features {
         Features::default()
+    }
+
+    /// The tag set below this device, if it has one (a leaf driver's
+    /// engine queue, or the widest of those under a stack); `None` for a
+    /// device that queues nothing (`zero`, `error`).
+    fn queue_shape(&self) -> Option<QueueShape> {
+        None
     }
 
     /// Whether this device may leave a [`crate::BioFlags::POLLED`] bio's

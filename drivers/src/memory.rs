@@ -24,7 +24,7 @@ use crate::engine_args::EngineArgs;
 use crate::error::{ArgError, MemoryError};
 use crate::null::EmulatedQueue;
 use blkstack_core::device::{check_bio, Extent};
-use blkstack_core::{Bio, BioFlags, Device, Features, Op, Status};
+use blkstack_core::{Bio, BioFlags, Device, Features, Op, QueueShape, Status};
 use blkstack_mq::queue::{Driver, EngineOptions, QueueRq, QueueStats, Rq};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -295,6 +295,10 @@ impl Device for MemoryDevice {
 
     fn logical_block_size(&self) -> u32 {
         self.block_size
+    }
+
+    fn queue_shape(&self) -> Option<QueueShape> {
+        Some(self.queue.queue().options().queue_shape())
     }
 
     fn features(&self) -> Features {

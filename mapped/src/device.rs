@@ -16,7 +16,7 @@ use crate::dm_table::Table;
 use crate::error::TargetError;
 use arc_swap::ArcSwap;
 use blkstack_core::device::{check_bio_geometry, Extent};
-use blkstack_core::{Bio, BioFlags, Device, EndIo, Features, Op, Status};
+use blkstack_core::{Bio, BioFlags, Device, EndIo, Features, Op, QueueShape, Status};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -382,6 +382,13 @@ impl Device for MappedDevice {
 
     fn logical_block_size(&self) -> u32 {
         512
+    }
+
+    /// The live table's, as the table stood when it was asked: a frontend
+    /// that sizes its own queues from it (ublk) keeps them across reloads,
+    /// as the kernel keeps a disk's tag set.
+    fn queue_shape(&self) -> Option<QueueShape> {
+        self.core.live.load().queue_shape()
     }
 
     fn features(&self) -> Features {

@@ -9,7 +9,7 @@ use crate::error::RamLoss;
 use crate::split::Split;
 use crate::table::{render_table, TableLine};
 use crate::target::TargetRef;
-use blkstack_core::{Bio, Features, Op, SECTOR_SIZE};
+use blkstack_core::{Bio, DeviceRef, Features, Op, QueueShape, SECTOR_SIZE};
 use blkstack_drivers::memory::{PageStore, PAGE_SIZE};
 use std::sync::Arc;
 
@@ -19,6 +19,8 @@ pub struct TableEntry {
     pub target: TargetRef,
     /// Registry names of the devices this line uses.
     pub deps: Vec<String>,
+    /// Those devices.
+    pub devs: Vec<DeviceRef>,
 }
 
 impl TableEntry {
@@ -100,6 +102,18 @@ impl Table {
             }
         }
         v
+    }
+
+    /// The tag set this table's I/O lands in: each line's own (a leaf
+    /// driver's) or the widest of the devices it opened, and the widest
+    /// of the lines'. `None` when nothing below queues (`zero`, `error`).
+    pub fn queue_shape(&self) -> Option<QueueShape> {
+        self.entries.iter().fold(None, |acc, e| {
+            let line = e.devs.iter().fold(e.target.queue_shape(), |s, d| {
+                QueueShape::widest(s, d.queue_shape())
+            });
+            QueueShape::widest(acc, line)
+        })
     }
 
     /// `dmsetup table` text with the targets' own argument rendering.

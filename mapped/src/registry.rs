@@ -218,13 +218,19 @@ impl Registry {
                 DmError::line(line.line, LineError::Target { target, source }).in_device(name)
             })?;
             let deps = ctx.take_used();
+            let devs = ctx.take_used_devices();
             if deps.iter().any(|d| d == name) {
                 return Err(
                     DmError::line(line.line, LineError::UsesItself(name.to_string()))
                         .in_device(name),
                 );
             }
-            entries.push(TableEntry { line, target, deps });
+            entries.push(TableEntry {
+                line,
+                target,
+                deps,
+                devs,
+            });
         }
         Ok(Table {
             entries,

@@ -12,7 +12,7 @@
 
 use crate::error::TargetError;
 use blkstack_core::device::Extent;
-use blkstack_core::{Bio, DeviceRef, Features, SECTOR_SIZE};
+use blkstack_core::{Bio, DeviceRef, Features, QueueShape, SECTOR_SIZE};
 use blkstack_drivers::memory::PageStore;
 use std::fmt;
 use std::sync::Arc;
@@ -61,6 +61,13 @@ pub trait Target: Send + Sync {
 
     fn features(&self) -> Features {
         Features::default()
+    }
+
+    /// The tag set of a target that is itself a leaf driver; targets
+    /// over other devices leave it to the table, which takes the widest
+    /// of the devices they opened.
+    fn queue_shape(&self) -> Option<QueueShape> {
+        None
     }
 
     /// The RAM pages this target holds the device's data in (a `memory`
@@ -176,6 +183,9 @@ pub struct CtrContext<'a> {
     lookup: DeviceLookup<'a>,
     target_lookup: Option<TargetLookup<'a>>,
     used: Vec<String>,
+    /// The devices behind `used` (dm's `dm_table.devices`, filled by
+    /// `dm_get_device`).
+    used_devs: Vec<DeviceRef>,
 }
 
 impl<'a> CtrContext<'a> {
@@ -189,6 +199,7 @@ impl<'a> CtrContext<'a> {
             lookup,
             target_lookup: None,
             used: Vec::new(),
+            used_devs: Vec::new(),
         }
     }
 
@@ -234,6 +245,7 @@ impl<'a> CtrContext<'a> {
         }
         if !self.used.contains(&name) {
             self.used.push(name.clone());
+            self.used_devs.push(dev.clone());
         }
         Ok(DevArg { name, minor, dev })
     }
@@ -241,6 +253,12 @@ impl<'a> CtrContext<'a> {
     /// The names of the devices this line's target opened.
     pub fn take_used(&mut self) -> Vec<String> {
         std::mem::take(&mut self.used)
+    }
+
+    /// The devices this line's target opened, in the order of
+    /// [`CtrContext::take_used`]'s names.
+    pub fn take_used_devices(&mut self) -> Vec<DeviceRef> {
+        std::mem::take(&mut self.used_devs)
     }
 }
 

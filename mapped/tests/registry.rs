@@ -247,3 +247,34 @@ fn read_only_devices_refuse_writes() {
     );
     assert_eq!(submit_and_wait(&*dev, Op::Read, 0, 512, &mut b), Status::Ok);
 }
+
+#[test]
+fn a_stack_offers_the_widest_tag_set_below_it() {
+    use blkstack_core::QueueShape;
+    let reg = Registry::new();
+    reg.create_stack(
+        "a: 0 2048 memory submit_queues=2 hw_queue_depth=32\n\
+         b: 0 2048 memory submit_queues=3 hw_queue_depth=16\n\
+         s: 0 4096 striped 2 8 a 0 b 0\n\
+         top: 0 4096 linear s 0\n\
+         z: 0 2048 zero\n",
+    )
+    .unwrap();
+    let shape = |n: &str| reg.get(n).unwrap().queue_shape();
+    assert_eq!(
+        shape("a"),
+        Some(QueueShape {
+            hw_queues: 2,
+            depth: 32
+        })
+    );
+    let widest = Some(QueueShape {
+        hw_queues: 3,
+        depth: 32,
+    });
+    assert_eq!(shape("s"), widest);
+    // Through another mapped device, as dm's table of devices is walked.
+    assert_eq!(shape("top"), widest);
+    // Nothing below queues.
+    assert_eq!(shape("z"), None);
+}

@@ -103,6 +103,21 @@ pub enum EngineOptionsError {
 }
 
 impl EngineOptions {
+    /// What a queue with these options offers a submitter: the hardware
+    /// queues that take unpolled bios and the tags each may use (a shared
+    /// set's fair share, as blk-mq's `hctx_may_queue` divides one among
+    /// its active users), reserved tags left out.
+    pub fn queue_shape(&self) -> blkstack_core::QueueShape {
+        let hw_queues = self.hw_queues.saturating_sub(self.poll_queues).max(1);
+        let tags = self.queue_depth.saturating_sub(self.reserved_tags).max(1);
+        let depth = if self.shared_tags {
+            tags.div_ceil(self.hw_queues.max(1)).max(1)
+        } else {
+            tags
+        };
+        blkstack_core::QueueShape { hw_queues, depth }
+    }
+
     pub fn validate(&self) -> Result<(), EngineOptionsError> {
         if self.hw_queues == 0 || self.hw_queues > MAX_HW_QUEUES {
             return Err(EngineOptionsError::HwQueues(self.hw_queues));
@@ -129,6 +144,31 @@ impl EngineOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shape_leaves_out_poll_queues_and_reserved_tags() {
+        let o = EngineOptions {
+            hw_queues: 4,
+            poll_queues: 1,
+            queue_depth: 64,
+            reserved_tags: 4,
+            ..EngineOptions::default()
+        };
+        assert_eq!(
+            o.queue_shape(),
+            blkstack_core::QueueShape {
+                hw_queues: 3,
+                depth: 60
+            }
+        );
+        let shared = EngineOptions {
+            hw_queues: 4,
+            queue_depth: 64,
+            shared_tags: true,
+            ..EngineOptions::default()
+        };
+        assert_eq!(shared.queue_shape().depth, 16);
+    }
 
     #[test]
     fn options_are_validated() {

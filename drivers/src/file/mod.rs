@@ -48,7 +48,7 @@ use crate::args::check_size;
 use crate::error::FileError;
 use backing::{Files, Route};
 use blkstack_core::device::{check_bio, Extent};
-use blkstack_core::{Bio, BioFlags, Device, Features};
+use blkstack_core::{Bio, BioFlags, Device, Features, QueueShape};
 use psync::Pool;
 use refusal::PollRefusal;
 use ring::{setup_ring, Ring, RingShared};
@@ -318,6 +318,15 @@ impl Device for FileDevice {
 
     fn size(&self) -> u64 {
         self.size
+    }
+
+    /// One ring, `queue_depth` deep: the loop driver's single hardware
+    /// queue (`nr_hw_queues = 1`, `hw_queue_depth`).
+    fn queue_shape(&self) -> Option<QueueShape> {
+        Some(QueueShape {
+            hw_queues: 1,
+            depth: self.opts.queue_depth.max(1),
+        })
     }
 
     fn features(&self) -> Features {

@@ -44,7 +44,7 @@ pub mod wire;
 
 use crate::error::ArgError;
 use blkstack_core::device::{check_bio, Extent};
-use blkstack_core::{Bio, Device, Features};
+use blkstack_core::{Bio, Device, Features, QueueShape};
 use blkstack_mq::{
     CompleterRef, Driver, EngineOptions, Queue, QueueError, QueueRq, RequestCompleter, Rq,
 };
@@ -454,6 +454,11 @@ impl Device for NbdDevice {
 
     fn logical_block_size(&self) -> u32 {
         self.block_size
+    }
+
+    /// One hardware queue per connection (see the module doc).
+    fn queue_shape(&self) -> Option<QueueShape> {
+        Some(self.queue.options().queue_shape())
     }
 
     /// The server's preferred block size (its optimal I/O size).

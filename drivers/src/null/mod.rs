@@ -43,7 +43,7 @@ use crate::args::{check_block_size, check_size, KvArgs};
 use crate::engine_args::EngineArgs;
 use crate::error::ArgError;
 use blkstack_core::device::{check_bio, check_bio_geometry, Extent};
-use blkstack_core::{Bio, Device, Features, Op, Status};
+use blkstack_core::{Bio, Device, Features, Op, QueueShape, Status};
 use blkstack_mq::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
 use crossbeam_utils::CachePadded;
 use std::fmt::Write;
@@ -251,6 +251,10 @@ impl Device for NullDevice {
 
     fn logical_block_size(&self) -> u32 {
         self.block_size
+    }
+
+    fn queue_shape(&self) -> Option<QueueShape> {
+        Some(self.queue.queue().options().queue_shape())
     }
 
     fn features(&self) -> Features {

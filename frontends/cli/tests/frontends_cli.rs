@@ -2,6 +2,8 @@
 //! where the ublk driver is not loaded names the module to load (run
 //! where /dev/ublk-control is missing; where it exists the case is
 //! skipped, saying so: the guest tests cover the working path),
+//! `--ublk-queues` / `--ublk-depth` beyond the stack's tag set are
+//! refused, naming what the stack offers;
 //! `export --ublk` on a serve without the ublk frontend says how to get
 //! one, a serve with nothing to export says what it needs, and a bad
 //! `--vhost-user-blk` spec is named. Each refusal leaves nothing behind.
@@ -45,6 +47,39 @@ fn serve_ublk_without_the_driver_names_the_module() {
     assert!(err.contains("/dev/ublk-control is missing"), "{err}");
     assert!(err.contains("modprobe ublk_drv"), "{err}");
     assert!(!ctl.exists(), "a refused serve left its control socket");
+}
+
+#[test]
+fn ublk_queues_or_depth_beyond_the_stack_are_refused() {
+    // Checked before the driver is looked for: the same refusal wherever
+    // this runs.
+    let (code, err) = serve(&[
+        "--concise",
+        "d0,,,rw,0 2048 memory submit_queues=2 hw_queue_depth=48",
+        "--ublk",
+        "d0",
+        "--ublk-queues",
+        "3",
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--ublk d0"), "{err}");
+    assert!(
+        err.contains("--ublk-queues 3: the stack offers 2 hardware queue(s)"),
+        "{err}"
+    );
+    let (code, err) = serve(&[
+        "--concise",
+        "d0,,,rw,0 2048 memory submit_queues=2 hw_queue_depth=48",
+        "--ublk",
+        "d0",
+        "--ublk-depth",
+        "64",
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("--ublk-depth 64: the stack offers 48 tags per queue"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -23,14 +23,17 @@ pub struct UblkArgs {
     #[arg(long)]
     pub ublk_enable: bool,
 
-    /// ublk queues per device, each one hardware queue of ours with its
-    /// own thread.
-    #[arg(long, value_name = "N", default_value_t = options::DEFAULT_QUEUES)]
-    pub ublk_queues: u16,
+    /// ublk queues per device. Default: one per hardware queue of the
+    /// stack's tag set (e.g. a `memory submit_queues=N` leaf's N), each
+    /// with its own thread; fewer may be asked for, more are refused.
+    #[arg(long, value_name = "N")]
+    pub ublk_queues: Option<u16>,
 
-    /// Requests in flight per ublk queue (the queue's tags).
-    #[arg(long, value_name = "N", default_value_t = options::DEFAULT_DEPTH)]
-    pub ublk_depth: u16,
+    /// Requests in flight per ublk queue. Default: the stack's tags per
+    /// hardware queue (`hw_queue_depth`, a file's `queue_depth`); a
+    /// shallower queue may be asked for, a deeper one is refused.
+    #[arg(long, value_name = "N")]
+    pub ublk_depth: Option<u16>,
 
     /// Largest request the kernel sends, in bytes (a buffer of this size
     /// is reserved per tag); the device's own limit applies too.

@@ -1,11 +1,19 @@
 //! How a device is presented on ublk: queues, depth, I/O buffer size and
 //! the driver features asked for (`UBLK_F_*` in the kernel's
 //! include/uapi/linux/ublk_cmd.h).
+//!
+//! The queues and their depth come from the stack: each ublk queue is one
+//! hardware queue of the tag set below the exported device, as deep as its
+//! tags (`Device::queue_shape`), as a blk-mq driver's `nr_hw_queues` and
+//! `queue_depth` describe its hardware. `--ublk-queues` / `--ublk-depth`
+//! may ask for fewer (fewer queue threads, a shallower queue), never for
+//! more than the stack has.
 
-/// Default queues and depth: the blk-mq engine's own defaults
-/// (`submit_queues=1`, `hw_queue_depth=64`), so a ublk queue is one of
-/// our hardware queues and the kernel never has more requests in flight
-/// than our tags hold.
+use blkstack_core::QueueShape;
+
+/// Queues and depth for a device with no tag set below it (`zero`,
+/// `error`): the blk-mq engine's own defaults (`submit_queues=1`,
+/// `hw_queue_depth=64`).
 pub const DEFAULT_QUEUES: u16 = 1;
 pub const DEFAULT_DEPTH: u16 = 64;
 /// Largest request the kernel sends (its `max_sectors`): a buffer of
@@ -17,8 +25,10 @@ pub const MAX_DEPTH: u16 = 4096;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UblkOptions {
-    pub queues: u16,
-    pub depth: u16,
+    /// Fewer queues than the stack's hardware queues (`None`: all).
+    pub queues: Option<u16>,
+    /// A shallower queue than the stack's tags (`None`: all of them).
+    pub depth: Option<u16>,
     pub io_buf_bytes: u32,
     /// `UBLK_F_USER_RECOVERY` (with `_REISSUE`): the device outlives a
     /// killed server, its I/O waits, and a server restarted with the same
@@ -33,8 +43,8 @@ pub struct UblkOptions {
 impl Default for UblkOptions {
     fn default() -> Self {
         UblkOptions {
-            queues: DEFAULT_QUEUES,
-            depth: DEFAULT_DEPTH,
+            queues: None,
+            depth: None,
             io_buf_bytes: DEFAULT_IO_BUF_BYTES,
             recovery: true,
             unprivileged: false,
@@ -45,17 +55,11 @@ impl Default for UblkOptions {
 impl UblkOptions {
     /// Check against the driver's limits; the message names the flag.
     pub fn validate(&self) -> Result<(), String> {
-        if self.queues == 0 || self.queues > MAX_QUEUES {
-            return Err(format!(
-                "--ublk-queues {}: must be 1..={MAX_QUEUES}",
-                self.queues
-            ));
+        if let Some(q) = self.queues.filter(|q| *q == 0 || *q > MAX_QUEUES) {
+            return Err(format!("--ublk-queues {q}: must be 1..={MAX_QUEUES}"));
         }
-        if self.depth == 0 || self.depth > MAX_DEPTH {
-            return Err(format!(
-                "--ublk-depth {}: must be 1..={MAX_DEPTH}",
-                self.depth
-            ));
+        if let Some(d) = self.depth.filter(|d| *d == 0 || *d > MAX_DEPTH) {
+            return Err(format!("--ublk-depth {d}: must be 1..={MAX_DEPTH}"));
         }
         if self.io_buf_bytes < 4096 || !self.io_buf_bytes.is_multiple_of(4096) {
             return Err(format!(
@@ -64,6 +68,42 @@ impl UblkOptions {
             ));
         }
         Ok(())
+    }
+
+    /// `(nr_queues, depth)` for a device whose stack has tag set `stack`:
+    /// the stack's, or the smaller ones asked for. More than the stack
+    /// has is refused: the kernel would queue requests on queues and tags
+    /// that nothing below can take.
+    pub fn queues_and_depth(&self, stack: Option<QueueShape>) -> Result<(u16, u16), String> {
+        let (have_q, have_d, what) = match stack {
+            Some(s) => (
+                s.hw_queues.clamp(1, MAX_QUEUES as u32) as u16,
+                s.depth.clamp(1, MAX_DEPTH as u32) as u16,
+                "the stack",
+            ),
+            None => (MAX_QUEUES, MAX_DEPTH, "the ublk driver"),
+        };
+        let queues = match self.queues {
+            Some(q) if q > have_q => {
+                return Err(format!(
+                    "--ublk-queues {q}: {what} offers {have_q} hardware queue(s); ask for at most {have_q}"
+                ))
+            }
+            Some(q) => q,
+            None if stack.is_some() => have_q,
+            None => DEFAULT_QUEUES,
+        };
+        let depth = match self.depth {
+            Some(d) if d > have_d => {
+                return Err(format!(
+                "--ublk-depth {d}: {what} offers {have_d} tags per queue; ask for at most {have_d}"
+            ))
+            }
+            Some(d) => d,
+            None if stack.is_some() => have_d,
+            None => DEFAULT_DEPTH,
+        };
+        Ok((queues, depth))
     }
 
     /// The `UBLK_F_*` flags for ADD_DEV.
@@ -87,7 +127,7 @@ mod tests {
     fn limits_are_checked_and_named() {
         assert!(UblkOptions::default().validate().is_ok());
         let bad = UblkOptions {
-            depth: 0,
+            depth: Some(0),
             ..UblkOptions::default()
         };
         assert!(bad.validate().unwrap_err().contains("--ublk-depth"));
@@ -96,6 +136,52 @@ mod tests {
             ..UblkOptions::default()
         };
         assert!(bad.validate().unwrap_err().contains("--ublk-max-io"));
+    }
+
+    #[test]
+    fn queues_and_depth_come_from_the_stack_and_may_only_shrink() {
+        let stack = Some(QueueShape {
+            hw_queues: 3,
+            depth: 48,
+        });
+        let o = UblkOptions::default();
+        assert_eq!(o.queues_and_depth(stack), Ok((3, 48)));
+        assert_eq!(
+            o.queues_and_depth(None),
+            Ok((DEFAULT_QUEUES, DEFAULT_DEPTH))
+        );
+        let fewer = UblkOptions {
+            queues: Some(2),
+            depth: Some(16),
+            ..UblkOptions::default()
+        };
+        assert_eq!(fewer.queues_and_depth(stack), Ok((2, 16)));
+        let more = UblkOptions {
+            queues: Some(4),
+            ..UblkOptions::default()
+        };
+        let e = more.queues_and_depth(stack).unwrap_err();
+        assert!(
+            e.contains("--ublk-queues 4") && e.contains("3 hardware queue"),
+            "{e}"
+        );
+        let deeper = UblkOptions {
+            depth: Some(64),
+            ..UblkOptions::default()
+        };
+        let e = deeper.queues_and_depth(stack).unwrap_err();
+        assert!(
+            e.contains("--ublk-depth 64") && e.contains("48 tags"),
+            "{e}"
+        );
+        // Nothing below queues: any count the driver takes.
+        assert_eq!(more.queues_and_depth(None), Ok((4, DEFAULT_DEPTH)));
+        // A stack deeper than the driver allows is cut to its limit.
+        let huge = Some(QueueShape {
+            hw_queues: 1,
+            depth: 100_000,
+        });
+        assert_eq!(o.queues_and_depth(huge), Ok((1, MAX_DEPTH)));
     }
 
     #[test]

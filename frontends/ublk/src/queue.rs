@@ -162,14 +162,17 @@ fn bio_for(
 }
 
 /// Commit every completion waiting in the inbox (each commit also
-/// fetches the tag's next request).
+/// fetches the tag's next request). From the poll (`woken`), the eventfd
+/// is always reset, so a wake that found the inbox already emptied does
+/// not fire the re-armed poll again at once.
 fn commit_all(
     q: &UblkQueue,
     inbox: &Inbox,
     bufs: &[libublk::helpers::IoBuf<u8>],
     batch: &mut Vec<(u16, i32)>,
+    woken: bool,
 ) {
-    if inbox.done.lock().is_empty() {
+    if !woken && inbox.done.lock().is_empty() {
         return;
     }
     inbox.take(batch);
@@ -202,14 +205,18 @@ fn arm_poll(q: &UblkQueue, inbox: &Inbox) {
     });
 }
 
-/// Serve queue `qid` of `udev` from `target` until the device stops.
-pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
+/// Serve queue `qid` of `udev` from `target` until the device stops;
+/// true once it has served (false: it could not be set up, and said why
+/// through `failed`, since the kernel would otherwise wait for its fetch
+/// commands for ever).
+pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(String)) -> bool {
     let depth = udev.dev_info.queue_depth as usize;
     let inbox = match Inbox::new(depth) {
         Ok(i) => i,
         Err(e) => {
             tracing::error!("ublk queue {qid}: eventfd: {e}");
-            return;
+            failed(format!("queue {qid}: eventfd: {e}"));
+            return false;
         }
     };
     let bufs = udev.alloc_queue_io_bufs();
@@ -219,7 +226,8 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
         Ok(q) => q,
         Err(e) => {
             tracing::error!("ublk queue {qid}: setting up: {e}");
-            return;
+            failed(format!("queue {qid} could not be set up: {e}"));
+            return false;
         }
     };
     arm_poll(&queue, &inbox);
@@ -227,7 +235,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
     let mut batch: Vec<(u16, i32)> = Vec::with_capacity(depth);
     queue.wait_and_handle_io(|q, tag, ctx| {
         if ctx.is_tgt_io() {
-            commit_all(q, &inbox, &bufs, &mut batch);
+            commit_all(q, &inbox, &bufs, &mut batch, true);
             // A failed poll (the ring going away) is not re-armed.
             if ctx.result() >= 0 {
                 arm_poll(q, &inbox);
@@ -242,7 +250,7 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
                 target.submit(bio);
                 // A device that completed inline (null, memory) is
                 // committed now, not one poll wake later.
-                commit_all(q, &inbox, &bufs, &mut batch);
+                commit_all(q, &inbox, &bufs, &mut batch, false);
             }
             Err(res) => {
                 tracing::debug!(
@@ -264,10 +272,12 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef) {
             }
         }
     });
+    tracing::debug!(qid, "ublk queue: the device stopped");
     if !drain(qid, &inbox) {
         // Bios still write into these: leaking them is the safe end.
         std::mem::forget(bufs);
     }
+    true
 }
 
 /// How long a stopped queue waits for the stack to complete its bios

@@ -6,7 +6,7 @@
 use crate::error::TargetError;
 use crate::target::{Target, TargetType};
 use blkstack_core::device::Extent;
-use blkstack_core::{Bio, Device, Features};
+use blkstack_core::{Bio, Device, Features, QueueShape};
 use blkstack_drivers::memory::PageStore;
 use std::sync::Arc;
 
@@ -52,6 +52,10 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
 
     fn features(&self) -> Features {
         self.driver.features()
+    }
+
+    fn queue_shape(&self) -> Option<QueueShape> {
+        self.driver.queue_shape()
     }
 
     fn ram_store(&self) -> Option<Arc<PageStore>> {
