@@ -98,7 +98,10 @@ pub fn ublk_params(
         p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
         p.discard = sys::ublk_param_discard {
             discard_alignment: 0,
-            discard_granularity: pbs,
+            discard_granularity: match f.discard_granularity {
+                0 => pbs,
+                g => g,
+            },
             max_discard_sectors: if f.discard {
                 (max_bytes >> 9) as u32
             } else {

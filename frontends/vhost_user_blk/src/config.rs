@@ -41,6 +41,15 @@ impl BlkGeometry {
         }
     }
 
+    /// Discard alignment: the device's granularity (a thin device's
+    /// pool block), else its physical block.
+    fn discard_granularity(&self) -> u32 {
+        match self.features.discard_granularity {
+            0 => self.physical_block_size,
+            g => g,
+        }
+    }
+
     fn writable(&self) -> bool {
         !self.read_only
     }
@@ -108,7 +117,7 @@ impl BlkGeometry {
             put(
                 &mut c,
                 44,
-                &(self.physical_block_size >> 9).max(1).to_le_bytes(),
+                &(self.discard_granularity() >> 9).max(1).to_le_bytes(),
             );
         }
         if self.writable() && self.features.write_zeroes {
