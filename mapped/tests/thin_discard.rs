@@ -56,7 +56,11 @@ fn discards_unmap_whole_blocks_pass_down_and_keep_a_snapshots_blocks() {
     let snap = reg.device("snap").unwrap();
     // Blocks 4..8 of the origin get blocks of their own; 20..24 are new.
     for b in (4..8).chain(20..24) {
-        write(&*thin, b * BLOCK, &pattern(b + 100, b * BLOCK, BLOCK as usize));
+        write(
+            &*thin,
+            b * BLOCK,
+            &pattern(b + 100, b * BLOCK, BLOCK as usize),
+        );
     }
     flush(&*thin);
     assert_eq!(status(&reg, "pool")[2], "16/256");
@@ -70,8 +74,7 @@ fn discards_unmap_whole_blocks_pass_down_and_keep_a_snapshots_blocks() {
     assert_eq!(read(&*thin, 21 * BLOCK, 4096), vec![0u8; 4096]);
     for b in [20, 22, 23] {
         assert!(
-            read(&*thin, b * BLOCK, BLOCK as usize)
-                == pattern(b + 100, b * BLOCK, BLOCK as usize),
+            read(&*thin, b * BLOCK, BLOCK as usize) == pattern(b + 100, b * BLOCK, BLOCK as usize),
             "block {b} keeps its data"
         );
     }

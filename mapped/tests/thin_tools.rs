@@ -4,7 +4,6 @@
 //! passes `thin_check`, `thin_dump` lists the mappings the test made, and
 //! a pool opened again from its files sees everything committed.
 
-
 mod thin_support;
 
 use blkstack_core::Status;

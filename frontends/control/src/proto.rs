@@ -236,6 +236,28 @@ mod tests {
     }
 
     #[test]
+    fn refused_thin_messages_carry_the_kernels_errno() {
+        let reg = blkstack_mapped::Registry::new();
+        let dir = tempfile::tempdir().unwrap();
+        let meta = dir.path().join("meta");
+        reg.create("m", &format!("0 8192 file {} create", meta.display()))
+            .unwrap();
+        reg.create("d", "0 32768 memory").unwrap();
+        reg.create("p", "0 32768 thin-pool m d 128 0").unwrap();
+        reg.message("p", 0, &["create_thin", "1"]).unwrap();
+        for (m, code, text) in [
+            ("create_thin 1", EEXIST, "File exists"),
+            ("delete 7", ENODATA, "No data available"),
+            ("set_transaction_id 3 4", EINVAL, "Invalid argument"),
+        ] {
+            let args: Vec<&str> = m.split_whitespace().collect();
+            let e: RpcError = reg.message("p", 0, &args).unwrap_err().into();
+            assert_eq!((e.code, e.strerror()), (code, Some(text)), "{m}");
+        }
+        reg.remove_all();
+    }
+
+    #[test]
     fn protocol_errors_have_no_errno() {
         let e = RpcError::new(METHOD_NOT_FOUND, "no such method");
         assert!(e.data.is_none());

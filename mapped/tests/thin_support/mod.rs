@@ -159,4 +159,3 @@ pub fn try_write(dev: &dyn Device, off: u64) -> Status {
     let mut b = pattern(7, off, 4096);
     submit_and_wait(dev, Op::Write, off, 4096, &mut b)
 }
-

@@ -212,7 +212,10 @@ mod tests {
             }
             stop.store(true, SeqCst);
         });
-        assert!(!broken.load(SeqCst), "work ran before an older I/O was done");
+        assert!(
+            !broken.load(SeqCst),
+            "work ran before an older I/O was done"
+        );
         assert_eq!(ds.in_flight(), 0);
     }
 }

@@ -469,6 +469,7 @@ impl PoolShared {
         match r {
             Ok(()) => {
                 self.check_metadata_low_water(st);
+                self.check_for_metadata_space(st);
                 self.check_for_data_space(st);
                 Status::Ok
             }

@@ -10,10 +10,10 @@
 //! discard; a discard is split at 1024 pool blocks (the kernel's
 //! `BIO_PRISON_MAX_RANGE`), so a large one costs a walk per 1024 blocks.
 
+use super::super::format::details::unpack_block_time;
 use super::btree;
 use super::tm::{self, ValueKind};
 use super::{MetadataError, PoolMetadata};
-use super::super::format::details::unpack_block_time;
 
 impl PoolMetadata {
     /// Unmap `begin..end` of `dev`; returns the data blocks the removed
@@ -47,7 +47,10 @@ impl PoolMetadata {
             &mut |tm, old| {
                 // The old tree goes (with the last reference to it, its
                 // nodes and their blocks' references).
-                tm.dec_value(ValueKind::Subtree, old.ok_or(MetadataError::NoSuchDevice(dev))?)?;
+                tm.dec_value(
+                    ValueKind::Subtree,
+                    old.ok_or(MetadataError::NoSuchDevice(dev))?,
+                )?;
                 Ok(new_sub.to_le_bytes().to_vec())
             },
         )?;
