@@ -288,3 +288,41 @@ fn discards_racing_writes_never_reach_another_devices_blocks() {
     reg.remove_all();
     thin_check(&f.meta);
 }
+
+#[test]
+fn discards_in_a_tree_of_many_leaves_unmap_exactly_their_range() {
+    let f = files();
+    let reg = pool(&f, 4096 * 128, "1 skip_block_zeroing");
+    msg(&reg, "create_thin 1");
+    reg.create("thin", "0 1048576 thin pool 1").unwrap();
+    let thin = reg.device("thin").unwrap();
+    // Every even block of 0..4000: 2000 mappings, 8 or more leaves.
+    for b in (0..4000u64).step_by(2) {
+        write(&*thin, b * BLOCK, &pattern(b, 0, 4096));
+    }
+    let mapped = |reg: &Registry| status(reg, "thin")[0].parse::<u64>().unwrap() / 128;
+    assert_eq!(mapped(&reg), 2000);
+    // Odd blocks and the space past the last mapping hold nothing.
+    for b in [1u64, 999, 2501, 3999] {
+        assert_eq!(discard(&*thin, b * BLOCK, BLOCK), Status::Ok);
+    }
+    assert_eq!(discard(&*thin, 4000 * BLOCK, 4000 * BLOCK), Status::Ok);
+    assert_eq!(mapped(&reg), 2000, "nothing was mapped there");
+    // 1000..3000 spans many leaves (and two 1024-block discard pieces).
+    assert_eq!(discard(&*thin, 1000 * BLOCK, 2000 * BLOCK), Status::Ok);
+    assert_eq!(mapped(&reg), 1000);
+    assert_eq!(status(&reg, "pool")[2], "1000/4096");
+    for b in [998u64, 1000, 2998, 3000] {
+        let want = if (1000..3000).contains(&b) {
+            vec![0u8; 4096]
+        } else {
+            pattern(b, 0, 4096)
+        };
+        assert_eq!(read(&*thin, b * BLOCK, 4096), want, "block {b}");
+    }
+    flush(&*thin);
+    drop(thin);
+    reg.remove_all();
+    thin_check(&f.meta);
+    assert!(thin_dump(&f.meta).contains("mapped_blocks=\"1000\""));
+}

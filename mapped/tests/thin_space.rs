@@ -1,6 +1,8 @@
 //! A pool's metadata space and its no-space policy as dm-thin has them:
-//! a metadata device reloaded larger grows the metadata space map
-//! (`maybe_resize_metadata_dev`), the metadata low water raises an event
+//! a pool whose metadata reaches the reserve turns read-only, and a
+//! metadata device reloaded larger grows the metadata space map and lets
+//! it write again (`maybe_resize_metadata_dev`), the metadata low water
+//! raises an event
 //! (`metadata_low_callback`), the no-space timeout (the kernel's
 //! `no_space_timeout` module parameter) stops a pool out of data space
 //! from queueing, and refused messages carry the kernel's errno.
@@ -62,6 +64,24 @@ fn the_metadata_low_water_event_fires_and_a_larger_metadata_device_grows_the_poo
     let before = events(&reg);
     status(&reg, "pool");
     assert_eq!(events(&reg), before, "once, until it rises above again");
+    // On into the reserve: the commit that reaches it turns the pool
+    // read-only (check_for_metadata_space), with no damage to repair.
+    loop {
+        assert!(id < 1000, "the metadata never ran out");
+        let s = status(&reg, "pool");
+        if s[4] == "ro" {
+            assert_eq!(s[7], "-", "out of metadata space, not failed: {s:?}");
+            break;
+        }
+        if reg
+            .message("pool", 0, &["create_snap", &id.to_string(), "1"])
+            .is_ok()
+        {
+            let _ = try_write(&*thin, (id % 300) * BLOCK);
+        }
+        id += 1;
+    }
+    assert!(reg.message("pool", 0, &["create_thin", "5000"]).is_err());
 
     // Reload the metadata device 4 times larger, then the pool.
     reg.reload("meta", &format!("0 8192 file {} create", f.meta.display()))

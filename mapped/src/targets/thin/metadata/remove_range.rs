@@ -7,12 +7,13 @@
 //! device's mapping tree without the range, as `btree::remove` does for
 //! the small trees, so every node is as full as `thin_check` wants
 //! (a third at least). That costs a walk of the device's mappings per
-//! discard; a discard is split at 1024 pool blocks (the kernel's
+//! discard that finds something to unmap (one that finds nothing costs
+//! a descent); a discard is split at 1024 pool blocks (the kernel's
 //! `BIO_PRISON_MAX_RANGE`), so a large one costs a walk per 1024 blocks.
 
 use super::super::format::details::unpack_block_time;
 use super::btree;
-use super::tm::{self, ValueKind};
+use super::tm::{self, Tm, ValueKind};
 use super::{MetadataError, PoolMetadata};
 
 impl PoolMetadata {
@@ -29,6 +30,9 @@ impl PoolMetadata {
             return Err(MetadataError::NoSuchDevice(dev));
         }
         let sub = self.subtree(dev)?;
+        if !first_key_from(&mut self.tm, sub, begin, 0)?.is_some_and(|k| k < end) {
+            return Ok(Vec::new());
+        }
         let entries = btree::walk(&mut self.tm, sub, 8)?;
         let (gone, kept): (Vec<_>, Vec<_>) = entries
             .into_iter()
@@ -70,4 +74,32 @@ impl PoolMetadata {
         self.tm.data.inc(b);
         self.dirty = true;
     }
+}
+
+/// The first key at or after `key` in the tree at `b`.
+fn first_key_from(
+    tm: &mut Tm,
+    b: u64,
+    key: u64,
+    depth: usize,
+) -> Result<Option<u64>, MetadataError> {
+    if depth > 64 {
+        return Err(MetadataError::corrupt(
+            b,
+            "btree deeper than 64 levels (a cycle?)",
+        ));
+    }
+    let n = tm.node(b)?;
+    if n.leaf {
+        let i = n.keys.partition_point(|&k| k < key);
+        return Ok(n.keys.get(i).copied());
+    }
+    // The child holding `key`, else (all its keys below) the next one's
+    // first, found at once.
+    for i in n.lower_bound(key).unwrap_or(0)..n.len() {
+        if let Some(k) = first_key_from(tm, n.value_u64(i), key, depth + 1)? {
+            return Ok(Some(k));
+        }
+    }
+    Ok(None)
 }
