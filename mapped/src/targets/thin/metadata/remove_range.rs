@@ -30,7 +30,7 @@ impl PoolMetadata {
             return Err(MetadataError::NoSuchDevice(dev));
         }
         let sub = self.subtree(dev)?;
-        if !first_key_from(&mut self.tm, sub, begin, 0)?.is_some_and(|k| k < end) {
+        if first_key_from(&mut self.tm, sub, begin, 0)?.is_none_or(|k| k >= end) {
             return Ok(Vec::new());
         }
         let entries = btree::walk(&mut self.tm, sub, 8)?;
