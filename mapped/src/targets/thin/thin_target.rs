@@ -128,11 +128,12 @@ impl ThinCore {
         let write = bio.op == Op::Write;
         let me = || self.clone() as Arc<dyn ThinDev>;
         // Counted before the lookup, so a discard that unmaps the block
-        // after it waits for this I/O (see deferred.rs).
-        let epoch = self.pool.all_io.enter();
+        // after it waits for this I/O (see deferred.rs); a pool that
+        // ignores discards never waits, and counts nothing.
+        let epoch = self.discards.then(|| self.pool.all_io.enter());
         let (prepared, bio_back) = self.pool.prepare(&me, self.dev_id, vblock, bio, write);
-        if !matches!(prepared, Prepared::Mapped(_)) {
-            self.pool.all_io.exit(epoch);
+        if let Some(e) = epoch.filter(|_| !matches!(prepared, Prepared::Mapped(_))) {
+            self.pool.all_io.exit(e);
         }
         let Some(mut bio) = bio_back else {
             return;
@@ -141,7 +142,9 @@ impl ThinCore {
             Prepared::Queued => debug_assert!(false, "a queued bio came back"),
             Prepared::Fail(st) => bio.complete(st),
             Prepared::Mapped(b) => {
-                self.pool.all_io.track(&mut bio, epoch);
+                if let Some(e) = epoch {
+                    self.pool.all_io.track(&mut bio, e);
+                }
                 bio.offset = b * bs + off;
                 self.pool.data_dev.dev.submit(bio);
             }
