@@ -83,6 +83,11 @@ fn the_metadata_low_water_event_fires_and_a_larger_metadata_device_grows_the_poo
     }
     assert!(reg.message("pool", 0, &["create_thin", "5000"]).is_err());
 
+    // The metadata device cannot shrink under the pool (the kernel's
+    // resume would fail: "metadata device too small").
+    let small = format!("0 1024 file {}", f.meta.display());
+    let e = reg.reload("meta", &small).unwrap_err();
+    assert!(e.report().contains("shrinking"), "{}", e.report());
     // Reload the metadata device 4 times larger, then the pool.
     reg.reload("meta", &format!("0 8192 file {} create", f.meta.display()))
         .unwrap();

@@ -8,7 +8,7 @@
 //! the new table's features and low water mark, and a larger data size,
 //! take effect on resume, which also releases bios that waited for space.
 
-use super::metadata::{read_dev_id, MetadataError, PoolMetadata};
+use super::metadata::{metadata_blocks_of, read_dev_id, MetadataError, PoolMetadata};
 use super::pool::{Mode, Pool, PoolFeatures, PoolShared, PoolState};
 use crate::error::{Refusal, TargetError};
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
@@ -116,10 +116,22 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             if pool.shared.state.lock().requested_pf.discard_enabled != requested.discard_enabled {
                 return Err(invalid("Discard support cannot be disabled once enabled"));
             }
-            let have = pool.shared.state.lock().md.data_blocks().1;
+            let (have, meta_have) = {
+                let st = pool.shared.state.lock();
+                (st.md.data_blocks().1, st.md.metadata_blocks().1)
+            };
             if data_blocks < have {
                 return Err(invalid(format!(
                     "pool target ({data_blocks} blocks) too small: expected {have}"
+                )));
+            }
+            // `maybe_resize_metadata_dev` fails the kernel's resume; here
+            // the reload is refused and the old table stays (the registry
+            // already refuses to shrink a device a pool uses).
+            let meta_now = metadata_blocks_of(metadata.dev.size());
+            if meta_now < meta_have {
+                return Err(invalid(format!(
+                    "metadata device ({meta_now} blocks) too small: expected {meta_have}"
                 )));
             }
             pool
@@ -174,8 +186,10 @@ fn start_pool(
 
 /// `maybe_resize_metadata_dev`: a metadata device reloaded larger grows
 /// the metadata space map (and lets a pool out of metadata space write
-/// again); one reloaded smaller is left alone, with an error logged,
-/// where the kernel's resume fails.
+/// again). A smaller one is refused before it gets here (the registry
+/// does not shrink a device in use, a pool reload checks too); should
+/// one be seen, it is left alone with an error logged, where the
+/// kernel's resume fails.
 fn grow_metadata(shared: &PoolShared, st: &mut PoolState) {
     if st.md.needs_check() {
         tracing::error!(pool = %shared.data_dev.name, "thin-pool: unable to grow the metadata device until repaired.");

@@ -14,6 +14,7 @@
 
 pub mod btree;
 mod commit;
+pub use commit::metadata_blocks_of;
 mod remove_range;
 pub mod space_map;
 pub mod tm;
