@@ -18,6 +18,10 @@ pub struct Features {
     /// Honours FUA.
     pub fua: bool,
     pub discard: bool,
+    /// Discards are only acted on in whole units of this many bytes (the
+    /// kernel's `discard_granularity`); 0 when the device states none,
+    /// and a frontend then offers its physical block size.
+    pub discard_granularity: u32,
     pub write_zeroes: bool,
     /// Write-zeroes is cheap (no data written), so FAST_ZERO can succeed.
     pub fast_zero: bool,
@@ -37,6 +41,7 @@ impl Default for Features {
             flush: true,
             fua: true,
             discard: false,
+            discard_granularity: 0,
             write_zeroes: false,
             fast_zero: false,
             read_only: false,
@@ -53,6 +58,8 @@ impl Features {
             flush: self.flush || o.flush,
             fua: self.fua && o.fua,
             discard: self.discard && o.discard,
+            // The coarsest member decides what a discard can free.
+            discard_granularity: self.discard_granularity.max(o.discard_granularity),
             write_zeroes: self.write_zeroes && o.write_zeroes,
             fast_zero: self.fast_zero && o.fast_zero,
             read_only: self.read_only || o.read_only,

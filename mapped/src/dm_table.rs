@@ -8,7 +8,7 @@
 use crate::error::RamLoss;
 use crate::split::Split;
 use crate::table::{render_table, TableLine};
-use crate::target::TargetRef;
+use crate::target::{Target, TargetRef};
 use blkstack_core::{Bio, DeviceRef, Features, Op, QueueShape, SECTOR_SIZE};
 use blkstack_drivers::memory::{PageStore, PAGE_SIZE};
 use std::sync::Arc;
@@ -173,7 +173,7 @@ impl Table {
             let fits = |b: &Bio| {
                 b.op == Op::Flush || {
                     let rel = b.offset - e.start_bytes();
-                    b.len <= (e.end_bytes() - b.offset).min(e.target.max_io_len(rel))
+                    b.len <= (e.end_bytes() - b.offset).min(max_len(&*e.target, b.op, rel))
                 }
             };
             if bios.iter().all(fits) {
@@ -203,7 +203,7 @@ impl Table {
         let i = self.find(bio.offset);
         let e = &self.entries[i];
         let rel = bio.offset - e.start_bytes();
-        let room = (e.end_bytes() - bio.offset).min(e.target.max_io_len(rel));
+        let room = (e.end_bytes() - bio.offset).min(max_len(&*e.target, bio.op, rel));
         if bio.len <= room {
             let mut bio = bio;
             bio.offset = rel;
@@ -217,7 +217,9 @@ impl Table {
         while off < bio.end() {
             let e = &self.entries[self.find(off)];
             let rel = off - e.start_bytes();
-            let room = (e.end_bytes() - off).min(e.target.max_io_len(rel)).max(1);
+            let room = (e.end_bytes() - off)
+                .min(max_len(&*e.target, bio.op, rel))
+                .max(1);
             let len = room.min(bio.end() - off);
             pieces.push((off - bio.offset, len));
             off += len;
@@ -227,5 +229,14 @@ impl Table {
             child.offset -= e.start_bytes();
             e.target.map(child);
         });
+    }
+}
+
+/// The largest piece of a bio of `op` that `t` takes at `rel`.
+fn max_len(t: &dyn Target, op: Op, rel: u64) -> u64 {
+    if op == Op::Discard {
+        t.max_discard_len(rel)
+    } else {
+        t.max_io_len(rel)
     }
 }

@@ -318,6 +318,23 @@ pub enum TargetError {
     MessageSector { sector: u64, device: String },
     #[error("message '{0}' not supported by this target")]
     UnsupportedMessage(String),
+    /// A message refused with an errno other than EINVAL, as the kernel's
+    /// target returns it through the dm ioctl (dm-thin's metadata
+    /// messages: EEXIST, ENODATA, EBUSY).
+    #[error("{why}")]
+    Refused { errno: Refusal, why: String },
+}
+
+/// Why a [`TargetError::Refused`] message was refused, by the errno the
+/// kernel returns for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// EEXIST: the thing to create is there already.
+    Exists,
+    /// ENODATA: the thing named is not there.
+    NoData,
+    /// EBUSY: it is in use.
+    Busy,
 }
 
 impl TargetError {

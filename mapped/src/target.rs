@@ -90,6 +90,13 @@ pub trait Target: Send + Sync {
         u64::MAX
     }
 
+    /// [`Target::max_io_len`] for a discard: a target that frees whole
+    /// units takes a discard across many of them at once (dm's
+    /// `max_discard_sectors` with `ti->max_discard_granularity`).
+    fn max_discard_len(&self, offset: u64) -> u64 {
+        self.max_io_len(offset)
+    }
+
     /// Whether `map` may see [`blkstack_core::BioFlags::POLLED`] bios: a
     /// target that says yes must reach every such bio it holds, or passes
     /// down, from [`Target::poll`]. For the others the mapped device

@@ -4,122 +4,12 @@
 //! passes `thin_check`, `thin_dump` lists the mappings the test made, and
 //! a pool opened again from its files sees everything committed.
 
-use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
-use blkstack_core::{BioFlags, Device, Op, Status};
+mod thin_support;
+
+use blkstack_core::Status;
 use blkstack_mapped::Registry;
-use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
-
-const BLOCK: u64 = 64 * 1024;
-
-fn tool(name: &str) -> PathBuf {
-    for dir in ["/usr/sbin", "/sbin", "/usr/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("{name} is not installed: run `make deps` (apt-get install thin-provisioning-tools)");
-}
-
-/// Run `thin_check` on a metadata file; panics with its output if it
-/// finds anything wrong.
-fn thin_check(meta: &Path) {
-    let out = Command::new(tool("thin_check")).arg(meta).output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "thin_check failed:\n{text}");
-}
-
-fn thin_dump(meta: &Path) -> String {
-    let out = Command::new(tool("thin_dump")).arg(meta).output().unwrap();
-    assert!(
-        out.status.success(),
-        "thin_dump failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-struct Files {
-    _dir: tempfile::TempDir,
-    meta: PathBuf,
-    data: PathBuf,
-}
-
-fn files() -> Files {
-    let dir = tempfile::tempdir().unwrap();
-    Files {
-        meta: dir.path().join("meta"),
-        data: dir.path().join("data"),
-        _dir: dir,
-    }
-}
-
-/// A pool over the files: `data_sectors` of data, 4 MiB of metadata.
-fn pool(f: &Files, data_sectors: u64, features: &str) -> Arc<Registry> {
-    let reg = Registry::new();
-    reg.create("meta", &format!("0 8192 file {} create", f.meta.display()))
-        .unwrap();
-    reg.create(
-        "data",
-        &format!("0 {data_sectors} file {} create", f.data.display()),
-    )
-    .unwrap();
-    reg.create(
-        "pool",
-        &format!("0 {data_sectors} thin-pool meta data 128 0 {features}"),
-    )
-    .unwrap();
-    reg
-}
-
-fn msg(reg: &Registry, text: &str) {
-    let args: Vec<&str> = text.split_whitespace().collect();
-    reg.message("pool", 0, &args)
-        .unwrap_or_else(|e| panic!("message {text}: {e}: {:?}", std::error::Error::source(&e)));
-}
-
-fn pattern(tag: u64, off: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| ((tag * 131 + (off + i) / 512 * 7 + off + i) % 251) as u8)
-        .collect()
-}
-
-fn write(dev: &dyn Device, off: u64, data: &[u8]) {
-    let mut b = data.to_vec();
-    assert_eq!(
-        submit_and_wait(dev, Op::Write, off, b.len() as u64, &mut b),
-        Status::Ok,
-        "write at {off}"
-    );
-}
-
-fn read(dev: &dyn Device, off: u64, len: usize) -> Vec<u8> {
-    let mut b = vec![0u8; len];
-    assert_eq!(
-        submit_and_wait(dev, Op::Read, off, len as u64, &mut b),
-        Status::Ok,
-        "read at {off}"
-    );
-    b
-}
-
-fn flush(dev: &dyn Device) {
-    assert_eq!(
-        submit_and_wait_flags(dev, Op::Flush, BioFlags::NONE, 0, 0, &mut []),
-        Status::Ok
-    );
-}
-
-fn status(reg: &Registry, name: &str) -> Vec<String> {
-    let s = reg.status_text(name).unwrap();
-    s.split_whitespace().skip(3).map(String::from).collect()
-}
+use thin_support::*;
 
 #[test]
 fn a_fresh_pool_passes_thin_check_and_reports_like_the_kernel() {
@@ -481,46 +371,6 @@ fn concurrent_partial_writes_to_the_same_new_blocks_all_land() {
     assert_eq!(status(&reg, "pool")[2], "64/512");
     reg.remove_all();
     thin_check(&f.meta);
-}
-
-/// A pool of `blocks` data blocks over a data file of `file_blocks`.
-fn small_pool(
-    f: &Files,
-    blocks: u64,
-    file_blocks: u64,
-    meta_sectors: u64,
-    args: &str,
-) -> Arc<Registry> {
-    let reg = Registry::new();
-    reg.create(
-        "meta",
-        &format!("0 {meta_sectors} file {} create", f.meta.display()),
-    )
-    .unwrap();
-    reg.create(
-        "data",
-        &format!("0 {} file {} create", file_blocks * 128, f.data.display()),
-    )
-    .unwrap();
-    reg.create(
-        "pool",
-        &format!("0 {} thin-pool meta data 128 {args}", blocks * 128),
-    )
-    .unwrap();
-    reg
-}
-
-/// Why creating a device failed (it must fail).
-fn refused(reg: &Registry, name: &str, table: &str) -> String {
-    match reg.create(name, table) {
-        Ok(_) => panic!("{table}: accepted"),
-        Err(e) => format!("{e:?}"),
-    }
-}
-
-fn try_write(dev: &dyn Device, off: u64) -> Status {
-    let mut b = pattern(7, off, 4096);
-    submit_and_wait(dev, Op::Write, off, 4096, &mut b)
 }
 
 #[test]

@@ -334,6 +334,7 @@ impl Device for FileDevice {
             flush: true,
             fua: true,
             discard: self.files.punch_hole,
+            discard_granularity: 0,
             write_zeroes: true,
             fast_zero: self.files.punch_hole || self.files.zero_range.load(Ordering::Relaxed),
             read_only: false,

@@ -475,6 +475,7 @@ impl Device for NbdDevice {
             flush: i.has(TFLAG_SEND_FLUSH),
             fua: i.has(TFLAG_SEND_FUA),
             discard: i.has(TFLAG_SEND_TRIM),
+            discard_granularity: 0,
             write_zeroes: !i.has(TFLAG_READ_ONLY),
             fast_zero: i.has(TFLAG_SEND_WRITE_ZEROES) && i.has(TFLAG_SEND_FAST_ZERO),
             read_only: i.has(TFLAG_READ_ONLY),

@@ -52,9 +52,15 @@ struct ServeArgs {
     ublk: blkstack_ublk::cli::UblkArgs,
     #[command(flatten)]
     vhost: blkstack_vhost_user_blk::cli::VhostArgs,
+    /// Seconds a thin pool out of data space queues I/O before it fails
+    /// it (dm-thin's `no_space_timeout` module parameter); 0 queues for
+    /// ever.
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    thin_no_space_timeout: u64,
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    blkstack_mapped::targets::thin::set_no_space_timeout_secs(a.thin_no_space_timeout);
     let mut extra: Vec<blkstack_nbd::ExtraFrontend> = Vec::new();
     if a.ublk.enabled() {
         let u = a.ublk;

@@ -5,8 +5,13 @@
 //! whose mapping trees have internal nodes), and prints the same status
 //! blkstack printed; then the guest's kernel makes a pool of its own
 //! (thin device, snapshot, overwrites, a deleted thin) that blkstack
-//! opens afterwards and reads back as the guest wrote it. `thin_check`
-//! passes on both pools.
+//! opens afterwards and reads back as the guest wrote it. Each side
+//! discards part of its thin device after the snapshot (blkstack with a
+//! DISCARD bio, the guest with `blkdiscard`): the other reads zeroes in
+//! the whole blocks discarded, the snapshot's shared blocks unchanged,
+//! and both print the same pool status (the freed block no longer
+//! counted). Messages both refuse give the same errno text (EEXIST,
+//! ENODATA, EBUSY, EINVAL). `thin_check` passes on both pools.
 
 mod kernel_vm_support;
 
@@ -30,6 +35,30 @@ const BLKSTACK_ORIGIN: &[Write] = &[(65536, 1, 0), (4096, 3, 40), (512, 5, 2001)
 const BLKSTACK_AFTER_SNAP: &[Write] = &[(4096, 1, 0), (8192, 2, 200)];
 const KERNEL_ORIGIN: &[Write] = &[(65536, 2, 1), (4096, 5, 7), (512, 9, 3333), (65536, 1, 100)];
 const KERNEL_AFTER_SNAP: &[Write] = &[(4096, 2, 16), (65536, 1, 101)];
+/// blkstack's discard of thin 1 after the snapshot: blocks 1..33 whole
+/// (25 is thin 1's own since the snapshot, so it is freed), and half of
+/// block 0, which stays.
+const BLKSTACK_DISCARD: (usize, usize) = (32768, 65536 * 33 - 32768);
+/// Pool messages refused (thin 1 open, no thin 8 or 9), each with the
+/// errno dmsetup prints after `failed: `.
+const REFUSED: &[&str] = &[
+    "create_thin 1",
+    "create_snap 1 1",
+    "create_snap 9 8",
+    "delete 8",
+    "delete 1",
+    "reserve_metadata_snap",
+    "release_metadata_snap",
+];
+
+/// The refused messages that follow the same message succeeding once
+/// (a second metadata snapshot, a second release).
+fn done_once_first(m: &str) -> bool {
+    m.ends_with("_metadata_snap")
+}
+
+/// The guest's `blkdiscard` of its thin 1: blocks 1..17 (1 is its own).
+const KERNEL_DISCARD: (usize, usize) = (65536, 65536 * 16);
 
 /// 600 more blocks, one 4 KiB write each, so the mapping trees have
 /// internal nodes (a leaf holds 252 mappings) on both sides.
@@ -99,6 +128,37 @@ fn status_args(reg: &Registry, name: &str) -> String {
     s.split_whitespace().skip(3).collect::<Vec<_>>().join(" ")
 }
 
+/// The guest lines sending [`REFUSED`].
+fn refused_lines() -> String {
+    REFUSED
+        .iter()
+        .map(|m| {
+            let first = if done_once_first(m) {
+                format!("dmsetup message kpool 0 {m} || fail '{m}'\n")
+            } else {
+                String::new()
+            };
+            format!("{first}dmsetup message kpool 0 {m} 2>&1 | sed -n 's/.*failed: //p'\n")
+        })
+        .collect()
+}
+
+/// blkstack's errno text for each of [`REFUSED`], sent as the guest
+/// does (through the control socket's errno mapping).
+fn refused_here(reg: &Registry) -> String {
+    let mut out = Vec::new();
+    for m in REFUSED {
+        let args: Vec<&str> = m.split_whitespace().collect();
+        if done_once_first(m) {
+            reg.message("pool", 0, &args).unwrap();
+        }
+        let e = reg.message("pool", 0, &args).expect_err(m);
+        let e = blkstack_control::proto::RpcError::from(e);
+        out.push(e.strerror().unwrap_or("?").to_string());
+    }
+    out.join("\n")
+}
+
 fn dd_lines(dev: &str, writes: &[Write]) -> String {
     writes
         .iter()
@@ -124,6 +184,10 @@ dmsetup create kt1 --table "0 THIN thin /dev/mapper/kpool 1" || fail "kt1"
 KORIGIN
 dmsetup suspend kt1 && dmsetup message kpool 0 create_snap 2 1 && dmsetup resume kt1 || fail create_snap
 KAFTER
+blkdiscard -o KDOFF -l KDLEN /dev/mapper/kt1 || fail "blkdiscard kt1"
+echo "BEGIN kerrno"
+KREFUSED
+echo "END kerrno"
 dmsetup message kpool 0 create_thin 3 && dmsetup message kpool 0 delete 3 || fail "create and delete 3"
 dmsetup message kpool 0 set_transaction_id 0 5 || fail set_transaction_id
 echo "BEGIN kstatus"; st kpool; st kt1; echo "END kstatus"
@@ -164,6 +228,10 @@ fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
     dev_write(&*t1, &pat, &b_origin);
     msg(&reg, "create_snap 2 1");
     dev_write(&*t1, &pat, BLKSTACK_AFTER_SNAP);
+    let (off, len) = BLKSTACK_DISCARD;
+    let st = submit_and_wait(&*t1, Op::Discard, off as u64, len as u64, &mut []);
+    assert_eq!(st, Status::Ok, "blkstack's discard");
+    let our_errnos = refused_here(&reg);
     msg(&reg, "create_thin 3");
     msg(&reg, "delete 3");
     reg.create("t2", &format!("0 {THIN_SECTORS} thin pool 2"))
@@ -172,6 +240,7 @@ fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
     apply(&mut expect1, &pat, &b_origin);
     let expect2 = expect1.clone();
     apply(&mut expect1, &pat, BLKSTACK_AFTER_SNAP);
+    expect1[65536..off + len].fill(0);
     assert!(read_all(&*t1) == expect1, "blkstack reads back thin 1");
     assert!(
         read_all(&*reg.device("t2").unwrap()) == expect2,
@@ -194,7 +263,10 @@ fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
         .replace("DATA", &DATA_SECTORS.to_string())
         .replace("THIN", &THIN_SECTORS.to_string())
         .replace("KORIGIN\n", &dd_lines("kt1", &k_origin))
-        .replace("KAFTER\n", &dd_lines("kt1", KERNEL_AFTER_SNAP));
+        .replace("KAFTER\n", &dd_lines("kt1", KERNEL_AFTER_SNAP))
+        .replace("KDOFF", &KERNEL_DISCARD.0.to_string())
+        .replace("KDLEN", &KERNEL_DISCARD.1.to_string())
+        .replace("KREFUSED\n", &refused_lines());
     let run = Vm::new()
         .disk("bmeta", &p("bmeta").display().to_string())
         .disk("bdata", &p("bdata").display().to_string())
@@ -226,6 +298,12 @@ fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
         "the kernel's status of blkstack's pool (right) and blkstack's (left)"
     );
 
+    assert_eq!(
+        run.section("kerrno").unwrap_or_default().trim(),
+        our_errnos,
+        "refused messages: the kernel's errno (right) and blkstack's (left)"
+    );
+
     // blkstack opens the kernel's pool and reads what the guest wrote.
     thin_check(&p("kmeta"));
     let reg = pool_reg(&p("kmeta"), &p("kdata"));
@@ -237,6 +315,8 @@ fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
     apply(&mut k1, &pat, &k_origin);
     let k2 = k1.clone();
     apply(&mut k1, &pat, KERNEL_AFTER_SNAP);
+    let (koff, klen) = KERNEL_DISCARD;
+    k1[koff..koff + klen].fill(0);
     assert!(
         read_all(&*reg.device("t1").unwrap()) == k1,
         "the kernel's thin 1"
@@ -251,10 +331,16 @@ fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
     );
     let kstatus = run.section("kstatus").unwrap_or_default();
     let kpool = kstatus.lines().next().unwrap_or_default();
+    let ours = status_args(&reg, "pool");
     assert_eq!(
-        status_args(&reg, "pool").split(' ').next(),
+        ours.split(' ').next(),
         kpool.split(' ').next(),
         "transaction id set by the kernel"
+    );
+    assert_eq!(
+        ours.split(' ').nth(2),
+        kpool.split(' ').nth(2),
+        "used data blocks after the guest's discard: blkstack's (left), the kernel's"
     );
     assert_eq!(
         status_args(&reg, "t1"),

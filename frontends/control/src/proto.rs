@@ -8,7 +8,7 @@
 //! dmsetup's `... ioctl on NAME failed: <strerror>` line and a script can
 //! branch on the code without parsing text.
 
-use blkstack_mapped::error::TargetError;
+use blkstack_mapped::error::{Refusal, TargetError};
 use blkstack_mapped::DmError;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -24,6 +24,8 @@ pub const ENOENT: i64 = libc::ENOENT as i64;
 pub const ENXIO: i64 = libc::ENXIO as i64;
 pub const ENODEV: i64 = libc::ENODEV as i64;
 pub const EBUSY: i64 = libc::EBUSY as i64;
+pub const EEXIST: i64 = libc::EEXIST as i64;
+pub const ENODATA: i64 = libc::ENODATA as i64;
 pub const EINVAL: i64 = libc::EINVAL as i64;
 pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
 
@@ -86,6 +88,8 @@ impl RpcError {
             ENXIO => "No such device or address",
             ENODEV => "No such device",
             EBUSY => "Device or resource busy",
+            EEXIST => "File exists",
+            ENODATA => "No data available",
             EINVAL => "Invalid argument",
             ENOTSUP => "Operation not supported",
             _ => return None,
@@ -99,6 +103,8 @@ fn errno_name(code: i64) -> Option<&'static str> {
         ENXIO => "ENXIO",
         ENODEV => "ENODEV",
         EBUSY => "EBUSY",
+        EEXIST => "EEXIST",
+        ENODATA => "ENODATA",
         EINVAL => "EINVAL",
         ENOTSUP => "EOPNOTSUPP",
         _ => return None,
@@ -116,6 +122,9 @@ impl From<DmError> for RpcError {
             // device or a hardware handler (see `table_errno`).
             DmError::Line { .. } => (table_errno(&e).unwrap_or(EINVAL), "table"),
             DmError::EmptyTable { .. } | DmError::TableType { .. } => (EINVAL, "table"),
+            // A target's message errno (dm-ioctl.c `target_message`
+            // returns what the target's message function did).
+            DmError::Message { .. } => (table_errno(&e).unwrap_or(EINVAL), "invalid"),
             _ => (EINVAL, "invalid"),
         };
         let mut r = RpcError::new(code, e.report());
@@ -126,10 +135,11 @@ impl From<DmError> for RpcError {
     }
 }
 
-/// The errno the kernel's table load returns for a target error other
-/// than EINVAL: ENOENT for a device argument naming no device
-/// (`dm_get_device` on a missing path), ENODEV for a hardware handler
-/// (`scsi_dh_attach` on a device that is not SCSI).
+/// The errno the kernel's table load or message returns for a target
+/// error other than EINVAL: ENOENT for a device argument naming no
+/// device (`dm_get_device` on a missing path), ENODEV for a hardware
+/// handler (`scsi_dh_attach` on a device that is not SCSI), and a
+/// message's own (dm-thin's EEXIST, ENODATA, EBUSY).
 fn table_errno(e: &DmError) -> Option<i64> {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
@@ -140,6 +150,13 @@ fn table_errno(e: &DmError) -> Option<i64> {
         match target {
             Some(TargetError::NoDevice(_)) => return Some(ENOENT),
             Some(TargetError::HwHandler(_)) => return Some(ENODEV),
+            Some(TargetError::Refused { errno, .. }) => {
+                return Some(match errno {
+                    Refusal::Exists => EEXIST,
+                    Refusal::NoData => ENODATA,
+                    Refusal::Busy => EBUSY,
+                })
+            }
             _ => {}
         }
         cur = err.source();
@@ -216,6 +233,28 @@ mod tests {
             .expect("refused")
             .into();
         assert_eq!(e.code, EINVAL);
+    }
+
+    #[test]
+    fn refused_thin_messages_carry_the_kernels_errno() {
+        let reg = blkstack_mapped::Registry::new();
+        let dir = tempfile::tempdir().unwrap();
+        let meta = dir.path().join("meta");
+        reg.create("m", &format!("0 8192 file {} create", meta.display()))
+            .unwrap();
+        reg.create("d", "0 32768 memory").unwrap();
+        reg.create("p", "0 32768 thin-pool m d 128 0").unwrap();
+        reg.message("p", 0, &["create_thin", "1"]).unwrap();
+        for (m, code, text) in [
+            ("create_thin 1", EEXIST, "File exists"),
+            ("delete 7", ENODATA, "No data available"),
+            ("set_transaction_id 3 4", EINVAL, "Invalid argument"),
+        ] {
+            let args: Vec<&str> = m.split_whitespace().collect();
+            let e: RpcError = reg.message("p", 0, &args).unwrap_err().into();
+            assert_eq!((e.code, e.strerror()), (code, Some(text)), "{m}");
+        }
+        reg.remove_all();
     }
 
     #[test]

@@ -98,7 +98,10 @@ pub fn ublk_params(
         p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
         p.discard = sys::ublk_param_discard {
             discard_alignment: 0,
-            discard_granularity: pbs,
+            discard_granularity: match f.discard_granularity {
+                0 => pbs,
+                g => g,
+            },
             max_discard_sectors: if f.discard {
                 (max_bytes >> 9) as u32
             } else {
@@ -150,6 +153,13 @@ mod tests {
         assert_ne!(p.types & sys::UBLK_PARAM_TYPE_DISCARD, 0);
         assert_eq!(p.discard.max_discard_segments, 1);
         assert_eq!(p.discard.max_write_zeroes_sectors, (512 << 10) >> 9);
+        assert_eq!(p.discard.discard_granularity, 4096, "a physical block");
+        let thin = Features {
+            discard_granularity: 65536,
+            ..f
+        };
+        let p = ublk_params(&geo(512, thin), 512 << 10, false).unwrap();
+        assert_eq!(p.discard.discard_granularity, 65536, "a thin pool's block");
     }
 
     #[test]

@@ -41,6 +41,15 @@ impl BlkGeometry {
         }
     }
 
+    /// Discard alignment: the device's granularity (a thin device's
+    /// pool block), else its physical block.
+    fn discard_granularity(&self) -> u32 {
+        match self.features.discard_granularity {
+            0 => self.physical_block_size,
+            g => g,
+        }
+    }
+
     fn writable(&self) -> bool {
         !self.read_only
     }
@@ -108,7 +117,7 @@ impl BlkGeometry {
             put(
                 &mut c,
                 44,
-                &(self.physical_block_size >> 9).max(1).to_le_bytes(),
+                &(self.discard_granularity() >> 9).max(1).to_le_bytes(),
             );
         }
         if self.writable() && self.features.write_zeroes {
@@ -162,6 +171,10 @@ mod tests {
         assert_eq!(u16::from_le_bytes([c[34], c[35]]), 2);
         assert_eq!(u32_at(&c, 36), 2048, "max discard sectors: 1 MiB");
         assert_eq!(u32_at(&c, 48), 2048, "max write-zeroes sectors");
+        assert_eq!(u32_at(&c, 44), 8, "discard alignment: a physical block");
+        let mut thin = geo(false);
+        thin.features.discard_granularity = 65536;
+        assert_eq!(u32_at(&thin.config(), 44), 128, "a thin pool's block");
         let f = geo(false).device_features();
         for bit in [
             VIRTIO_BLK_F_FLUSH,

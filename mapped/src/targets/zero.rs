@@ -37,6 +37,7 @@ impl Target for ZeroTarget {
             flush: false,
             fua: true,
             discard: true,
+            discard_granularity: 0,
             write_zeroes: true,
             fast_zero: true,
             read_only: false,

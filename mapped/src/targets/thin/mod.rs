@@ -10,9 +10,14 @@
 //! read what blkstack writes (mapped/tests/thin_tools.rs,
 //! frontends/cli/tests/kernel_thin.rs).
 
+mod deferred;
+mod discard;
 mod fill;
 pub mod format;
 pub mod metadata;
+mod params;
 pub mod pool;
 pub mod pool_target;
 pub mod thin_target;
+
+pub use params::{no_space_timeout_secs, set_no_space_timeout_secs};

@@ -10,7 +10,9 @@
 //! data was not written first; the data device is flushed before each
 //! commit, so everything a committed mapping points to is durable.
 
+use super::deferred::{DeferredSet, Work};
 use super::metadata::{MetadataError, PoolMetadata};
+use super::params::no_space_timeout_secs;
 use crate::target::DevArg;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{clock, Bio, EndIo, Op, Status, SECTOR_SIZE};
@@ -21,8 +23,6 @@ use std::time::Duration;
 
 /// `COMMIT_PERIOD`: the longest a change waits for a commit.
 const COMMIT_PERIOD_NS: u64 = 1_000_000_000;
-/// `NO_SPACE_TIMEOUT_SECS`: how long bios wait for data space.
-const NO_SPACE_TIMEOUT_NS: u64 = 60_000_000_000;
 /// Bios held for data space at most (beyond this they fail at once).
 const MAX_HELD: usize = 65536;
 /// Free metadata blocks below which a provisioning insert is left to the
@@ -100,6 +100,14 @@ pub struct PoolState {
     pub pf: PoolFeatures,
     pub low_water_blocks: u64,
     low_water_triggered: bool,
+    /// The free metadata blocks were at or under the threshold when last
+    /// looked at (`struct threshold`'s edge, dm-space-map-metadata.c).
+    metadata_low: bool,
+    /// The table's features as asked for (`pt->requested_pf`), which the
+    /// pool returns to when it leaves out-of-data-space.
+    pub requested_pf: PoolFeatures,
+    /// When the pool went out of data space (the no-space timeout's start).
+    out_of_space_since: u64,
     /// Times the pool raised a dm event (low water, mode changes).
     pub events: u64,
     /// Virtual blocks being provisioned, with the bios that wait for them.
@@ -111,6 +119,53 @@ pub struct PoolState {
     no_space: Vec<(Bio, Arc<dyn ThinDev>, u64)>,
     /// Thin devices with a live target, and how many.
     pub open_thins: HashMap<u64, usize>,
+    /// Data blocks a discard unmapped and holds until the I/O before it
+    /// and its passdown are done, by id, with the metadata generation
+    /// (they are committed as free: a crash finds them unmapped).
+    pub(super) discard_holds: HashMap<u64, (Vec<u64>, u64)>,
+}
+
+impl PoolState {
+    /// An id for a provisioning or a discard.
+    pub(super) fn next_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    pub(super) fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Queue `bio` behind a virtual block of `dev` in `begin..end` being
+    /// provisioned, to be mapped again when it is; gives `bio` back when
+    /// none is.
+    pub(super) fn wait_behind_provisioning(
+        &mut self,
+        dev: u64,
+        begin: u64,
+        end: u64,
+        bio: Bio,
+        thin: &Arc<dyn ThinDev>,
+    ) -> Option<Bio> {
+        let cell = if (end - begin) as usize > self.cells.len() {
+            self.cells
+                .keys()
+                .find(|(d, v)| *d == dev && (begin..end).contains(v))
+                .copied()
+        } else {
+            (begin..end)
+                .map(|v| (dev, v))
+                .find(|k| self.cells.contains_key(k))
+        };
+        match cell.and_then(|c| self.cells.get_mut(&c)) {
+            Some(waiters) => {
+                waiters.push((bio, thin.clone()));
+                None
+            }
+            None => Some(bio),
+        }
+    }
 }
 
 enum Job {
@@ -119,6 +174,7 @@ enum Job {
     Fua(Bio, Status),
     Provisioned(Bio, Status, u64),
     Remap(Bio, Arc<dyn ThinDev>),
+    Run(Work),
 }
 
 #[derive(Default)]
@@ -133,6 +189,8 @@ pub struct PoolShared {
     /// Data block size in sectors.
     pub block_sectors: u64,
     pub state: Mutex<PoolState>,
+    /// Reads and writes in flight to data blocks (`all_io_ds`).
+    pub all_io: Arc<DeferredSet>,
     jobs: Mutex<Jobs>,
     cv: Condvar,
 }
@@ -178,6 +236,9 @@ impl PoolShared {
                 pf,
                 low_water_blocks,
                 low_water_triggered: false,
+                metadata_low: false,
+                requested_pf: pf,
+                out_of_space_since: 0,
                 events: 0,
                 cells: HashMap::new(),
                 pending: HashMap::new(),
@@ -185,7 +246,9 @@ impl PoolShared {
                 generation: 0,
                 no_space: Vec::new(),
                 open_thins: HashMap::new(),
+                discard_holds: HashMap::new(),
             }),
+            all_io: Arc::new(DeferredSet::default()),
             jobs: Mutex::new(Jobs::default()),
             cv: Condvar::new(),
         })
@@ -210,6 +273,11 @@ impl PoolShared {
 
     pub fn defer_remap(&self, bio: Bio, thin: Arc<dyn ThinDev>) {
         self.push(Job::Remap(bio, thin));
+    }
+
+    /// Run `work` on the pool's worker.
+    pub fn defer_work(&self, work: Work) {
+        self.push(Job::Run(work));
     }
 
     /// Look `vblock` up for a bio and decide what it needs; `write` bios
@@ -286,6 +354,7 @@ impl PoolShared {
         if st.mode == Mode::Write {
             tracing::warn!(pool = %self.data_dev.name, "thin-pool: switching pool to out-of-data-space mode");
             st.mode = Mode::OutOfDataSpace;
+            st.out_of_space_since = clock::now_ns();
             st.events += 1;
         }
         if st.pf.error_if_no_space || st.no_space.len() >= MAX_HELD {
@@ -311,6 +380,33 @@ impl PoolShared {
             tracing::warn!(pool = %self.data_dev.name, "thin-pool: reached low water mark for data device: sending event.");
             st.low_water_triggered = true;
             st.events += 1;
+        }
+    }
+
+    /// `metadata_low_callback`: an event when the free metadata blocks
+    /// fall to the threshold the status shows (a quarter of the device,
+    /// at most 1024 blocks), once until they rise above it again.
+    pub(super) fn check_metadata_low_water(&self, st: &mut PoolState) {
+        let total = st.md.metadata_blocks().1;
+        let low = st.md.metadata_raw_free() <= (total / 4).min(1024);
+        if low && !st.metadata_low {
+            tracing::warn!(pool = %self.data_dev.name, "thin-pool: reached low water mark for metadata device: sending event.");
+            st.events += 1;
+        }
+        st.metadata_low = low;
+    }
+
+    /// `check_for_data_space`: a pool out of data space that has free
+    /// blocks again (a discard freed some) writes again.
+    fn check_for_data_space(&self, st: &mut PoolState) {
+        if st.mode != Mode::OutOfDataSpace || st.md.data_free() == 0 {
+            return;
+        }
+        st.mode = Mode::Write;
+        st.pf.error_if_no_space = st.requested_pf.error_if_no_space;
+        st.events += 1;
+        for (bio, thin, _) in std::mem::take(&mut st.no_space) {
+            self.push(Job::Remap(bio, thin));
         }
     }
 
@@ -365,10 +461,21 @@ impl PoolShared {
             .values()
             .filter(|p| p.generation == st.generation)
             .map(|p| p.block)
+            .chain(
+                st.discard_holds
+                    .values()
+                    .filter(|h| h.1 == st.generation)
+                    .flat_map(|h| h.0.iter().copied()),
+            )
             .collect();
         let r = st.md.commit_without(&in_flight);
         match r {
-            Ok(()) => Status::Ok,
+            Ok(()) => {
+                self.check_metadata_low_water(st);
+                self.check_for_metadata_space(st);
+                self.check_for_data_space(st);
+                Status::Ok
+            }
             Err(e) => {
                 self.metadata_failed(st, "commit", &e);
                 Status::IoError
@@ -388,6 +495,7 @@ impl PoolShared {
             }
             if st.mode == Mode::OutOfDataSpace && st.md.data_free() > 0 {
                 st.mode = Mode::Write;
+                st.pf.error_if_no_space = st.requested_pf.error_if_no_space;
                 st.events += 1;
             }
             let _ = self.commit(&mut st);
@@ -443,13 +551,26 @@ impl PoolShared {
         }
     }
 
-    /// Bios that waited longer than the no-space timeout.
+    /// `do_no_space_timeout`: a pool out of data space for longer than
+    /// the no-space timeout stops queueing (its status says
+    /// `error_if_no_space` until it has space again) and fails the bios
+    /// it held.
     fn take_expired(&self, st: &mut PoolState, now: u64) -> Vec<Bio> {
-        let (old, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut st.no_space)
+        let timeout = no_space_timeout_secs().saturating_mul(1_000_000_000);
+        if st.mode != Mode::OutOfDataSpace
+            || st.pf.error_if_no_space
+            || timeout == 0
+            || now.saturating_sub(st.out_of_space_since) < timeout
+        {
+            return Vec::new();
+        }
+        tracing::warn!(pool = %self.data_dev.name, "thin-pool: no space timeout: failing queued I/O");
+        st.pf.error_if_no_space = true;
+        st.events += 1;
+        std::mem::take(&mut st.no_space)
             .into_iter()
-            .partition(|(_, _, t)| now.saturating_sub(*t) >= NO_SPACE_TIMEOUT_NS);
-        st.no_space = keep;
-        old.into_iter().map(|(b, _, _)| b).collect()
+            .map(|(b, _, _)| b)
+            .collect()
     }
 
     pub fn stop(&self) {
@@ -484,6 +605,7 @@ impl PoolShared {
             }
             Job::Provisioned(bio, status, id) => self.provisioned(bio, status, id),
             Job::Remap(bio, thin) => thin.map_io(bio),
+            Job::Run(work) => work(),
         }
     }
 

@@ -8,9 +8,9 @@
 //! the new table's features and low water mark, and a larger data size,
 //! take effect on resume, which also releases bios that waited for space.
 
-use super::metadata::{read_dev_id, MetadataError, PoolMetadata};
-use super::pool::{Mode, Pool, PoolFeatures, PoolShared};
-use crate::error::TargetError;
+use super::metadata::{metadata_blocks_of, read_dev_id, MetadataError, PoolMetadata};
+use super::pool::{Mode, Pool, PoolFeatures, PoolShared, PoolState};
+use crate::error::{Refusal, TargetError};
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, Features};
 use std::sync::Arc;
@@ -113,10 +113,25 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             if bs != block_sectors {
                 return Err(invalid("Pool's data block size cannot be changed"));
             }
-            let have = pool.shared.state.lock().md.data_blocks().1;
+            if pool.shared.state.lock().requested_pf.discard_enabled != requested.discard_enabled {
+                return Err(invalid("Discard support cannot be disabled once enabled"));
+            }
+            let (have, meta_have) = {
+                let st = pool.shared.state.lock();
+                (st.md.data_blocks().1, st.md.metadata_blocks().1)
+            };
             if data_blocks < have {
                 return Err(invalid(format!(
                     "pool target ({data_blocks} blocks) too small: expected {have}"
+                )));
+            }
+            // `maybe_resize_metadata_dev` fails the kernel's resume; here
+            // the reload is refused and the old table stays (the registry
+            // already refuses to shrink a device a pool uses).
+            let meta_now = metadata_blocks_of(metadata.dev.size());
+            if meta_now < meta_have {
+                return Err(invalid(format!(
+                    "metadata device ({meta_now} blocks) too small: expected {meta_have}"
                 )));
             }
             pool
@@ -159,21 +174,82 @@ fn start_pool(
             "pool target ({data_blocks} blocks) too small: expected {have}"
         )));
     }
-    let shared = PoolShared::new(metadata, data, block_sectors, md, pf, low_water);
+    let mut adjusted = pf;
+    adjust_passdown(&mut adjusted, &data);
+    let shared = PoolShared::new(metadata, data, block_sectors, md, adjusted, low_water);
+    shared.state.lock().requested_pf = pf;
     Pool::start(shared, ctx.device_name).map_err(|source| TargetError::Io {
         what: "Couldn't start the pool's worker thread",
         source,
     })
 }
 
+/// `maybe_resize_metadata_dev`: a metadata device reloaded larger grows
+/// the metadata space map (and lets a pool out of metadata space write
+/// again). A smaller one is refused before it gets here (the registry
+/// does not shrink a device in use, a pool reload checks too); should
+/// one be seen, it is left alone with an error logged, where the
+/// kernel's resume fails.
+fn grow_metadata(shared: &PoolShared, st: &mut PoolState) {
+    if st.md.needs_check() {
+        tracing::error!(pool = %shared.data_dev.name, "thin-pool: unable to grow the metadata device until repaired.");
+        return;
+    }
+    let before = st.md.metadata_blocks().1;
+    match st.md.resize_metadata() {
+        Ok(false) => {}
+        Ok(true) => {
+            tracing::info!(pool = %shared.data_dev.name, "thin-pool: growing the metadata device from {before} to {} blocks", st.md.metadata_blocks().1);
+            if st.mode == Mode::OutOfMetadataSpace {
+                st.mode = Mode::Write;
+                st.events += 1;
+            }
+            let _ = shared.commit(st);
+        }
+        Err(e) => tracing::error!(pool = %shared.data_dev.name, "thin-pool: {e}"),
+    }
+}
+
+/// `disable_discard_passdown_if_not_supported`: discards go down to a
+/// data device only if it takes them (the status then says
+/// `no_discard_passdown`; the table keeps what was asked for).
+fn adjust_passdown(pf: &mut PoolFeatures, data: &DevArg) {
+    if pf.discard_enabled && pf.discard_passdown && !data.dev.features().discard {
+        tracing::warn!(
+            "thin-pool: Data device ({}) discard unsupported: Disabling discard passdown.",
+            data.name
+        );
+        pf.discard_passdown = false;
+    }
+}
+
 /// Errors of metadata messages that only refuse (the kernel's -EEXIST,
-/// -ENODATA, -EINVAL) leave the pool as it is; any other aborts the
-/// transaction.
+/// -ENODATA, -EBUSY, -EINVAL) leave the pool as it is; any other aborts
+/// the transaction.
 fn refusal_only(e: &MetadataError) -> bool {
     matches!(
         e,
-        MetadataError::Exists(_) | MetadataError::NoSuchDevice(_) | MetadataError::Refused(_)
+        MetadataError::Exists(_)
+            | MetadataError::NoSuchDevice(_)
+            | MetadataError::Busy(_)
+            | MetadataError::Refused(_)
     )
+}
+
+/// A refused metadata message, with the errno dm-thin-metadata.c gives
+/// it: -EEXIST for an id in use (`__create_thin`, `__create_snap`),
+/// -ENODATA for an id that is not (`__open_device`, the origin's
+/// `dm_btree_lookup`), -EBUSY for a second metadata snapshot, -EINVAL
+/// for the rest.
+fn refused(verb: &str, e: &MetadataError) -> TargetError {
+    let why = format!("{verb} failed: {e}");
+    let errno = match e {
+        MetadataError::Exists(_) => Refusal::Exists,
+        MetadataError::NoSuchDevice(_) => Refusal::NoData,
+        MetadataError::Busy(_) => Refusal::Busy,
+        _ => return invalid(why),
+    };
+    TargetError::Refused { errno, why }
 }
 
 impl PoolTarget {
@@ -213,9 +289,11 @@ impl PoolTarget {
                 Self::check_count(args, 2)?;
                 let dev = Self::dev_id(args[1])?;
                 if open {
-                    return Err(invalid(format!(
-                        "Deletion of thin device {dev} failed: it is open"
-                    )));
+                    // `__delete_device`: -EBUSY while a target has it open.
+                    return Err(TargetError::Refused {
+                        errno: Refusal::Busy,
+                        why: format!("Deletion of thin device {dev} failed: it is open"),
+                    });
                 }
                 md.delete(dev)
             }
@@ -362,10 +440,10 @@ impl Target for PoolTarget {
                 }
                 Ok(String::new())
             }
-            Err(e) if refusal_only(&e) => Err(invalid(format!("{} failed: {e}", args[0]))),
+            Err(e) if refusal_only(&e) => Err(refused(args[0], &e)),
             Err(e) => {
                 shared.metadata_failed(&mut st, args[0], &e);
-                Err(invalid(format!("{} failed: {e}", args[0])))
+                Err(refused(args[0], &e))
             }
         }
     }
@@ -386,7 +464,11 @@ impl Target for PoolTarget {
         let shared = &self.pool.shared;
         {
             let mut st = shared.state.lock();
-            st.pf = self.requested;
+            let mut pf = self.requested;
+            adjust_passdown(&mut pf, &self.data);
+            st.pf = pf;
+            st.requested_pf = self.requested;
+            grow_metadata(shared, &mut st);
             st.low_water_blocks = self.low_water_blocks;
             if self.requested.read_only && st.mode == Mode::Write {
                 st.mode = Mode::ReadOnly;
@@ -395,8 +477,12 @@ impl Target for PoolTarget {
         shared.resize(self.data_blocks);
     }
 
+    /// The data device's, but discards only when the pool passes them
+    /// down (`pool_ctr` sets `num_discard_bios` only then).
     fn features(&self) -> Features {
-        self.pool.shared.data_dev.dev.features()
+        let mut f = self.pool.shared.data_dev.dev.features();
+        f.discard &= self.requested.discard_enabled && self.requested.discard_passdown;
+        f
     }
 
     fn events(&self) -> u64 {

@@ -4,6 +4,7 @@
 //! the first after a snapshot of a block it shares, gets a new data block
 //! from the pool. Status `<mapped sectors> <highest mapped sector|->`.
 
+use super::discard;
 use super::fill::{self, Fills};
 use super::metadata::read_dev_id;
 use super::pool::{Mode, Pool, PoolShared, Prepared, ThinDev};
@@ -27,6 +28,9 @@ pub struct ThinCore {
     pub origin: Option<DevArg>,
     /// Blocks being made whole before a partial write.
     fills: Arc<Fills>,
+    /// The pool took discards when this device was made (dm-thin's
+    /// `thin_ctr` sets `discards_supported` from the pool's features).
+    discards: bool,
 }
 
 pub struct ThinTarget {
@@ -64,7 +68,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
         .and_then(|a| a.downcast_ref::<PoolTarget>())
         .map(|p| p.pool.clone())
         .ok_or_else(|| invalid("Couldn't find pool object"))?;
-    {
+    let discards = {
         let mut st = pool.shared.state.lock();
         if st.mode == Mode::Fail {
             return Err(invalid("Couldn't open thin device, Pool is in fail mode"));
@@ -73,7 +77,8 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             return Err(invalid("Couldn't open thin internal device"));
         }
         *st.open_thins.entry(dev_id).or_insert(0) += 1;
-    }
+        st.pf.discard_enabled
+    };
     Ok(Arc::new(ThinTarget {
         core: Arc::new(ThinCore {
             pool: pool.shared.clone(),
@@ -84,6 +89,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
                 pool.shared.block_bytes(),
             ),
             origin,
+            discards,
         }),
         _pool: pool,
         pool_dev,
@@ -97,6 +103,7 @@ impl ThinCore {
         match bio.op {
             Op::Flush => return self.pool.defer_flush(bio),
             Op::Read | Op::Write => {}
+            Op::Discard if self.discards => return self.map_rw(bio),
             _ => return bio.complete(Status::NotSupported),
         }
         if bio.flags.contains(BioFlags::PREFLUSH) {
@@ -108,16 +115,26 @@ impl ThinCore {
         self.map_rw(bio);
     }
 
-    /// Map a read or write (again, for one that waited).
+    /// Map a read, write or discard (again, for one that waited).
     fn map_rw(self: &Arc<Self>, bio: Bio) {
         if bio.len == 0 {
             return bio.complete(Status::Ok);
+        }
+        if bio.op == Op::Discard {
+            return discard::map(&self.pool, self.clone(), self.dev_id, bio);
         }
         let bs = self.pool.block_bytes();
         let (vblock, off) = (bio.offset / bs, bio.offset % bs);
         let write = bio.op == Op::Write;
         let me = || self.clone() as Arc<dyn ThinDev>;
+        // Counted before the lookup, so a discard that unmaps the block
+        // after it waits for this I/O (see deferred.rs); a pool that
+        // ignores discards never waits, and counts nothing.
+        let epoch = self.discards.then(|| self.pool.all_io.enter());
         let (prepared, bio_back) = self.pool.prepare(&me, self.dev_id, vblock, bio, write);
+        if let Some(e) = epoch.filter(|_| !matches!(prepared, Prepared::Mapped(_))) {
+            self.pool.all_io.exit(e);
+        }
         let Some(mut bio) = bio_back else {
             return;
         };
@@ -125,6 +142,9 @@ impl ThinCore {
             Prepared::Queued => debug_assert!(false, "a queued bio came back"),
             Prepared::Fail(st) => bio.complete(st),
             Prepared::Mapped(b) => {
+                if let Some(e) = epoch {
+                    self.pool.all_io.track(&mut bio, e);
+                }
                 bio.offset = b * bs + off;
                 self.pool.data_dev.dev.submit(bio);
             }
@@ -194,6 +214,10 @@ impl Target for ThinTarget {
         bs - offset % bs
     }
 
+    fn max_discard_len(&self, offset: u64) -> u64 {
+        discard::max_discard_len(self.core.pool.block_bytes(), offset)
+    }
+
     fn status(&self) -> String {
         let mut st = self.core.pool.state.lock();
         if st.mode == Mode::Fail {
@@ -231,7 +255,9 @@ impl Target for ThinTarget {
 
     fn features(&self) -> Features {
         Features {
-            discard: false,
+            discard: self.core.discards,
+            // `thin_io_hints`: a discard frees whole pool blocks.
+            discard_granularity: self.core.pool.block_bytes() as u32,
             write_zeroes: false,
             fast_zero: false,
             knows_holes: false,

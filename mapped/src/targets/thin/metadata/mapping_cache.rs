@@ -104,6 +104,27 @@ impl MappingCache {
         }
     }
 
+    /// Forget `begin..end` of `dev` (unmapped by a discard): pages wholly
+    /// inside go, the entries of the pages at the edges become unknown.
+    pub fn forget_range(&mut self, dev: u64, begin: u64, end: u64) {
+        if end <= begin {
+            return;
+        }
+        let (first, last) = (begin / PAGE, (end - 1) / PAGE);
+        if last - first > self.pages.len() as u64 {
+            self.pages
+                .retain(|&(d, p), _| d != dev || p < first || p > last);
+        }
+        for p in first..=last.min(first + self.pages.len() as u64) {
+            let Some(page) = self.pages.get_mut(&(dev, p)) else {
+                continue;
+            };
+            let lo = begin.max(p * PAGE) - p * PAGE;
+            let hi = end.min((p + 1) * PAGE) - p * PAGE;
+            page[lo as usize..hi as usize].fill(UNKNOWN);
+        }
+    }
+
     /// Forget everything about `dev` (deleted, or a new device on an id).
     pub fn forget(&mut self, dev: u64) {
         self.pages.retain(|&(d, _), _| d != dev);
@@ -194,6 +215,26 @@ mod tests {
         c.forget(3);
         assert_eq!(c.get(3, 10), None);
         assert!(c.is_empty());
+    }
+
+    #[test]
+    fn a_forgotten_range_is_unknown_and_the_rest_kept() {
+        let mut c = MappingCache::default();
+        for p in 0..4 {
+            c.fill(1, p * PAGE, &nothing());
+            c.fill(2, p * PAGE, &nothing());
+        }
+        c.forget_range(1, 100, 3 * PAGE + 10);
+        assert_eq!(c.get(1, 99), Some(None));
+        for v in [100, PAGE, 2 * PAGE + 7, 3 * PAGE + 9] {
+            assert_eq!(c.get(1, v), None, "block {v}");
+        }
+        assert_eq!(c.get(1, 3 * PAGE + 10), Some(None));
+        assert_eq!(c.get(2, PAGE), Some(None));
+        // A range far wider than the cache.
+        c.forget_range(2, 0, u64::MAX);
+        assert_eq!(c.get(2, PAGE), None);
+        assert_eq!(c.get(1, 99), Some(None));
     }
 
     #[test]

@@ -14,7 +14,9 @@
 
 pub mod btree;
 mod commit;
+pub use commit::metadata_blocks_of;
 pub mod mapping_cache;
+mod remove_range;
 pub mod space_map;
 pub mod tm;
 
@@ -57,6 +59,9 @@ pub enum MetadataError {
     NoSuchDevice(u64),
     #[error("{0}")]
     Refused(String),
+    /// Refused because something holds it (the kernel's -EBUSY).
+    #[error("{0}")]
+    Busy(String),
 }
 
 impl MetadataError {
@@ -183,6 +188,12 @@ impl PoolMetadata {
     pub fn metadata_free(&self) -> u64 {
         let reserve = (self.tm.meta.nr_blocks() / 10).min(4096);
         self.tm.meta.nr_free().saturating_sub(reserve)
+    }
+
+    /// Free metadata blocks, the reserve included (what the kernel's
+    /// metadata low water threshold is checked against).
+    pub fn metadata_raw_free(&self) -> u64 {
+        self.tm.meta.nr_free()
     }
 
     pub fn data_blocks(&self) -> (u64, u64) {
@@ -437,11 +448,30 @@ impl PoolMetadata {
         Ok(())
     }
 
+    /// `dm_pool_resize_metadata_dev`: grow the metadata space map to
+    /// what the metadata device holds now (it was reloaded larger);
+    /// returns whether it grew. A smaller device is refused.
+    pub fn resize_metadata(&mut self) -> Result<bool, MetadataError> {
+        let have = self.tm.meta.nr_blocks();
+        let now = commit::metadata_blocks_of(self.tm.dev.dev.size());
+        if now < have {
+            return Err(MetadataError::Refused(format!(
+                "metadata device ({now} blocks) too small: expected {have}"
+            )));
+        }
+        if now == have {
+            return Ok(false);
+        }
+        self.tm.meta.extend(now);
+        self.dirty = true;
+        Ok(true)
+    }
+
     /// `__reserve_metadata_snap`: commit, then a copy of the superblock
     /// holding a reference to the committed mapping and details trees.
     pub fn reserve_metadata_snap(&mut self) -> Result<(), MetadataError> {
         if self.held_root != 0 {
-            return Err(MetadataError::Refused(
+            return Err(MetadataError::Busy(
                 "Pool metadata snapshot already exists: release this before taking another.".into(),
             ));
         }

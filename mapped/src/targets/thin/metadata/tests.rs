@@ -1,5 +1,5 @@
 //! The mapping cache against the btrees it caches: random inserts,
-//! snapshots and deletions, each lookup answered by the cached metadata
+//! discards, snapshots and deletions, each lookup answered by the cached metadata
 //! compared with a model and, after a commit, with metadata reopened from
 //! the device (whose cache starts empty, so the btrees answer).
 
@@ -24,6 +24,7 @@ enum Step {
     Lookup { dev: u64, vblock: u64 },
     Snap { dev: u64, origin: u64 },
     Delete { dev: u64 },
+    Discard { dev: u64, begin: u64, len: u64 },
     Commit,
 }
 
@@ -35,7 +36,8 @@ fn step() -> impl Strategy<Value = Step> {
         6 => (dev.clone(), vblock.clone()).prop_map(|(dev, vblock)| Step::Insert { dev, vblock }),
         6 => (dev.clone(), vblock).prop_map(|(dev, vblock)| Step::Lookup { dev, vblock }),
         1 => (dev.clone(), dev.clone()).prop_map(|(dev, origin)| Step::Snap { dev, origin }),
-        1 => dev.prop_map(|dev| Step::Delete { dev }),
+        1 => dev.clone().prop_map(|dev| Step::Delete { dev }),
+        2 => (dev, 0u64..1200, 1u64..700).prop_map(|(dev, begin, len)| Step::Discard { dev, begin, len }),
         1 => Just(Step::Commit),
     ]
 }
@@ -96,6 +98,11 @@ proptest! {
                     if model.remove(&dev).is_some() {
                         md.delete(dev).expect("delete");
                     }
+                }
+                Step::Discard { dev, begin, len } => {
+                    let Some(map) = model.get_mut(&dev) else { continue };
+                    md.remove_range(dev, begin, begin + len).expect("discard");
+                    map.retain(|&k, _| !(begin..begin + len).contains(&k));
                 }
                 Step::Commit => md.commit().expect("commit"),
             }

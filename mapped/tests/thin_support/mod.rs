@@ -1,0 +1,161 @@
+//! What the thin-pool tests share: the pool over files, I/O helpers,
+//! and Debian's `thin_check`/`thin_dump` (thin-provisioning-tools) that
+//! judge every pool the tests make.
+#![allow(dead_code)]
+
+use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
+use blkstack_core::{BioFlags, Device, Op, Status};
+use blkstack_mapped::Registry;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+pub const BLOCK: u64 = 64 * 1024;
+
+pub fn tool(name: &str) -> PathBuf {
+    for dir in ["/usr/sbin", "/sbin", "/usr/bin"] {
+        let p = Path::new(dir).join(name);
+        if p.exists() {
+            return p;
+        }
+    }
+    panic!("{name} is not installed: run `make deps` (apt-get install thin-provisioning-tools)");
+}
+
+/// Run `thin_check` on a metadata file; panics with its output if it
+/// finds anything wrong.
+pub fn thin_check(meta: &Path) {
+    let out = Command::new(tool("thin_check")).arg(meta).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "thin_check failed:\n{text}");
+}
+
+pub fn thin_dump(meta: &Path) -> String {
+    let out = Command::new(tool("thin_dump")).arg(meta).output().unwrap();
+    assert!(
+        out.status.success(),
+        "thin_dump failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+pub struct Files {
+    pub _dir: tempfile::TempDir,
+    pub meta: PathBuf,
+    pub data: PathBuf,
+}
+
+pub fn files() -> Files {
+    let dir = tempfile::tempdir().unwrap();
+    Files {
+        meta: dir.path().join("meta"),
+        data: dir.path().join("data"),
+        _dir: dir,
+    }
+}
+
+/// A pool over the files: `data_sectors` of data, 4 MiB of metadata.
+pub fn pool(f: &Files, data_sectors: u64, features: &str) -> Arc<Registry> {
+    let reg = Registry::new();
+    reg.create("meta", &format!("0 8192 file {} create", f.meta.display()))
+        .unwrap();
+    reg.create(
+        "data",
+        &format!("0 {data_sectors} file {} create", f.data.display()),
+    )
+    .unwrap();
+    reg.create(
+        "pool",
+        &format!("0 {data_sectors} thin-pool meta data 128 0 {features}"),
+    )
+    .unwrap();
+    reg
+}
+
+pub fn msg(reg: &Registry, text: &str) {
+    let args: Vec<&str> = text.split_whitespace().collect();
+    reg.message("pool", 0, &args)
+        .unwrap_or_else(|e| panic!("message {text}: {e}: {:?}", std::error::Error::source(&e)));
+}
+
+pub fn pattern(tag: u64, off: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| ((tag * 131 + (off + i) / 512 * 7 + off + i) % 251) as u8)
+        .collect()
+}
+
+pub fn write(dev: &dyn Device, off: u64, data: &[u8]) {
+    let mut b = data.to_vec();
+    assert_eq!(
+        submit_and_wait(dev, Op::Write, off, b.len() as u64, &mut b),
+        Status::Ok,
+        "write at {off}"
+    );
+}
+
+pub fn read(dev: &dyn Device, off: u64, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    assert_eq!(
+        submit_and_wait(dev, Op::Read, off, len as u64, &mut b),
+        Status::Ok,
+        "read at {off}"
+    );
+    b
+}
+
+pub fn flush(dev: &dyn Device) {
+    assert_eq!(
+        submit_and_wait_flags(dev, Op::Flush, BioFlags::NONE, 0, 0, &mut []),
+        Status::Ok
+    );
+}
+
+pub fn status(reg: &Registry, name: &str) -> Vec<String> {
+    let s = reg.status_text(name).unwrap();
+    s.split_whitespace().skip(3).map(String::from).collect()
+}
+
+/// A pool of `blocks` data blocks over a data file of `file_blocks`.
+pub fn small_pool(
+    f: &Files,
+    blocks: u64,
+    file_blocks: u64,
+    meta_sectors: u64,
+    args: &str,
+) -> Arc<Registry> {
+    let reg = Registry::new();
+    reg.create(
+        "meta",
+        &format!("0 {meta_sectors} file {} create", f.meta.display()),
+    )
+    .unwrap();
+    reg.create(
+        "data",
+        &format!("0 {} file {} create", file_blocks * 128, f.data.display()),
+    )
+    .unwrap();
+    reg.create(
+        "pool",
+        &format!("0 {} thin-pool meta data 128 {args}", blocks * 128),
+    )
+    .unwrap();
+    reg
+}
+
+/// Why creating a device failed (it must fail).
+pub fn refused(reg: &Registry, name: &str, table: &str) -> String {
+    match reg.create(name, table) {
+        Ok(_) => panic!("{table}: accepted"),
+        Err(e) => format!("{e:?}"),
+    }
+}
+
+pub fn try_write(dev: &dyn Device, off: u64) -> Status {
+    let mut b = pattern(7, off, 4096);
+    submit_and_wait(dev, Op::Write, off, 4096, &mut b)
+}
