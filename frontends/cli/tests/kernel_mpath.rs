@@ -35,9 +35,14 @@ writer() {
   done
 }
 # state DEV A|F: the path's state in `dmsetup status` must become that.
+# A path fails only when I/O reaches it, and round-robin sends 1000 I/Os
+# down one path before the next: while waiting for F, read the device
+# (direct, 256 x 4 KiB a second) so a failing path meets I/O soon even
+# when the writer has finished.
 state() {
-  t=0; while [ $t -lt 30 ]; do
+  t=0; while [ $t -lt 60 ]; do
     dmsetup status mp | grep -q " $1 $2 " && { echo "path $1 $2: $(dmsetup status mp)"; return 0; }
+    [ "$2" = F ] && dd if=/dev/mapper/mp of=/dev/null bs=4k count=256 skip=$((t * 256)) iflag=direct 2>/dev/null
     sleep 1; t=$((t+1))
   done
   fail "path $1 never became $2"
