@@ -208,6 +208,8 @@ pub enum Prepared {
         block: u64,
         id: u64,
         copy_from: Option<u64>,
+        /// The pool zeroes new blocks (no `skip_block_zeroing`).
+        zero: bool,
     },
     Fail(Status),
 }
@@ -338,6 +340,7 @@ impl PoolShared {
                 block,
                 id,
                 copy_from,
+                zero: st.pf.zero_new_blocks,
             },
             Some(bio),
         )

@@ -153,10 +153,10 @@ impl ThinCore {
                 block,
                 id,
                 copy_from,
+                zero,
             } => {
                 bio.push_end(self.pool.clone(), id);
                 if !(off == 0 && bio.len == bs) {
-                    let zero = self.pool.state.lock().pf.zero_new_blocks;
                     let origin = self.origin.as_ref();
                     if let Some(src) = fill::source(bs, origin, vblock, copy_from, zero) {
                         return self.fills.start(bio, block, off, src);
