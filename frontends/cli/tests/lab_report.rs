@@ -5,7 +5,7 @@
 //! image. `lab compare` is run on two saved runs the same way.
 //!
 //! CI needs the `chromium` Debian package. Without a browser the test
-//! fails and says so, unless BLKSTACK_SKIP_BROWSER=1 is set.
+//! fails and says so, unless BLKSTACK_SKIP_BROWSER=1 is set outside CI.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -109,7 +109,9 @@ fn report_page_renders_every_section_with_its_figures() {
     let (dir, page) = built_page();
     let Some(browser) = browser() else {
         if std::env::var_os("BLKSTACK_SKIP_BROWSER").is_some() {
-            eprintln!("no browser; BLKSTACK_SKIP_BROWSER set, page not rendered");
+            blkstack_test_support::skip(
+                "no browser and BLKSTACK_SKIP_BROWSER set: the page was not rendered",
+            );
             return;
         }
         panic!("no headless browser: install Debian's `chromium` (or set BLKSTACK_SKIP_BROWSER=1)");

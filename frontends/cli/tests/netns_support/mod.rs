@@ -8,9 +8,10 @@
 //! status) over a run, so a test can assert "failed, then active again".
 //!
 //! Everything is a guard: servers, namespaces, veths and scratch files go
-//! on drop, also when a test panics. The tests skip, saying why, only
-//! when namespaces cannot be made (not root, no iproute2, `ip netns add`
-//! refused); a missing qemu-nbd or nbdkit fails them (`make deps`).
+//! on drop, also when a test panics. The tests skip, saying why (and
+//! fail under CI), only when namespaces cannot be made (not root, no
+//! iproute2, `ip netns add` refused); a missing qemu-nbd or nbdkit fails
+//! them (`make deps`).
 
 #![allow(dead_code)] // each test file uses a different part of the harness
 
@@ -20,12 +21,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Whether namespaces can be made; prints why the test skips if not.
+/// Whether namespaces can be made; if not, the test skips (fails under CI).
 pub fn namespaces_or_skip(test: &str) -> bool {
     match netns::probe() {
         Ok(()) => true,
         Err(why) => {
-            eprintln!("{test}: skipped: network namespaces cannot be created here: {why:#}");
+            blkstack_test_support::skip(&format!(
+                "{test}: network namespaces cannot be created here: {why:#}"
+            ));
             false
         }
     }
