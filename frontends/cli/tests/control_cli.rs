@@ -104,6 +104,50 @@ fn verbs_print_dmsetup_text() {
     assert_eq!(srv.ok("info", &[]), "No devices found\n");
 }
 
+/// `message` takes `--control` anywhere, as every other verb does: a
+/// user's first thin pool is made with it last. A word that starts with
+/// `--` is a message word only after `--`.
+#[test]
+fn message_takes_its_options_anywhere() {
+    let srv = Serve::start(STACK, "d0");
+    srv.ok("create", &["dl", "--table", "0 2048 delay mem 0 5"]);
+    let ctl = srv.control.to_str().unwrap();
+    let run = |args: &[&str]| {
+        run_bounded(
+            std::process::Command::new(BIN).args(args),
+            None,
+            Duration::from_secs(30),
+            &format!("blkstack {args:?}"),
+        )
+    };
+    let o = run(&["message", "dl", "0", "set", "all", "2", "--control", ctl]);
+    assert!(o.status.success(), "{}{}", o.stdout, o.stderr);
+    assert_eq!(srv.ok("table", &["dl"]), "0 2048 delay 253:0 0 2\n");
+    let o = run(&["message", "dl", "0", "set", "--control", ctl, "all", "3"]);
+    assert!(o.status.success(), "{}{}", o.stdout, o.stderr);
+    assert_eq!(srv.ok("table", &["dl"]), "0 2048 delay 253:0 0 3\n");
+    // After `--` everything is a message word, sent as it is: the target
+    // refuses it by name, and the table is unchanged.
+    let o = run(&[
+        "message",
+        "--control",
+        ctl,
+        "dl",
+        "0",
+        "--",
+        "--control",
+        "x",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stderr.contains("message ioctl on dl failed"),
+        "{}",
+        o.stderr
+    );
+    assert!(o.stderr.contains("--control"), "{}", o.stderr);
+    assert_eq!(srv.ok("table", &["dl"]), "0 2048 delay 253:0 0 3\n");
+}
+
 #[test]
 fn reload_is_staged_until_resume() {
     let srv = Serve::start(STACK, "d0");

@@ -138,13 +138,10 @@ pub struct MessageArgs {
     /// A sector inside the table line whose target gets the message (0 for the first).
     #[arg(value_name = "SECTOR")]
     pub sector: u64,
-    /// The message words, e.g. `fail_path 253:1`.
-    #[arg(
-        value_name = "MESSAGE",
-        required = true,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
-    )]
+    /// The message words, e.g. `fail_path 253:1`. Options such as
+    /// `--control` may come before, between or after them, as with every
+    /// other verb; a word that starts with `--` goes after `--`.
+    #[arg(value_name = "MESSAGE", required = true, allow_negative_numbers = true)]
     pub message: Vec<String>,
     #[command(flatten)]
     pub control: ControlOpt,
