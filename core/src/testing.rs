@@ -8,8 +8,10 @@ use crate::clock::now_ns;
 use crate::status::Status;
 use parking_lot::{Condvar, Mutex};
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::AtomicU64;
+use std::cell::Cell;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -105,27 +107,89 @@ static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 /// A global allocator that counts allocations (and reallocations), for a
 /// test binary that installs it with `#[global_allocator]` and checks a
 /// hot path allocates nothing. The count is process-wide.
+///
+/// Between [`CountingAlloc::trace_start`] and [`CountingAlloc::trace_take`]
+/// it also keeps the backtraces of the first few allocations, so a test
+/// that finds one can say where it came from (an allocation that shows up
+/// only on a slow machine cannot be found by rerunning on a fast one).
 pub struct CountingAlloc;
+
+/// How many allocations' backtraces a trace keeps.
+const TRACE_MAX: usize = 4;
+static TRACING: AtomicBool = AtomicBool::new(false);
+static TRACES: Mutex<Vec<std::backtrace::Backtrace>> = Mutex::new(Vec::new());
+/// Backtraces being captured right now, on any thread.
+static CAPTURING: AtomicUsize = AtomicUsize::new(0);
+
+std::thread_local! {
+    /// Set while this thread records a backtrace: what that allocates is
+    /// the tracer's own, neither counted nor traced.
+    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
+}
 
 impl CountingAlloc {
     /// Allocations so far in this process.
     pub fn count() -> u64 {
         ALLOCATIONS.load(Relaxed)
     }
+
+    /// Keep the backtraces of the next allocations (any thread's).
+    pub fn trace_start() {
+        TRACES.lock().clear();
+        TRACING.store(true, Relaxed);
+    }
+
+    /// Stop tracing; the backtraces kept since [`Self::trace_start`],
+    /// once those being captured on other threads are in (bounded).
+    pub fn trace_take() -> Vec<String> {
+        TRACING.store(false, SeqCst);
+        let t0 = Instant::now();
+        while CAPTURING.load(SeqCst) > 0 && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let traces = std::mem::take(&mut *TRACES.lock());
+        traces.iter().map(|t| t.to_string()).collect()
+    }
+
+    fn counted() -> bool {
+        let own = IN_TRACE.try_with(|t| t.get()).unwrap_or(true);
+        if own {
+            return false;
+        }
+        ALLOCATIONS.fetch_add(1, Relaxed);
+        CAPTURING.fetch_add(1, SeqCst);
+        if TRACING.load(SeqCst) {
+            IN_TRACE.with(|t| t.set(true));
+            let bt = std::backtrace::Backtrace::force_capture();
+            let mut traces = TRACES.lock();
+            if traces.len() < TRACE_MAX {
+                traces.push(bt);
+            }
+            drop(traces);
+            IN_TRACE.with(|t| t.set(false));
+        }
+        CAPTURING.fetch_sub(1, SeqCst);
+        true
+    }
 }
 
-// SAFETY: forwards to the system allocator; only counts.
+// SAFETY: forwards to the system allocator; only counts (and, while a
+// trace runs, records backtraces with the counting turned off for the
+// recording thread, so it never recurses into itself).
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Relaxed);
-        System.alloc(l)
+        Self::counted();
+        // SAFETY: the caller's layout is passed on unchanged.
+        unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        System.dealloc(p, l)
+        // SAFETY: `p` came from `System` with layout `l`.
+        unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCATIONS.fetch_add(1, Relaxed);
-        System.realloc(p, l, n)
+        Self::counted();
+        // SAFETY: `p` came from `System` with layout `l`.
+        unsafe { System.realloc(p, l, n) }
     }
 }
 

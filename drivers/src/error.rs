@@ -75,6 +75,9 @@ pub enum EmulatedQueueError {
     Engine(#[from] blkstack_mq::QueueError),
     #[error("cannot start completion thread: {0}")]
     Thread(#[source] std::io::Error),
+    /// A completion thread ended before it was set up.
+    #[error("a completion thread ended while starting")]
+    ThreadDied,
     /// The engine never handed the driver its completer.
     #[error("the engine attached no completer")]
     NoCompleter,

@@ -56,7 +56,8 @@ fn run(
     }
 }
 
-fn allocations_per_io(args: &[&str], batch_max: usize) -> u64 {
+/// Allocations during a measured run, and the backtraces of the first.
+fn allocations_per_io(args: &[&str], batch_max: usize) -> (u64, Vec<String>) {
     const QD: usize = 64;
     let d = NullDevice::from_args(1 << 20, args).expect("null device");
     let polled = d.polls();
@@ -68,11 +69,13 @@ fn allocations_per_io(args: &[&str], batch_max: usize) -> u64 {
     unsafe { owner.prime(&mem, QD, 4096) };
     let mut batch = Vec::with_capacity(QD);
     run(&d, &owner, &dyn_owner, 5_000, &mut batch, batch_max, polled);
+    CountingAlloc::trace_start();
     let before = CountingAlloc::count();
     run(
         &d, &owner, &dyn_owner, 20_000, &mut batch, batch_max, polled,
     );
     let after = CountingAlloc::count();
+    let traces = CountingAlloc::trace_take();
     // Let the last completions come home before the buffers go away.
     while owner.len() != QD {
         if polled {
@@ -80,7 +83,7 @@ fn allocations_per_io(args: &[&str], batch_max: usize) -> u64 {
         }
         std::thread::yield_now();
     }
-    after - before
+    (after - before, traces)
 }
 
 /// The counter is process-wide, so the modes run one after another on the
@@ -96,7 +99,13 @@ fn main() {
         (&spin[..], 32, "timer with a spin budget, batches"),
         (&polled[..], 32, "timer, polled bios, batches"),
     ] {
-        assert_eq!(allocations_per_io(args, batch), 0, "{what}");
+        let (n, traces) = allocations_per_io(args, batch);
+        assert_eq!(
+            n,
+            0,
+            "{what}: allocated; the first ones:\n{}",
+            traces.join("\n---\n")
+        );
         println!("null hot path allocates nothing: {what} ... ok");
     }
 }

@@ -61,6 +61,8 @@ mod hot_path {
         }
     }
 
+    /// Allocations during a measured run; the first ones' backtraces are
+    /// printed when there are any.
     fn allocations_per_io<D: Driver>(driver: D, batch_max: usize) -> u64 {
         const QD: usize = 64;
         let q = Queue::new(driver, EngineOptions::default()).expect("queue");
@@ -72,9 +74,13 @@ mod hot_path {
         unsafe { owner.prime(&mem, QD, 4096) };
         let mut batch = Vec::with_capacity(QD);
         run(&q, &owner, &dyn_owner, 5_000, &mut batch, batch_max);
+        CountingAlloc::trace_start();
         let before = CountingAlloc::count();
         run(&q, &owner, &dyn_owner, 20_000, &mut batch, batch_max);
         let after = CountingAlloc::count();
+        for t in CountingAlloc::trace_take() {
+            println!("allocated at:\n{t}");
+        }
         // Let the last completions come home before the buffers go away.
         loop {
             if owner.len() == QD {

@@ -124,8 +124,12 @@ impl<D: Driver> EmulatedQueue<D> {
         Ok(q)
     }
 
+    /// One completion thread per hardware queue; returns once each is
+    /// running and set up, so no thread's start-up lands in the device's
+    /// first I/Os.
     fn start_threads(&mut self, depth: usize) -> Result<(), EmulatedQueueError> {
         let opts = self.irq.opts;
+        let (ready_tx, ready_rx) = std::sync::mpsc::sync_channel(self.irq.queues.len());
         for i in 0..self.irq.queues.len() {
             let completer = self
                 .irq
@@ -134,6 +138,7 @@ impl<D: Driver> EmulatedQueue<D> {
                 .and_then(RequestCompleter::hold)
                 .ok_or(EmulatedQueueError::NoCompleter)?;
             let irq = self.irq.clone();
+            let ready = ready_tx.clone();
             let h = std::thread::Builder::new()
                 .name(format!("blkmq-cpl/{i}"))
                 .spawn(move || {
@@ -144,11 +149,20 @@ impl<D: Driver> EmulatedQueue<D> {
                         opts.timer_spin_max_ns,
                         depth,
                         completer,
+                        ready,
                     )
                 })
                 .map_err(EmulatedQueueError::Thread)?;
             let _ = self.irq.queues[i].thread.set(h.thread().clone());
             self.threads.push(h);
+        }
+        drop(ready_tx);
+        // Each thread says so once set up; a thread that died first drops
+        // its sender unsent, and the last one gone ends the wait.
+        for _ in 0..self.threads.len() {
+            ready_rx
+                .recv()
+                .map_err(|_| EmulatedQueueError::ThreadDied)?;
         }
         Ok(())
     }

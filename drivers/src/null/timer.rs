@@ -131,7 +131,9 @@ impl IrqQueue {
 /// The completion thread of hardware queue `hctx`: ends what `irq` is
 /// handed, each at its deadline; with `polls`, also the polled requests
 /// nobody reaped in time. On shutdown it ends everything left (polled ones
-/// no earlier than their deadline) and returns.
+/// no earlier than their deadline) and returns. `ready` is told once the
+/// thread is set up (its own allocations done), so a device is whole when
+/// its constructor returns, as `kthread_run` returns a running thread.
 pub(super) fn completion_thread(
     irq: &IrqQueue,
     hctx: u32,
@@ -139,10 +141,15 @@ pub(super) fn completion_thread(
     spin_max_ns: u64,
     depth: usize,
     completer: HeldCompleter,
+    ready: std::sync::mpsc::SyncSender<()>,
 ) {
     prepare_precise_thread();
     let mut clock = DeadlineClock::new(spin_max_ns);
     let mut local: Vec<(u64, u32, Status)> = Vec::with_capacity(depth);
+    // The starter may have given up on us (a later thread failed): no one
+    // to tell, nothing to change.
+    let _ = ready.send(());
+    drop(ready);
     loop {
         std::mem::swap(&mut *irq.queue.lock(), &mut local);
         if local.is_empty() {
