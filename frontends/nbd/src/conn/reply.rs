@@ -481,6 +481,18 @@ impl EndIo for Shared {
             if err == 0 {
                 self.push_status(&mut out, m.handle, 0, "");
             } else {
+                // Which errno a client got for which request is what decides
+                // its next step (a multipath above qemu fails the path on
+                // EIO); at debug level, the server's log answers that.
+                tracing::debug!(
+                    cmd = m.cmd,
+                    flags = m.flags,
+                    offset = m.offset,
+                    len = m.len,
+                    errno = err,
+                    %status,
+                    "nbd: request failed"
+                );
                 self.push_status(&mut out, m.handle, err, &status.to_string());
             }
         }
