@@ -21,6 +21,7 @@ pub mod host;
 pub mod options;
 pub mod params;
 pub mod queue;
+pub mod uapi;
 
 pub use error::{check_control, UblkError, CONTROL_PATH};
 pub use export::UblkExport;
