@@ -54,7 +54,8 @@ pub fn cdev_path(dev_id: u32) -> String {
 }
 
 fn bytes_of<T: Copy>(v: &mut T) -> &mut [u8] {
-    // SAFETY: T is one of uapi's plain repr(C) integer structs: any byte
+    // SAFETY: T is one of uapi's plain repr(C) integer structs without
+    // padding bytes (uapi's asserts account for every byte): any byte
     // pattern is a valid value, and the slice borrows `v` exclusively.
     unsafe { std::slice::from_raw_parts_mut((v as *mut T).cast::<u8>(), std::mem::size_of::<T>()) }
 }

@@ -659,6 +659,7 @@ mod tests {
         assert_eq!(inbox.inflight.load(Ordering::Relaxed), 0);
         // The eventfd was reset by take: nothing more to read.
         let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a valid u64 from the non-blocking eventfd.
         let r = unsafe { libc::read(inbox.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
         assert_eq!(r, -1);
     }

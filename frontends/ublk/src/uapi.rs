@@ -168,6 +168,10 @@ pub struct ublk_params {
     pub discard: ublk_param_discard,
     pub devt: ublk_param_devt,
     pub zoned: ublk_param_zoned,
+    /// Not in the header: the C structure's tail padding (its `u64`s
+    /// align it to 8), spelled out so that every byte sent is a defined
+    /// one. The size is the header's either way.
+    pub tail_pad: u32,
 }
 
 // Legacy command numbers: the `nr` of the encoded ones.
@@ -342,6 +346,7 @@ const _: () = {
     assert!(offset_of!(ublk_params, discard) == 40);
     assert!(offset_of!(ublk_params, devt) == 60);
     assert!(offset_of!(ublk_params, zoned) == 76);
+    assert!(offset_of!(ublk_params, tail_pad) == 108);
 
     // What the 6.12 header's macros evaluate to.
     assert!(UBLK_U_CMD_GET_DEV_INFO == 0x8020_7502);
@@ -376,7 +381,8 @@ pub fn cmd_bytes<T: Copy, const N: usize>(v: &T) -> [u8; N] {
     const { assert!(size_of::<T>() <= N) };
     let mut out = [0u8; N];
     // SAFETY: T is one of this module's plain `repr(C)` integer structs
-    // (no padding bytes, as the asserts above show), at most N bytes long.
+    // (no padding bytes: the asserts above account for every byte), at
+    // most N bytes long.
     unsafe {
         core::ptr::copy_nonoverlapping(
             (v as *const T).cast::<u8>(),
