@@ -17,10 +17,6 @@ VM_TOOLS := qemu-system-x86_64 busybox dmsetup mkfs.ext4 mkfs.xfs nbd-client dep
 VM_PACKAGES := busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio xz-utils socat
 deps:
 	@SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; export DEBIAN_FRONTEND=noninteractive; \
-	if ! ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/x86_64-linux-gnu/libclang-*.so* >/dev/null 2>&1; then \
-	  echo "installing libclang-dev (the ublk frontend's libublk generates its kernel bindings with bindgen)"; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends libclang-dev >/dev/null; \
-	fi; \
 	missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system tools (missing:$$missing)"; \

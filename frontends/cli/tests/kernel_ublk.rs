@@ -7,7 +7,8 @@
 //!   remount and `e2fsck -fn` clean; then a verified random-write pass
 //!   (O_DIRECT writes mirrored into an image in RAM, the whole device read
 //!   back and compared); the limits the kernel took from the stack
-//!   (read-only, block size, max I/O, cache, FUA); a table reload under a
+//!   (read-only, block size, max I/O, cache, FUA, discard and
+//!   write-zeroes, a discard reaching the stack); a table reload under a
 //!   verified writer; `export --ublk` / `unexport` / `remove [-f]` at run
 //!   time; SIGTERM leaving no device behind.
 //! - recovery (`UBLK_F_USER_RECOVERY`): serve killed with SIGKILL under an
@@ -82,6 +83,19 @@ for k in mem striped delay flakey; do
   verify_pass $d 16 || fail "verify pass on $k ($d)"
   echo "PASS verify $k $d"
 done
+# Discard and write-zeroes limits reach the kernel (ublk_param_discard),
+# and a discard goes down to the stack: memory reads a discarded range back
+# as zeroes.
+d=$(dev_of mem /tmp/s1.out)
+q=/sys/block/${d#/dev/}/queue
+echo "BEGIN discard"
+cat $q/discard_granularity
+[ "$(cat $q/discard_max_bytes)" -gt 0 ] && echo "discard max > 0"
+[ "$(cat $q/write_zeroes_max_bytes)" -gt 0 ] && echo "write zeroes max > 0"
+dd if=/test/pattern of=$d bs=64k count=16 oflag=direct 2>/dev/null || fail "write before the discard"
+blkdiscard -o 0 -l 1048576 $d && echo "blkdiscard ok"
+dd if=$d bs=64k count=16 iflag=direct 2>/dev/null | cmp -n 1048576 - /dev/zero && echo "discarded range reads zeroes"
+echo "END discard"
 d=$(dev_of spare /tmp/s1.out)
 echo "BEGIN limits"
 blockdev --getro $d; blockdev --getss $d
@@ -134,6 +148,8 @@ nfiles() { ls /mnt | grep -c '^f'; }
 STACK="rec,,,rw,0 32768 file /tmp/rec.img create"
 start_serve /tmp/r0.out --concise "$STACK" --ublk rec --control /tmp/r.sock
 d=$(dev_of rec /tmp/r0.out); [ -b "$d" ] || { cat /tmp/r0.out; fail "no device"; }
+# The record a restarted serve finds the device by.
+grep -q '"export":"rec"' /run/blkstack/ublk/${d#/dev/ublkb}.json || { ls -l /run/blkstack/ublk; fail "no record of $d"; }
 mkfs.ext4 -q -F $d && mount -t ext4 $d /mnt || fail "mkfs/mount on $d"
 (
   i=0
@@ -191,9 +207,10 @@ echo "PASS no recovery: I/O failed after $((i/10)) s"
 # Unprivileged (UBLK_F_UNPRIVILEGED_DEV): user 1000 adds and serves the
 # device. What a udev rule does on a real system is done here by a loop:
 # /dev/ublk-control open to the user, each new /dev/ublkcN and /dev/ublkbN
-# chowned to them; libublk's json directory writable.
+# chowned to them. Nothing under /run is opened to the user: serve keeps
+# no record of a device it cannot recover.
 echo 'u1:x:1000:1000::/tmp:/bin/sh' >> /etc/passwd; echo 'u1:x:1000:' >> /etc/group
-chmod 666 /dev/ublk-control; mkdir -p /run/ublksrvd; chmod 1777 /run/ublksrvd
+chmod 666 /dev/ublk-control
 ( i=0; while [ $i -lt 1200 ]; do
     for n in /dev/ublkc* /dev/ublkb*; do [ -e $n ] && chown 1000:1000 $n; done
     usleep 50000; i=$((i+1))
@@ -261,6 +278,15 @@ fn ext4_and_verified_io_on_four_stacks_over_ublk() {
             "verify on {k}:\n{}",
             run.out
         );
+    }
+    let discard = run.section("discard").expect("discard section");
+    for step in [
+        "discard max > 0",
+        "write zeroes max > 0",
+        "blkdiscard ok",
+        "discarded range reads zeroes",
+    ] {
+        assert!(discard.contains(step), "discard: {step}:\n{}", run.out);
     }
     // spare:ro: read-only, 512-byte sectors, 512 KiB requests (the
     // default --ublk-max-io), a volatile cache with FUA (memory's), and

@@ -28,12 +28,13 @@ pub enum UblkError {
     NotExported(String),
     #[error("ublk export {name}: {what}")]
     Invalid { name: String, what: String },
-    #[error("ublk export {name}: {what} failed: {source}")]
+    /// A command the driver answered with an error (or did not answer in
+    /// time: `ETIMEDOUT`).
+    #[error("ublk export {name}: {what} failed: {errno}")]
     Kernel {
         name: String,
         what: &'static str,
-        #[source]
-        source: libublk::UblkError,
+        errno: Errno,
     },
     #[error("ublk export {name}: {what}: {source}")]
     Io {
@@ -44,8 +45,31 @@ pub enum UblkError {
     },
 }
 
+/// An errno the driver (or a system call on its nodes) answered,
+/// positive, printed as the system's message for it (with its number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", std::io::Error::from_raw_os_error(self.0))]
+pub struct Errno(pub i32);
+
+impl Errno {
+    /// The errno of a failed system call, just after it failed.
+    pub fn last() -> Errno {
+        Errno(
+            std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EIO),
+        )
+    }
+}
+
+impl From<std::io::Error> for Errno {
+    fn from(e: std::io::Error) -> Errno {
+        Errno(e.raw_os_error().unwrap_or(libc::EIO))
+    }
+}
+
 /// Refuse early, with the module's name, where the driver is absent or
-/// closed to us: libublk's own error for this is a bare errno.
+/// closed to us: the driver's own answer to that is a bare errno.
 pub fn check_control(path: &std::path::Path) -> Result<(), UblkError> {
     match std::fs::OpenOptions::new()
         .read(true)

@@ -1,9 +1,12 @@
 //! The ublk frontend: a blkstack device as a real kernel block device,
 //! `/dev/ublkbN`, through the kernel's ublk driver
-//! (drivers/block/ublk_drv.c, include/uapi/linux/ublk_cmd.h) and the
-//! libublk crate (ublk-org), which carries the driver's io_uring command
-//! protocol so none of it is written by hand here.
+//! (drivers/block/ublk_drv.c), spoken directly: its user API
+//! (include/uapi/linux/ublk_cmd.h) is written out by hand in [`uapi`] and
+//! its io_uring commands go through the `io-uring` crate, so the build
+//! needs no bindgen and no libclang.
 //!
+//! - [`uapi`]: the 6.12 header's structures, commands and flags.
+//! - [`ctrl`]: the control commands on /dev/ublk-control.
 //! - [`params`]: the stack's geometry and features as `ublk_params`.
 //! - [`queue`]: one thread per ublk queue, requests to bios and back.
 //! - [`export`]: one device's life (add, start, recover, stop, delete).
@@ -15,14 +18,16 @@
 //! thread submits into the stack as an NBD connection's reader does.
 
 pub mod cli;
+pub mod ctrl;
 pub mod error;
 pub mod export;
 pub mod host;
 pub mod options;
 pub mod params;
 pub mod queue;
+pub mod uapi;
 
-pub use error::{check_control, UblkError, CONTROL_PATH};
+pub use error::{check_control, Errno, UblkError, CONTROL_PATH};
 pub use export::UblkExport;
 pub use host::UblkHost;
 pub use options::UblkOptions;

@@ -9,6 +9,7 @@
 //! may ask for fewer (fewer queue threads, a shallower queue), never for
 //! more than the stack has.
 
+use crate::uapi;
 use blkstack_core::QueueShape;
 
 /// Queues and depth for a device with no tag set below it (`zero`,
@@ -20,8 +21,8 @@ pub const DEFAULT_DEPTH: u16 = 64;
 /// this size is reserved per tag (address space, touched only as used).
 pub const DEFAULT_IO_BUF_BYTES: u32 = 512 << 10;
 /// The driver's limits (`UBLK_MAX_NR_QUEUES`, `UBLK_MAX_QUEUE_DEPTH`).
-pub const MAX_QUEUES: u16 = 4096;
-pub const MAX_DEPTH: u16 = 4096;
+pub const MAX_QUEUES: u16 = uapi::UBLK_MAX_NR_QUEUES;
+pub const MAX_DEPTH: u16 = uapi::UBLK_MAX_QUEUE_DEPTH;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UblkOptions {
@@ -106,14 +107,14 @@ impl UblkOptions {
         Ok((queues, depth))
     }
 
-    /// The `UBLK_F_*` flags for ADD_DEV.
+    /// The `UBLK_F_*` flags for ADD_DEV. The io commands are sent with
+    /// their ioctl-encoded numbers (`UBLK_U_IO_*`), so the device says so.
     pub fn ctrl_flags(&self) -> u64 {
-        use libublk::sys;
-        let mut f = 0u64;
+        let mut f = uapi::UBLK_F_CMD_IOCTL_ENCODE;
         if self.unprivileged {
-            f |= sys::UBLK_F_UNPRIVILEGED_DEV as u64;
+            f |= uapi::UBLK_F_UNPRIVILEGED_DEV;
         } else if self.recovery {
-            f |= (sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64;
+            f |= uapi::UBLK_F_USER_RECOVERY | uapi::UBLK_F_USER_RECOVERY_REISSUE;
         }
         f
     }
@@ -191,11 +192,16 @@ mod tests {
             ..UblkOptions::default()
         };
         let f = o.ctrl_flags();
-        assert_eq!(f & libublk::sys::UBLK_F_USER_RECOVERY as u64, 0);
-        assert_ne!(f & libublk::sys::UBLK_F_UNPRIVILEGED_DEV as u64, 0);
-        assert_ne!(
-            UblkOptions::default().ctrl_flags() & libublk::sys::UBLK_F_USER_RECOVERY as u64,
-            0
-        );
+        assert_eq!(f & uapi::UBLK_F_USER_RECOVERY, 0);
+        assert_ne!(f & uapi::UBLK_F_UNPRIVILEGED_DEV, 0);
+        let f = UblkOptions::default().ctrl_flags();
+        assert_ne!(f & uapi::UBLK_F_USER_RECOVERY, 0);
+        assert_ne!(f & uapi::UBLK_F_USER_RECOVERY_REISSUE, 0);
+        assert_ne!(f & uapi::UBLK_F_CMD_IOCTL_ENCODE, 0);
+        let off = UblkOptions {
+            recovery: false,
+            ..UblkOptions::default()
+        };
+        assert_eq!(off.ctrl_flags() & uapi::UBLK_F_USER_RECOVERY, 0);
     }
 }

@@ -4,9 +4,10 @@
 //! drivers/block/ublk_drv.c): sizes, block sizes, the largest request,
 //! discard and write-zeroes limits, the cache, FUA and read-only, all
 //! from the stack's device, so `/dev/ublkbN` shows what the stack is.
+//! The structure is [`crate::uapi::ublk_params`], as the 6.12 header has it.
 
+use crate::uapi;
 use blkstack_core::Device;
-use libublk::sys;
 
 /// Geometry and features of the device, read once when it is exported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +44,7 @@ pub fn ublk_params(
     g: &Geometry,
     io_buf_bytes: u32,
     read_only: bool,
-) -> Result<sys::ublk_params, String> {
+) -> Result<uapi::ublk_params, String> {
     let lbs = g.logical_block_size;
     let lshift = shift_of(lbs)
         .filter(|s| (9..=12).contains(s))
@@ -69,18 +70,18 @@ pub fn ublk_params(
     let f = g.features;
     let mut attrs = 0;
     if read_only || f.read_only {
-        attrs |= sys::UBLK_ATTR_READ_ONLY;
+        attrs |= uapi::UBLK_ATTR_READ_ONLY;
     }
     if f.flush {
-        attrs |= sys::UBLK_ATTR_VOLATILE_CACHE;
+        attrs |= uapi::UBLK_ATTR_VOLATILE_CACHE;
     }
     if f.fua {
-        attrs |= sys::UBLK_ATTR_FUA;
+        attrs |= uapi::UBLK_ATTR_FUA;
     }
-    let mut p = sys::ublk_params {
-        len: std::mem::size_of::<sys::ublk_params>() as u32,
-        types: sys::UBLK_PARAM_TYPE_BASIC,
-        basic: sys::ublk_param_basic {
+    let mut p = uapi::ublk_params {
+        len: std::mem::size_of::<uapi::ublk_params>() as u32,
+        types: uapi::UBLK_PARAM_TYPE_BASIC,
+        basic: uapi::ublk_param_basic {
             attrs,
             logical_bs_shift: lshift,
             physical_bs_shift: pshift,
@@ -93,10 +94,10 @@ pub fn ublk_params(
         },
         ..Default::default()
     };
-    let writable = attrs & sys::UBLK_ATTR_READ_ONLY == 0;
+    let writable = attrs & uapi::UBLK_ATTR_READ_ONLY == 0;
     if writable && (f.discard || f.write_zeroes) {
-        p.types |= sys::UBLK_PARAM_TYPE_DISCARD;
-        p.discard = sys::ublk_param_discard {
+        p.types |= uapi::UBLK_PARAM_TYPE_DISCARD;
+        p.discard = uapi::ublk_param_discard {
             discard_alignment: 0,
             discard_granularity: match f.discard_granularity {
                 0 => pbs,
@@ -142,15 +143,17 @@ mod tests {
             ..Features::default()
         };
         let p = ublk_params(&geo(4096, f), 512 << 10, false).unwrap();
+        // The 6.12 driver's structure, whole: basic, discard, devt, zoned.
+        assert_eq!(p.len, 112);
         assert_eq!(p.basic.logical_bs_shift, 12);
         assert_eq!(p.basic.physical_bs_shift, 12);
         assert_eq!(p.basic.dev_sectors, (64 << 20) >> 9);
         // The buffer is the smaller bound here.
         assert_eq!(p.basic.max_sectors, (512 << 10) >> 9);
-        assert_ne!(p.basic.attrs & sys::UBLK_ATTR_VOLATILE_CACHE, 0);
-        assert_ne!(p.basic.attrs & sys::UBLK_ATTR_FUA, 0);
-        assert_eq!(p.basic.attrs & sys::UBLK_ATTR_READ_ONLY, 0);
-        assert_ne!(p.types & sys::UBLK_PARAM_TYPE_DISCARD, 0);
+        assert_ne!(p.basic.attrs & uapi::UBLK_ATTR_VOLATILE_CACHE, 0);
+        assert_ne!(p.basic.attrs & uapi::UBLK_ATTR_FUA, 0);
+        assert_eq!(p.basic.attrs & uapi::UBLK_ATTR_READ_ONLY, 0);
+        assert_ne!(p.types & uapi::UBLK_PARAM_TYPE_DISCARD, 0);
         assert_eq!(p.discard.max_discard_segments, 1);
         assert_eq!(p.discard.max_write_zeroes_sectors, (512 << 10) >> 9);
         assert_eq!(p.discard.discard_granularity, 4096, "a physical block");
@@ -171,13 +174,13 @@ mod tests {
             ..Features::default()
         };
         let p = ublk_params(&geo(512, f), 512 << 10, true).unwrap();
-        assert_ne!(p.basic.attrs & sys::UBLK_ATTR_READ_ONLY, 0);
-        assert_eq!(p.basic.attrs & sys::UBLK_ATTR_VOLATILE_CACHE, 0);
-        assert_eq!(p.basic.attrs & sys::UBLK_ATTR_FUA, 0);
+        assert_ne!(p.basic.attrs & uapi::UBLK_ATTR_READ_ONLY, 0);
+        assert_eq!(p.basic.attrs & uapi::UBLK_ATTR_VOLATILE_CACHE, 0);
+        assert_eq!(p.basic.attrs & uapi::UBLK_ATTR_FUA, 0);
         // No discard limits on a read-only device.
-        assert_eq!(p.types & sys::UBLK_PARAM_TYPE_DISCARD, 0);
+        assert_eq!(p.types & uapi::UBLK_PARAM_TYPE_DISCARD, 0);
         let p = ublk_params(&geo(512, Features::default()), 512 << 10, false).unwrap();
-        assert_eq!(p.types & sys::UBLK_PARAM_TYPE_DISCARD, 0);
+        assert_eq!(p.types & uapi::UBLK_PARAM_TYPE_DISCARD, 0);
     }
 
     #[test]

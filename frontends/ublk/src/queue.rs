@@ -1,23 +1,31 @@
 //! One ublk queue: a thread that fetches the kernel's requests for the
-//! queue's tags from /dev/ublkcN (io_uring commands, through libublk),
-//! submits each as a bio into the stack, and commits the result when the
-//! bio completes. This is the server half of drivers/block/ublk_drv.c's
-//! `ublk_queue_rq` -> `UBLK_IO_FETCH_REQ` / `UBLK_IO_COMMIT_AND_FETCH_REQ`
-//! exchange.
+//! queue's tags from /dev/ublkcN (`UBLK_U_IO_FETCH_REQ` io_uring commands
+//! on a ring of its own), submits each as a bio into the stack, and
+//! commits the result when the bio completes (`UBLK_U_IO_COMMIT_AND_FETCH_REQ`,
+//! which also fetches the tag's next request). This is the server half of
+//! drivers/block/ublk_drv.c's `ublk_queue_rq` -> `ublk_ch_uring_cmd`
+//! exchange, with the request descriptors read from the array the driver
+//! shares per queue (`ublk_ch_mmap`).
 //!
 //! A bio may complete on any thread (a completion thread of `null`, a
 //! delay worker) but a tag may only be committed from the queue's own
-//! ring. Completions therefore go to the queue's [`Inbox`]; the first one
-//! to find it empty writes an eventfd that the ring polls, and the queue
+//! ring: the driver takes a queue's io commands from one task only.
+//! Completions therefore go to the queue's [`Inbox`]; the first one to
+//! find it empty writes an eventfd that the ring polls, and the queue
 //! thread commits the whole batch when that poll fires. The kernel copies
 //! data into (writes) and out of (reads) the per-tag buffer around the
 //! exchange, so the bio's buffer is that tag's buffer: no copy here.
+//!
+//! The device's stop aborts the fetches (`UBLK_IO_RES_ABORT`); once the
+//! kernel holds none of the queue's commands the thread ends, after the
+//! stack has completed every bio it was given (bounded), since those
+//! write into the tags' buffers.
 
+use crate::uapi::{self, ublksrv_io_cmd, ublksrv_io_desc};
 use blkstack_core::{Bio, BioFlags, DeviceRef, EndIo, Op, Status};
-use libublk::io::{with_task_io_ring_mut, BufDescList, UblkDev, UblkIOCtx, UblkQueue};
-use libublk::{sys, BufDesc, UblkIORes};
+use io_uring::{opcode, types, IoUring};
 use parking_lot::Mutex;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,8 +33,15 @@ use std::time::{Duration, Instant};
 /// The op byte of `ublksrv_io_desc.op_flags`, and its flag bits.
 const OP_MASK: u32 = 0xff;
 
-/// Tag value in the eventfd poll's user data: above every real tag.
-const POLL_TAG: u16 = u16::MAX;
+/// User data of the eventfd poll: above every tag.
+const POLL_TOKEN: u64 = u64::MAX;
+/// One wait for the kernel: the loop looks at its state between two.
+const WAIT_SLICE: Duration = Duration::from_secs(1);
+/// How long a stopping queue waits for the kernel to hand back the io
+/// commands it still holds before it drops its ring (which cancels them).
+const ABORT_LIMIT: Duration = Duration::from_secs(30);
+/// `prctl(PR_SET_IO_FLUSHER)` (include/uapi/linux/prctl.h).
+const PR_SET_IO_FLUSHER: libc::c_int = 57;
 
 /// Completed tags waiting for the queue thread, and the eventfd that
 /// wakes it. Shared by the queue thread and every completer.
@@ -103,18 +118,18 @@ impl EndIo for Inbox {
 /// The bio for the request the kernel put in `iod`, or the errno to
 /// answer at once.
 fn bio_for(
-    iod: &sys::ublksrv_io_desc,
+    iod: &ublksrv_io_desc,
     buf: *mut u8,
     buf_len: usize,
     owner: Arc<dyn EndIo>,
     tag: u16,
 ) -> Result<Bio, i32> {
     let op = match iod.op_flags & OP_MASK {
-        sys::UBLK_IO_OP_READ => Op::Read,
-        sys::UBLK_IO_OP_WRITE => Op::Write,
-        sys::UBLK_IO_OP_FLUSH => Op::Flush,
-        sys::UBLK_IO_OP_DISCARD => Op::Discard,
-        sys::UBLK_IO_OP_WRITE_ZEROES => Op::WriteZeroes,
+        uapi::UBLK_IO_OP_READ => Op::Read,
+        uapi::UBLK_IO_OP_WRITE => Op::Write,
+        uapi::UBLK_IO_OP_FLUSH => Op::Flush,
+        uapi::UBLK_IO_OP_DISCARD => Op::Discard,
+        uapi::UBLK_IO_OP_WRITE_ZEROES => Op::WriteZeroes,
         _ => return Err(-libc::EOPNOTSUPP),
     };
     // A flush has no position (the block layer leaves it at -1).
@@ -137,15 +152,15 @@ fn bio_for(
     };
     let mut flags = BioFlags::NONE;
     let f = iod.op_flags;
-    if f & sys::UBLK_IO_F_FUA != 0 {
+    if f & uapi::UBLK_IO_F_FUA != 0 {
         flags.insert(BioFlags::FUA);
     }
-    if f & sys::UBLK_IO_F_NOUNMAP != 0 {
+    if f & uapi::UBLK_IO_F_NOUNMAP != 0 {
         flags.insert(BioFlags::NOUNMAP);
     }
-    if f & (sys::UBLK_IO_F_FAILFAST_DEV
-        | sys::UBLK_IO_F_FAILFAST_TRANSPORT
-        | sys::UBLK_IO_F_FAILFAST_DRIVER)
+    if f & (uapi::UBLK_IO_F_FAILFAST_DEV
+        | uapi::UBLK_IO_F_FAILFAST_TRANSPORT
+        | uapi::UBLK_IO_F_FAILFAST_DRIVER)
         != 0
     {
         flags.insert(BioFlags::FAILFAST);
@@ -161,100 +176,203 @@ fn bio_for(
     .with_flags(flags))
 }
 
-/// Commit every completion waiting in the inbox (each commit also
-/// fetches the tag's next request). From the poll (`woken`), the eventfd
-/// is always reset, so a wake that found the inbox already emptied does
-/// not fire the re-armed poll again at once.
-fn commit_all(
-    q: &UblkQueue,
-    inbox: &Inbox,
-    bufs: &[libublk::helpers::IoBuf<u8>],
-    batch: &mut Vec<(u16, i32)>,
-    woken: bool,
-) {
-    if !woken && inbox.done.lock().is_empty() {
-        return;
-    }
-    inbox.take(batch);
-    for (t, res) in batch.drain(..) {
-        let b = &bufs[t as usize];
-        if let Err(e) =
-            q.complete_io_cmd_unified(t, BufDesc::Slice(b.as_slice()), Ok(UblkIORes::Result(res)))
-        {
-            tracing::error!("ublk queue {}: commit of tag {t}: {e}", q.get_qid());
+/// What a queue thread serves: which queue of which device, how deep,
+/// and how large each tag's buffer is (the device's `max_io_buf_bytes`).
+#[derive(Clone, Copy, Debug)]
+pub struct QueueSpec {
+    pub dev_id: u32,
+    pub qid: u16,
+    pub depth: u16,
+    pub io_buf_bytes: u32,
+}
+
+/// A mapping of ours, unmapped when dropped.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Mapping {
+    fn map(len: usize, prot: i32, flags: i32, fd: RawFd, off: u64) -> std::io::Result<Mapping> {
+        let off = libc::off_t::try_from(off)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: a new mapping at an address of the kernel's choosing; it
+        // overlaps nothing of ours, and a failure is checked.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, off) };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
         }
+        Ok(Mapping { ptr: p.cast(), len })
     }
 }
 
-fn arm_poll(q: &UblkQueue, inbox: &Inbox) {
-    let sqe = io_uring::opcode::PollAdd::new(
-        io_uring::types::Fd(inbox.efd.as_raw_fd()),
-        libc::POLLIN as u32,
-    )
-    .build()
-    .user_data(UblkIOCtx::build_user_data(POLL_TAG, 0, 0, true));
-    with_task_io_ring_mut(|ring| {
-        // SAFETY: the SQE refers to no memory; the eventfd outlives the
-        // ring (the inbox is dropped after the queue's thread ends).
-        if unsafe { ring.submission().push(&sqe) }.is_err() {
-            tracing::error!(
-                "ublk queue {}: submission queue full arming the completion poll",
-                q.get_qid()
-            );
-        }
-    });
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: exactly the region `map` made; nothing refers into it
+        // any more (the queue leaks the buffers instead while bios may).
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
 }
 
-/// Serve queue `qid` of `udev` from `target` until the device stops;
-/// true once it has served (false: it could not be set up, and said why
-/// through `failed`, since the kernel would otherwise wait for its fetch
-/// commands for ever).
-pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(String)) -> bool {
-    let depth = udev.dev_info.queue_depth as usize;
-    let inbox = match Inbox::new(depth) {
-        Ok(i) => i,
-        Err(e) => {
-            tracing::error!("ublk queue {qid}: eventfd: {e}");
-            failed(format!("queue {qid}: eventfd: {e}"));
-            return false;
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        n if n > 0 => n as usize,
+        _ => 4096,
+    }
+}
+
+/// One queue's ring, descriptors, buffers and state, owned by its thread.
+struct Queue {
+    spec: QueueSpec,
+    ring: IoUring,
+    /// The driver's descriptor array for this queue (read-only to us).
+    iods: Mapping,
+    /// `depth` buffers of `io_buf_bytes`; `None` once leaked.
+    bufs: Option<Mapping>,
+    inbox: Arc<Inbox>,
+    owner: Arc<dyn EndIo>,
+    /// Io commands the kernel holds (fetches waiting for a request).
+    cmds: usize,
+    /// The kernel aborted a fetch: the device is going, commit nothing.
+    stopping: bool,
+    batch: Vec<(u16, i32)>,
+    cqes: Vec<(u64, i32)>,
+}
+
+impl Queue {
+    /// The ring (the char device as its fixed file 0), the descriptor
+    /// array, the buffers; the caller then fetches.
+    fn new(spec: QueueSpec, cdev: RawFd) -> std::io::Result<Queue> {
+        let depth = spec.depth as usize;
+        let inbox = Inbox::new(depth)?;
+        // One slot more than the tags: the eventfd poll.
+        let ring = IoUring::builder()
+            .setup_coop_taskrun()
+            .build(spec.depth as u32 + 1)?;
+        ring.submitter().register_files(&[cdev])?;
+        let page = page_size();
+        let iods = Mapping::map(
+            uapi::queue_cmd_buf_size(spec.depth, page),
+            libc::PROT_READ,
+            libc::MAP_SHARED | libc::MAP_POPULATE,
+            cdev,
+            uapi::queue_cmd_buf_offset(spec.qid, page),
+        )?;
+        // Address space, touched only as requests use it.
+        let bufs = Mapping::map(
+            depth * spec.io_buf_bytes as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )?;
+        let owner: Arc<dyn EndIo> = inbox.clone();
+        Ok(Queue {
+            spec,
+            ring,
+            iods,
+            bufs: Some(bufs),
+            inbox,
+            owner,
+            cmds: 0,
+            stopping: false,
+            batch: Vec::with_capacity(depth),
+            cqes: Vec::with_capacity(2 * depth + 2),
+        })
+    }
+
+    fn buf(&self, tag: u16) -> *mut u8 {
+        let base = self.bufs.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr);
+        base.wrapping_add(tag as usize * self.spec.io_buf_bytes as usize)
+    }
+
+    /// The kernel's descriptor of the request on `tag`.
+    fn iod(&self, tag: u16) -> ublksrv_io_desc {
+        debug_assert!(tag < self.spec.depth);
+        // SAFETY: tag < depth, so the descriptor lies inside the mapping,
+        // which is aligned to a page; the kernel wrote it before it
+        // completed the tag's fetch, whose completion we have read.
+        unsafe {
+            std::ptr::read_volatile(self.iods.ptr.cast::<ublksrv_io_desc>().add(tag as usize))
         }
-    };
-    let bufs = udev.alloc_queue_io_bufs();
-    let queue = match UblkQueue::new(qid, udev)
-        .and_then(|q| q.submit_fetch_commands_unified(BufDescList::Slices(Some(&bufs))))
-    {
-        Ok(q) => q,
-        Err(e) => {
-            tracing::error!("ublk queue {qid}: setting up: {e}");
-            failed(format!("queue {qid} could not be set up: {e}"));
-            return false;
-        }
-    };
-    arm_poll(&queue, &inbox);
-    let owner: Arc<dyn EndIo> = inbox.clone();
-    let mut batch: Vec<(u16, i32)> = Vec::with_capacity(depth);
-    queue.wait_and_handle_io(|q, tag, ctx| {
-        if ctx.is_tgt_io() {
-            commit_all(q, &inbox, &bufs, &mut batch, true);
-            // A failed poll (the ring going away) is not re-armed.
-            if ctx.result() >= 0 {
-                arm_poll(q, &inbox);
+    }
+
+    fn push(&mut self, sqe: &io_uring::squeue::Entry) -> std::io::Result<()> {
+        // The ring has a slot per tag and one for the poll, so one flush
+        // always makes room.
+        for _ in 0..2 {
+            // SAFETY: the SQE carries no pointer but a tag buffer's
+            // address, which lives as long as the queue (or is leaked).
+            if unsafe { self.ring.submission().push(sqe) }.is_ok() {
+                return Ok(());
             }
-            return;
+            self.ring.submit()?;
         }
-        let iod = q.get_iod(tag);
-        let b = &bufs[tag as usize];
-        match bio_for(iod, b.as_mut_ptr(), b.len(), owner.clone(), tag) {
+        Err(std::io::Error::from_raw_os_error(libc::EBUSY))
+    }
+
+    /// FETCH_REQ (`result` unused) or COMMIT_AND_FETCH_REQ for `tag`.
+    fn io_cmd(&mut self, op: u32, tag: u16, result: i32) -> std::io::Result<()> {
+        let cmd = ublksrv_io_cmd {
+            q_id: self.spec.qid,
+            tag,
+            result,
+            addr: self.buf(tag) as u64,
+        };
+        let sqe = opcode::UringCmd16::new(types::Fixed(0), op)
+            .cmd(uapi::cmd_bytes(&cmd))
+            .build()
+            .user_data(tag as u64);
+        self.push(&sqe)?;
+        self.cmds += 1;
+        Ok(())
+    }
+
+    fn commit(&mut self, tag: u16, res: i32) -> std::io::Result<()> {
+        if self.stopping {
+            return Ok(());
+        }
+        self.io_cmd(uapi::UBLK_U_IO_COMMIT_AND_FETCH_REQ, tag, res)
+    }
+
+    fn arm_poll(&mut self) -> std::io::Result<()> {
+        let sqe = opcode::PollAdd::new(types::Fd(self.inbox.efd.as_raw_fd()), libc::POLLIN as u32)
+            .build()
+            .user_data(POLL_TOKEN);
+        self.push(&sqe)
+    }
+
+    /// Commit every completion waiting in the inbox (each commit also
+    /// fetches the tag's next request). From the poll (`woken`), the
+    /// eventfd is always reset, so a wake that found the inbox already
+    /// emptied does not fire the re-armed poll again at once.
+    fn commit_all(&mut self, woken: bool) -> std::io::Result<()> {
+        if !woken && self.inbox.done.lock().is_empty() {
+            return Ok(());
+        }
+        let mut batch = std::mem::take(&mut self.batch);
+        self.inbox.take(&mut batch);
+        let r = batch.drain(..).try_for_each(|(t, res)| self.commit(t, res));
+        self.batch = batch;
+        r
+    }
+
+    /// A request arrived on `tag`: into the stack, or refused at once.
+    fn on_request(&mut self, tag: u16, target: &DeviceRef) -> std::io::Result<()> {
+        let iod = self.iod(tag);
+        let len = self.spec.io_buf_bytes as usize;
+        match bio_for(&iod, self.buf(tag), len, self.owner.clone(), tag) {
             Ok(bio) => {
-                inbox.inflight.fetch_add(1, Ordering::Acquire);
+                self.inbox.inflight.fetch_add(1, Ordering::Acquire);
                 target.submit(bio);
                 // A device that completed inline (null, memory) is
                 // committed now, not one poll wake later.
-                commit_all(q, &inbox, &bufs, &mut batch, false);
+                self.commit_all(false)
             }
             Err(res) => {
                 tracing::debug!(
-                    qid,
+                    qid = self.spec.qid,
                     tag,
                     op_flags = iod.op_flags,
                     sector = iod.start_sector,
@@ -262,27 +380,139 @@ pub fn run(qid: u16, udev: &UblkDev, target: DeviceRef, failed: impl FnOnce(Stri
                     res,
                     "ublk request refused"
                 );
-                if let Err(e) = q.complete_io_cmd_unified(
-                    tag,
-                    BufDesc::Slice(b.as_slice()),
-                    Ok(UblkIORes::Result(res)),
-                ) {
-                    tracing::error!("ublk queue {qid}: commit of tag {tag}: {e}");
-                }
+                self.commit(tag, res)
             }
         }
+    }
+
+    fn on_cqe(&mut self, user_data: u64, res: i32, target: &DeviceRef) -> std::io::Result<()> {
+        if user_data == POLL_TOKEN {
+            self.commit_all(true)?;
+            // A failed poll (the ring going away) is not re-armed.
+            if res >= 0 && !self.stopping {
+                self.arm_poll()?;
+            }
+            return Ok(());
+        }
+        self.cmds = self.cmds.saturating_sub(1);
+        let tag = match u16::try_from(user_data) {
+            Ok(t) if t < self.spec.depth => t,
+            _ => return Err(std::io::Error::from_raw_os_error(libc::EINVAL)),
+        };
+        match res {
+            // A request that came with the abort of others is the
+            // kernel's to fail now.
+            uapi::UBLK_IO_RES_OK if !self.stopping => self.on_request(tag, target)?,
+            uapi::UBLK_IO_RES_OK => {}
+            uapi::UBLK_IO_RES_ABORT => self.stopping = true,
+            r => {
+                // The kernel refused a command: the tag is lost to us, so
+                // the queue ends (and the device is failed-stopped).
+                tracing::error!(
+                    dev_id = self.spec.dev_id,
+                    qid = self.spec.qid,
+                    tag,
+                    "ublk io command failed: {}",
+                    std::io::Error::from_raw_os_error(-r)
+                );
+                self.stopping = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Until the kernel holds no command of ours after the abort (or a
+    /// bound past it, or a ring error).
+    fn serve(&mut self, target: &DeviceRef) -> std::io::Result<()> {
+        let ts = types::Timespec::from(WAIT_SLICE);
+        let mut stop_seen: Option<Instant> = None;
+        loop {
+            if self.stopping {
+                let since = *stop_seen.get_or_insert_with(Instant::now);
+                if self.cmds == 0 {
+                    return Ok(());
+                }
+                if since.elapsed() > ABORT_LIMIT {
+                    tracing::warn!(
+                        dev_id = self.spec.dev_id,
+                        qid = self.spec.qid,
+                        "ublk queue: {} io command(s) not handed back {ABORT_LIMIT:?} after the abort",
+                        self.cmds
+                    );
+                    return Ok(());
+                }
+            }
+            let args = types::SubmitArgs::new().timespec(&ts);
+            match self.ring.submitter().submit_with_args(1, &args) {
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::ETIME)
+                            | Some(libc::EINTR)
+                            | Some(libc::EAGAIN)
+                            | Some(libc::EBUSY)
+                    ) => {}
+                Err(e) => return Err(e),
+            }
+            self.cqes.clear();
+            self.cqes
+                .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+            for i in 0..self.cqes.len() {
+                let (user_data, res) = self.cqes[i];
+                self.on_cqe(user_data, res, target)?;
+            }
+        }
+    }
+}
+
+/// Serve queue `spec` of the device whose char device is `cdev` from
+/// `target` until the device stops. `ready` hears once, when the queue's
+/// fetches are with the kernel (START_DEV waits for them) or why the
+/// queue could not be set up. True once it has served (false: it could
+/// not be set up).
+pub fn run(
+    spec: QueueSpec,
+    cdev: RawFd,
+    target: DeviceRef,
+    ready: impl FnOnce(Result<(), String>),
+) -> bool {
+    let qid = spec.qid;
+    // SAFETY: prctl with PR_SET_IO_FLUSHER takes plain integers; without
+    // the capability it fails, which only costs the reclaim hint.
+    unsafe { libc::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0) };
+    let fetched = Queue::new(spec, cdev).and_then(|mut q| {
+        for tag in 0..spec.depth {
+            q.io_cmd(uapi::UBLK_U_IO_FETCH_REQ, tag, 0)?;
+        }
+        q.arm_poll()?;
+        q.ring.submit()?;
+        Ok(q)
     });
+    let mut q = match fetched {
+        Ok(q) => q,
+        Err(e) => {
+            tracing::error!(dev_id = spec.dev_id, qid, "ublk queue: setting up: {e}");
+            ready(Err(format!("queue {qid} could not be set up: {e}")));
+            return false;
+        }
+    };
+    ready(Ok(()));
+    if let Err(e) = q.serve(&target) {
+        tracing::error!(dev_id = spec.dev_id, qid, "ublk queue: {e}");
+    }
     tracing::debug!(qid, "ublk queue: the device stopped");
-    if !drain(qid, &inbox) {
-        // Bios still write into these: leaking them is the safe end.
-        std::mem::forget(bufs);
+    // Bios still write into the buffers, or the kernel still holds
+    // commands naming them: leaking them is the safe end.
+    if !drain(qid, &q.inbox) || q.cmds > 0 {
+        std::mem::forget(q.bufs.take());
     }
     true
 }
 
 /// How long a stopped queue waits for the stack to complete its bios
 /// before it gives their buffers up rather than free them under I/O.
-const DRAIN_LIMIT: Duration = Duration::from_secs(120);
+pub const DRAIN_LIMIT: Duration = Duration::from_secs(120);
 
 /// Wait for every submitted bio to complete (the buffers they write into
 /// are freed next). Bounded: false past the limit, and said, so the caller
@@ -310,8 +540,8 @@ mod tests {
     use super::*;
     use blkstack_core::testing::CompletionRecorder;
 
-    fn iod(op: u32, flags: u32, sector: u64, sectors: u32) -> sys::ublksrv_io_desc {
-        sys::ublksrv_io_desc {
+    fn iod(op: u32, flags: u32, sector: u64, sectors: u32) -> ublksrv_io_desc {
+        ublksrv_io_desc {
             op_flags: op | flags,
             nr_sectors: sectors,
             start_sector: sector,
@@ -325,7 +555,7 @@ mod tests {
         let rec = Arc::new(CompletionRecorder::default());
         let owner: Arc<dyn EndIo> = rec.clone();
         let b = bio_for(
-            &iod(sys::UBLK_IO_OP_WRITE, sys::UBLK_IO_F_FUA, 8, 16),
+            &iod(uapi::UBLK_IO_OP_WRITE, uapi::UBLK_IO_F_FUA, 8, 16),
             buf.as_mut_ptr(),
             buf.len(),
             owner.clone(),
@@ -336,7 +566,7 @@ mod tests {
         assert!(b.flags.contains(BioFlags::FUA));
         b.complete(Status::Ok);
         let b = bio_for(
-            &iod(sys::UBLK_IO_OP_WRITE_ZEROES, sys::UBLK_IO_F_NOUNMAP, 0, 8),
+            &iod(uapi::UBLK_IO_OP_WRITE_ZEROES, uapi::UBLK_IO_F_NOUNMAP, 0, 8),
             buf.as_mut_ptr(),
             buf.len(),
             owner.clone(),
@@ -348,7 +578,7 @@ mod tests {
         b.complete(Status::Ok);
         // As the block layer sends it: no sectors, at position -1.
         let b = bio_for(
-            &iod(sys::UBLK_IO_OP_FLUSH, 0, u64::MAX, 0),
+            &iod(uapi::UBLK_IO_OP_FLUSH, 0, u64::MAX, 0),
             buf.as_mut_ptr(),
             buf.len(),
             owner.clone(),
@@ -360,7 +590,7 @@ mod tests {
         // Larger than the tag's buffer, or an op we do not know.
         assert_eq!(
             bio_for(
-                &iod(sys::UBLK_IO_OP_READ, 0, 0, 32),
+                &iod(uapi::UBLK_IO_OP_READ, 0, 0, 32),
                 buf.as_mut_ptr(),
                 buf.len(),
                 owner.clone(),
@@ -371,7 +601,7 @@ mod tests {
         );
         assert_eq!(
             bio_for(
-                &iod(sys::UBLK_IO_OP_ZONE_OPEN, 0, 0, 8),
+                &iod(uapi::UBLK_IO_OP_ZONE_OPEN, 0, 0, 8),
                 buf.as_mut_ptr(),
                 buf.len(),
                 owner,
@@ -397,7 +627,7 @@ mod tests {
                         let tag = t * 16 + i;
                         inbox.inflight.fetch_add(1, Ordering::Acquire);
                         let bio = bio_for(
-                            &iod(sys::UBLK_IO_OP_READ, 0, 0, 8),
+                            &iod(uapi::UBLK_IO_OP_READ, 0, 0, 8),
                             p as *mut u8,
                             4096,
                             owner.clone(),
@@ -429,6 +659,7 @@ mod tests {
         assert_eq!(inbox.inflight.load(Ordering::Relaxed), 0);
         // The eventfd was reset by take: nothing more to read.
         let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a valid u64 from the non-blocking eventfd.
         let r = unsafe { libc::read(inbox.efd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
         assert_eq!(r, -1);
     }
