@@ -173,3 +173,101 @@ fn bad_logs_and_options_are_refused() {
         text(&o)
     );
 }
+
+/// A crafted log entry: `(sector, nr_sectors, flags)`.
+type RawEntry = (u64, u64, u64);
+
+/// A log written byte by byte: the super block (`sectorsize`, the count of
+/// `entries`), then each entry's header block and, for a write, its data.
+fn crafted_log(dir: &Path, name: &str, sectorsize: u32, entries: &[RawEntry]) -> String {
+    use blkstack_mapped::targets::log_writes::format::{LogEntry, LogSuper, LOG_DISCARD_FLAG};
+    let bs = sectorsize as usize;
+    let sup = LogSuper {
+        nr_entries: entries.len() as u64,
+        sectorsize,
+    };
+    let mut bytes = sup.encode(bs);
+    for &(sector, nr_sectors, flags) in entries {
+        let e = LogEntry {
+            sector,
+            nr_sectors,
+            flags,
+            data_len: 0,
+        };
+        bytes.extend(e.encode(&[], bs));
+        if flags & LOG_DISCARD_FLAG == 0 {
+            bytes.extend(std::iter::repeat_n(0xd5u8, nr_sectors as usize * bs));
+        }
+    }
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+/// Logs that point anywhere: a sector whose byte offset wraps 64 bits,
+/// writes and discards past the replay image's end (a file would grow to
+/// wherever they point), a discard of 2^55 sectors, a block size of 2 GiB
+/// in a small log. Each is refused, naming the entry or its bytes, the
+/// image's size and bytes unchanged, and each error is said once.
+#[test]
+fn hostile_logs_are_refused_before_anything_lands() {
+    use blkstack_mapped::targets::log_writes::format::LOG_DISCARD_FLAG;
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("img");
+    let img_s = img.to_str().unwrap();
+    let size: u64 = 1 << 20;
+    let cases: [(&str, Vec<RawEntry>, &str); 5] = [
+        // 2^55 + 8 sectors of 512 bytes is 2^64 + 4096: byte 4096 if wrapped.
+        ("wrap", vec![((1 << 55) + 8, 1, 0)], "do not fit in 64 bits"),
+        ("far", vec![(1 << 30, 1, 0)], "past its end"),
+        ("straddle", vec![(2047, 2, 0)], "past its end"),
+        (
+            "far-discard",
+            vec![((1 << 40) / 512, (64 << 20) / 512, LOG_DISCARD_FLAG)],
+            "past its end",
+        ),
+        (
+            "huge-discard",
+            vec![(0, (1 << 55) - 1, LOG_DISCARD_FLAG)],
+            "past its end",
+        ),
+    ];
+    for (name, entries, want) in cases {
+        std::fs::write(&img, vec![0x11u8; size as usize]).unwrap();
+        let log = crafted_log(dir.path(), name, 512, &entries);
+        let o = replay_log(&["--log", &log, "--replay", img_s]);
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{name}: {t}");
+        assert!(t.contains(want), "{name}: {t}");
+        assert_eq!(
+            t.matches(want).count(),
+            1,
+            "{name}: said more than once: {t}"
+        );
+        let after = std::fs::read(&img).unwrap();
+        assert_eq!(after.len() as u64, size, "{name}: the image changed size");
+        assert!(after.iter().all(|&b| b == 0x11), "{name}: bytes landed");
+    }
+    // A block size of 2 GiB would be one 2 GiB read per entry header.
+    let log = crafted_log(dir.path(), "bs2g", 512, &[(0, 1, 0)]);
+    let mut raw = std::fs::read(&log).unwrap();
+    raw[24..28].copy_from_slice(&(1u32 << 31).to_le_bytes());
+    std::fs::write(&log, &raw).unwrap();
+    let o = replay_log(&["--log", &log, "--replay", img_s]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(text(&o).contains("512..=65536"), "{}", text(&o));
+    // 64 KiB is a block size the reader takes, but not in a 1 KiB log.
+    raw[24..28].copy_from_slice(&(1u32 << 16).to_le_bytes());
+    std::fs::write(&log, &raw).unwrap();
+    let o = replay_log(&["--log", &log, "--num-entries"]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains("larger than the log itself"),
+        "{}",
+        text(&o)
+    );
+    // An error with a cause says each part once.
+    let o = replay_log(&["--log", "/no/such/log", "--num-entries"]);
+    let t = text(&o);
+    assert_eq!(t.matches("No such file or directory").count(), 1, "{t}");
+}

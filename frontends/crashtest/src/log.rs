@@ -4,7 +4,11 @@
 //! for each entry one block of header (and a mark's text), then its data
 //! unless it is a discard. Every read is bounded by the log's own size, so
 //! a log that lies about its entry count or lengths ends in an error that
-//! names the entry, never in a huge allocation or a read past the end.
+//! names the entry, never in a huge allocation or a read past the end; the
+//! log block is at most 64 KiB and no larger than the log; and an entry's
+//! byte range on the device (`sector` and `nr_sectors` times the block
+//! size) is computed with checked arithmetic, so a range that does not fit
+//! in 64 bits is a malformed entry, never one that wraps to byte 0.
 
 use blkstack_mapped::targets::log_writes::format::{
     FormatError, LogEntry, LogSuper, ENTRY_LEN, LOG_DISCARD_FLAG, LOG_MARK_FLAG,
@@ -16,19 +20,25 @@ use std::path::Path;
 /// Why a log cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
-    #[error("cannot open the log {path}: {source}")]
+    #[error("cannot open the log {path}")]
     Open {
         path: String,
         source: std::io::Error,
     },
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Super { path: String, source: FormatError },
-    #[error("reading the log at byte {at}: {source}")]
+    #[error("reading the log at byte {at}")]
     Read { at: u64, source: std::io::Error },
     #[error("the log ends inside entry {entry} (at byte {at}, log is {size} bytes): truncated")]
     Truncated { entry: u64, at: u64, size: u64 },
     #[error("malformed entry {entry} at log block {block}")]
     Malformed { entry: u64, block: u64 },
+    #[error(
+        "entry {entry} covers device bytes {at}..{at}+{len}, which do not fit in 64 bits: malformed"
+    )]
+    Range { entry: u64, at: u64, len: u64 },
+    #[error("the log's block size {sectorsize} is larger than the log itself ({size} bytes)")]
+    BlockLargerThanLog { sectorsize: u32, size: u64 },
 }
 
 /// One entry of the log, with where its data is.
@@ -44,6 +54,10 @@ pub struct Entry {
     /// Byte offset in the log of its data, and the data's length.
     pub data_at: u64,
     pub data_len: u64,
+    /// The device bytes it covers (written, or discarded): `sector` and
+    /// `nr_sectors` in bytes, checked to fit in 64 bits.
+    pub dev_at: u64,
+    pub dev_len: u64,
 }
 
 impl Entry {
@@ -78,6 +92,12 @@ impl LogReader {
             path: shown,
             source,
         })?;
+        if sup.sectorsize as u64 > size {
+            return Err(LogError::BlockLargerThanLog {
+                sectorsize: sup.sectorsize,
+                size,
+            });
+        }
         Ok(LogReader {
             file,
             size,
@@ -122,6 +142,19 @@ impl LogReader {
                 .checked_mul(bs)
                 .ok_or_else(|| self.malformed())?
         };
+        let (dev_at, dev_len) = match (
+            header.sector.checked_mul(bs),
+            header.nr_sectors.checked_mul(bs),
+        ) {
+            (Some(at), Some(len)) if at.checked_add(len).is_some() => (at, len),
+            _ => {
+                return Err(LogError::Range {
+                    entry: self.next,
+                    at: header.sector.saturating_mul(bs),
+                    len: header.nr_sectors.saturating_mul(bs),
+                })
+            }
+        };
         let data_at = self.pos + bs;
         let end = data_at
             .checked_add(data_len)
@@ -140,6 +173,8 @@ impl LogReader {
             mark: text,
             data_at,
             data_len,
+            dev_at,
+            dev_len,
         };
         self.pos = end;
         self.next += 1;

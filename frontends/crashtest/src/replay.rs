@@ -202,12 +202,13 @@ fn replay_entries(
     stop: u64,
     out: &mut dyn Write,
 ) -> Result<(), ReplayError> {
-    let bs = log.sup.sectorsize as u64;
     let end_sector = o.end_sector.unwrap_or(u64::MAX);
     let mut n = 0;
     while let Some(e) = log.next_entry()? {
         n += 1;
         let (sector, count) = (e.header.sector, e.header.nr_sectors);
+        // The reader checked that the entry's bytes fit in 64 bits, so its
+        // sectors do too.
         let skip = count != 0 && (sector + count <= o.start_sector || sector > end_sector);
         if o.verbose > 1 || (o.verbose > 0 && !skip) {
             let _ = writeln!(
@@ -216,17 +217,17 @@ fn replay_entries(
                 if skip { "skipping" } else { "replaying" },
                 e.index,
                 e.block + 1,
-                count * bs,
+                e.dev_len,
                 e.header.flags,
                 flags_text(e.header.flags)
             );
         }
         if count != 0 && e.is(LOG_DISCARD_FLAG) {
             if !o.no_discard {
-                target.discard(sector * bs, count * bs)?;
+                target.discard(e.dev_at, e.dev_len)?;
             }
         } else if count != 0 && !skip {
-            copy_data(log, &e, target, sector * bs)?;
+            copy_data(log, &e, target, e.dev_at)?;
         }
         if let (Some(cmd), Some(check)) = (&o.fsck, o.check) {
             let due = match check {

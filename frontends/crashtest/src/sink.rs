@@ -5,6 +5,12 @@
 //! crashtest's overlay), written with bios. Discards become BLKDISCARD
 //! (or a discard bio) where the device takes them, written zeroes
 //! otherwise, up to 128 MiB each as replay-log does.
+//!
+//! Nothing is written or discarded past the end of what is replayed onto
+//! (an image file's size when it is opened, a device's size): replay-log
+//! would grow an image file to wherever a log points, and a log can point
+//! anywhere; an entry past the end is an error naming its bytes, and that
+//! bound also bounds the work a discard can ask for.
 
 use blkstack_core::{submit_and_wait, AlignedBuf, DeviceRef, Op, Status};
 use std::fs::{File, OpenOptions};
@@ -13,15 +19,26 @@ use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
-    #[error("cannot open the replay device {path}: {source}")]
+    #[error("cannot open the replay device {path}")]
     Open {
         path: String,
         source: std::io::Error,
     },
-    #[error("writing the replay device at byte {at}: {source}")]
+    #[error("writing the replay device at byte {at}")]
     Write { at: u64, source: std::io::Error },
     #[error("writing the replay device at byte {at}: {status:?}")]
     Bio { at: u64, status: Status },
+    #[error(
+        "an entry {what} bytes {at}..{end} of the replay device, which has {size}: \
+         past its end (give it the logged device's size)",
+        end = .at.saturating_add(*.len)
+    )]
+    PastEnd {
+        what: &'static str,
+        at: u64,
+        len: u64,
+        size: u64,
+    },
 }
 
 enum Kind {
@@ -32,6 +49,8 @@ enum Kind {
 /// The device or file entries are replayed onto.
 pub struct Sink {
     kind: Kind,
+    /// Its size in bytes: nothing lands past it.
+    size: u64,
     discard_unsupported: bool,
 }
 
@@ -51,21 +70,41 @@ impl Sink {
             .metadata()
             .map(|m| m.file_type().is_block_device())
             .unwrap_or(false);
+        let size = crate::log::device_size(&file).map_err(|source| SinkError::Open {
+            path: path.display().to_string(),
+            source,
+        })?;
         Ok(Sink {
             kind: Kind::File { file, block_device },
+            size,
             discard_unsupported: !block_device,
         })
     }
 
     pub fn device(dev: DeviceRef) -> Sink {
         let discard_unsupported = !dev.features().discard;
+        let size = dev.size();
         Sink {
             kind: Kind::Device(dev),
+            size,
             discard_unsupported,
         }
     }
 
+    fn within(&self, what: &'static str, at: u64, len: u64) -> Result<(), SinkError> {
+        match at.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(SinkError::PastEnd {
+                what,
+                at,
+                len,
+                size: self.size,
+            }),
+        }
+    }
+
     pub fn write(&self, at: u64, data: &[u8]) -> Result<(), SinkError> {
+        self.within("writes", at, data.len() as u64)?;
         match &self.kind {
             Kind::File { file, .. } => file
                 .write_all_at(data, at)
@@ -87,6 +126,7 @@ impl Sink {
 
     pub fn discard(&mut self, mut at: u64, mut len: u64) -> Result<(), SinkError> {
         const MAX_CHUNK: u64 = 1 << 30;
+        self.within("discards", at, len)?;
         while len > 0 {
             let n = len.min(MAX_CHUNK);
             if !self.discard_unsupported && !self.try_discard(at, n) {

@@ -167,22 +167,20 @@ impl Replayer {
 
     /// Apply every entry up to and including `entry`, then make it durable.
     pub fn advance_to(&mut self, entry: u64) -> Result<(), WalkError> {
-        let bs = self.log.sup.sectorsize as u64;
         while self.applied <= entry {
             let Some(e) = self.log.next_entry()? else {
                 break;
             };
             self.applied += 1;
-            let (sector, count) = (e.header.sector, e.header.nr_sectors);
-            if count == 0 || e.is(LOG_MARK_FLAG) {
+            if e.dev_len == 0 || e.is(LOG_MARK_FLAG) {
                 continue;
             }
             if e.is(LOG_DISCARD_FLAG) {
                 self.sink
-                    .discard(sector * bs, count * bs)
+                    .discard(e.dev_at, e.dev_len)
                     .map_err(ReplayError::from)?;
             } else {
-                copy_data(&self.log, &e, &self.sink, sector * bs)?;
+                copy_data(&self.log, &e, &self.sink, e.dev_at)?;
                 self.bytes += e.data_len;
             }
         }

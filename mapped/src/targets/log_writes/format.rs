@@ -27,6 +27,10 @@ pub const WRITE_LOG_MAGIC: u64 = 0x006a_7366_7773_6872;
 pub const ENTRY_LEN: usize = 32;
 /// Bytes of the super block's fields.
 pub const SUPER_LEN: usize = 28;
+/// The largest log block size read: a logical block size larger than
+/// the block layer's (`BLK_MAX_BLOCK_SIZE`, 64 KiB) cannot have been
+/// recorded by a kernel, and the reader allocates one such block.
+pub const MAX_SECTORSIZE: u32 = 64 << 10;
 
 /// The log's first block (kernel `struct log_write_super`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +58,7 @@ pub enum FormatError {
     Magic(u64),
     #[error("dm-log-writes log version {0} (this reads version {WRITE_LOG_VERSION})")]
     Version(u64),
-    #[error("log block size {0} is not a power of two of at least 512")]
+    #[error("log block size {0} is not a power of two in 512..=65536")]
     SectorSize(u32),
     #[error("short block: {0} bytes")]
     Short(usize),
@@ -92,7 +96,7 @@ impl LogSuper {
         let mut w = [0u8; 4];
         w.copy_from_slice(&b[24..28]);
         let sectorsize = u32::from_le_bytes(w);
-        if sectorsize < 512 || !sectorsize.is_power_of_two() {
+        if !(512..=MAX_SECTORSIZE).contains(&sectorsize) || !sectorsize.is_power_of_two() {
             return Err(FormatError::SectorSize(sectorsize));
         }
         Ok(LogSuper {
