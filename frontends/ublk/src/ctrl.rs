@@ -49,6 +49,28 @@ pub struct Control {
 }
 
 /// The path the driver checks for an unprivileged device's commands.
+/// Submit what is queued and wait, at most `ts`, for one completion. A
+/// wait that times out, is interrupted or finds the ring busy is not an
+/// error: the caller looks at what completed and at its own deadline.
+pub(crate) fn submit_and_wait(
+    submitter: &io_uring::Submitter<'_>,
+    ts: &types::Timespec,
+) -> std::io::Result<()> {
+    let args = types::SubmitArgs::new().timespec(ts);
+    match submitter.submit_with_args(1, &args) {
+        Ok(_) => Ok(()),
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ETIME) | Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
+            ) =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 pub fn cdev_path(dev_id: u32) -> String {
     format!("/dev/ublkc{dev_id}")
 }
@@ -150,19 +172,7 @@ impl Control {
                 return Err(Errno(libc::ETIMEDOUT));
             }
             let ts = types::Timespec::from(left.min(Duration::from_secs(1)));
-            let args = types::SubmitArgs::new().timespec(&ts);
-            match self.ring.submitter().submit_with_args(1, &args) {
-                Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::ETIME)
-                            | Some(libc::EINTR)
-                            | Some(libc::EAGAIN)
-                            | Some(libc::EBUSY)
-                    ) => {}
-                Err(e) => return Err(e.into()),
-            }
+            submit_and_wait(&self.ring.submitter(), &ts)?;
         }
     }
 

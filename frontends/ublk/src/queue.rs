@@ -442,19 +442,7 @@ impl Queue {
                     return Ok(());
                 }
             }
-            let args = types::SubmitArgs::new().timespec(&ts);
-            match self.ring.submitter().submit_with_args(1, &args) {
-                Ok(_) => {}
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::ETIME)
-                            | Some(libc::EINTR)
-                            | Some(libc::EAGAIN)
-                            | Some(libc::EBUSY)
-                    ) => {}
-                Err(e) => return Err(e),
-            }
+            crate::ctrl::submit_and_wait(&self.ring.submitter(), &ts)?;
             self.cqes.clear();
             self.cqes
                 .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
