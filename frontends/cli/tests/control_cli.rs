@@ -137,6 +137,7 @@ fn message_takes_its_options_anywhere() {
         "--",
         "--control",
         "x",
+        "y",
     ]);
     assert_eq!(o.status.code(), Some(1), "{}{}", o.stdout, o.stderr);
     assert!(
