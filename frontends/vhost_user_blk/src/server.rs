@@ -155,6 +155,8 @@ fn serve_loop(
         }
         failures = 0;
         *live.lock() = daemon.shutdown_handle();
+        // The backend shuts a connection down that fails for good.
+        backend.set_connection(daemon.shutdown_handle());
         if stop.load(Ordering::SeqCst) {
             daemon.request_shutdown();
         }
@@ -164,6 +166,7 @@ fn serve_loop(
         }
         live.lock().take();
         backend.stop_workers();
+        backend.end_connection();
         tracing::info!(
             export = name,
             "vhost-user-blk: VMM disconnected; listening again"
