@@ -3,8 +3,10 @@
 //! docs/interop/vhost-user.rst) over the socket, guest memory in a memfd
 //! this test creates and shrinks. A region declared larger than its file
 //! is refused; a file shrunk under a live queue fails that connection
-//! only. Through all of it serve stays up and its NBD export and control
-//! socket keep answering.
+//! only; a silent connection is dropped at the handshake deadline and
+//! never holds up another VMM; a crowd beyond the connection cap is
+//! closed at once. Through all of it serve stays up and its NBD export
+//! and control socket keep answering.
 
 mod control_support;
 
@@ -342,4 +344,61 @@ fn a_memfd_shrunk_under_a_live_queue_fails_that_connection_only() {
     // And a new VMM is served as before.
     let mut again = Vu::connect(&sock);
     again.setup().expect("a new VMM after the failed one");
+}
+
+#[test]
+fn a_silent_connection_is_dropped_and_blocks_no_other_vmm() {
+    let (mut srv, sock) = serve();
+    let mut silent = Vu::connect(&sock);
+    std::thread::sleep(Duration::from_millis(200));
+    // Another VMM sets up at once, while the silent one still holds on.
+    let t0 = Instant::now();
+    let mut vmm = Vu::connect(&sock);
+    vmm.setup().expect("a second VMM's setup");
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "setup waited {:?}",
+        t0.elapsed()
+    );
+    // The silent one is dropped at the handshake deadline.
+    assert!(
+        silent.closed_within(Duration::from_secs(15)),
+        "silent peer kept"
+    );
+    others_still_served(&mut srv);
+}
+
+#[test]
+fn connections_beyond_the_cap_are_closed_at_once() {
+    let (mut srv, sock) = serve();
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut v = Vu::connect(&sock);
+        v.setup().expect("setup within the cap");
+        held.push(v);
+    }
+    // 30 more at once: each is closed promptly, none waits in a queue.
+    let mut crowd: Vec<Vu> = (0..30).map(|_| Vu::connect(&sock)).collect();
+    let t0 = Instant::now();
+    for v in &mut crowd {
+        assert!(
+            v.closed_within(Duration::from_secs(5)),
+            "over the cap, kept"
+        );
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "refusals took {:?}",
+        t0.elapsed()
+    );
+    // The sessions within the cap still answer.
+    for v in &mut held {
+        v.send(GET_FEATURES, 0, &[], &[]).expect("send");
+        assert!(v.reply_u64().is_some(), "a held session was dropped");
+    }
+    drop(held);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut next = Vu::connect(&sock);
+    next.setup().expect("a VMM after the crowd");
+    others_still_served(&mut srv);
 }

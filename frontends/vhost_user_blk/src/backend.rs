@@ -136,10 +136,20 @@ impl BlkBackend {
 
     /// Serve nothing more on this connection and shut it down.
     fn fail(&self, why: &str) {
-        if !self.dead.swap(true, Ordering::SeqCst) {
+        if !self.dead.load(Ordering::SeqCst) {
             tracing::error!("vhost-user-blk: closing the connection: {why}");
         }
-        self.setup_cv.notify_all();
+        self.close();
+    }
+
+    /// Shut the connection down (serve is stopping, or it failed); ends
+    /// a [`BlkBackend::wait_setup`] at once.
+    pub fn close(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        {
+            let _g = self.setup.lock();
+            self.setup_cv.notify_all();
+        }
         if let Some(h) = self.conn.lock().as_ref() {
             h.shutdown();
         }
