@@ -259,3 +259,56 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut
         unsafe { libc::sigaction(sig, &dfl, std::ptr::null_mut()) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{Bytes, GuestAddress};
+
+    /// Guest memory of `len` bytes over a temporary file of `file_len`.
+    fn over_file(len: usize, file_len: u64) -> (GuestMemoryMmap<()>, std::fs::File) {
+        let f = tempfile::tempfile().expect("tempfile");
+        f.set_len(file_len).expect("set_len");
+        let fo = FileOffset::new(f.try_clone().expect("clone"), 0);
+        let mem = GuestMemoryMmap::<()>::from_ranges_with_files([(GuestAddress(0), len, Some(fo))])
+            .expect("map");
+        (mem, f)
+    }
+
+    #[test]
+    fn a_region_beyond_its_file_is_named_and_one_within_passes() {
+        let (mem, _f) = over_file(1 << 20, 64 << 10);
+        let e = check_files(&mem).expect_err("beyond its file");
+        assert!(matches!(
+            e,
+            GuardError::BeyondFile {
+                index: 0,
+                size: 1048576,
+                file_len: 65536,
+                ..
+            }
+        ));
+        let (mem, _f) = over_file(64 << 10, 64 << 10);
+        check_files(&mem).expect("fits");
+    }
+
+    #[test]
+    fn a_file_shrunk_under_a_watched_region_poisons_it_instead_of_killing_us() {
+        let (mem, f) = over_file(64 << 10, 64 << 10);
+        let mem = Arc::new(mem);
+        mem.write_slice(&[7u8; 16], GuestAddress(0x8000))
+            .expect("write");
+        let regions = watch(mem.clone()).expect("watch");
+        assert!(!regions.poisoned());
+        f.set_len(0x1000).expect("shrink");
+        // Past the new end: SIGBUS without the guard.
+        let mut back = [1u8; 16];
+        mem.read_slice(&mut back, GuestAddress(0x8000))
+            .expect("read");
+        assert!(regions.poisoned(), "the fault was not seen");
+        assert_eq!(back, [0u8; 16], "a vanished page reads as zeroes");
+        drop(regions);
+        drop(mem);
+        release_unused();
+    }
+}
