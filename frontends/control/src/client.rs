@@ -1,7 +1,7 @@
 //! A client of the control socket: what the CLI verbs use, and a small
 //! library for programs that drive a running server.
 
-use crate::proto::{Response, RpcError, MAX_LINE};
+use crate::proto::{Response, RpcError, MAX_RESPONSE};
 use serde_json::{json, Value};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -68,7 +68,7 @@ impl Client {
             .map_err(CallError::Io)?;
         let mut buf = Vec::new();
         let n = (&mut self.reader)
-            .take(MAX_LINE as u64)
+            .take(MAX_RESPONSE as u64)
             .read_until(b'\n', &mut buf)
             .map_err(CallError::Io)?;
         if n == 0 {

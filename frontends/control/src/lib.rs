@@ -27,4 +27,4 @@ pub use cli::{run_cli, Verb};
 pub use client::{CallError, Client};
 pub use methods::{not_exported, Control, ExportHost, ExportInfo};
 pub use proto::RpcError;
-pub use server::{default_socket_path, remove_stale_socket, ControlServer};
+pub use server::{default_socket_path, remove_stale_socket, ControlServer, ServerLimits};

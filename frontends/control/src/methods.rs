@@ -87,6 +87,12 @@ fn params<T: DeserializeOwned>(p: Option<Value>) -> Result<T, RpcError> {
         .map_err(|e| RpcError::invalid_params(format!("bad params: {e}")))
 }
 
+/// The params of a method that takes none: `{}` or absent; any name in
+/// it is refused, as for every other method.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct NameParams {
@@ -239,7 +245,7 @@ impl Control {
     pub fn call(&self, method: &str, p: Option<Value>) -> Result<Value, RpcError> {
         match method {
             "version" => {
-                let _: HashMap<String, Value> = params(p)?;
+                let NoParams {} = params(p)?;
                 Ok(json!({
                     "server": "blkstack",
                     "version": env!("CARGO_PKG_VERSION"),
@@ -337,7 +343,7 @@ impl Control {
                 })
             }
             "ls" => {
-                let _: HashMap<String, Value> = params(p)?;
+                let NoParams {} = params(p)?;
                 self.ls()
             }
             "message" => {
@@ -384,7 +390,7 @@ impl Control {
                 Ok(json!({ "name": p.name }))
             }
             "exports" => {
-                let _: HashMap<String, Value> = params(p)?;
+                let NoParams {} = params(p)?;
                 if self.hosts.is_empty() {
                     self.host("nbd")?;
                 }

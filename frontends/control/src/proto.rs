@@ -29,10 +29,33 @@ pub const ENODATA: i64 = libc::ENODATA as i64;
 pub const EINVAL: i64 = libc::EINVAL as i64;
 pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
 
-/// Longest request line the server reads; a stack of tables fits many
-/// times over, and a runaway client cannot make the server buffer
-/// without bound.
-pub const MAX_LINE: usize = 16 << 20;
+/// Longest request line the server reads (1 MiB). The largest real
+/// request is a `create`/`reload` of a table of many lines: a dm table
+/// line is some 20 to 200 bytes (`0 2048 linear mem 0` to a multipath
+/// line naming many paths), so 1 MiB holds a table of thousands of
+/// lines, more than the kernel's dm tools are ever handed, while the
+/// server's worst case stays small: [`MAX_CLIENTS`] connections each
+/// holding a partial line cost at most `MAX_CLIENTS` MiB.
+pub const MAX_LINE: usize = 1 << 20;
+
+/// Longest response line a client reads: an answer (`status` or `table`
+/// of every device) can be larger than any request, and the client reads
+/// from a server it chose to trust.
+pub const MAX_RESPONSE: usize = 16 << 20;
+
+/// Connections the control socket serves at once; one more is answered
+/// with an error line and closed. The CLI uses one connection per verb,
+/// so this bounds scripts running verbs in parallel, not a user.
+pub const MAX_CLIENTS: usize = 32;
+
+/// How long a client may take to send a whole request line, counted
+/// from its connection or from the previous answer: an idle or
+/// trickling connection is closed after it (with an error line).
+pub const REQUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The error (`code` -32000, JSON-RPC's server-error range) for a
+/// connection refused because [`MAX_CLIENTS`] are already served.
+pub const SERVER_BUSY: i64 = -32000;
 
 /// One request line. `id` absent means a notification (no reply), as
 /// JSON-RPC 2.0 says.

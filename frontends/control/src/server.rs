@@ -1,6 +1,15 @@
 //! The control socket: a unix stream socket, mode 0600, one thread per
 //! client, one JSON-RPC request per line answered by one line.
 //!
+//! Every client is bounded (issue 35): at most [`MAX_CLIENTS`] served at
+//! once (one more gets a `-32000` error line and is closed), a request
+//! line of at most [`MAX_LINE`] bytes (a longer one gets `-32600` and the
+//! connection is closed), and [`REQUEST_DEADLINE`] to send each whole
+//! line, counted from the connection or the previous answer (an idle or
+//! trickling client is told so and closed). So the server's threads and
+//! buffers stay bounded whatever clients do; a slow answer to a client
+//! that does not read is bounded by the same deadline on writes.
+//!
 //! The socket is private to the user running the server (mode 0600, and
 //! its default directory 0700), like `/dev/mapper/control` is to root:
 //! whoever can connect can remove devices. A socket file left by a server
@@ -10,16 +19,19 @@
 
 use crate::methods::Control;
 use crate::proto::{
-    response_err, response_ok, Request, RpcError, INVALID_REQUEST, MAX_LINE, PARSE_ERROR,
+    response_err, response_ok, Request, RpcError, INVALID_REQUEST, MAX_CLIENTS, MAX_LINE,
+    PARSE_ERROR, REQUEST_DEADLINE, SERVER_BUSY,
 };
 use serde_json::Value;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 /// Where `serve` listens and the verbs connect when `--control` is not
 /// given: `$XDG_RUNTIME_DIR/blkstack/control.sock` (per user, on tmpfs,
@@ -104,6 +116,16 @@ impl ControlServer {
         control: Arc<Control>,
         default_dir: bool,
     ) -> io::Result<ControlServer> {
+        Self::start_with_limits(path, control, default_dir, ServerLimits::default())
+    }
+
+    /// [`ControlServer::start`] with other limits than the defaults.
+    pub fn start_with_limits(
+        path: &Path,
+        control: Arc<Control>,
+        default_dir: bool,
+        limits: ServerLimits,
+    ) -> io::Result<ControlServer> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             if default_dir && !dir.exists() {
                 std::fs::create_dir_all(dir)?;
@@ -130,7 +152,7 @@ impl ControlServer {
         let (wake_r, wake_w) = pipe()?;
         let accept = std::thread::Builder::new()
             .name("control-accept".into())
-            .spawn(move || accept_loop(listener, control, wake_r))?;
+            .spawn(move || accept_loop(listener, control, wake_r, limits))?;
         Ok(ControlServer {
             path: path.to_path_buf(),
             wake: Some(wake_w),
@@ -163,8 +185,38 @@ impl Drop for ControlServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd) {
+/// What the control socket allows each client: how many at once, how
+/// long a request line, how long a client may take to send one. The
+/// defaults are [`MAX_CLIENTS`], [`MAX_LINE`] and [`REQUEST_DEADLINE`].
+#[derive(Clone, Copy, Debug)]
+pub struct ServerLimits {
+    pub max_clients: usize,
+    pub max_line: usize,
+    pub request_deadline: Duration,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_clients: MAX_CLIENTS,
+            max_line: MAX_LINE,
+            request_deadline: REQUEST_DEADLINE,
+        }
+    }
+}
+
+/// One served connection: counted while it lives.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd, lim: ServerLimits) {
     let mut n = 0u64;
+    let active = Arc::new(AtomicUsize::new(0));
     loop {
         let mut pfds = [
             libc::pollfd {
@@ -200,16 +252,28 @@ fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd) {
                 // Out of descriptors (EMFILE/ENFILE) the socket stays
                 // readable: pause instead of spinning on it.
                 tracing::warn!(error = %e, "control socket: accept failed");
-                std::thread::sleep(std::time::Duration::from_millis(50));
+                std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
         };
         n += 1;
+        if active.fetch_add(1, Ordering::SeqCst) >= lim.max_clients {
+            active.fetch_sub(1, Ordering::SeqCst);
+            tracing::warn!(
+                client = n,
+                max = lim.max_clients,
+                "control socket: too many clients; refusing a connection"
+            );
+            refuse(stream, lim.max_clients);
+            continue;
+        }
+        let slot = Slot(active.clone());
         let control = control.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("control-{n}"))
             .spawn(move || {
-                if let Err(e) = serve_client(stream, &control) {
+                let _slot = slot;
+                if let Err(e) = serve_client(stream, &control, &lim) {
                     if e.kind() != io::ErrorKind::BrokenPipe {
                         tracing::warn!(client = n, error = %e, "control client failed");
                     }
@@ -221,32 +285,108 @@ fn accept_loop(listener: UnixListener, control: Arc<Control>, wake: OwnedFd) {
     }
 }
 
-/// Answer requests from one client until it closes its end.
-fn serve_client(stream: UnixStream, control: &Control) -> io::Result<()> {
+/// Tell a client it is one too many, without waiting on it.
+fn refuse(mut stream: UnixStream, max: usize) {
+    let e = RpcError::new(
+        SERVER_BUSY,
+        format!("the control socket serves {max} clients at once; try again later"),
+    );
+    let _ = stream.set_nonblocking(true);
+    let _ = writeln!(stream, "{}", response_err(&Value::Null, &e));
+}
+
+/// How reading one request line ended.
+enum LineEnd {
+    /// A whole line (or the last bytes before the client closed).
+    Line,
+    /// The client closed between requests.
+    Closed,
+    TooLong,
+    Late,
+}
+
+/// Read one request line into `line` by `deadline`, at most `max` bytes.
+fn read_line(
+    input: &mut BufReader<UnixStream>,
+    line: &mut Vec<u8>,
+    max: usize,
+    deadline: Instant,
+) -> io::Result<LineEnd> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(LineEnd::Late);
+        }
+        input.get_ref().set_read_timeout(Some(left))?;
+        let avail = match input.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Ok(LineEnd::Late)
+            }
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(if line.is_empty() {
+                LineEnd::Closed
+            } else {
+                LineEnd::Line
+            });
+        }
+        let (take, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (avail.len(), false),
+        };
+        // Never hold more than `max` bytes (and the newline).
+        if line.len() + take - usize::from(done) > max {
+            return Ok(LineEnd::TooLong);
+        }
+        line.extend_from_slice(&avail[..take]);
+        input.consume(take);
+        if done {
+            return Ok(LineEnd::Line);
+        }
+    }
+}
+
+/// Answer requests from one client until it closes its end, sends a
+/// line over the limit, or is too slow to send one.
+fn serve_client(stream: UnixStream, control: &Control, lim: &ServerLimits) -> io::Result<()> {
+    stream.set_write_timeout(Some(lim.request_deadline))?;
     let mut out = stream.try_clone()?;
-    let mut input = BufReader::new(stream);
+    let mut input = BufReader::with_capacity(64 << 10, stream);
     let mut line = Vec::new();
     loop {
         line.clear();
-        let n = (&mut input)
-            .take(MAX_LINE as u64 + 1)
-            .read_until(b'\n', &mut line)?;
-        if n == 0 {
-            return Ok(());
-        }
-        if line.len() > MAX_LINE {
-            let e = RpcError::new(
-                INVALID_REQUEST,
-                format!("request longer than {MAX_LINE} bytes; closing"),
-            );
-            writeln!(out, "{}", response_err(&Value::Null, &e))?;
-            return Ok(());
-        }
-        if let Some(reply) = handle_line(control, &line) {
-            out.write_all(reply.as_bytes())?;
-            out.write_all(b"\n")?;
-            out.flush()?;
-        }
+        let deadline = Instant::now() + lim.request_deadline;
+        let why = match read_line(&mut input, &mut line, lim.max_line, deadline)? {
+            LineEnd::Closed => return Ok(()),
+            LineEnd::Line => {
+                if let Some(reply) = handle_line(control, &line) {
+                    out.write_all(reply.as_bytes())?;
+                    out.write_all(b"\n")?;
+                    out.flush()?;
+                }
+                continue;
+            }
+            LineEnd::TooLong => format!(
+                "request longer than {} bytes (the limit, docs/CONTROL.md); closing",
+                lim.max_line
+            ),
+            LineEnd::Late => format!(
+                "no complete request within {} s; closing",
+                lim.request_deadline.as_secs_f64()
+            ),
+        };
+        tracing::warn!("control client: {why}");
+        let e = RpcError::new(INVALID_REQUEST, why);
+        writeln!(out, "{}", response_err(&Value::Null, &e))?;
+        return Ok(());
     }
 }
 

@@ -312,3 +312,86 @@ fn reload_and_remove_take_force_for_ram_held_data() {
     assert!(v["error"].is_null(), "{v}");
     assert!(f.reg.get("mm").is_none());
 }
+
+fn limited(lim: blkstack_control::ServerLimits) -> (ControlServer, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("control.sock");
+    let control = Arc::new(Control::new(Registry::new(), None));
+    let server = ControlServer::start_with_limits(&path, control, false, lim).expect("start");
+    (server, path, dir)
+}
+
+fn closing_error(s: UnixStream) -> Value {
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("error line");
+    let v: Value = serde_json::from_str(&line).expect("json");
+    line.clear();
+    assert_eq!(r.read_line(&mut line).expect("eof"), 0, "not closed");
+    v
+}
+
+#[test]
+fn idle_and_trickling_clients_are_closed_at_the_request_deadline() {
+    let lim = blkstack_control::ServerLimits {
+        request_deadline: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let (_server, path, _dir) = limited(lim);
+    let idle = UnixStream::connect(&path).expect("connect");
+    let mut trickle = UnixStream::connect(&path).expect("connect");
+    let t0 = std::time::Instant::now();
+    let writer = {
+        let mut w = trickle.try_clone().expect("clone");
+        std::thread::spawn(move || {
+            for _ in 0..40 {
+                if w.write_all(b" ").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    for s in [idle, trickle.try_clone().expect("clone")] {
+        let v = closing_error(s);
+        assert_eq!(v["error"]["code"], -32600, "{v}");
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("no complete request"));
+    }
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    let _ = writer.join();
+    // A prompt client is served as before, request after request.
+    let _ = trickle.flush();
+    let mut ok = UnixStream::connect(&path).expect("connect");
+    for id in 0..3 {
+        writeln!(ok, r#"{{"id":{id},"method":"version"}}"#).expect("send");
+        let mut r = BufReader::new(ok.try_clone().expect("clone"));
+        let mut line = String::new();
+        r.read_line(&mut line).expect("answer");
+        assert!(line.contains("\"result\""), "{line}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn a_line_of_exactly_the_limit_is_read_and_one_byte_more_is_refused() {
+    let lim = blkstack_control::ServerLimits {
+        max_line: 4096,
+        ..Default::default()
+    };
+    let (_server, path, _dir) = limited(lim);
+    let req = r#"{"id":1,"method":"version"}"#;
+    let pad = " ".repeat(4096 - req.len());
+    let mut s = UnixStream::connect(&path).expect("connect");
+    writeln!(s, "{pad}{req}").expect("send");
+    let mut r = BufReader::new(s.try_clone().expect("clone"));
+    let mut line = String::new();
+    r.read_line(&mut line).expect("answer");
+    assert!(line.contains("\"result\""), "{line}");
+    writeln!(s, " {pad}{req}").expect("send");
+    let v = closing_error(s);
+    assert_eq!(v["error"]["code"], -32600, "{v}");
+}

@@ -4,14 +4,24 @@
 //! notification suppression, and the requests of each kick handed to
 //! [`crate::request`]. Follows the device model of qemu's
 //! hw/block/vhost-user-blk.c and the virtio-blk device of virtio 1.2.
+//!
+//! One backend serves one connection. Its guest memory is checked and
+//! watched by [`crate::guard`]: a memory table whose regions overrun
+//! their files is refused, and once a region has lost its pages the
+//! connection is dead: no request is taken from it any more and the
+//! connection is shut down. The backend also tells the server when the
+//! peer has shown it speaks vhost-user ([`BlkBackend::wait_setup`]).
 
 use crate::config::{BlkGeometry, CONFIG_LEN};
+use crate::guard::{self, Regions};
 use crate::request::{self, Limits, Mem, ID_LEN};
 use blkstack_core::DeviceRef;
-use parking_lot::RwLock;
+use parking_lot::{Condvar, Mutex, RwLock};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::ShutdownHandle;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
@@ -22,6 +32,8 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
+type AtomicMem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
 /// Descriptors per virtqueue the guest may use.
 pub const QUEUE_SIZE: usize = 256;
 
@@ -30,7 +42,15 @@ pub struct BlkBackend {
     geo: BlkGeometry,
     limits: Limits,
     event_idx: AtomicBool,
-    mem: RwLock<Option<GuestMemoryAtomic<GuestMemoryMmap<()>>>>,
+    mem: RwLock<Option<(AtomicMem, Arc<Regions>)>>,
+    /// The connection failed for good (a refused memory table, guest
+    /// memory that vanished): serve nothing more on it.
+    dead: AtomicBool,
+    /// Has the peer spoken the vhost-user setup (see `wait_setup`)?
+    setup: Mutex<bool>,
+    setup_cv: Condvar,
+    /// Shuts this backend's connection down.
+    conn: Mutex<Option<ShutdownHandle>>,
     /// The exit events handed to the current connection's worker threads
     /// (a new set per connection): written to stop them.
     exits: parking_lot::Mutex<Vec<EventNotifier>>,
@@ -58,6 +78,10 @@ impl BlkBackend {
             geo,
             event_idx: AtomicBool::new(false),
             mem: RwLock::new(None),
+            dead: AtomicBool::new(false),
+            setup: Mutex::new(false),
+            setup_cv: Condvar::new(),
+            conn: Mutex::new(None),
             exits: parking_lot::Mutex::new(Vec::new()),
         }))
     }
@@ -69,12 +93,80 @@ impl BlkBackend {
         }
     }
 
-    fn memory(&self) -> Option<Mem> {
-        self.mem.read().as_ref().map(|m| m.memory().into_inner())
+    /// The connection ended: drop its guest memory (the guard unmaps it
+    /// once nothing else holds it) and its failure, so that the next
+    /// connection starts afresh.
+    pub fn end_connection(&self) {
+        *self.conn.lock() = None;
+        *self.mem.write() = None;
+        guard::release_unused();
+        *self.setup.lock() = false;
+        self.dead.store(false, Ordering::SeqCst);
+    }
+
+    /// The connection this backend serves, to shut down if it fails.
+    pub fn set_connection(&self, h: Option<ShutdownHandle>) {
+        let dead = self.dead.load(Ordering::SeqCst);
+        *self.conn.lock() = h;
+        if dead {
+            self.fail("the connection failed before it was set up");
+        }
+    }
+
+    /// Wait until the peer has spoken vhost-user's setup (asked for the
+    /// protocol features or the config, or set a memory table), at most
+    /// until `deadline`. False: it has not, or the connection failed.
+    pub fn wait_setup(&self, deadline: Instant) -> bool {
+        let mut done = self.setup.lock();
+        while !*done && !self.dead.load(Ordering::SeqCst) {
+            if self.setup_cv.wait_until(&mut done, deadline).timed_out() {
+                break;
+            }
+        }
+        *done && !self.dead.load(Ordering::SeqCst)
+    }
+
+    fn set_up(&self) {
+        let mut done = self.setup.lock();
+        if !*done {
+            *done = true;
+            self.setup_cv.notify_all();
+        }
+    }
+
+    /// Serve nothing more on this connection and shut it down.
+    fn fail(&self, why: &str) {
+        if !self.dead.load(Ordering::SeqCst) {
+            tracing::error!("vhost-user-blk: closing the connection: {why}");
+        }
+        self.close();
+    }
+
+    /// Shut the connection down (serve is stopping, or it failed); ends
+    /// a [`BlkBackend::wait_setup`] at once.
+    pub fn close(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        {
+            let _g = self.setup.lock();
+            self.setup_cv.notify_all();
+        }
+        if let Some(h) = self.conn.lock().as_ref() {
+            h.shutdown();
+        }
+    }
+
+    fn memory(&self) -> Option<(Mem, Arc<Regions>)> {
+        self.mem
+            .read()
+            .as_ref()
+            .map(|(m, r)| (m.memory().into_inner(), r.clone()))
     }
 
     fn process(&self, vring: &VringRwLock) {
-        let Some(mem) = self.memory() else {
+        if self.dead.load(Ordering::SeqCst) {
+            return;
+        }
+        let Some((mem, regions)) = self.memory() else {
             return;
         };
         loop {
@@ -82,10 +174,16 @@ impl BlkBackend {
                 .get_mut()
                 .get_queue_mut()
                 .pop_descriptor_chain(mem.clone());
+            if regions.poisoned() {
+                return self.fail("guest memory vanished (its file was shrunk)");
+            }
             let Some(chain) = chain else {
                 break;
             };
-            request::start(chain, vring, &self.dev, &self.limits);
+            request::start(chain, vring, &self.dev, &self.limits, Some(&regions));
+            if regions.poisoned() {
+                return self.fail("guest memory vanished (its file was shrunk)");
+            }
         }
     }
 }
@@ -111,6 +209,7 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        self.set_up();
         VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
@@ -121,6 +220,7 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        self.set_up();
         let c = self.geo.config();
         let start = (offset as usize).min(CONFIG_LEN);
         let end = start.saturating_add(size as usize).min(CONFIG_LEN);
@@ -130,7 +230,25 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap<()>>) -> std::io::Result<()> {
-        *self.mem.write() = Some(mem);
+        // Watched before it is checked: the handler has mapped it already.
+        let table = mem.memory().into_inner();
+        let checked = guard::watch(table.clone()).and_then(|r| {
+            guard::check_files(&table)?;
+            Ok(r)
+        });
+        drop(table);
+        let regions = match checked {
+            Ok(r) => Arc::new(r),
+            Err(e) => {
+                *self.mem.write() = None;
+                let why = format!("SET_MEM_TABLE refused: {e}");
+                self.fail(&why);
+                return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, why));
+            }
+        };
+        *self.mem.write() = Some((mem, regions));
+        guard::release_unused();
+        self.set_up();
         Ok(())
     }
 

@@ -4,12 +4,14 @@
 //! straight from its shared memory. The vhost-user protocol and the
 //! virtqueues come from rust-vmm (`vhost-user-backend`, `vhost`,
 //! `virtio-queue`, `vm-memory`); here are only the virtio-blk device
-//! ([`config`], [`request`]), its backend ([`backend`]) and the socket's
-//! life ([`server`]).
+//! ([`config`], [`request`]), its backend ([`backend`]), the guard that
+//! keeps a VMM's shrunk memory from killing the process ([`guard`]) and
+//! the socket's life ([`server`]).
 
 pub mod backend;
 pub mod cli;
 pub mod config;
+pub mod guard;
 pub mod request;
 pub mod server;
 

@@ -9,6 +9,7 @@
 //! thread completes the bio; the request then goes on the used ring and
 //! the guest is notified if it asked to be (event index).
 
+use crate::guard::Regions;
 use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, IoBuf, Op, Status};
 use std::io::{Read, Write};
 use std::sync::Arc;
@@ -97,7 +98,15 @@ pub struct Limits {
 
 /// Start the request in `chain`: submit its bio, or answer it at once
 /// (GET_ID, a refused or malformed request).
-pub fn start(chain: Chain, vring: &VringRwLock, dev: &DeviceRef, lim: &Limits) {
+/// `regions`, when given, are the guest memory's guard: a write whose
+/// data was read from vanished memory is failed, never submitted.
+pub fn start(
+    chain: Chain,
+    vring: &VringRwLock,
+    dev: &DeviceRef,
+    lim: &Limits,
+    regions: Option<&Regions>,
+) {
     let mem = chain.memory();
     let mut r = match chain.clone().reader(mem) {
         Ok(r) => r,
@@ -140,23 +149,20 @@ pub fn start(chain: Chain, vring: &VringRwLock, dev: &DeviceRef, lim: &Limits) {
             if op == Op::WriteZeroes && !unmap {
                 f.insert(BioFlags::NOUNMAP);
             }
-            return submit(chain, vring, dev, op, s, n << 9, f, lim);
+            return submit(chain, vring, dev, (op, s, n << 9, f), lim, regions);
         }
         _ => return finish(&chain, vring, None, VIRTIO_BLK_S_UNSUPP as u8),
     };
-    submit(chain, vring, dev, op, sector, len, flags, lim)
+    submit(chain, vring, dev, (op, sector, len, flags), lim, regions)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn submit(
     chain: Chain,
     vring: &VringRwLock,
     dev: &DeviceRef,
-    op: Op,
-    sector: u64,
-    len: u64,
-    flags: BioFlags,
+    (op, sector, len, flags): (Op, u64, u64, BioFlags),
     lim: &Limits,
+    regions: Option<&Regions>,
 ) {
     if op.is_write() && lim.read_only {
         return finish(&chain, vring, None, VIRTIO_BLK_S_IOERR as u8);
@@ -177,7 +183,7 @@ fn submit(
                     .as_mut()
                     .is_some_and(|b| r.read_exact(b.as_mut_slice()).is_ok())
         });
-        if !ok {
+        if !ok || regions.is_some_and(Regions::poisoned) {
             return finish(&chain, vring, None, VIRTIO_BLK_S_IOERR as u8);
         }
     }
@@ -295,7 +301,7 @@ mod tests {
             .get_queue_mut()
             .pop_descriptor_chain(mem.clone())
             .unwrap();
-        start(chain, &vring, &dref, &lim);
+        start(chain, &vring, &dref, &lim, None);
         let status: u8 = mem.read_obj(GuestAddress(STATUS)).unwrap();
         // used ring: flags u16, idx u16, then {id u32, len u32}.
         let used_len: u32 = mem.read_obj(GuestAddress(q.used_addr().0 + 8)).unwrap();

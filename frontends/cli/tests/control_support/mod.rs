@@ -235,6 +235,11 @@ impl Serve {
 }
 
 impl Serve {
+    /// How serve ended, if it has (a crash shows here as a signal).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().expect("try_wait")
+    }
+
     /// SIGTERM, then the server must exit within `limit` (killed and a
     /// panic past that): a stop that never hangs.
     pub fn terminate_within(&mut self, limit: Duration) -> ExitStatus {
