@@ -1,0 +1,62 @@
+//! A thin pool meeting metadata it must not trust (issue 35), checked
+//! against dm-thin.c and dm-space-map-common.c of Linux 6.12:
+//! a second pool over metadata a pool already runs on is refused with
+//! EBUSY (`__pool_find`); a reference count that would go below zero
+//! fails the message with EINVAL, aborts the transaction and flags the
+//! metadata (`sm_ll_dec_bitmap`, `metadata_operation_failed`); and a
+//! pool whose superblock says `needs_check` stays read-only
+//! (`set_pool_mode`).
+
+mod thin_support;
+
+use blkstack_mapped::error::{Refusal, TargetError};
+use blkstack_mapped::DmError;
+use thin_support::*;
+
+/// The errno of the first [`TargetError::Refused`] in `e`'s chain.
+fn refusal(e: &DmError) -> Option<Refusal> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(TargetError::Refused { errno, .. }) = err.downcast_ref::<TargetError>() {
+            return Some(*errno);
+        }
+        cur = err.source();
+    }
+    None
+}
+
+#[test]
+fn a_second_pool_over_metadata_in_use_is_refused_with_ebusy() {
+    let f = files();
+    let reg = pool(&f, 32768, "");
+    msg(&reg, "create_thin 1");
+    reg.create("thinA", "0 8192 thin pool 1").unwrap();
+    let table = "0 32768 thin-pool meta data 128 0";
+    let Err(e) = reg.create("poolB", table) else {
+        panic!("a second pool over metadata in use was accepted");
+    };
+    assert_eq!(refusal(&e), Some(Refusal::Busy), "{}", e.report());
+    assert!(
+        e.report()
+            .contains("metadata device already in use by a pool"),
+        "{}",
+        e.report()
+    );
+    assert!(
+        reg.get("poolB").is_none(),
+        "a refused create leaves no device"
+    );
+    // A reload of the pool's own device keeps its pool.
+    reg.reload("pool", table).unwrap();
+    reg.resume("pool").unwrap();
+    let thin = reg.get("thinA").unwrap();
+    write(&*thin, 0, &pattern(1, 0, 4096));
+    assert_eq!(read(&*thin, 0, 4096), pattern(1, 0, 4096));
+    drop(thin);
+    // Once the pool is gone, the metadata device may carry another.
+    reg.remove("thinA", false).unwrap();
+    reg.remove("pool", false).unwrap();
+    reg.create("poolB", table).unwrap();
+    reg.remove_all();
+    thin_check(&f.meta);
+}
