@@ -10,7 +10,9 @@
 mod thin_support;
 
 use blkstack_mapped::error::{Refusal, TargetError};
-use blkstack_mapped::DmError;
+use blkstack_mapped::targets::thin::metadata::PoolMetadata;
+use blkstack_mapped::{DevArg, DmError, Registry};
+use std::sync::Arc;
 use thin_support::*;
 
 /// The errno of the first [`TargetError::Refused`] in `e`'s chain.
@@ -23,6 +25,26 @@ fn refusal(e: &DmError) -> Option<Refusal> {
         cur = err.source();
     }
     None
+}
+
+fn files_reg(f: &Files, data_sectors: u64) -> Arc<Registry> {
+    let reg = Registry::new();
+    reg.create("meta", &format!("0 8192 file {} create", f.meta.display()))
+        .unwrap();
+    reg.create(
+        "data",
+        &format!("0 {data_sectors} file {} create", f.data.display()),
+    )
+    .unwrap();
+    reg
+}
+
+fn meta_arg(reg: &Registry) -> DevArg {
+    DevArg {
+        name: "meta".into(),
+        minor: 0,
+        dev: reg.get("meta").unwrap(),
+    }
 }
 
 #[test]
@@ -59,4 +81,48 @@ fn a_second_pool_over_metadata_in_use_is_refused_with_ebusy() {
     reg.create("poolB", table).unwrap();
     reg.remove_all();
     thin_check(&f.meta);
+}
+
+/// Metadata with thin device 0 mapping virtual blocks 0 and 1 to one
+/// data block counted once: deleting it drops that count below zero.
+fn cross_linked(f: &Files) -> u64 {
+    let reg = files_reg(f, 32768);
+    let mut md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
+    md.create_thin(0).unwrap();
+    let b = md.alloc_data_block().unwrap();
+    md.insert_block(0, 0, b).unwrap();
+    md.insert_block(0, 1, b).unwrap();
+    md.commit().unwrap();
+    b
+}
+
+#[test]
+fn a_reference_count_below_zero_fails_the_message_and_flags_the_metadata() {
+    let f = files();
+    cross_linked(&f);
+    let reg = files_reg(&f, 32768);
+    reg.create("pool", "0 32768 thin-pool meta data 128 0")
+        .unwrap();
+    let before = status(&reg, "pool");
+    assert_eq!(before[4], "rw", "{before:?}");
+    let e = reg.message("pool", 0, &["delete", "0"]).unwrap_err();
+    assert_eq!(refusal(&e), None, "EINVAL: {}", e.report());
+    assert!(
+        e.report().contains("unable to decrement block"),
+        "{}",
+        e.report()
+    );
+    let s = status(&reg, "pool");
+    assert_eq!(
+        (s[4].as_str(), s[7].as_str()),
+        ("ro", "needs_check"),
+        "{s:?}"
+    );
+    // Nothing of the aborted transaction is on disk: device 0 is there.
+    reg.remove_all();
+    drop(reg);
+    let reg = files_reg(&f, 32768);
+    let md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
+    assert!(md.needs_check());
+    assert!(md.exists(0), "the delete was not committed");
 }

@@ -652,7 +652,9 @@ impl PoolShared {
                     status = Status::IoError;
                 }
             } else {
-                st.md.free_data_block(p.block);
+                if let Err(e) = st.md.free_data_block(p.block) {
+                    self.metadata_failed(&mut st, "dm_pool_free_data_block", &e);
+                }
                 if status.is_ok() {
                     status = Status::IoError;
                 }
