@@ -9,6 +9,7 @@
 
 mod thin_support;
 
+use blkstack_core::Status;
 use blkstack_mapped::error::{Refusal, TargetError};
 use blkstack_mapped::targets::thin::metadata::PoolMetadata;
 use blkstack_mapped::{DevArg, DmError, Registry};
@@ -125,4 +126,34 @@ fn a_reference_count_below_zero_fails_the_message_and_flags_the_metadata() {
     let md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
     assert!(md.needs_check());
     assert!(md.exists(0), "the delete was not committed");
+}
+
+#[test]
+fn a_pool_whose_metadata_needs_check_stays_read_only() {
+    let f = files();
+    {
+        let reg = files_reg(&f, 32768);
+        let mut md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
+        md.create_thin(1).unwrap();
+        md.commit().unwrap();
+        md.set_needs_check().unwrap();
+    }
+    let reg = files_reg(&f, 32768);
+    reg.create("pool", "0 32768 thin-pool meta data 128 0")
+        .unwrap();
+    let s = status(&reg, "pool");
+    // The kernel's `pool_status` for such a pool: `ro` and `needs_check`.
+    let fields = [&s[3], &s[4], &s[6], &s[7]].map(String::as_str);
+    assert_eq!(
+        fields,
+        ["-", "ro", "queue_if_no_space", "needs_check"],
+        "{s:?}"
+    );
+    reg.create("thin", "0 8192 thin pool 1").unwrap();
+    let thin = reg.get("thin").unwrap();
+    assert_eq!(try_write(&*thin, 0), Status::IoError);
+    let e = reg.message("pool", 0, &["create_thin", "2"]).unwrap_err();
+    assert!(e.report().contains("READ_ONLY"), "{}", e.report());
+    drop(thin);
+    reg.remove_all();
 }
