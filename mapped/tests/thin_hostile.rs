@@ -157,3 +157,24 @@ fn a_pool_whose_metadata_needs_check_stays_read_only() {
     drop(thin);
     reg.remove_all();
 }
+
+#[test]
+fn of_two_pools_created_at_once_over_one_metadata_device_one_runs() {
+    for round in 0..8 {
+        let f = files();
+        let reg = files_reg(&f, 32768);
+        let table = "0 32768 thin-pool meta data 128 0";
+        let made: Vec<bool> = std::thread::scope(|s| {
+            let a = s.spawn(|| reg.create("poolA", table).is_ok());
+            let b = s.spawn(|| reg.create("poolB", table).is_ok());
+            [a, b].map(|h| h.join().unwrap()).to_vec()
+        });
+        assert_eq!(
+            made.iter().filter(|m| **m).count(),
+            1,
+            "round {round}: {made:?}"
+        );
+        reg.remove_all();
+        thin_check(&f.meta);
+    }
+}

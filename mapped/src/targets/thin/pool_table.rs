@@ -16,7 +16,7 @@
 
 use super::pool::Pool;
 use blkstack_core::DeviceRef;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use std::sync::{Arc, Weak};
 
 struct Entry {
@@ -45,38 +45,49 @@ pub enum PoolFindError {
     DataInUse,
 }
 
-/// `__pool_find`'s first case: a running pool over `metadata` belongs to
-/// `owner` and uses `data`, or there is none. Returns that pool, if any.
-pub fn find(
-    metadata: &DeviceRef,
-    data: &DeviceRef,
-    owner: &str,
-) -> Result<Option<Arc<Pool>>, PoolFindError> {
+/// The table, held across a constructor's lookup and the start of a new
+/// pool (`dm_thin_pool_table.mutex` in `pool_ctr`): two constructors
+/// over one metadata device cannot both find it free.
+pub struct Table(MutexGuard<'static, Vec<Entry>>);
+
+pub fn lock() -> Table {
     let mut t = TABLE.lock();
     t.retain(|e| e.pool.strong_count() > 0);
-    let Some(e) = t.iter().find(|e| e.metadata == key(metadata)) else {
-        return Ok(None);
-    };
-    let Some(pool) = e.pool.upgrade() else {
-        return Ok(None);
-    };
-    if e.owner != owner {
-        return Err(PoolFindError::MetadataInUse);
-    }
-    if e.data != key(data) {
-        return Err(PoolFindError::DataInUse);
-    }
-    Ok(Some(pool))
+    Table(t)
 }
 
-/// `__pool_table_insert`: a pool just created for `owner`.
-pub fn insert(pool: &Arc<Pool>, owner: &str) {
-    let mut t = TABLE.lock();
-    t.retain(|e| e.pool.strong_count() > 0);
-    t.push(Entry {
-        metadata: key(&pool.shared.metadata_dev.dev),
-        data: key(&pool.shared.data_dev.dev),
-        owner: owner.to_string(),
-        pool: Arc::downgrade(pool),
-    });
+impl Table {
+    /// `__pool_find`'s first case: a running pool over `metadata`
+    /// belongs to `owner` and uses `data`, or there is none. Returns
+    /// that pool, if any.
+    pub fn find(
+        &self,
+        metadata: &DeviceRef,
+        data: &DeviceRef,
+        owner: &str,
+    ) -> Result<Option<Arc<Pool>>, PoolFindError> {
+        let Some(e) = self.0.iter().find(|e| e.metadata == key(metadata)) else {
+            return Ok(None);
+        };
+        let Some(pool) = e.pool.upgrade() else {
+            return Ok(None);
+        };
+        if e.owner != owner {
+            return Err(PoolFindError::MetadataInUse);
+        }
+        if e.data != key(data) {
+            return Err(PoolFindError::DataInUse);
+        }
+        Ok(Some(pool))
+    }
+
+    /// `__pool_table_insert`: a pool just created for `owner`.
+    pub fn insert(&mut self, pool: &Arc<Pool>, owner: &str) {
+        self.0.push(Entry {
+            metadata: key(&pool.shared.metadata_dev.dev),
+            data: key(&pool.shared.data_dev.dev),
+            owner: owner.to_string(),
+            pool: Arc::downgrade(pool),
+        });
+    }
 }

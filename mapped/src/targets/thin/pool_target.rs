@@ -102,12 +102,13 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     });
     // `__pool_find`: a pool over this metadata device that another
     // mapped device holds is refused with EBUSY, before anything else.
-    let found = pool_table::find(&metadata.dev, &data.dev, ctx.device_name).map_err(|e| {
-        TargetError::Refused {
+    let mut table = pool_table::lock();
+    let found = table
+        .find(&metadata.dev, &data.dev, ctx.device_name)
+        .map_err(|e| TargetError::Refused {
             errno: Refusal::Busy,
             why: e.to_string(),
-        }
-    })?;
+        })?;
     let pool = match live.or(found) {
         Some(pool) => reuse_pool(
             &pool,
@@ -127,7 +128,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
                 requested,
                 low_water_blocks,
             )?;
-            pool_table::insert(&pool, ctx.device_name);
+            table.insert(&pool, ctx.device_name);
             pool
         }
     };
