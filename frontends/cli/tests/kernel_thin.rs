@@ -12,6 +12,12 @@
 //! and both print the same pool status (the freed block no longer
 //! counted). Messages both refuse give the same errno text (EEXIST,
 //! ENODATA, EBUSY, EINVAL). `thin_check` passes on both pools.
+//!
+//! Hostile metadata (issue 35): both refuse a second pool over metadata
+//! in use with EBUSY and the same `ti->error`, keep a pool whose
+//! superblock says `needs_check` read-only with the same status, and log
+//! a reference count that would go below zero; blkstack then fails the
+//! `delete` where the kernel lets it succeed (a deliberate difference).
 
 mod kernel_vm_support;
 
@@ -351,4 +357,186 @@ fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
     dev_write(&*reg.device("t2").unwrap(), &pat, KERNEL_AFTER_SNAP);
     reg.remove_all();
     thin_check(&p("kmeta"));
+}
+
+/// Issue 35, judged by the kernel: a second pool over metadata a pool
+/// runs on (`__pool_find`: EBUSY, "metadata device already in use by a
+/// pool"), a pool whose superblock says `needs_check` (`set_pool_mode`:
+/// read-only, the same status, writes refused), and a `delete` over a
+/// data block counted once but mapped twice (dm-space-map-common.c:
+/// "unable to decrement block"), where blkstack is deliberately stricter
+/// than the kernel.
+const HOSTILE_GUEST: &str = r#"
+fail() { echo "FAIL: $*"; exit 1; }
+dev() { cat /sys/block/$(basename $(readlink /dev/disk/by-serial/$1))/dev; }
+st() { dmsetup status $1 | sed 's/ *$//' | cut -d' ' -f4-; }
+modprobe dm-thin-pool || fail "modprobe dm-thin-pool"
+dmesg -c >/dev/null
+T="0 DATA thin-pool $(dev xmeta) $(dev xdata) 128 0"
+dmsetup create xpool --table "$T" || fail "activate the cross-linked pool"
+echo "BEGIN busy"
+dmsetup create xpool2 --table "$T" 2>&1 | sed -n 's/.*failed: //p'
+dmesg | grep -o 'metadata device already in use by a pool' | head -n 1
+echo "END busy"
+echo "BEGIN delete"
+dmsetup message xpool 0 delete 0 2>/tmp/e && echo ok || sed -n 's/.*failed: //p' /tmp/e
+st xpool
+echo "END delete"
+echo "BEGIN dlog"; dmesg | grep -i 'thin\|space map\|btree'; echo "END dlog"
+dmsetup remove xpool || fail "remove xpool"
+dmsetup create npool --table "0 DATA thin-pool $(dev nmeta) $(dev ndata) 128 0" || fail "needs_check pool"
+echo "BEGIN nstatus"; st npool; echo "END nstatus"
+dmsetup create nt --table "0 THIN thin /dev/mapper/npool 1" || fail "thin over the needs_check pool"
+echo "BEGIN nwrite"
+dd if=/test/pattern of=/dev/mapper/nt bs=4096 count=1 oflag=direct conv=notrunc 2>/dev/null && echo written || echo refused
+echo "END nwrite"
+dmsetup remove nt; dmsetup remove npool || fail "remove npool"
+echo DONE
+"#;
+
+/// Metadata whose thin 0 maps virtual blocks 0 and 1 to one data block
+/// counted once (`cross`), or that has thin 1 and `needs_check` set.
+fn hostile_metadata(meta: &Path, data: &Path, cross: bool) {
+    use blkstack_mapped::targets::thin::metadata::PoolMetadata;
+    let reg = Registry::new();
+    reg.create("meta", &format!("0 {META_SECTORS} file {}", meta.display()))
+        .unwrap();
+    reg.create("data", &format!("0 {DATA_SECTORS} file {}", data.display()))
+        .unwrap();
+    let arg = blkstack_mapped::DevArg {
+        name: "meta".into(),
+        minor: 0,
+        dev: reg.get("meta").unwrap(),
+    };
+    let mut md = PoolMetadata::open(arg, DATA_SECTORS / 128, 128).unwrap();
+    if cross {
+        md.create_thin(0).unwrap();
+        let b = md.alloc_data_block().unwrap();
+        md.insert_block(0, 0, b).unwrap();
+        md.insert_block(0, 1, b).unwrap();
+        md.commit().unwrap();
+    } else {
+        md.create_thin(1).unwrap();
+        md.commit().unwrap();
+        md.set_needs_check().unwrap();
+    }
+}
+
+/// What blkstack answers to the guest's steps, section by section.
+fn hostile_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> [String; 4] {
+    let errno = |e: blkstack_mapped::DmError| {
+        let e = blkstack_control::proto::RpcError::from(e);
+        e.strerror().unwrap_or("?").to_string()
+    };
+    let reg = pool_reg(&p("xmeta-b"), &p("xdata-b"));
+    let table = format!("0 {DATA_SECTORS} thin-pool meta data 128 0");
+    let busy = match reg.create("pool2", &table) {
+        Ok(_) => "accepted".to_string(),
+        Err(e) => {
+            let report = e.report();
+            let text = ["metadata device already in use by a pool"]
+                .into_iter()
+                .filter(|t| report.contains(t));
+            std::iter::once(errno(e))
+                .chain(text.map(String::from))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
+    };
+    let delete = match reg.message("pool", 0, &["delete", "0"]) {
+        Ok(_) => "ok".to_string(),
+        Err(e) => errno(e),
+    };
+    let delete = format!("{delete}\n{}", status_args(&reg, "pool"));
+    reg.remove_all();
+    let reg = pool_reg(&p("nmeta-b"), &p("ndata-b"));
+    let nstatus = status_args(&reg, "pool");
+    reg.create("nt", &format!("0 {THIN_SECTORS} thin pool 1"))
+        .unwrap();
+    let mut b = pattern()[..4096].to_vec();
+    let nt = reg.device("nt").unwrap();
+    let nwrite = match submit_and_wait(&*nt, Op::Write, 0, 4096, &mut b) {
+        Status::Ok => "written",
+        _ => "refused",
+    };
+    drop(nt);
+    reg.remove_all();
+    [busy, delete, nstatus, nwrite.to_string()]
+}
+
+#[test]
+fn the_kernel_and_blkstack_refuse_hostile_pools_alike() {
+    if !vm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("scratch");
+    let p = |n: &str| scratch.path().join(n);
+    std::fs::write(p("pattern"), pattern()).unwrap();
+    for (name, sectors) in [
+        ("xmeta", META_SECTORS),
+        ("xdata", DATA_SECTORS),
+        ("nmeta", META_SECTORS),
+        ("ndata", DATA_SECTORS),
+    ] {
+        let f = std::fs::File::create(p(name)).unwrap();
+        f.set_len(sectors * 512).unwrap();
+    }
+    hostile_metadata(&p("xmeta"), &p("xdata"), true);
+    hostile_metadata(&p("nmeta"), &p("ndata"), false);
+    for n in ["xmeta", "xdata", "nmeta", "ndata"] {
+        std::fs::copy(p(n), p(&format!("{n}-b"))).unwrap();
+    }
+    let ours = hostile_here(&p);
+    let script = HOSTILE_GUEST
+        .replace("DATA", &DATA_SECTORS.to_string())
+        .replace("THIN", &THIN_SECTORS.to_string());
+    let mut vm = Vm::new();
+    for n in ["xmeta", "xdata", "nmeta", "ndata"] {
+        vm = vm.disk(n, &p(n).display().to_string());
+    }
+    let run = vm
+        .file(&p("pattern"), "/test/pattern")
+        .timeout(300)
+        .run(&script);
+    println!("{}", run.out);
+    run.assert_ok("the kernel's dm-thin-pool over hostile metadata");
+    assert!(run.out.contains("DONE"), "{}", run.out);
+    let section = |s: &str| run.section(s).unwrap_or_default().trim().to_string();
+    assert_eq!(
+        section("busy"),
+        ours[0],
+        "a second pool over metadata in use: the kernel's errno and ti->error (right), blkstack's (left)"
+    );
+    // A deliberate difference: the kernel logs the refused decrement
+    // but its `delete` succeeds (`with_runs` and `subtree_dec` drop the
+    // error) and the pool stays rw; blkstack fails the message (EINVAL),
+    // aborts the transaction and flags the metadata.
+    let kdelete = section("delete");
+    assert!(
+        section("dlog").contains("space map common: unable to decrement block"),
+        "{}",
+        section("dlog")
+    );
+    assert_eq!(kdelete.lines().next(), Some("ok"), "{kdelete}");
+    assert!(
+        kdelete.contains(" rw ") && kdelete.ends_with(" - 256"),
+        "{kdelete}"
+    );
+    assert_eq!(
+        ours[1].lines().next(),
+        Some("Invalid argument"),
+        "{}",
+        ours[1]
+    );
+    assert!(
+        ours[1].contains(" ro ") && ours[1].contains(" needs_check "),
+        "{}",
+        ours[1]
+    );
+    assert_eq!(
+        section("nstatus"),
+        ours[2],
+        "a pool whose metadata needs_check: the kernel's status (right), blkstack's (left)"
+    );
+    assert_eq!(section("nwrite"), ours[3], "a write to its thin device");
 }

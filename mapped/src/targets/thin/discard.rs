@@ -131,7 +131,10 @@ fn release(pool: &PoolShared, id: u64, bio: Bio) {
     let status = match st.discard_holds.remove(&id) {
         Some((blocks, generation)) if generation == st.generation() => {
             for b in blocks {
-                st.md.free_data_block(b);
+                if let Err(e) = st.md.free_data_block(b) {
+                    pool.metadata_failed(&mut st, "dm_pool_free_data_block", &e);
+                    break;
+                }
             }
             if st.mode == Mode::Fail {
                 Status::IoError

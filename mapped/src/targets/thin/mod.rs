@@ -17,6 +17,7 @@ pub mod format;
 pub mod metadata;
 mod params;
 pub mod pool;
+mod pool_table;
 pub mod pool_target;
 pub mod thin_target;
 

@@ -223,7 +223,12 @@ impl PoolShared {
         pf: PoolFeatures,
         low_water_blocks: u64,
     ) -> Arc<PoolShared> {
+        // `set_pool_mode`: metadata flagged `needs_check` keeps the pool
+        // read-only until thin_check/thin_repair clear the flag.
         let mode = if pf.read_only {
+            Mode::ReadOnly
+        } else if md.needs_check() {
+            tracing::error!(pool = %data_dev.name, "thin-pool: unable to switch pool to write mode until repaired.");
             Mode::ReadOnly
         } else {
             Mode::Write
@@ -652,7 +657,9 @@ impl PoolShared {
                     status = Status::IoError;
                 }
             } else {
-                st.md.free_data_block(p.block);
+                if let Err(e) = st.md.free_data_block(p.block) {
+                    self.metadata_failed(&mut st, "dm_pool_free_data_block", &e);
+                }
                 if status.is_ok() {
                     status = Status::IoError;
                 }

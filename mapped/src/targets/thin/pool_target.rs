@@ -10,6 +10,7 @@
 
 use super::metadata::{metadata_blocks_of, read_dev_id, MetadataError, PoolMetadata};
 use super::pool::{Mode, Pool, PoolFeatures, PoolShared, PoolState};
+use super::pool_table;
 use crate::error::{Refusal, TargetError};
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, Features};
@@ -94,57 +95,42 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
         .parse()
         .map_err(|_| invalid("Invalid low water mark"))?;
     let data_blocks = ctx.len / block_sectors;
-    let pool = match ctx.live_target.as_ref().and_then(|t| {
+    let live = ctx.live_target.as_ref().and_then(|t| {
         t.as_any()
             .and_then(|a| a.downcast_ref::<PoolTarget>())
-            .map(|p| {
-                (
-                    p.pool.clone(),
-                    p.metadata.name.clone(),
-                    p.data.name.clone(),
-                    p.block_sectors,
-                )
-            })
-    }) {
-        Some((pool, m, d, bs)) => {
-            if m != metadata.name || d != data.name {
-                return Err(invalid("different pool cannot replace a pool"));
-            }
-            if bs != block_sectors {
-                return Err(invalid("Pool's data block size cannot be changed"));
-            }
-            if pool.shared.state.lock().requested_pf.discard_enabled != requested.discard_enabled {
-                return Err(invalid("Discard support cannot be disabled once enabled"));
-            }
-            let (have, meta_have) = {
-                let st = pool.shared.state.lock();
-                (st.md.data_blocks().1, st.md.metadata_blocks().1)
-            };
-            if data_blocks < have {
-                return Err(invalid(format!(
-                    "pool target ({data_blocks} blocks) too small: expected {have}"
-                )));
-            }
-            // `maybe_resize_metadata_dev` fails the kernel's resume; here
-            // the reload is refused and the old table stays (the registry
-            // already refuses to shrink a device a pool uses).
-            let meta_now = metadata_blocks_of(metadata.dev.size());
-            if meta_now < meta_have {
-                return Err(invalid(format!(
-                    "metadata device ({meta_now} blocks) too small: expected {meta_have}"
-                )));
-            }
-            pool
-        }
-        None => start_pool(
-            ctx,
-            metadata.clone(),
-            data.clone(),
+            .map(|p| p.pool.clone())
+    });
+    // `__pool_find`: a pool over this metadata device that another
+    // mapped device holds is refused with EBUSY, before anything else.
+    let mut table = pool_table::lock();
+    let found = table
+        .find(&metadata.dev, &data.dev, ctx.device_name)
+        .map_err(|e| TargetError::Refused {
+            errno: Refusal::Busy,
+            why: e.to_string(),
+        })?;
+    let pool = match live.or(found) {
+        Some(pool) => reuse_pool(
+            &pool,
+            &metadata,
+            &data,
             block_sectors,
             data_blocks,
             requested,
-            low_water_blocks,
         )?,
+        None => {
+            let pool = start_pool(
+                ctx,
+                metadata.clone(),
+                data.clone(),
+                block_sectors,
+                data_blocks,
+                requested,
+                low_water_blocks,
+            )?;
+            table.insert(&pool, ctx.device_name);
+            pool
+        }
     };
     Ok(Arc::new(PoolTarget {
         pool,
@@ -155,6 +141,51 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
         requested,
         data_blocks,
     }))
+}
+
+/// `__pool_find` for a table reload of the device that runs `pool`:
+/// the same devices and block size keep it; the data device may grow.
+fn reuse_pool(
+    pool: &Arc<Pool>,
+    metadata: &DevArg,
+    data: &DevArg,
+    block_sectors: u64,
+    data_blocks: u64,
+    requested: PoolFeatures,
+) -> Result<Arc<Pool>, TargetError> {
+    let shared = &pool.shared;
+    if shared.metadata_dev.name != metadata.name || shared.data_dev.name != data.name {
+        return Err(invalid("different pool cannot replace a pool"));
+    }
+    if shared.block_sectors != block_sectors {
+        return Err(invalid("Pool's data block size cannot be changed"));
+    }
+    let (discard, have, meta_have) = {
+        let st = shared.state.lock();
+        (
+            st.requested_pf.discard_enabled,
+            st.md.data_blocks().1,
+            st.md.metadata_blocks().1,
+        )
+    };
+    if discard != requested.discard_enabled {
+        return Err(invalid("Discard support cannot be disabled once enabled"));
+    }
+    if data_blocks < have {
+        return Err(invalid(format!(
+            "pool target ({data_blocks} blocks) too small: expected {have}"
+        )));
+    }
+    // `maybe_resize_metadata_dev` fails the kernel's resume; here the
+    // reload is refused and the old table stays (the registry already
+    // refuses to shrink a device a pool uses).
+    let meta_now = metadata_blocks_of(metadata.dev.size());
+    if meta_now < meta_have {
+        return Err(invalid(format!(
+            "metadata device ({meta_now} blocks) too small: expected {meta_have}"
+        )));
+    }
+    Ok(pool.clone())
 }
 
 fn start_pool(

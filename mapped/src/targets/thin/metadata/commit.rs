@@ -261,7 +261,7 @@ fn commit_data_sm(pmd: &mut PoolMetadata) -> Result<SmRoot, MetadataError> {
             let new = tm.meta.alloc().ok_or(MetadataError::NoMetadataSpace)?;
             let old = std::mem::replace(&mut tm.data.bitmap_blocks[i], new);
             if old != 0 {
-                tm.meta.dec(old);
+                tm.meta.dec(old)?;
             }
             let raw = bitmap::encode(tm.data.bitmap_counts(i), new);
             tm.raw_dirty.insert(new, raw);
@@ -295,7 +295,7 @@ fn commit_metadata_sm(pmd: &mut PoolMetadata) -> Result<SmRoot, MetadataError> {
         tm.del(pmd.sm.meta_rc_root, ValueKind::Plain)?;
     }
     if pmd.sm.meta_index != 0 {
-        tm.meta.dec(pmd.sm.meta_index);
+        tm.meta.dec(pmd.sm.meta_index)?;
     }
     let rc_root = btree::build(tm, &overflow_entries(&tm.meta), 4, ValueKind::Plain)?;
     let index_block = tm.meta.alloc().ok_or(MetadataError::NoMetadataSpace)?;
@@ -306,7 +306,7 @@ fn commit_metadata_sm(pmd: &mut PoolMetadata) -> Result<SmRoot, MetadataError> {
                 let new = tm.meta.alloc().ok_or(MetadataError::NoMetadataSpace)?;
                 let old = std::mem::replace(&mut tm.meta.bitmap_blocks[i], new);
                 if old != 0 {
-                    tm.meta.dec(old);
+                    tm.meta.dec(old)?;
                 }
                 tm.meta.fresh[i] = true;
                 changed = true;

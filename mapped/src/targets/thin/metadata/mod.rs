@@ -62,6 +62,9 @@ pub enum MetadataError {
     /// Refused because something holds it (the kernel's -EBUSY).
     #[error("{0}")]
     Busy(String),
+    /// A reference count would go below zero: the metadata is corrupt.
+    #[error(transparent)]
+    RefCount(#[from] space_map::RefCountError),
 }
 
 impl MetadataError {
@@ -133,8 +136,11 @@ impl PoolMetadata {
         if !self.dirty {
             return Ok(());
         }
-        for &b in in_flight {
-            self.tm.data.dec(b);
+        for (i, &b) in in_flight.iter().enumerate() {
+            if let Err(e) = self.tm.data.dec(b) {
+                in_flight[..i].iter().for_each(|&b| self.tm.data.inc(b));
+                return Err(e.into());
+            }
         }
         let r = commit::commit(self);
         for &b in in_flight {
@@ -361,8 +367,9 @@ impl PoolMetadata {
 
     /// Give back a block from [`Self::alloc_data_block`] that was never
     /// mapped (a write that failed).
-    pub fn free_data_block(&mut self, b: u64) {
-        self.tm.data.dec(b);
+    pub fn free_data_block(&mut self, b: u64) -> Result<(), MetadataError> {
+        self.tm.data.dec(b)?;
+        Ok(())
     }
 
     /// Whether [`Self::insert_block`] of `vblock` would read nothing from
@@ -515,7 +522,7 @@ impl PoolMetadata {
         self.tm.raw_dirty.remove(&held);
         self.tm.del(sb.data_mapping_root, ValueKind::Subtree)?;
         self.tm.del(sb.device_details_root, ValueKind::Plain)?;
-        self.tm.meta.dec(held);
+        self.tm.meta.dec(held)?;
         self.held_root = 0;
         self.dirty = true;
         Ok(())

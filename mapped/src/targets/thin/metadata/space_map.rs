@@ -13,6 +13,14 @@
 use super::super::format::bitmap::ENTRIES_PER_BITMAP;
 use std::collections::HashSet;
 
+/// A reference count change the space map refuses.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RefCountError {
+    /// The block's count is already 0 (the kernel's -EINVAL).
+    #[error("space map common: unable to decrement block {0}: its reference count is 0")]
+    BelowZero(u64),
+}
+
 pub struct SpaceMap {
     counts: Vec<u32>,
     /// Blocks whose count fell to 0 in this transaction.
@@ -104,18 +112,22 @@ impl SpaceMap {
         self.set(b, c.saturating_add(1));
     }
 
-    /// Drop one reference; returns the count left.
-    pub fn dec(&mut self, b: u64) -> u32 {
+    /// Drop one reference; returns the count left. A block already free
+    /// is refused (`sm_ll_dec_bitmap`: "unable to decrement block",
+    /// -EINVAL): metadata that counts fewer references than it holds is
+    /// corrupt, and freeing the block would hand out data a snapshot
+    /// still maps.
+    pub fn dec(&mut self, b: u64) -> Result<u32, RefCountError> {
         let c = self.get(b);
         if c == 0 {
             tracing::error!(
                 block = b,
-                "thin: reference count of a free block decremented"
+                "thin: space map common: unable to decrement block"
             );
-            return 0;
+            return Err(RefCountError::BelowZero(b));
         }
         self.set(b, c - 1);
-        c - 1
+        Ok(c - 1)
     }
 
     /// A block free now and at the last commit, with its count set to 1.
@@ -188,7 +200,8 @@ mod tests {
         assert_eq!(sm.alloc(), Some(0));
         assert_eq!(sm.alloc(), Some(1));
         sm.committed();
-        assert_eq!(sm.dec(0), 0);
+        assert_eq!(sm.dec(0), Ok(0));
+        assert_eq!(sm.dec(0), Err(RefCountError::BelowZero(0)));
         assert_eq!(sm.alloc(), Some(2));
         assert_eq!(sm.alloc(), None, "block 0 was freed in this transaction");
         sm.committed();

@@ -190,7 +190,7 @@ impl Tm {
         if count > 1 {
             self.inc_children(&n, kind);
         }
-        self.meta.dec(b);
+        self.meta.dec(b)?;
         Ok(copy)
     }
 
@@ -215,7 +215,7 @@ impl Tm {
     pub fn dec_value(&mut self, kind: ValueKind, v: &[u8]) -> Result<(), MetadataError> {
         match kind {
             ValueKind::Mapping => {
-                self.data.dec(u64_of(v) >> 24);
+                self.data.dec(u64_of(v) >> 24)?;
             }
             ValueKind::Subtree => self.del(u64_of(v), ValueKind::Mapping)?,
             ValueKind::Plain => {}
@@ -237,7 +237,7 @@ impl Tm {
             ));
         }
         if self.meta.get(root) > 1 {
-            self.meta.dec(root);
+            self.meta.dec(root)?;
             return Ok(());
         }
         let n = self.node(root)?;
@@ -259,7 +259,7 @@ impl Tm {
                 self.del_at(n.value_u64(i), kind, depth + 1)?;
             }
         }
-        self.meta.dec(root);
+        self.meta.dec(root)?;
         self.cache.remove(&root);
         self.shadows.remove(&root);
         Ok(())
