@@ -13,7 +13,6 @@ use blkstack_core::Status;
 use blkstack_mapped::error::{Refusal, TargetError};
 use blkstack_mapped::targets::thin::metadata::PoolMetadata;
 use blkstack_mapped::{DevArg, DmError, Registry};
-use std::sync::Arc;
 use thin_support::*;
 
 /// The errno of the first [`TargetError::Refused`] in `e`'s chain.
@@ -26,18 +25,6 @@ fn refusal(e: &DmError) -> Option<Refusal> {
         cur = err.source();
     }
     None
-}
-
-fn files_reg(f: &Files, data_sectors: u64) -> Arc<Registry> {
-    let reg = Registry::new();
-    reg.create("meta", &format!("0 8192 file {} create", f.meta.display()))
-        .unwrap();
-    reg.create(
-        "data",
-        &format!("0 {data_sectors} file {} create", f.data.display()),
-    )
-    .unwrap();
-    reg
 }
 
 fn meta_arg(reg: &Registry) -> DevArg {
@@ -87,7 +74,7 @@ fn a_second_pool_over_metadata_in_use_is_refused_with_ebusy() {
 /// Metadata with thin device 0 mapping virtual blocks 0 and 1 to one
 /// data block counted once: deleting it drops that count below zero.
 fn cross_linked(f: &Files) -> u64 {
-    let reg = files_reg(f, 32768);
+    let reg = files_registry(f, 32768);
     let mut md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
     md.create_thin(0).unwrap();
     let b = md.alloc_data_block().unwrap();
@@ -101,7 +88,7 @@ fn cross_linked(f: &Files) -> u64 {
 fn a_reference_count_below_zero_fails_the_message_and_flags_the_metadata() {
     let f = files();
     cross_linked(&f);
-    let reg = files_reg(&f, 32768);
+    let reg = files_registry(&f, 32768);
     reg.create("pool", "0 32768 thin-pool meta data 128 0")
         .unwrap();
     let before = status(&reg, "pool");
@@ -122,7 +109,7 @@ fn a_reference_count_below_zero_fails_the_message_and_flags_the_metadata() {
     // Nothing of the aborted transaction is on disk: device 0 is there.
     reg.remove_all();
     drop(reg);
-    let reg = files_reg(&f, 32768);
+    let reg = files_registry(&f, 32768);
     let md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
     assert!(md.needs_check());
     assert!(md.exists(0), "the delete was not committed");
@@ -132,13 +119,13 @@ fn a_reference_count_below_zero_fails_the_message_and_flags_the_metadata() {
 fn a_pool_whose_metadata_needs_check_stays_read_only() {
     let f = files();
     {
-        let reg = files_reg(&f, 32768);
+        let reg = files_registry(&f, 32768);
         let mut md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
         md.create_thin(1).unwrap();
         md.commit().unwrap();
         md.set_needs_check().unwrap();
     }
-    let reg = files_reg(&f, 32768);
+    let reg = files_registry(&f, 32768);
     reg.create("pool", "0 32768 thin-pool meta data 128 0")
         .unwrap();
     let s = status(&reg, "pool");
@@ -162,7 +149,7 @@ fn a_pool_whose_metadata_needs_check_stays_read_only() {
 fn of_two_pools_created_at_once_over_one_metadata_device_one_runs() {
     for round in 0..8 {
         let f = files();
-        let reg = files_reg(&f, 32768);
+        let reg = files_registry(&f, 32768);
         let table = "0 32768 thin-pool meta data 128 0";
         let made: Vec<bool> = std::thread::scope(|s| {
             let a = s.spawn(|| reg.create("poolA", table).is_ok());

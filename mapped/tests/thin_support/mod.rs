@@ -59,8 +59,9 @@ pub fn files() -> Files {
     }
 }
 
-/// A pool over the files: `data_sectors` of data, 4 MiB of metadata.
-pub fn pool(f: &Files, data_sectors: u64, features: &str) -> Arc<Registry> {
+/// The files as devices `meta` (4 MiB) and `data` (`data_sectors`), with
+/// no pool over them yet.
+pub fn files_registry(f: &Files, data_sectors: u64) -> Arc<Registry> {
     let reg = Registry::new();
     reg.create("meta", &format!("0 8192 file {} create", f.meta.display()))
         .unwrap();
@@ -69,6 +70,12 @@ pub fn pool(f: &Files, data_sectors: u64, features: &str) -> Arc<Registry> {
         &format!("0 {data_sectors} file {} create", f.data.display()),
     )
     .unwrap();
+    reg
+}
+
+/// A pool over the files: `data_sectors` of data, 4 MiB of metadata.
+pub fn pool(f: &Files, data_sectors: u64, features: &str) -> Arc<Registry> {
+    let reg = files_registry(f, data_sectors);
     reg.create(
         "pool",
         &format!("0 {data_sectors} thin-pool meta data 128 0 {features}"),
