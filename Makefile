@@ -82,7 +82,9 @@ thin-crash:
 # run and leaves its input in fuzz/artifacts/TARGET: copy it to
 # fuzz/regressions/TARGET so `cargo test` replays it from then on.
 FUZZ_SECS ?= 60
-FUZZ_TARGETS := nbd_server nbd_replies table concise fio_jobfile control_json
+FUZZ_MAX_LEN ?= 131072
+FUZZ_TARGETS ?= nbd_server nbd_replies table concise fio_jobfile control_json \
+  thin_metadata replay_log vhost_user
 fuzz:
 	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz
 	cd fuzz && cargo +nightly fuzz build -O
@@ -90,5 +92,5 @@ fuzz:
 	  mkdir -p work/$$t && \
 	  echo "== $$t: $(FUZZ_SECS) s" && \
 	  cargo +nightly fuzz run -O $$t work/$$t corpus/$$t -- \
-	    -max_total_time=$(FUZZ_SECS) -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 || exit 1; \
+	    -max_total_time=$(FUZZ_SECS) -max_len=$(FUZZ_MAX_LEN) -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 || exit 1; \
 	done

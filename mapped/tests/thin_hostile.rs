@@ -9,7 +9,8 @@
 
 mod thin_support;
 
-use blkstack_core::Status;
+use blkstack_core::{Op, Status};
+use std::sync::Arc;
 use blkstack_mapped::error::{Refusal, TargetError};
 use blkstack_mapped::targets::thin::metadata::PoolMetadata;
 use blkstack_mapped::{DevArg, DmError, Registry};
@@ -164,4 +165,66 @@ fn of_two_pools_created_at_once_over_one_metadata_device_one_runs() {
         reg.remove_all();
         thin_check(&f.meta);
     }
+}
+
+/// Log lines, captured for one test.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A mapping that points past the data device (issue 35, item 9): its
+/// reads and writes fail with EIO and say why in the log, as the
+/// kernel's remapped bio does ("attempt to access beyond end of
+/// device"); the pool stays read-write, as the 6.12 kernel's does
+/// (kernel_thin checks both against the guest), and other blocks work.
+#[test]
+fn a_mapping_past_the_data_device_fails_its_io_with_eio_and_logs_it() {
+    let f = files();
+    {
+        let reg = files_registry(&f, 32768);
+        let mut md = PoolMetadata::open(meta_arg(&reg), 256, 128).unwrap();
+        md.create_thin(2).unwrap();
+        md.insert_block(2, 0, 256 + 100).unwrap();
+        md.commit().unwrap();
+    }
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let reg = files_registry(&f, 32768);
+    reg.create("pool", "0 32768 thin-pool meta data 128 0")
+        .unwrap();
+    reg.create("t", "0 16384 thin pool 2").unwrap();
+    let t = reg.get("t").unwrap();
+    for op in [Op::Read, Op::Write] {
+        let mut b = vec![0u8; 4096];
+        let st = blkstack_core::sync::submit_and_wait(&*t, op, 0, 4096, &mut b);
+        assert_eq!(
+            st,
+            Status::IoError,
+            "{op:?} of the block mapped past the end"
+        );
+    }
+    assert_eq!(status(&reg, "pool")[4], "rw");
+    write(&*t, 65536, &pattern(2, 65536, 4096));
+    assert_eq!(read(&*t, 65536, 4096), pattern(2, 65536, 4096));
+    drop(t);
+    reg.remove_all();
+    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        text.contains("attempt to access beyond end of device") && text.contains("data_block=356"),
+        "{text}"
+    );
 }

@@ -18,6 +18,9 @@
 //! superblock says `needs_check` read-only with the same status, and log
 //! a reference count that would go below zero; blkstack then fails the
 //! `delete` where the kernel lets it succeed (a deliberate difference).
+//! A block mapped past the data device fails its read and its write with
+//! EIO on both, the pool staying read-write, and both log "attempt to
+//! access beyond end of device".
 
 mod kernel_vm_support;
 
@@ -391,12 +394,33 @@ echo "BEGIN nwrite"
 dd if=/test/pattern of=/dev/mapper/nt bs=4096 count=1 oflag=direct conv=notrunc 2>/dev/null && echo written || echo refused
 echo "END nwrite"
 dmsetup remove nt; dmsetup remove npool || fail "remove npool"
+dmesg -c >/dev/null
+dmsetup create ppool --table "0 DATA thin-pool $(dev pmeta) $(dev pdata) 128 0" || fail "pool mapping past its data"
+dmsetup create pt --table "0 THIN thin /dev/mapper/ppool 2" || fail "thin over the pool mapping past its data"
+errno() { grep -o 'Input/output error\|Invalid argument\|No space left on device' /tmp/e | head -n 1; }
+echo "BEGIN past"
+dd if=/dev/mapper/pt of=/dev/null bs=4096 count=1 iflag=direct 2>/tmp/e && echo read || errno
+st ppool
+dd if=/test/pattern of=/dev/mapper/pt bs=4096 count=1 oflag=direct conv=notrunc 2>/tmp/e && echo written || errno
+st ppool
+echo "END past"
+echo "BEGIN plog"; dmesg | grep -i 'beyond end\|thin'; echo "END plog"
+dmsetup remove pt; dmsetup remove ppool || fail "remove ppool"
 echo DONE
 "#;
 
-/// Metadata whose thin 0 maps virtual blocks 0 and 1 to one data block
-/// counted once (`cross`), or that has thin 1 and `needs_check` set.
-fn hostile_metadata(meta: &Path, data: &Path, cross: bool) {
+/// What is wrong with the metadata [`hostile_metadata`] writes.
+#[derive(Clone, Copy, PartialEq)]
+enum Hostile {
+    /// Thin 0 maps virtual blocks 0 and 1 to one data block counted once.
+    Cross,
+    /// Thin 1, and the superblock says `needs_check`.
+    NeedsCheck,
+    /// Thin 2 maps virtual block 0 to a data block past the data device.
+    PastData,
+}
+
+fn hostile_metadata(meta: &Path, data: &Path, how: Hostile) {
     use blkstack_mapped::targets::thin::metadata::PoolMetadata;
     let reg = Registry::new();
     reg.create("meta", &format!("0 {META_SECTORS} file {}", meta.display()))
@@ -409,21 +433,29 @@ fn hostile_metadata(meta: &Path, data: &Path, cross: bool) {
         dev: reg.get("meta").unwrap(),
     };
     let mut md = PoolMetadata::open(arg, DATA_SECTORS / 128, 128).unwrap();
-    if cross {
-        md.create_thin(0).unwrap();
-        let b = md.alloc_data_block().unwrap();
-        md.insert_block(0, 0, b).unwrap();
-        md.insert_block(0, 1, b).unwrap();
-        md.commit().unwrap();
-    } else {
-        md.create_thin(1).unwrap();
-        md.commit().unwrap();
-        md.set_needs_check().unwrap();
+    match how {
+        Hostile::Cross => {
+            md.create_thin(0).unwrap();
+            let b = md.alloc_data_block().unwrap();
+            md.insert_block(0, 0, b).unwrap();
+            md.insert_block(0, 1, b).unwrap();
+            md.commit().unwrap();
+        }
+        Hostile::NeedsCheck => {
+            md.create_thin(1).unwrap();
+            md.commit().unwrap();
+            md.set_needs_check().unwrap();
+        }
+        Hostile::PastData => {
+            md.create_thin(2).unwrap();
+            md.insert_block(2, 0, DATA_SECTORS / 128 + 100).unwrap();
+            md.commit().unwrap();
+        }
     }
 }
 
 /// What blkstack answers to the guest's steps, section by section.
-fn hostile_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> [String; 4] {
+fn hostile_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> [String; 5] {
     let errno = |e: blkstack_mapped::DmError| {
         let e = blkstack_control::proto::RpcError::from(e);
         e.strerror().unwrap_or("?").to_string()
@@ -461,7 +493,31 @@ fn hostile_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> [String; 4] {
     };
     drop(nt);
     reg.remove_all();
-    [busy, delete, nstatus, nwrite.to_string()]
+    [busy, delete, nstatus, nwrite.to_string(), past_here(p)]
+}
+
+/// The guest's `past` section, here: read and write the block mapped past
+/// the data device, the pool's status after each.
+fn past_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> String {
+    let reg = pool_reg(&p("pmeta-b"), &p("pdata-b"));
+    reg.create("pt", &format!("0 {THIN_SECTORS} thin pool 2"))
+        .unwrap();
+    let pt = reg.device("pt").unwrap();
+    let mut out = Vec::new();
+    for (op, done) in [(Op::Read, "read"), (Op::Write, "written")] {
+        let mut b = pattern()[..4096].to_vec();
+        out.push(match submit_and_wait(&*pt, op, 0, 4096, &mut b) {
+            Status::Ok => done.to_string(),
+            st => {
+                let e = std::io::Error::from_raw_os_error(st.errno()).to_string();
+                e.split(" (os error").next().unwrap_or_default().to_string()
+            }
+        });
+        out.push(status_args(&reg, "pool"));
+    }
+    drop(pt);
+    reg.remove_all();
+    out.join("\n")
 }
 
 #[test]
@@ -477,13 +533,17 @@ fn the_kernel_and_blkstack_refuse_hostile_pools_alike() {
         ("xdata", DATA_SECTORS),
         ("nmeta", META_SECTORS),
         ("ndata", DATA_SECTORS),
+        ("pmeta", META_SECTORS),
+        ("pdata", DATA_SECTORS),
     ] {
         let f = std::fs::File::create(p(name)).unwrap();
         f.set_len(sectors * 512).unwrap();
     }
-    hostile_metadata(&p("xmeta"), &p("xdata"), true);
-    hostile_metadata(&p("nmeta"), &p("ndata"), false);
-    for n in ["xmeta", "xdata", "nmeta", "ndata"] {
+    hostile_metadata(&p("xmeta"), &p("xdata"), Hostile::Cross);
+    hostile_metadata(&p("nmeta"), &p("ndata"), Hostile::NeedsCheck);
+    hostile_metadata(&p("pmeta"), &p("pdata"), Hostile::PastData);
+    let disks = ["xmeta", "xdata", "nmeta", "ndata", "pmeta", "pdata"];
+    for n in disks {
         std::fs::copy(p(n), p(&format!("{n}-b"))).unwrap();
     }
     let ours = hostile_here(&p);
@@ -491,7 +551,7 @@ fn the_kernel_and_blkstack_refuse_hostile_pools_alike() {
         .replace("DATA", &DATA_SECTORS.to_string())
         .replace("THIN", &THIN_SECTORS.to_string());
     let mut vm = Vm::new();
-    for n in ["xmeta", "xdata", "nmeta", "ndata"] {
+    for n in disks {
         vm = vm.disk(n, &p(n).display().to_string());
     }
     let run = vm
@@ -539,4 +599,14 @@ fn the_kernel_and_blkstack_refuse_hostile_pools_alike() {
         "a pool whose metadata needs_check: the kernel's status (right), blkstack's (left)"
     );
     assert_eq!(section("nwrite"), ours[3], "a write to its thin device");
+    assert_eq!(
+        section("past"),
+        ours[4],
+        "a block mapped past the data device read, then written: errno and pool status after each, the kernel's (right), blkstack's (left)"
+    );
+    assert!(
+        section("plog").contains("beyond end of device"),
+        "{}",
+        section("plog")
+    );
 }

@@ -10,6 +10,7 @@
 
 pub mod block;
 pub mod command;
+pub mod fuzzing;
 pub mod guest;
 pub mod log;
 pub mod replay;

@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod cli;
 pub mod config;
+pub mod fuzzing;
 pub mod guard;
 pub mod request;
 pub mod server;

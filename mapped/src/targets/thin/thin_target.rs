@@ -141,6 +141,12 @@ impl ThinCore {
         match prepared {
             Prepared::Queued => debug_assert!(false, "a queued bio came back"),
             Prepared::Fail(st) => bio.complete(st),
+            Prepared::Mapped(b) if !self.pool.data_block_in_device(self.dev_id, vblock, b) => {
+                if let Some(e) = epoch {
+                    self.pool.all_io.exit(e);
+                }
+                bio.complete(Status::IoError)
+            }
             Prepared::Mapped(b) => {
                 if let Some(e) = epoch {
                     self.pool.all_io.track(&mut bio, e);
