@@ -10,10 +10,10 @@
 mod thin_support;
 
 use blkstack_core::{Op, Status};
-use std::sync::Arc;
 use blkstack_mapped::error::{Refusal, TargetError};
 use blkstack_mapped::targets::thin::metadata::PoolMetadata;
 use blkstack_mapped::{DevArg, DmError, Registry};
+use std::sync::Arc;
 use thin_support::*;
 
 /// The errno of the first [`TargetError::Refused`] in `e`'s chain.

@@ -1,5 +1,8 @@
 //! What blkstack's integration tests share, as cloud-hypervisor's
-//! `test_infra` is shared by its tests.
+//! `test_infra` is shared by its tests: the one `blkstack serve` harness
+//! ([`Serve`]), bounded child processes and the tools they run
+//! ([`tool`], [`thin_check`]), test data ([`pattern`], [`Scratch`]), and
+//! skipping.
 //!
 //! [`skip`] is the one way a test gives up because something outside the
 //! project is missing (a tool, the kernel VM, network namespaces): a run
@@ -7,6 +10,16 @@
 //! variable set, as CI services and `.ci/run` set it) the test fails,
 //! naming what is missing; elsewhere it prints one line saying what was
 //! skipped and why.
+
+pub mod data;
+pub mod process;
+pub mod serve;
+
+pub use data::{pattern, pattern_file, pattern_file_with_holes, Scratch};
+pub use process::{
+    rss_kib, run, run_bounded, run_ok, status_kib, thin_check, thin_dump, tool, wait_bounded, Out,
+};
+pub use serve::{blkstack_bin, Control, Serve, VERB_DEADLINE};
 
 use std::ffi::OsStr;
 

@@ -3,10 +3,8 @@
 //! export/unexport seen by a real NBD client, and refusals that are
 //! clear and change nothing.
 
-mod control_support;
-
 use blkstack_nbd::client::RawClient;
-use control_support::*;
+use blkstack_test_support::*;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -114,7 +112,7 @@ fn message_takes_its_options_anywhere() {
     let ctl = srv.control.to_str().unwrap();
     let run = |args: &[&str]| {
         run_bounded(
-            std::process::Command::new(BIN).args(args),
+            std::process::Command::new(blkstack_bin()).args(args),
             None,
             Duration::from_secs(30),
             &format!("blkstack {args:?}"),
@@ -309,7 +307,11 @@ fn errors_are_clear_and_change_nothing() {
 
     // No server at the given socket.
     let o = run_bounded(
-        std::process::Command::new(BIN).args(["ls", "--control", "/nonexistent/control.sock"]),
+        std::process::Command::new(blkstack_bin()).args([
+            "ls",
+            "--control",
+            "/nonexistent/control.sock",
+        ]),
         None,
         VERB_DEADLINE,
         "ls without server",
@@ -338,14 +340,17 @@ fn control_socket_is_private() {
 #[test]
 fn default_socket_is_under_xdg_runtime_dir() {
     use std::os::unix::fs::PermissionsExt;
-    let srv = Serve::start_with(STACK, "d0", true);
+    let srv = Serve::options()
+        .args(&["--concise", STACK, "--export", "d0"])
+        .control(Control::Default)
+        .start();
     let dir = srv.dir.join("blkstack");
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&dir), 0o700);
     assert_eq!(mode(&srv.control), 0o600);
     // A verb without --control finds it through the same variable.
     let o = run_bounded(
-        std::process::Command::new(BIN)
+        std::process::Command::new(blkstack_bin())
             .arg("ls")
             .env("XDG_RUNTIME_DIR", &srv.dir),
         None,

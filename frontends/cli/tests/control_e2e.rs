@@ -13,9 +13,7 @@
 //! comparison is a 5x difference in configured delay checked with a 2x
 //! margin: it tests which table serves I/O, not how fast the machine is.
 
-mod control_support;
-
-use control_support::*;
+use blkstack_test_support::*;
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

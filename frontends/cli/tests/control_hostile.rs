@@ -4,9 +4,7 @@
 //! Whatever they do, the server's threads and memory stay bounded, each
 //! gets the error docs/CONTROL.md names, and other clients are served.
 
-mod control_support;
-
-use control_support::Serve;
+use blkstack_test_support::*;
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;

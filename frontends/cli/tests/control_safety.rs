@@ -5,9 +5,7 @@
 //! a memory line keeps its data, one dropping it (or a remove) is refused
 //! unless `--force`/`-f`, and a refused reload leaves the old table live.
 
-mod control_support;
-
-use control_support::*;
+use blkstack_test_support::*;
 use std::process::Command;
 use std::time::Duration;
 
@@ -176,12 +174,15 @@ fn removing_a_device_holding_ram_data_needs_force() {
 fn serve_memory_limit_bounds_all_memory_devices_together() {
     // Two 4 MiB RAM disks under a 16 KiB process budget: four pages in all,
     // whichever device takes them.
-    let srv = Serve::start_args(
-        "ma,,,rw,0 8192 memory;mc,,,rw,0 8192 memory",
-        "ma,mc",
-        false,
-        &["--memory-limit", "16K"],
-    );
+    let srv = Serve::options()
+        .args(&[
+            "--concise",
+            "ma,,,rw,0 8192 memory;mc,,,rw,0 8192 memory",
+            "--export",
+            "ma,mc",
+        ])
+        .args(&["--memory-limit", "16K"])
+        .start();
     qemu_io_ok(&srv, "ma", "write -P 0x44 0 8k");
     qemu_io_ok(&srv, "mc", "write -P 0x55 0 8k");
     let (ok, out) = qemu_io(&srv, "ma", "write -P 0x66 1M 4k");
@@ -200,7 +201,7 @@ fn serve_refuses_a_malformed_memory_limit() {
         ("12Q", "is not a size"),
         ("100", "at least one 4096-byte page"),
     ] {
-        let o = Command::new(BIN)
+        let o = Command::new(blkstack_bin())
             .args(["serve", "--concise", "m,,,rw,0 8 memory", "--export", "m"])
             .args(["--memory-limit", bad])
             .output()

@@ -6,9 +6,7 @@
 //! fio's own format), and each side does the same number of I/Os so the
 //! shares are comparable. Each run is about a second of I/O.
 
-mod nbd_common;
-
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
@@ -49,13 +47,8 @@ fn sequential_share(offs: &[u64]) -> f64 {
 
 /// Run `job` through fio's nbd engine and through blkstack bench; return
 /// the offsets each logged and the two JSON reports.
-fn both(
-    srv: &ServerProc,
-    dir: &Scratch,
-    tag: &str,
-    job: &[&str],
-) -> [(Vec<u64>, serde_json::Value); 2] {
-    let uri = srv.unix_uri("mem");
+fn both(srv: &Serve, dir: &Scratch, tag: &str, job: &[&str]) -> [(Vec<u64>, serde_json::Value); 2] {
+    let uri = srv.uri("mem");
     let fio_prefix = dir.path(&format!("fio-{tag}"));
     let out = run_ok(
         Command::new(tool("fio"))
@@ -105,7 +98,7 @@ fn both(
 
 #[test]
 fn zipf_pareto_and_percentage_random_land_where_fios_do() {
-    let srv = ServerProc::start(CONCISE, "mem");
+    let srv = Serve::start_tcp(CONCISE, "mem");
     let dir = Scratch::new("fiodist");
     let common = [
         "--rw=randread",
@@ -152,7 +145,7 @@ fn zipf_pareto_and_percentage_random_land_where_fios_do() {
 
 #[test]
 fn poisson_rate_iops_achieves_fios_rate() {
-    let srv = ServerProc::start(CONCISE, "mem");
+    let srv = Serve::start_tcp(CONCISE, "mem");
     let dir = Scratch::new("fiorate");
     // fio reaches the device through the NBD server, ours in process:
     // at queue depth 1 fio's rate is bound by the socket round trip, and

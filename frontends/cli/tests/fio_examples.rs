@@ -6,9 +6,7 @@
 //! checks every row of that table against what the binary does, and that
 //! at least 90 % run.
 
-mod nbd_common;
-
-use nbd_common::{run, Scratch};
+use blkstack_test_support::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;

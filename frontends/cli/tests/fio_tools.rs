@@ -3,9 +3,7 @@
 //! log files through `fio2gnuplot`, and the log lines have the shape of
 //! the ones fio itself writes for the same options.
 
-mod nbd_common;
-
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::process::Command;
 use std::time::Duration;
 

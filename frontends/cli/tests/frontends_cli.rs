@@ -8,9 +8,7 @@
 //! one, a serve with nothing to export says what it needs, and a bad
 //! `--vhost-user-blk` spec is named. Each refusal leaves nothing behind.
 
-mod control_support;
-
-use control_support::Serve;
+use blkstack_test_support::*;
 use std::process::{Command, Stdio};
 
 fn serve(args: &[&str]) -> (Option<i32>, String) {

@@ -11,10 +11,9 @@
 //! device healed, what was synced before the errors intact and e2fsck
 //! clean after it replays the journal.
 
-mod control_support;
 mod kernel_vm_support;
 
-use control_support::Serve;
+use blkstack_test_support::*;
 use kernel_vm_support::*;
 use std::path::Path;
 
@@ -69,7 +68,7 @@ fs_cycle() {
 "#;
 
 fn pattern(dir: &Path) -> std::path::PathBuf {
-    pattern_file(dir, 8 << 20, 0x9E37_79B9_7F4A_7C15)
+    guest_pattern(dir, 8 << 20, 0x9E37_79B9_7F4A_7C15)
 }
 
 /// The first four bytes of an export, read back through blkstack on the

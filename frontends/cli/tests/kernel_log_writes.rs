@@ -11,12 +11,11 @@
 //! device byte for byte, and xfstests' own replay-log (built with cc)
 //! replays both logs to the same images as ours.
 
-mod control_support;
 mod kernel_vm_support;
 mod xfstests_support;
 
 use blkstack_mapped::targets::log_writes::format::{LogEntry, LogSuper, LOG_MARK_FLAG};
-use control_support::Serve;
+use blkstack_test_support::*;
 use kernel_vm_support::*;
 use std::path::Path;
 use std::sync::Arc;
@@ -117,12 +116,12 @@ fn our_log_writes_logs_what_the_kernels_logs() {
         format!("lw,,,rw,0 {SECTORS} log-writes bdata blog"),
     ]
     .join(";");
-    let srv = Arc::new(Serve::start_args(
-        &concise,
-        "kdata,klog,lw",
-        false,
-        &["--listen", "nbd://127.0.0.1:0"],
-    ));
+    let srv = Arc::new(
+        Serve::options()
+            .args(&["--concise", &concise, "--export", "kdata,klog,lw"])
+            .args(&["--listen", "nbd://127.0.0.1:0"])
+            .start(),
+    );
     let port = srv.tcp_port();
     let hs = srv.clone();
     let hooks = HostHooks::start(move |cmd| {

@@ -15,10 +15,9 @@
 //! (BLK_STS_IOERR) and none may reach ext4; no write acknowledged to the
 //! guest may be lost (every file compared, e2fsck clean).
 
-mod control_support;
 mod kernel_vm_support;
 
-use control_support::Serve;
+use blkstack_test_support::*;
 use kernel_vm_support::*;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -183,12 +182,12 @@ impl Path {
 
     fn start(&mut self) {
         let listen = format!("nbd+unix:///?socket={}", self.socket.display());
-        self.serve = Some(Serve::start_args(
-            &self.stack,
-            self.name,
-            false,
-            &["--listen", &listen],
-        ));
+        self.serve = Some(
+            Serve::options()
+                .args(&["--concise", &self.stack, "--export", self.name])
+                .args(&["--listen", &listen])
+                .start(),
+        );
     }
 
     fn uri(&self) -> String {

@@ -8,11 +8,11 @@
 //! once by `kill -9` of the whole server: the guest's kernel must turn
 //! that into I/O errors for the writer, and nothing in the guest may hang.
 
-mod control_support;
-mod kernel_vm_support;
-mod nbd_common;
+mod tls_support;
 
-use control_support::Serve;
+mod kernel_vm_support;
+
+use blkstack_test_support::*;
 use kernel_vm_support::*;
 use std::sync::Arc;
 
@@ -75,22 +75,22 @@ fn kernel_nbd_client_lives_on_blkstack_and_survives_losing_it() {
         return;
     }
     let scratch = tempfile::tempdir().expect("scratch");
-    nbd_common::certs::certificates(scratch.path());
+    tls_support::certificates(scratch.path());
     let certs = scratch.path().display().to_string();
     let concise = format!("plain,,,rw,0 {SECTORS} memory;tls,,,rw,0 {SECTORS} memory");
-    let srv = Arc::new(Serve::start_args(
-        &concise,
-        "plain,tls",
-        false,
-        &[
-            "--listen",
-            "nbd://127.0.0.1:0",
-            "--tls",
-            "on",
-            "--tls-certificates",
-            &certs,
-        ],
-    ));
+    let srv = Arc::new(
+        Serve::options()
+            .args(&["--concise", &concise, "--export", "plain,tls"])
+            .args(&[
+                "--listen",
+                "nbd://127.0.0.1:0",
+                "--tls",
+                "on",
+                "--tls-certificates",
+                &certs,
+            ])
+            .start(),
+    );
     let port = srv.tcp_port();
     let hook_srv = srv.clone();
     let hooks = HostHooks::start(move |cmd| match cmd {
@@ -114,7 +114,7 @@ fn kernel_nbd_client_lives_on_blkstack_and_survives_losing_it() {
         other => format!("unknown hook {other}"),
     });
     let pattern = scratch.path().join("pattern");
-    nbd_common::pattern_file(&pattern, 4 << 20, 7);
+    blkstack_test_support::pattern_file_with_holes(&pattern, 4 << 20, 7);
     let run = Vm::new()
         .file(&pattern, "/test/pattern")
         .file(&scratch.path().join("ca-cert.pem"), "/test/ca-cert.pem")

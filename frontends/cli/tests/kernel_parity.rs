@@ -18,7 +18,6 @@
 //! table through the real `blkstack serve` and `blkstack create`, as a
 //! user would, and checks dmsetup's errno text on stderr.
 
-mod control_support;
 mod kernel_parity_support;
 mod kernel_vm_support;
 
@@ -223,7 +222,7 @@ fn blkstack_create_refuses_what_the_kernel_refuses() {
             format!("{n},,,rw,0 {s} file {}", img.display())
         })
         .collect();
-    let srv = control_support::Serve::start(&concise.join(";"), "l0");
+    let srv = blkstack_test_support::Serve::start(&concise.join(";"), "l0");
     let mut wrong = Vec::new();
     for c in bad
         .iter()

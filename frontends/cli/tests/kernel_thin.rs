@@ -27,6 +27,7 @@ mod kernel_vm_support;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{Device, Op, Status};
 use blkstack_mapped::Registry;
+use blkstack_test_support::thin_check;
 use kernel_vm_support::*;
 use std::path::Path;
 use std::process::Command;
@@ -102,20 +103,6 @@ fn read_all(dev: &dyn Device) -> Vec<u8> {
     let st = submit_and_wait(dev, Op::Read, 0, THIN_BYTES as u64, &mut b);
     assert_eq!(st, Status::Ok);
     b
-}
-
-fn thin_check(meta: &Path) {
-    let out = Command::new("/usr/sbin/thin_check")
-        .arg(meta)
-        .output()
-        .expect("thin_check (make deps installs thin-provisioning-tools)");
-    assert!(
-        out.status.success(),
-        "thin_check {}: {}{}",
-        meta.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn pool_reg(meta: &Path, data: &Path) -> Arc<Registry> {

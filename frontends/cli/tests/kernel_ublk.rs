@@ -251,7 +251,7 @@ fn guest(script: &str, timeout: u64) -> VmRun {
     let run = Vm::new()
         .blkstack()
         .file(
-            &pattern_file(scratch.path(), 4 << 20, 0x2545_F491_4F6C_DD1D),
+            &guest_pattern(scratch.path(), 4 << 20, 0x2545_F491_4F6C_DD1D),
             "/test/pattern",
         )
         .timeout(timeout)

@@ -7,10 +7,9 @@
 //! and restarted in the middle of an fsyncing writer: qemu reconnects
 //! (`reconnect-ms`), the guest's I/O goes on, every file is intact.
 
-mod control_support;
 mod kernel_vm_support;
 
-use control_support::Serve;
+use blkstack_test_support::*;
 use kernel_vm_support::*;
 use std::sync::{Arc, Mutex};
 
@@ -73,7 +72,12 @@ fn vhost_user_blk_disk_survives_a_backend_restart() {
     let stack = format!("vd,,,rw,0 {SECTORS} file {} create", img.display());
     let vhost = format!("{}:vd", sock.display());
     let extra = ["--vhost-user-blk", vhost.as_str(), "--vhost-queues", "2"];
-    let srv = Arc::new(Mutex::new(Serve::start_args(&stack, "vd", false, &extra)));
+    let srv = Arc::new(Mutex::new(
+        Serve::options()
+            .args(&["--concise", &stack, "--export", "vd"])
+            .args(&extra)
+            .start(),
+    ));
     let (hook_srv, hook_stack, hook_extra) = (srv.clone(), stack.clone(), extra.map(String::from));
     let restarts = Arc::new(Mutex::new(0));
     let hook_restarts = restarts.clone();
@@ -96,7 +100,10 @@ fn vhost_user_blk_disk_survives_a_backend_restart() {
             kill9(s.pid());
             std::thread::sleep(std::time::Duration::from_millis(500));
             let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-            *s = Serve::start_args(&stack, "vd", false, &extra);
+            *s = Serve::options()
+                .args(&["--concise", &stack, "--export", "vd"])
+                .args(&extra)
+                .start();
             *n.lock().expect("count") += 1;
         }));
         "ok".into()
@@ -104,7 +111,7 @@ fn vhost_user_blk_disk_survives_a_backend_restart() {
     let run = Vm::new()
         .vhost_user_blk(&sock, 2)
         .file(
-            &pattern_file(scratch.path(), 4 << 20, 0x51_7CC1_B727_220A),
+            &guest_pattern(scratch.path(), 4 << 20, 0x51_7CC1_B727_220A),
             "/test/pattern",
         )
         .forward(HOOK_PORT, hooks.port())

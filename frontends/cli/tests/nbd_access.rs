@@ -2,15 +2,13 @@
 //! owner (0600) unless `--socket-mode` says otherwise, whatever the umask,
 //! and listening on a non-loopback TCP address without TLS is warned about.
 
-mod nbd_common;
-
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::os::unix::fs::PermissionsExt;
 
 const STACK: &str = "mem,,,rw,0 2048 memory";
 
-fn mode(srv: &ServerProc) -> u32 {
-    std::fs::metadata(&srv.socket)
+fn mode(srv: &Serve) -> u32 {
+    std::fs::metadata(&srv.nbd_socket)
         .expect("socket exists")
         .permissions()
         .mode()
@@ -19,7 +17,7 @@ fn mode(srv: &ServerProc) -> u32 {
 
 #[test]
 fn the_unix_socket_is_private_by_default() {
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     assert_eq!(mode(&srv), 0o600);
     let err = srv.stderr_text();
     assert!(
@@ -30,14 +28,17 @@ fn the_unix_socket_is_private_by_default() {
 
 #[test]
 fn socket_mode_sets_the_unix_socket_permissions() {
-    let srv = ServerProc::start_args(&[
-        "--concise",
-        STACK,
-        "--export",
-        "mem",
-        "--socket-mode",
-        "0660",
-    ]);
+    let srv = Serve::options()
+        .args(&[
+            "--concise",
+            STACK,
+            "--export",
+            "mem",
+            "--socket-mode",
+            "0660",
+        ])
+        .tcp()
+        .start();
     assert_eq!(mode(&srv), 0o660);
 }
 
@@ -65,14 +66,17 @@ fn a_bad_socket_mode_is_refused_by_name() {
 
 #[test]
 fn listening_on_a_non_loopback_address_without_tls_warns() {
-    let srv = ServerProc::start_args(&[
-        "--concise",
-        STACK,
-        "--export",
-        "mem",
-        "--listen",
-        "nbd://0.0.0.0:0",
-    ]);
+    let srv = Serve::options()
+        .args(&[
+            "--concise",
+            STACK,
+            "--export",
+            "mem",
+            "--listen",
+            "nbd://0.0.0.0:0",
+        ])
+        .tcp()
+        .start();
     let err = srv.stderr_text();
     assert!(
         err.contains("WARN") && err.contains("non-loopback") && err.contains("without TLS"),

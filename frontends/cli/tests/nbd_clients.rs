@@ -4,9 +4,7 @@
 //! socket; data is checked end to end (fio's crc32c verify, qemu-img
 //! compare, byte comparison of copies).
 
-mod nbd_common;
-
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::process::Command;
 use std::time::Duration;
 
@@ -25,11 +23,11 @@ fn text(o: &std::process::Output) -> String {
 #[test]
 fn fio_nbd_engine_randrw_with_crc32c_verify() {
     let fio = tool("fio");
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     for (uri, extra) in [
         (srv.tcp_uri("mem"), vec!["--bs=4k", "--iodepth=16"]),
         (
-            srv.unix_uri("mem"),
+            srv.uri("mem"),
             vec!["--bsrange=512-64k", "--iodepth=8", "--numjobs=1"],
         ),
     ] {
@@ -68,10 +66,10 @@ fn fio_nbd_engine_randrw_with_crc32c_verify() {
 #[test]
 fn qemu_img_info_convert_and_compare_both_ways() {
     let qemu_img = tool("qemu-img");
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     let dir = Scratch::new("qemu");
     let src = dir.path("src.raw");
-    pattern_file(&src, 8 << 20, 7);
+    pattern_file_with_holes(&src, 8 << 20, 7);
     let uri = srv.tcp_uri("mem");
 
     let info = run_ok(Command::new(&qemu_img).args(["info", &uri]), T);
@@ -122,8 +120,8 @@ fn qemu_img_info_convert_and_compare_both_ways() {
 #[test]
 fn qemu_io_reads_and_writes_patterns() {
     let qemu_io = tool("qemu-io");
-    let srv = ServerProc::start(STACK, "mem,zero:ro");
-    let uri = srv.unix_uri("mem");
+    let srv = Serve::start_tcp(STACK, "mem,zero:ro");
+    let uri = srv.uri("mem");
     let out = run_ok(
         Command::new(&qemu_io).args([
             "-f",
@@ -165,14 +163,7 @@ fn qemu_io_reads_and_writes_patterns() {
 
     // The read-only export refuses writes.
     let ro = run(
-        Command::new(&qemu_io).args([
-            "-f",
-            "raw",
-            "-r",
-            "-c",
-            "read -P 0 0 64k",
-            &srv.unix_uri("zero"),
-        ]),
+        Command::new(&qemu_io).args(["-f", "raw", "-r", "-c", "read -P 0 0 64k", &srv.uri("zero")]),
         T,
     );
     assert!(
@@ -181,7 +172,7 @@ fn qemu_io_reads_and_writes_patterns() {
         text(&ro)
     );
     let w = run(
-        Command::new(&qemu_io).args(["-f", "raw", "-c", "write -P 1 0 4k", &srv.unix_uri("zero")]),
+        Command::new(&qemu_io).args(["-f", "raw", "-c", "write -P 1 0 4k", &srv.uri("zero")]),
         T,
     );
     let wt = text(&w);
@@ -198,7 +189,7 @@ fn qemu_io_reads_and_writes_patterns() {
 #[test]
 fn nbdinfo_size_block_sizes_list_and_map() {
     let nbdinfo = tool("nbdinfo");
-    let srv = ServerProc::start(STACK, "mem,zero:ro,nul");
+    let srv = Serve::start_tcp(STACK, "mem,zero:ro,nul");
     let out = run_ok(Command::new(&nbdinfo).arg(srv.tcp_uri("mem")), T);
     let t = text(&out);
     for want in [
@@ -213,28 +204,19 @@ fn nbdinfo_size_block_sizes_list_and_map() {
     ] {
         assert!(t.contains(want), "nbdinfo lacks {want:?}:\n{t}");
     }
-    let size = run_ok(
-        Command::new(&nbdinfo).args(["--size", &srv.unix_uri("zero")]),
-        T,
-    );
+    let size = run_ok(Command::new(&nbdinfo).args(["--size", &srv.uri("zero")]), T);
     assert_eq!(String::from_utf8_lossy(&size.stdout).trim(), "67108864");
-    let ro = run_ok(Command::new(&nbdinfo).arg(srv.unix_uri("zero")), T);
+    let ro = run_ok(Command::new(&nbdinfo).arg(srv.uri("zero")), T);
     assert!(text(&ro).contains("is_read_only: true"), "{}", text(&ro));
 
-    let list = run_ok(
-        Command::new(&nbdinfo).args(["--list", &srv.unix_uri("")]),
-        T,
-    );
+    let list = run_ok(Command::new(&nbdinfo).args(["--list", &srv.uri("")]), T);
     let lt = text(&list);
     for e in ["export=\"mem\"", "export=\"zero\"", "export=\"nul\""] {
         assert!(lt.contains(e), "--list lacks {e}:\n{lt}");
     }
 
     // The zero device is one hole; a fresh memory device too, until written.
-    let map = run_ok(
-        Command::new(&nbdinfo).args(["--map", &srv.unix_uri("zero")]),
-        T,
-    );
+    let map = run_ok(Command::new(&nbdinfo).args(["--map", &srv.uri("zero")]), T);
     let mt = text(&map);
     assert!(mt.contains("hole,zero"), "{mt}");
 }
@@ -242,16 +224,16 @@ fn nbdinfo_size_block_sizes_list_and_map() {
 #[test]
 fn nbdcopy_round_trip_over_multiple_connections() {
     let nbdcopy = tool("nbdcopy");
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     let dir = Scratch::new("copy");
     let src = dir.path("src.raw");
-    pattern_file(&src, 64 << 20, 11);
+    pattern_file_with_holes(&src, 64 << 20, 11);
     // nbdcopy uses several connections when the server offers multi-conn.
     run_ok(
         Command::new(&nbdcopy)
             .args(["--connections=4", "--requests=16"])
             .arg(&src)
-            .arg(srv.unix_uri("mem")),
+            .arg(srv.uri("mem")),
         T,
     );
     let back = dir.path("back.raw");

@@ -7,10 +7,8 @@
 //! verify run completes with no error, as fio over dm-multipath does
 //! when a SAN path hangs.
 
-mod nbd_common;
-
 use blkstack_drivers::nbd::scripted::{self, Misbehaviour};
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -18,7 +16,7 @@ const SECTORS: u64 = 65536;
 
 #[test]
 fn multipath_over_a_healthy_and_a_hung_nbd_leaf_verifies_cleanly() {
-    let good = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    let good = Serve::start_tcp(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
     let dir = Scratch::new("failover");
     let hung_sock = dir.path("hung.sock");
     scripted::spawn(&hung_sock, SECTORS * 512, Misbehaviour::NeverReply).expect("hung server");
@@ -27,7 +25,7 @@ fn multipath_over_a_healthy_and_a_hung_nbd_leaf_verifies_cleanly() {
         "good: 0 {SECTORS} nbd {} {leaf}\n\
          hung: 0 {SECTORS} nbd nbd+unix:///?socket={} {leaf}\n\
          mp: 0 {SECTORS} multipath 0 0 1 1 round-robin 0 2 1 good 1 hung 1\n",
-        good.unix_uri("mem"),
+        good.uri("mem"),
         hung_sock.display()
     );
     let stack_file = dir.path("mp.stack");

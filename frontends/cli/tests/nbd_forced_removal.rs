@@ -5,9 +5,7 @@
 //! export's clients are disconnected, and SIGTERM afterwards stops the
 //! server within a bound. Real clients: qemu-io and fio's nbd engine.
 
-mod control_support;
-
-use control_support::*;
+use blkstack_test_support::*;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 

@@ -9,11 +9,11 @@
 //! read its replies stops being read (backpressure) and, past the send
 //! timeout, is disconnected.
 
-mod nbd_common;
+mod tls_support;
 
 use blkstack_nbd::client::RawClient;
 use blkstack_nbd::proto::*;
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
@@ -24,14 +24,14 @@ use std::time::{Duration, Instant};
 /// every connection of the export shares.
 const BIG: &str = "big,,,rw,0 8388608 null;slow,,,rw,0 8388608 null irqmode=1";
 
-fn connect(srv: &ServerProc) -> UnixStream {
-    let s = UnixStream::connect(&srv.socket).expect("connect unix");
+fn connect(srv: &Serve) -> UnixStream {
+    let s = UnixStream::connect(&srv.nbd_socket).expect("connect unix");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     s
 }
 
-fn negotiated(srv: &ServerProc, export: &str) -> RawClient<UnixStream> {
+fn negotiated(srv: &Serve, export: &str) -> RawClient<UnixStream> {
     let mut c = RawClient::new(connect(srv));
     c.start().expect("greeting");
     c.go(export).expect("go");
@@ -84,13 +84,16 @@ fn pipeline_unread(c: &mut RawClient<UnixStream>, n: u64, len: u32) -> u64 {
 const BUDGET_KIB: u64 = 64 << 10;
 
 /// `serve` of `BIG`, exporting `big`, with one more `--FLAG VALUE`.
-fn serve_big_with(flag: &str, value: &str) -> ServerProc {
-    ServerProc::start_args(&["--concise", BIG, "--export", "big", flag, value])
+fn serve_big_with(flag: &str, value: &str) -> Serve {
+    Serve::options()
+        .args(&["--concise", BIG, "--export", "big", flag, value])
+        .tcp()
+        .start()
 }
 
 #[test]
 fn pipelined_reads_never_read_cost_at_most_the_connection_budget() {
-    let srv = ServerProc::start(BIG, "big");
+    let srv = Serve::start_tcp(BIG, "big");
     let pid = srv.pid();
     let mut warm = negotiated(&srv, "big");
     read_4k(&mut warm, 1);
@@ -115,7 +118,7 @@ fn pipelined_reads_never_read_cost_at_most_the_connection_budget() {
 
 #[test]
 fn an_unaligned_write_zeroes_of_4_gib_allocates_no_buffer_of_that_size() {
-    let srv = ServerProc::start(BIG, "big");
+    let srv = Serve::start_tcp(BIG, "big");
     let pid = srv.pid();
     // NBD_OPT_EXPORT_NAME: no block sizes learnt, so unaligned requests
     // are served rather than refused.
@@ -149,8 +152,10 @@ fn an_unaligned_write_zeroes_of_4_gib_allocates_no_buffer_of_that_size() {
 
 #[test]
 fn a_client_that_stops_reading_freezes_nobody_else_and_is_cut_off() {
-    let srv =
-        ServerProc::start_args(&["--concise", BIG, "--export", "slow", "--send-timeout", "2"]);
+    let srv = Serve::options()
+        .args(&["--concise", BIG, "--export", "slow", "--send-timeout", "2"])
+        .tcp()
+        .start();
     let mut stalled = negotiated(&srv, "slow");
     // 128 MiB of replies: far more than both socket buffers hold.
     pipeline_unread(&mut stalled, 2_000, 64 << 10);
@@ -201,7 +206,7 @@ fn prlimit_as(pid: u32, limit: &str) {
 
 #[test]
 fn out_of_threads_a_connection_is_refused_and_the_server_stays_up() {
-    let srv = ServerProc::start(BIG, "big");
+    let srv = Serve::start_tcp(BIG, "big");
     let pid = srv.pid();
     let mut warm = negotiated(&srv, "big");
     read_4k(&mut warm, 1);
@@ -287,19 +292,22 @@ fn handshakes_beyond_their_own_pool_are_closed_at_once() {
 #[test]
 fn tls_on_with_verify_peer_warns_that_plaintext_clients_skip_it() {
     let dir = Scratch::new("tlswarn");
-    certs::certificates(&dir.0);
+    tls_support::certificates(&dir.0);
     let certs = dir.0.to_str().expect("utf-8");
-    let srv = ServerProc::start_args(&[
-        "--concise",
-        BIG,
-        "--export",
-        "big",
-        "--tls",
-        "on",
-        "--tls-certificates",
-        certs,
-        "--tls-verify-peer",
-    ]);
+    let srv = Serve::options()
+        .args(&[
+            "--concise",
+            BIG,
+            "--export",
+            "big",
+            "--tls",
+            "on",
+            "--tls-certificates",
+            certs,
+            "--tls-verify-peer",
+        ])
+        .tcp()
+        .start();
     let log = srv.stderr_text();
     assert!(
         log.contains("--tls-verify-peer") && log.contains("--tls=require"),
@@ -329,7 +337,7 @@ fn serve_at(listen: Option<&std::path::Path>, control: &std::path::Path) -> (boo
 
 #[test]
 fn a_write_payload_trickled_after_the_handshake_delays_nobody_else() {
-    let srv = ServerProc::start(BIG, "big");
+    let srv = Serve::start_tcp(BIG, "big");
     let mut slow = negotiated(&srv, "big");
     let w = Request {
         flags: 0,
@@ -426,7 +434,11 @@ fn creating_an_nbd_leaf_never_blocks_the_control_socket() {
     trickling_server(&remote);
     let ctl = dir.path("control.sock");
     let ctl_arg = ctl.to_str().expect("utf-8");
-    let _srv = ServerProc::start_args(&["--concise", BIG, "--export", "big", "--control", ctl_arg]);
+    let _srv = Serve::options()
+        .args(&["--concise", BIG, "--export", "big", "--control", ctl_arg])
+        .tcp()
+        .control(Control::Given)
+        .start();
     let table = format!(
         "0 2048 nbd nbd+unix:///e?socket={} timeout_ms=2000",
         remote.display()

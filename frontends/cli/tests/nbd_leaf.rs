@@ -7,14 +7,14 @@
 //! hang); multi-conn only where the server advertises it; poll queues,
 //! whose replies the bench's job threads read themselves.
 
-mod nbd_common;
+mod tls_support;
 
-use nbd_common::certs::{certificates, tls_serve};
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use tls_support::{certificates, tls_serve};
 
 const LIMIT: Duration = Duration::from_secs(120);
 /// 16 MiB exports.
@@ -126,15 +126,15 @@ fn unix_uri(export: &str, socket: &Path) -> String {
 
 #[test]
 fn verifies_against_blkstack_serve_over_unix_and_tcp() {
-    let srv = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
-    bench_verify(&srv.unix_uri("mem"), &[]);
+    let srv = Serve::start_tcp(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    bench_verify(&srv.uri("mem"), &[]);
     bench_verify(&format!("{} queue_depth=8", srv.tcp_uri("mem")), &[]);
 }
 
 #[test]
 fn poll_queues_verify_with_the_bench_reading_its_own_replies() {
-    let srv = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
-    let uri = srv.unix_uri("mem");
+    let srv = Serve::start_tcp(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    let uri = srv.uri("mem");
     // The default wait sleeps in the leaf's poll (the job thread reads
     // its replies); wait=poll spins on the poll that never sleeps.
     bench_verify(&format!("{uri} poll_queues=1"), &[]);
@@ -196,8 +196,8 @@ fn verifies_against_nbdkit_memory() {
 
 #[test]
 fn table_longer_than_the_export_or_unreachable_server_is_refused() {
-    let srv = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
-    let uri = srv.unix_uri("mem");
+    let srv = Serve::start_tcp(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    let uri = srv.uri("mem");
     let concise = format!("n0,,,rw,0 {} nbd {uri}", SECTORS + 8);
     let out = run(
         blkstack().args([
@@ -220,7 +220,7 @@ fn table_longer_than_the_export_or_unreachable_server_is_refused() {
     assert!(all.contains(&want), "want {want:?} in:\n{all}");
     assert!(all.contains("line 1"), "the message names the line:\n{all}");
     // No such export: the server's refusal is shown.
-    let out = bench(&srv.unix_uri("nope"), &["--size=4k"]);
+    let out = bench(&srv.uri("nope"), &["--size=4k"]);
     assert!(!out.status.success());
     assert!(text(&out).contains("no such export"), "{}", text(&out));
     // Nobody listening: fails at once with the cause.
@@ -240,11 +240,11 @@ fn tls_leaf_against_serve_require_and_verify_peer() {
     let srv = tls_serve(&certs.0, &stack, "mem", &["--tls-verify-peer"]);
     let tls_uri = format!(
         "nbds+unix:///mem?socket={}&tls-certificates={dir}",
-        srv.socket.display()
+        srv.nbd_socket.display()
     );
     bench_verify(&tls_uri, &["--rw=randrw"]);
     // Over TCP the server certificate is checked against the address.
-    let tcp = format!("nbds://{}/mem?tls-certificates={dir}", srv.tcp);
+    let tcp = format!("nbds://{}/mem?tls-certificates={dir}", srv.tcp_addr());
     bench_verify(&tcp, &[]);
     // Poll queues over TLS: the job thread decrypts its own replies.
     bench_verify(&format!("{tls_uri} poll_queues=1"), &[]);
@@ -273,7 +273,7 @@ fn tls_leaf_against_serve_require_and_verify_peer() {
     certificates(&other.0);
     let untrusted = format!(
         "nbds://{}/mem?tls-certificates={}",
-        srv.tcp,
+        srv.tcp_addr(),
         other.0.display()
     );
     let out = bench(&untrusted, &["--size=4k"]);
@@ -284,7 +284,7 @@ fn tls_leaf_against_serve_require_and_verify_peer() {
         text(&out)
     );
     // The same server refuses a plain client, and says why.
-    let out = bench(&srv.unix_uri("mem"), &["--size=4k"]);
+    let out = bench(&srv.uri("mem"), &["--size=4k"]);
     assert!(!out.status.success());
     assert!(text(&out).contains("TLS required"), "{}", text(&out));
 }
@@ -442,14 +442,18 @@ fn status_with_four_connections(uri: &str) -> String {
     let dir = Scratch::new("leaf-mc");
     let ctl = dir.path("ctl.sock");
     let ctl_s = ctl.to_str().expect("utf-8");
-    let client = ServerProc::start_args(&[
-        "--concise",
-        &format!("n0,,,rw,0 {SECTORS} nbd {uri} connections=4"),
-        "--export",
-        "n0",
-        "--control",
-        ctl_s,
-    ]);
+    let client = Serve::options()
+        .args(&[
+            "--concise",
+            &format!("n0,,,rw,0 {SECTORS} nbd {uri} connections=4"),
+            "--export",
+            "n0",
+            "--control",
+            ctl_s,
+        ])
+        .tcp()
+        .control(Control::Given)
+        .start();
     let out = run_ok(blkstack().args(["status", "n0", "--control", ctl_s]), LIMIT);
     drop(client);
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -457,8 +461,8 @@ fn status_with_four_connections(uri: &str) -> String {
 
 #[test]
 fn multi_conn_only_where_the_server_advertises_it() {
-    let srv = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
-    let st = status_with_four_connections(&srv.unix_uri("mem"));
+    let srv = Serve::start_tcp(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    let st = status_with_four_connections(&srv.uri("mem"));
     assert!(st.contains("connections=4/4"), "{st}");
     assert!(st.contains("multi_conn=yes"), "{st}");
 
@@ -482,32 +486,34 @@ fn multi_conn_only_where_the_server_advertises_it() {
 
 #[test]
 fn extent_map_passes_through_block_status() {
-    let srv = ServerProc::start(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
+    let srv = Serve::start_tcp(&format!("mem,,,rw,0 {SECTORS} memory"), "mem");
     let dir = Scratch::new("leaf-map");
     let src = dir.path("src.bin");
-    pattern_file(&src, 1 << 20, 5);
+    pattern_file_with_holes(&src, 1 << 20, 5);
     run_ok(
-        Command::new(tool("nbdcopy"))
-            .arg(&src)
-            .arg(srv.unix_uri("mem")),
+        Command::new(tool("nbdcopy")).arg(&src).arg(srv.uri("mem")),
         LIMIT,
     );
     // The nbd leaf re-exported: its map must be the remote one.
     let ctl = dir.path("ctl.sock");
-    let client = ServerProc::start_args(&[
-        "--concise",
-        &format!("n0,,,rw,0 {SECTORS} nbd {}", srv.unix_uri("mem")),
-        "--export",
-        "n0",
-        "--control",
-        ctl.to_str().expect("utf-8"),
-    ]);
+    let client = Serve::options()
+        .args(&[
+            "--concise",
+            &format!("n0,,,rw,0 {SECTORS} nbd {}", srv.uri("mem")),
+            "--export",
+            "n0",
+            "--control",
+            ctl.to_str().expect("utf-8"),
+        ])
+        .tcp()
+        .control(Control::Given)
+        .start();
     let map = |uri: String| {
         let out = run_ok(Command::new(tool("nbdinfo")).arg("--map").arg(uri), LIMIT);
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    let remote = map(srv.unix_uri("mem"));
+    let remote = map(srv.uri("mem"));
     assert!(remote.contains("hole"), "{remote}");
     assert!(remote.contains("data"), "{remote}");
-    assert_eq!(map(client.unix_uri("n0")), remote);
+    assert_eq!(map(client.uri("n0")), remote);
 }

@@ -7,11 +7,9 @@
 //! keeps little resident memory, and a request may be as large as
 //! nbdkit's limit (64 MiB) but no larger.
 
-mod nbd_common;
-
 use blkstack_nbd::client::RawClient;
 use blkstack_nbd::proto::*;
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::process::Command;
@@ -19,15 +17,15 @@ use std::time::{Duration, Instant};
 
 const STACK: &str = "mem,,,rw,0 65536 memory";
 
-fn connect(srv: &ServerProc) -> UnixStream {
-    let s = UnixStream::connect(&srv.socket).expect("connect unix");
+fn connect(srv: &Serve) -> UnixStream {
+    let s = UnixStream::connect(&srv.nbd_socket).expect("connect unix");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     s
 }
 
 /// A client that negotiated `mem` with NBD_OPT_GO.
-fn negotiated(srv: &ServerProc) -> RawClient<UnixStream> {
+fn negotiated(srv: &Serve) -> RawClient<UnixStream> {
     let mut c = RawClient::new(connect(srv));
     c.start().expect("greeting");
     c.go("mem").expect("go");
@@ -57,14 +55,17 @@ fn closed_at_once(s: &mut UnixStream) -> bool {
 
 #[test]
 fn connections_over_the_cap_are_closed_at_once() {
-    let srv = ServerProc::start_args(&[
-        "--concise",
-        STACK,
-        "--export",
-        "mem",
-        "--max-connections",
-        "2",
-    ]);
+    let srv = Serve::options()
+        .args(&[
+            "--concise",
+            STACK,
+            "--export",
+            "mem",
+            "--max-connections",
+            "2",
+        ])
+        .tcp()
+        .start();
     let a = negotiated(&srv);
     let mut b = negotiated(&srv);
     let mut c = connect(&srv);
@@ -86,15 +87,18 @@ fn connections_over_the_cap_are_closed_at_once() {
 }
 
 /// A server whose handshake deadline is 2 s, and a client connected to it.
-fn with_handshake_deadline_2s() -> (ServerProc, RawClient<UnixStream>) {
-    let srv = ServerProc::start_args(&[
-        "--concise",
-        STACK,
-        "--export",
-        "mem",
-        "--handshake-timeout",
-        "2",
-    ]);
+fn with_handshake_deadline_2s() -> (Serve, RawClient<UnixStream>) {
+    let srv = Serve::options()
+        .args(&[
+            "--concise",
+            STACK,
+            "--export",
+            "mem",
+            "--handshake-timeout",
+            "2",
+        ])
+        .tcp()
+        .start();
     let c = RawClient::new(connect(&srv));
     (srv, c)
 }
@@ -178,7 +182,7 @@ fn open_fds(pid: u32) -> usize {
 
 #[test]
 fn out_of_descriptors_the_accept_loop_backs_off_and_logs_rarely() {
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     let pid = srv.pid();
     let limit = open_fds(pid) + 5;
     run_ok(
@@ -225,7 +229,7 @@ fn out_of_descriptors_the_accept_loop_backs_off_and_logs_rarely() {
 fn an_idle_negotiated_connection_keeps_at_most_64_kib() {
     const WARM: u64 = 20;
     const MORE: u64 = 200;
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     let pid = srv.pid();
     // Warm up the allocator's per-thread arenas first, so the measure is
     // what each further connection costs.
@@ -257,14 +261,14 @@ fn an_idle_negotiated_connection_keeps_at_most_64_kib() {
 /// refused with EINVAL and the connection goes on.
 #[test]
 fn requests_up_to_64_mib_are_served_and_larger_ones_refused() {
-    let srv = ServerProc::start("big,,,rw,0 262144 memory", "big");
+    let srv = Serve::start_tcp("big,,,rw,0 262144 memory", "big");
     // fio's nbd engine (libnbd, which itself refuses a request over the
     // server's advertised maximum): 64 MiB writes, verified by reading.
     let out = run_ok(
         Command::new(tool("fio")).args([
             "--name=big",
             "--ioengine=nbd",
-            &format!("--uri={}", srv.unix_uri("big")),
+            &format!("--uri={}", srv.uri("big")),
             "--rw=write",
             "--bs=64m",
             "--size=128m",
@@ -280,7 +284,7 @@ fn requests_up_to_64_mib_are_served_and_larger_ones_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    let mut c = RawClient::new(UnixStream::connect(&srv.socket).expect("connect"));
+    let mut c = RawClient::new(UnixStream::connect(&srv.nbd_socket).expect("connect"));
     c.s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     c.start().expect("greeting");

@@ -3,11 +3,9 @@
 //! well-behaved clients connected at the same time keep being served; many
 //! connections at once keep their data apart; SIGTERM stops gracefully.
 
-mod nbd_common;
-
 use blkstack_nbd::client::RawClient;
 use blkstack_nbd::proto::*;
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
@@ -15,15 +13,15 @@ use std::time::Duration;
 
 const STACK: &str = "mem,,,rw,0 65536 memory;ro0,,,rw,0 65536 zero";
 
-fn unix(srv: &ServerProc) -> RawClient<UnixStream> {
-    let s = UnixStream::connect(&srv.socket).expect("connect unix");
+fn unix(srv: &Serve) -> RawClient<UnixStream> {
+    let s = UnixStream::connect(&srv.nbd_socket).expect("connect unix");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     RawClient::new(s)
 }
 
-fn tcp(srv: &ServerProc) -> RawClient<TcpStream> {
-    let s = TcpStream::connect(&srv.tcp).expect("connect tcp");
+fn tcp(srv: &Serve) -> RawClient<TcpStream> {
+    let s = TcpStream::connect(srv.tcp_addr()).expect("connect tcp");
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
     RawClient::new(s)
@@ -63,7 +61,7 @@ fn read_back<S: Read + Write>(c: &mut RawClient<S>, handle: u64, off: u64, len: 
 
 #[test]
 fn malformed_handshakes_and_requests_leave_other_clients_served() {
-    let srv = ServerProc::start(STACK, "mem,ro0:ro");
+    let srv = Serve::start_tcp(STACK, "mem,ro0:ro");
     let mut good = tcp(&srv);
     good.start().expect("greeting");
     good.structured().expect("structured");
@@ -166,11 +164,11 @@ fn exercise<S: Read + Write>(mut c: RawClient<S>, i: u8) {
 
 #[test]
 fn many_connections_at_once_keep_their_data_apart() {
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     let threads: Vec<_> = (0..8u8)
         .map(|i| {
-            let path = srv.socket.clone();
-            let tcp_addr = srv.tcp.clone();
+            let path = srv.nbd_socket.clone();
+            let tcp_addr = srv.tcp_addr().to_string();
             std::thread::spawn(move || {
                 if i % 2 == 0 {
                     let s = UnixStream::connect(&path).expect("connect");
@@ -195,14 +193,14 @@ fn many_connections_at_once_keep_their_data_apart() {
 
 #[test]
 fn sigterm_stops_gracefully_and_removes_the_socket() {
-    let srv = ServerProc::start(STACK, "mem");
+    let srv = Serve::start_tcp(STACK, "mem");
     let mut c = unix(&srv);
     c.start().expect("greeting");
     c.go("mem").expect("go");
     c.request(&req(CMD_WRITE, 0, 1, 0, 4096), &[5u8; 4096])
         .expect("send");
     assert_eq!(c.status_reply().expect("reply"), (1, 0));
-    let sock = srv.socket.clone();
+    let sock = srv.nbd_socket.clone();
     let (st, err) = srv.terminate();
     assert!(st.success(), "server exit {st}: {err}");
     assert!(err.contains("devices flushed"), "{err}");

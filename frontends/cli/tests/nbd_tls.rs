@@ -4,21 +4,21 @@
 //! openssl in the test: a CA, a server certificate for localhost and
 //! 127.0.0.1, and a client certificate for `--tls-verify-peer`.
 
-mod nbd_common;
+mod tls_support;
 
 use blkstack_nbd::client::RawClient;
 use blkstack_nbd::proto::*;
-use nbd_common::certs::{certificates, tls_serve};
-use nbd_common::*;
+use blkstack_test_support::*;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
+use tls_support::{certificates, tls_serve};
 
 const STACK: &str = "mem,,,rw,0 8192 memory";
 const LIMIT: Duration = Duration::from_secs(60);
 
-fn tls_server(certs: &Path, extra: &[&str]) -> ServerProc {
+fn tls_server(certs: &Path, extra: &[&str]) -> Serve {
     tls_serve(certs, STACK, "mem", extra)
 }
 
@@ -32,7 +32,7 @@ fn require_serves_tls_clients_and_refuses_plain_ones() {
     certificates(&scratch.0);
     let srv = tls_server(&scratch.0, &[]);
     let q = format!("tls-certificates={}", scratch.0.display());
-    let unix = format!("nbds+unix:///mem?socket={}&{q}", srv.socket.display());
+    let unix = format!("nbds+unix:///mem?socket={}&{q}", srv.nbd_socket.display());
     let out = nbdinfo(&unix);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -43,13 +43,13 @@ fn require_serves_tls_clients_and_refuses_plain_ones() {
     assert!(text.contains("with TLS"), "{text}");
     assert!(text.contains("export-size: 4194304"), "{text}");
     // Without TLS: refused.
-    let plain = nbdinfo(&srv.unix_uri("mem"));
+    let plain = nbdinfo(&srv.uri("mem"));
     assert!(!plain.status.success(), "a plain client must be refused");
 
     // Data round trip over TCP with nbdcopy.
     let (src, back) = (scratch.path("src"), scratch.path("back"));
-    pattern_file(&src, 4 << 20, 7);
-    let tcp = format!("nbds://{}/mem?{q}", srv.tcp);
+    pattern_file_with_holes(&src, 4 << 20, 7);
+    let tcp = format!("nbds://{}/mem?{q}", srv.tcp_addr());
     run_ok(Command::new(tool("nbdcopy")).arg(&src).arg(&tcp), LIMIT);
     run_ok(Command::new(tool("nbdcopy")).arg(&tcp).arg(&back), LIMIT);
     assert!(
@@ -68,7 +68,7 @@ fn require_serves_tls_clients_and_refuses_plain_ones() {
             .arg("--image-opts")
             .arg(format!(
                 "driver=nbd,path={},export=mem,tls-creds=tls0,tls-hostname=localhost",
-                srv.socket.display()
+                srv.nbd_socket.display()
             ))
             .args(["-c", "write -P 0x5a 1M 256k", "-c", "read -P 0x5a 1M 256k"]),
         LIMIT,
@@ -84,7 +84,7 @@ fn require_refuses_every_option_but_starttls_and_abort_before_tls() {
     certificates(&scratch.0);
     let srv = tls_server(&scratch.0, &[]);
     let connect = || {
-        let s = UnixStream::connect(&srv.socket).expect("connect");
+        let s = UnixStream::connect(&srv.nbd_socket).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("timeout");
         let mut c = RawClient::new(s);
@@ -126,7 +126,7 @@ fn verify_peer_needs_a_client_certificate_from_the_ca() {
     let uri = |dir: &Path| {
         format!(
             "nbds+unix:///mem?socket={}&tls-certificates={}",
-            srv.socket.display(),
+            srv.nbd_socket.display(),
             dir.display()
         )
     };
@@ -157,7 +157,7 @@ fn fio_nbd_engine_verifies_writes_over_tls() {
     std::fs::create_dir_all(&certs).expect("certificates dir");
     certificates(&certs);
     let srv = tls_server(&certs, &[]);
-    let uri = format!("nbds+unix:///mem?socket={}", srv.socket.display());
+    let uri = format!("nbds+unix:///mem?socket={}", srv.nbd_socket.display());
     let out = run(
         Command::new(tool("fio"))
             .env("HOME", &home.0)
@@ -191,7 +191,7 @@ fn fio_nbd_engine_verifies_writes_over_tls() {
             .env("HOME", &home.0)
             .args(["--name=plain", "--ioengine=nbd", "--rw=read", "--size=64k"])
             .current_dir(&home.0)
-            .arg(format!("--uri={}", srv.unix_uri("mem"))),
+            .arg(format!("--uri={}", srv.uri("mem"))),
         LIMIT,
     );
     assert!(!plain.status.success(), "plain fio must be refused");

@@ -6,7 +6,6 @@
 //! byte-identical images. And `replay-log --replay NAME` reaches a device
 //! of a stack file and of a running serve.
 
-mod control_support;
 mod xfstests_support;
 
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
@@ -214,7 +213,7 @@ fn replay_reaches_devices_of_a_stack_file_and_of_a_running_serve() {
     );
 
     // A device of a running serve, written through its export.
-    let srv = control_support::Serve::start(&format!("m,,,rw,0 {SECTORS} memory"), "m");
+    let srv = blkstack_test_support::Serve::start(&format!("m,,,rw,0 {SECTORS} memory"), "m");
     let ctl = srv.control.to_str().unwrap().to_string();
     let o = ours(&[
         "--log",

@@ -10,14 +10,11 @@
 //! flush, or as a write issued after that flush left it. Rounds come from
 //! `BLKSTACK_THIN_CRASH_ROUNDS` (default 4; `make thin-crash` runs more).
 
-mod control_support;
-
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{Device, Op, Status};
 use blkstack_mapped::Registry;
-use control_support::Serve;
+use blkstack_test_support::*;
 use std::collections::HashMap;
-use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -48,19 +45,6 @@ fn next(x: &mut u64) -> u64 {
     *x ^= *x >> 7;
     *x ^= *x << 17;
     *x
-}
-
-fn thin_check(meta: &Path) {
-    let out = Command::new("/usr/sbin/thin_check")
-        .arg(meta)
-        .output()
-        .expect("thin_check (make deps installs thin-provisioning-tools)");
-    assert!(
-        out.status.success(),
-        "thin_check: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn client(srv: &Serve) -> std::sync::Arc<Registry> {

@@ -8,10 +8,8 @@
 //! closed at once. Through all of it serve stays up and its NBD export
 //! and control socket keep answering.
 
-mod control_support;
-
 use blkstack_nbd::client::RawClient;
-use control_support::Serve;
+use blkstack_test_support::*;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -62,7 +60,10 @@ fn serve() -> (Serve, PathBuf) {
     std::fs::create_dir_all(&dir).expect("socket dir");
     let sock = dir.join("vhost.sock");
     let arg = format!("{}:mem", sock.display());
-    let srv = Serve::start_args(STACK, "mem", false, &["--vhost-user-blk", &arg]);
+    let srv = Serve::options()
+        .args(&["--concise", STACK, "--export", "mem"])
+        .args(&["--vhost-user-blk", &arg])
+        .start();
     (srv, sock)
 }
 

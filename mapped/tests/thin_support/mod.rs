@@ -6,43 +6,12 @@
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
 use blkstack_core::{BioFlags, Device, Op, Status};
 use blkstack_mapped::Registry;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+#[allow(unused_imports)] // each test file uses a different part
+pub use blkstack_test_support::{thin_check, thin_dump, tool};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 pub const BLOCK: u64 = 64 * 1024;
-
-pub fn tool(name: &str) -> PathBuf {
-    for dir in ["/usr/sbin", "/sbin", "/usr/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!("{name} is not installed: run `make deps` (apt-get install thin-provisioning-tools)");
-}
-
-/// Run `thin_check` on a metadata file; panics with its output if it
-/// finds anything wrong.
-pub fn thin_check(meta: &Path) {
-    let out = Command::new(tool("thin_check")).arg(meta).output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "thin_check failed:\n{text}");
-}
-
-pub fn thin_dump(meta: &Path) -> String {
-    let out = Command::new(tool("thin_dump")).arg(meta).output().unwrap();
-    assert!(
-        out.status.success(),
-        "thin_dump failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
 
 pub struct Files {
     pub _dir: tempfile::TempDir,

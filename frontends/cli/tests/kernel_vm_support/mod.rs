@@ -224,19 +224,11 @@ impl Vm {
     }
 }
 
-/// `len` bytes of a fixed xorshift pattern in `dir/pattern`, to copy into
-/// a guest (`/test/pattern`) as data whose every block differs.
-pub fn pattern_file(dir: &Path, len: usize, seed: u64) -> PathBuf {
+/// `len` bytes of the tests' xorshift pattern in `dir/pattern`, to copy
+/// into a guest (`/test/pattern`) as data whose every block differs.
+pub fn guest_pattern(dir: &Path, len: usize, seed: u64) -> PathBuf {
     let p = dir.join("pattern");
-    let mut x = seed;
-    let mut v = Vec::with_capacity(len);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    std::fs::write(&p, v).expect("pattern");
+    blkstack_test_support::pattern_file(&p, len, seed);
     p
 }
 

@@ -16,6 +16,7 @@
 #![allow(dead_code)] // each test file uses a different part of the harness
 
 use blkstack_lab::netns::{self, delay_over_file, Daemon, Testbed, EXPORT, NBD_PORT};
+pub use blkstack_test_support::tool;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -190,15 +191,6 @@ impl Hosts {
             self.bed.host_uri(i)
         )
     }
-}
-
-/// A tool's path, or a failure naming the package to install.
-pub fn tool(name: &str) -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("{name} is not installed: run `make deps`"))
 }
 
 /// Each path's state (`'A'` or `'F'`) in a dm-mpath status line: the

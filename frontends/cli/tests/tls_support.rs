@@ -4,7 +4,9 @@
 //! client certificate (`client-*.pem`). Used by the server's TLS tests
 //! and by the nbd client leaf's.
 
-use super::{run_ok, tool};
+#![allow(dead_code)] // each test file uses a different part
+
+use blkstack_test_support::{run_ok, tool, Serve};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -95,7 +97,7 @@ pub fn certificates(dir: &Path) {
 
 /// `blkstack serve --concise STACK --export EXPORT --tls require
 /// --tls-certificates CERTS EXTRA...`, the server side of every TLS test.
-pub fn tls_serve(certs: &Path, stack: &str, export: &str, extra: &[&str]) -> super::ServerProc {
+pub fn tls_serve(certs: &Path, stack: &str, export: &str, extra: &[&str]) -> Serve {
     let dir = certs.to_str().expect("utf-8 path");
     let mut args = vec![
         "--concise",
@@ -108,5 +110,5 @@ pub fn tls_serve(certs: &Path, stack: &str, export: &str, extra: &[&str]) -> sup
         dir,
     ];
     args.extend_from_slice(extra);
-    super::ServerProc::start_args(&args)
+    Serve::options().args(&args).tcp().start()
 }
