@@ -174,3 +174,25 @@ fn vhost_user_seed_session_writes_the_disk() {
         "the guest's write did not land"
     );
 }
+
+/// Found by the `vhost_user` fuzzer: with EVENT_IDX negotiated, a guest
+/// whose avail index runs more than a queue's length ahead made the
+/// worker loop for ever (the ring said "more" and gave nothing), so the
+/// connection never ended. The session must end, promptly.
+#[test]
+fn vhost_user_corrupt_avail_index_with_event_idx_ends_the_session() {
+    let input = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fuzz/regressions/vhost_user/event-idx-avail-index-beyond-queue"),
+    )
+    .expect("the regression input");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        vhost_user_session(&input);
+        let _ = tx.send(());
+    });
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_secs(30)).is_ok(),
+        "the session with a corrupt avail index never ended"
+    );
+}

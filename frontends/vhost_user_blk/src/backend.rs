@@ -162,27 +162,32 @@ impl BlkBackend {
             .map(|(m, r)| (m.memory().into_inner(), r.clone()))
     }
 
-    fn process(&self, vring: &VringRwLock) {
+    /// Start every request the ring holds; how many were taken.
+    fn process(&self, vring: &VringRwLock) -> usize {
         if self.dead.load(Ordering::SeqCst) {
-            return;
+            return 0;
         }
         let Some((mem, regions)) = self.memory() else {
-            return;
+            return 0;
         };
+        let mut taken = 0;
         loop {
             let chain = vring
                 .get_mut()
                 .get_queue_mut()
                 .pop_descriptor_chain(mem.clone());
             if regions.poisoned() {
-                return self.fail("guest memory vanished (its file was shrunk)");
+                self.fail("guest memory vanished (its file was shrunk)");
+                return taken;
             }
             let Some(chain) = chain else {
-                break;
+                return taken;
             };
+            taken += 1;
             request::start(chain, vring, &self.dev, &self.limits, Some(&regions));
             if regions.poisoned() {
-                return self.fail("guest memory vanished (its file was shrunk)");
+                self.fail("guest memory vanished (its file was shrunk)");
+                return taken;
             }
         }
     }
@@ -278,11 +283,23 @@ impl VhostUserBackend for BlkBackend {
         if self.event_idx.load(Ordering::Relaxed) {
             // Work until the guest has added nothing new since notifications
             // were turned back on (the event-index protocol, virtio 2.7.10).
+            // A ring that keeps saying "more" but gives nothing (an avail
+            // index beyond the queue's length, which virtio-queue refuses
+            // to walk) is broken: fail it, as qemu's virtio_error and the
+            // kernel's vq_err do, instead of spinning on it for ever. One
+            // empty round is allowed: the guest may add a request just
+            // before notifications come back on.
+            let mut empty_rounds = 0;
             loop {
                 let _ = vring.disable_notification();
-                self.process(vring);
+                let taken = self.process(vring);
+                empty_rounds = if taken == 0 { empty_rounds + 1 } else { 0 };
                 match vring.enable_notification() {
-                    Ok(true) => continue,
+                    Ok(true) if empty_rounds < 2 => continue,
+                    Ok(true) => {
+                        self.fail("the guest's available ring announces requests it does not hold (a corrupt avail index)");
+                        break;
+                    }
                     _ => break,
                 }
             }

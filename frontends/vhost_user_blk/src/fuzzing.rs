@@ -38,6 +38,9 @@ pub const KICK: u32 = 0xffff_0001;
 pub const SHRINK: u32 = 0xffff_0002;
 /// How long `KICK` waits for the device to call.
 const CALL_WAIT: Duration = Duration::from_millis(50);
+/// `KICK`s of one session that wait for a call; later ones only kick, so
+/// an input of many kicks costs no more than this many waits.
+const MAX_KICK_WAITS: u32 = 8;
 /// Regions of one memory table the harness attaches descriptors for
 /// (vhost-user's own limit is 8).
 const MAX_REGIONS: usize = 8;
@@ -105,6 +108,7 @@ struct Vmm {
     kicks: Vec<OwnedFd>,
     calls: Vec<OwnedFd>,
     others: Vec<OwnedFd>,
+    kick_waits: u32,
 }
 
 impl Vmm {
@@ -125,6 +129,7 @@ impl Vmm {
             kicks: Vec::new(),
             calls: Vec::new(),
             others: Vec::new(),
+            kick_waits: 0,
         })
     }
 
@@ -195,7 +200,7 @@ impl Vmm {
         }
     }
 
-    fn kick_and_wait(&self) {
+    fn kick_and_wait(&mut self) {
         for k in &self.kicks {
             let one = 1u64.to_le_bytes();
             // SAFETY: an 8-byte write from a live buffer to our eventfd.
@@ -210,7 +215,8 @@ impl Vmm {
                 revents: 0,
             })
             .collect();
-        if !polls.is_empty() {
+        self.kick_waits += 1;
+        if !polls.is_empty() && self.kick_waits <= MAX_KICK_WAITS {
             // SAFETY: `polls` is a live array of that many pollfds.
             unsafe {
                 libc::poll(

@@ -283,7 +283,7 @@ impl PoolShared {
         let n = self
             .past_end
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if n % 1000 == 0 {
+        if n.is_multiple_of(1000) {
             tracing::error!(
                 data_dev = %self.data_dev,
                 thin = dev_id,
