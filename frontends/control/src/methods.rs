@@ -69,9 +69,14 @@ pub trait ExportHost: Send + Sync {
     fn frontend(&self) -> &'static str {
         "nbd"
     }
-    /// End every export (serve is stopping). NBD's exports end with its
-    /// server; a frontend that owns kernel devices removes them here.
+    /// End every export (serve is stopping): no new clients, in-flight
+    /// requests answered, devices flushed or removed. Called once.
     fn shutdown(&self) {}
+    /// Client connections served since start (NBD's), for serve's last
+    /// line; frontends without connections report 0.
+    fn connections_served(&self) -> u64 {
+        0
+    }
 }
 
 /// The state behind a control socket.
