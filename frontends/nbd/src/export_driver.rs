@@ -22,6 +22,7 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -237,7 +238,7 @@ pub struct NbdHost {
     /// The accept thread and its stop, until [`ExportHost::shutdown`].
     running: Mutex<Option<(Stopper, JoinHandle<std::io::Result<ServeSummary>>)>>,
     /// Connections served, once the server has stopped.
-    served: Mutex<u64>,
+    served: AtomicU64,
 }
 
 impl NbdHost {
@@ -261,7 +262,7 @@ impl NbdHost {
             addresses,
             held: Mutex::new(held.into_iter().collect()),
             running: Mutex::new(Some((stopper, thread))),
-            served: Mutex::new(0),
+            served: AtomicU64::new(0),
         })
     }
 
@@ -367,7 +368,7 @@ impl ExportHost for NbdHost {
         };
         stopper.stop();
         match thread.join() {
-            Ok(Ok(summary)) => *self.served.lock() = summary.connections,
+            Ok(Ok(summary)) => self.served.store(summary.connections, Ordering::Relaxed),
             Ok(Err(e)) => tracing::warn!(error = %e, "nbd: server failed"),
             Err(_) => tracing::warn!("nbd: the accept thread panicked"),
         }
@@ -377,6 +378,6 @@ impl ExportHost for NbdHost {
     }
 
     fn connections_served(&self) -> u64 {
-        *self.served.lock()
+        self.served.load(Ordering::Relaxed)
     }
 }

@@ -36,32 +36,51 @@ pub fn run_cli(args: ServeArgs) -> anyhow::Result<()> {
         anyhow::bail!("serve needs devices to export: {}", usage_of_all(&drivers));
     }
     let reg = build_registry(&args)?;
-    let hosts = start_frontends(&drivers, &reg)?;
-    let control = Arc::new(Control::with_hosts(reg.clone(), hosts.clone()));
-    let server = match start_control(args.control.as_deref(), control) {
-        Ok(s) => s,
-        Err(e) => {
-            shutdown(&hosts);
-            return Err(e);
-        }
+    // From here an error return drops `running`, which ends what started.
+    let mut running = Running {
+        hosts: start_frontends(&drivers, &reg)?,
+        control: None,
     };
-    let signals =
-        match StopSignals::install().and_then(|s| announce_ready(server.as_ref()).map(|()| s)) {
-            Ok(s) => s,
-            Err(e) => {
-                drop(server);
-                shutdown(&hosts);
-                return Err(e.into());
-            }
-        };
+    let control = Arc::new(Control::with_hosts(reg, running.hosts.clone()));
+    running.control = start_control(args.control.as_deref(), control)?;
+    let signals = StopSignals::install()?;
+    announce_ready(running.control.as_ref())?;
     signals.wait();
-    // No control request may change the exports while they end.
-    drop(server);
-    shutdown(&hosts);
-    let served: u64 = hosts.iter().map(|h| h.connections_served()).sum();
+    let served = running.stop();
     // Deliberately user-facing (the counterpart of "ready" on stdout).
     eprintln!("blkstack serve: stopped after {served} connection(s); devices flushed");
     Ok(())
+}
+
+/// A started serve: its frontends and its control socket. Stopping it
+/// (or dropping it, on an error after the start) closes the control
+/// socket first, so no request changes the exports while they end, then
+/// shuts every frontend down in the order they started.
+struct Running {
+    hosts: Vec<Arc<dyn ExportHost>>,
+    control: Option<ControlServer>,
+}
+
+impl Running {
+    /// Stop; the client connections the frontends served.
+    fn stop(mut self) -> u64 {
+        let hosts = self.end();
+        hosts.iter().map(|h| h.connections_served()).sum()
+    }
+
+    /// Close the control socket and shut the frontends down, once.
+    fn end(&mut self) -> Vec<Arc<dyn ExportHost>> {
+        self.control = None;
+        let hosts = std::mem::take(&mut self.hosts);
+        shutdown(&hosts);
+        hosts
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 /// `--export NAME (NBD), --ublk NAME (/dev/ublkbN) or ...`.

@@ -103,30 +103,29 @@ impl ExportDriver for UblkArgs {
         let names = self.names()?;
         let host = Arc::new(UblkHost::new(opts));
         for (name, ro) in names {
-            let r = reg
-                .get(&name)
-                .ok_or_else(|| blkstack_mapped::DmError::NoSuchDevice(name.clone()).into())
-                .and_then(|dev| host.add(&name, dev, ro).map_err(anyhow::Error::from));
-            let info = match r {
-                Ok(i) => i,
-                Err(e) => {
-                    host.stop_all();
-                    return Err(e).with_context(|| format!("--ublk {name}"));
-                }
-            };
-            let mut so = std::io::stdout().lock();
-            writeln!(
-                so,
-                "serving {name} ({} bytes{}) at {}",
-                reg.get(&name)
-                    .map(|d| blkstack_core::Device::size(&*d))
-                    .unwrap_or(0),
-                if info.read_only { ", read-only" } else { "" },
-                info.uris.join(" ")
-            )?;
+            if let Err(e) = start_one(&host, reg, &name, ro) {
+                host.stop_all();
+                return Err(e).with_context(|| format!("--ublk {name}"));
+            }
         }
         Ok(host)
     }
+}
+
+/// Export `name` of `reg` on `host` and say where.
+fn start_one(host: &UblkHost, reg: &Registry, name: &str, ro: bool) -> anyhow::Result<()> {
+    let dev = reg
+        .get(name)
+        .ok_or_else(|| blkstack_mapped::DmError::NoSuchDevice(name.into()))?;
+    let size = blkstack_core::Device::size(&*dev);
+    let info = host.add(name, dev, ro)?;
+    writeln!(
+        std::io::stdout().lock(),
+        "serving {name} ({size} bytes{}) at {}",
+        if info.read_only { ", read-only" } else { "" },
+        info.uris.join(" ")
+    )?;
+    Ok(())
 }
 
 struct Held {
