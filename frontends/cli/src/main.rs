@@ -1,6 +1,6 @@
 //! `blkstack`: the command-line front door. Each subcommand lives in its
-//! frontend crate (bench, serve, lab) or in the mapped layer (dmsetup-style
-//! verbs); this file only dispatches, so that each frontend stays testable
+//! frontend crate (serve, bench, lab, crashtest) or in control (the
+//! dmsetup-style verbs); this file only dispatches, so that each frontend stays testable
 //! as a library. It also installs the `tracing` subscriber the libraries
 //! log through (warnings such as a driver's fallback go to stderr).
 
@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Export devices over NBD (fio --ioengine=nbd, qemu-img, nbdinfo, nbdcopy, nbd-client) as /dev/ublkbN (--ublk) and to VMs over vhost-user-blk.
-    Serve(ServeArgs),
+    Serve(blkstack_serve::ServeArgs),
     /// Rerun five upstream block-layer experiments, old vs new mechanism, into one report page (`lab all --quick`; `lab compare A B`).
     Lab(blkstack_lab::LabArgs),
     /// dmsetup-style verbs against a running `blkstack serve` (create, remove, suspend, ...).
@@ -41,36 +41,6 @@ enum Cmd {
     ReplayLog(blkstack_crashtest::ReplayLogArgs),
     /// Record a workload through log-writes, replay to every crash point through a CoW overlay and check each (fsck in the kernel VM for ext4/xfs).
     Crashtest(blkstack_crashtest::CrashtestArgs),
-}
-
-/// `serve`'s flags: NBD's and the ublk frontend's.
-#[derive(clap::Args)]
-struct ServeArgs {
-    #[command(flatten)]
-    nbd: blkstack_nbd::NbdArgs,
-    #[command(flatten)]
-    ublk: blkstack_ublk::cli::UblkArgs,
-    #[command(flatten)]
-    vhost: blkstack_vhost_user_blk::cli::VhostArgs,
-    /// Seconds a thin pool out of data space queues I/O before it fails
-    /// it (dm-thin's `no_space_timeout` module parameter); 0 queues for
-    /// ever.
-    #[arg(long, value_name = "SECS", default_value_t = 60)]
-    thin_no_space_timeout: u64,
-}
-
-fn serve(a: ServeArgs) -> anyhow::Result<()> {
-    blkstack_mapped::targets::thin::set_no_space_timeout_secs(a.thin_no_space_timeout);
-    let mut extra: Vec<blkstack_nbd::ExtraFrontend> = Vec::new();
-    if a.ublk.enabled() {
-        let u = a.ublk;
-        extra.push(Box::new(move |reg| u.start(reg)));
-    }
-    if a.vhost.enabled() {
-        let v = a.vhost;
-        extra.push(Box::new(move |reg| v.start(reg)));
-    }
-    blkstack_nbd::run_serve(a.nbd, extra)
 }
 
 /// Log to stderr at the level `-v` asks for, with RUST_LOG's directives
@@ -99,7 +69,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
     let result = match cli.cmd {
-        Cmd::Serve(a) => serve(a),
+        Cmd::Serve(a) => blkstack_serve::run_cli(a),
         Cmd::Lab(a) => blkstack_lab::run_cli(a),
         Cmd::Control(v) => blkstack_control::run_cli(v),
         Cmd::Bench(a) => blkstack_bench::run_cli(a),

@@ -9,7 +9,7 @@
 //! - A multipath device with `queue_if_no_path` has its paths failed and
 //!   reinstated by `message` while fio runs: no error, verify passes.
 //!
-//! Every process is bounded in time (see control_support). The latency
+//! Every process is bounded in time (see blkstack-test-support). The latency
 //! comparison is a 5x difference in configured delay checked with a 2x
 //! margin: it tests which table serves I/O, not how fast the machine is.
 

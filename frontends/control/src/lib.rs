@@ -7,14 +7,16 @@
 //! registry of mapped devices with the kernel's semantics (staged tables
 //! swapped in by resume, suspend that drains and holds, remove that
 //! refuses a busy device, all-or-nothing changes) and, through the
-//! [`ExportHost`] trait, the NBD server's exports, so the NBD crate need
-//! not know about this one beyond implementing that trait.
+//! [`ExportHost`] trait, the exports of serve's frontends (NBD, ublk,
+//! vhost-user-blk), which also implement [`ExportDriver`], the way serve
+//! starts them; neither side knows the other beyond those traits.
 //!
 //! The client side ([`Client`], [`cli`]) is the dmsetup-style verbs of the
 //! `blkstack` command, printing dmsetup's text ([`format`]).
 
 pub mod cli;
 pub mod client;
+pub mod export_driver;
 pub mod format;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
 #[doc(hidden)]
@@ -25,6 +27,7 @@ pub mod server;
 
 pub use cli::{run_cli, Verb};
 pub use client::{CallError, Client};
+pub use export_driver::ExportDriver;
 pub use methods::{not_exported, Control, ExportHost, ExportInfo};
 pub use proto::RpcError;
 pub use server::{default_socket_path, remove_stale_socket, ControlServer, ServerLimits};

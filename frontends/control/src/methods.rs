@@ -33,7 +33,7 @@ use std::sync::Arc;
 /// it for, so it is the constant the kernel would show.
 pub const READ_AHEAD_SECTORS: u32 = 256;
 
-/// One NBD export as the control layer sees it.
+/// One export (NBD, ublk or vhost-user-blk) as the control layer sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportInfo {
     pub name: String,
@@ -47,8 +47,10 @@ pub struct ExportInfo {
     pub device: String,
 }
 
-/// What the control server needs from the frontend that owns the
-/// exports (the NBD server). Implementations must make each call all or
+/// What the control server needs from each export frontend of serve
+/// (NBD, ublk, vhost-user-blk: the running side of an
+/// [`ExportDriver`](crate::ExportDriver), in the frontend's
+/// `export_driver.rs`). Implementations must make each call all or
 /// nothing, and must `open()` a device while it is exported and
 /// `close()` it when the export goes, so that `remove` sees it busy.
 pub trait ExportHost: Send + Sync {
@@ -69,9 +71,14 @@ pub trait ExportHost: Send + Sync {
     fn frontend(&self) -> &'static str {
         "nbd"
     }
-    /// End every export (serve is stopping). NBD's exports end with its
-    /// server; a frontend that owns kernel devices removes them here.
+    /// End every export (serve is stopping): no new clients, in-flight
+    /// requests answered, devices flushed or removed. Called once.
     fn shutdown(&self) {}
+    /// Client connections served since start (NBD's), for serve's last
+    /// line; frontends without connections report 0.
+    fn connections_served(&self) -> u64 {
+        0
+    }
 }
 
 /// The state behind a control socket.

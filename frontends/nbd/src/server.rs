@@ -1,8 +1,8 @@
 //! Listening sockets, accepting connections, and the graceful stop.
 //!
 //! One thread accepts on every listener at once with `poll(2)`, which also
-//! watches a self-pipe: [`Stopper::stop`] (and SIGINT/SIGTERM, once
-//! [`install_signal_stop`] is called) writes a byte there. Stopping then
+//! watches a self-pipe: [`Stopper::stop`] (serve's stop, on SIGINT or
+//! SIGTERM) writes a byte there. Stopping then
 //! follows what the NBD spec asks of a server that shuts down: no new
 //! connections (listeners closed, Unix socket files removed), the read side
 //! of every connection shut so no new request is accepted, every request
@@ -24,7 +24,6 @@ use std::net::TcpListener;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -441,36 +440,3 @@ fn flush_until(e: &Export, deadline: Instant) -> bool {
 
 /// The connections being served, by id (the graceful stop shuts them).
 type Live = Arc<Mutex<HashMap<u64, Arc<Sock>>>>;
-
-/// The write end of the stop pipe, for the signal handler.
-static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
-
-extern "C" fn on_signal(_sig: libc::c_int) {
-    let fd = SIGNAL_FD.load(Ordering::Relaxed);
-    if fd >= 0 {
-        let b = 1u8;
-        // SAFETY: write(2) is async-signal-safe; fd is our pipe.
-        unsafe { libc::write(fd, (&b as *const u8).cast(), 1) };
-    }
-}
-
-/// Make SIGINT and SIGTERM stop `stopper`'s server gracefully. The stopper
-/// is kept alive for the rest of the process (the handler may fire late).
-pub fn install_signal_stop(stopper: &Stopper) -> io::Result<()> {
-    let keep = Box::leak(Box::new(stopper.clone()));
-    SIGNAL_FD.store(keep.w.as_raw_fd(), Ordering::Relaxed);
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: a zeroed sigaction with a plain handler and an empty mask
-        // is valid; on_signal only does async-signal-safe work.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as *const () as usize;
-            libc::sigemptyset(&mut sa.sa_mask);
-            sa.sa_flags = libc::SA_RESTART;
-            if libc::sigaction(sig, &sa, std::ptr::null_mut()) < 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-    }
-    Ok(())
-}

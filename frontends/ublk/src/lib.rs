@@ -10,18 +10,18 @@
 //! - [`params`]: the stack's geometry and features as `ublk_params`.
 //! - [`queue`]: one thread per ublk queue, requests to bios and back.
 //! - [`export`]: one device's life (add, start, recover, stop, delete).
-//! - [`host`]: the set of ublk exports of a `serve`, which the control
+//! - [`export_driver`]: ublk as one of `serve`'s export frontends: its
+//!   flags, and the set of ublk exports of a `serve`, which the control
 //!   socket's `export --ublk` / `unexport` drive.
 //!
 //! Each ublk queue is one hardware queue of ours: its depth is the tag
 //! count (the kernel never sends more than the queue's depth), and its
 //! thread submits into the stack as an NBD connection's reader does.
 
-pub mod cli;
 pub mod ctrl;
 pub mod error;
 pub mod export;
-pub mod host;
+pub mod export_driver;
 pub mod options;
 pub mod params;
 pub mod queue;
@@ -29,5 +29,5 @@ pub mod uapi;
 
 pub use error::{check_control, Errno, UblkError, CONTROL_PATH};
 pub use export::UblkExport;
-pub use host::UblkHost;
+pub use export_driver::{UblkArgs, UblkHost};
 pub use options::UblkOptions;

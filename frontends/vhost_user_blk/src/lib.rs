@@ -5,15 +5,17 @@
 //! virtqueues come from rust-vmm (`vhost-user-backend`, `vhost`,
 //! `virtio-queue`, `vm-memory`); here are only the virtio-blk device
 //! ([`config`], [`request`]), its backend ([`backend`]), the guard that
-//! keeps a VMM's shrunk memory from killing the process ([`guard`]) and
-//! the socket's life ([`server`]).
+//! keeps a VMM's shrunk memory from killing the process ([`guard`]), the
+//! socket's life ([`server`]), and the disk as one of `serve`'s export
+//! frontends ([`export_driver`]).
 
 pub mod backend;
-pub mod cli;
 pub mod config;
+pub mod export_driver;
 pub mod fuzzing;
 pub mod guard;
 pub mod request;
 pub mod server;
 
+pub use export_driver::{VhostArgs, VhostHost};
 pub use server::{VhostError, VhostExport};

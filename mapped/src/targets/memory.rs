@@ -9,6 +9,11 @@ use crate::target::{CtrContext, TargetRef, TargetType};
 use blkstack_drivers::memory::{MemoryDevice, PageStore};
 use std::sync::Arc;
 
+/// The process-wide budget of RAM every `memory` target draws on (serve's
+/// `--memory-limit`) and the size syntax of `max_alloc=`, for frontends,
+/// which reach the leaf drivers only through this crate.
+pub use blkstack_drivers::memory::{parse_alloc_size, process_budget, AllocBudget};
+
 pub const TYPE: TargetType = leaf_type("memory", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {

@@ -12,6 +12,10 @@ use crate::target::{CtrContext, TargetRef, TargetType};
 use blkstack_drivers::nbd::NbdDevice;
 use std::sync::Arc;
 
+/// The NBD wire format, the client leaf's, shared with the NBD server
+/// frontend (which reaches the leaf drivers only through this crate).
+pub use blkstack_drivers::nbd::proto;
+
 pub const TYPE: TargetType = leaf_type("nbd", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {

@@ -1,14 +1,21 @@
-//! `serve`'s vhost-user-blk flags.
+//! vhost-user-blk as one of `serve`'s export frontends (blkstack-control's
+//! [`ExportDriver`] and [`ExportHost`], qemu's `BlockExportDriver` as
+//! `block/export/export.c` drives it, here for what qemu's
+//! `block/export/vhost-user-blk-server.c` serves; the same file in nbd
+//! and ublk does the same for those): serve's `--vhost-user-blk` flags,
+//! starting each socket once the stack exists, and the disks as the
+//! control socket sees them.
 
 use crate::server::VhostExport;
 use anyhow::{bail, Context};
-use blkstack_control::{ExportHost, ExportInfo, RpcError};
+use blkstack_control::{ExportDriver, ExportHost, ExportInfo, RpcError};
 use blkstack_mapped::{MappedDevice, Registry};
 use parking_lot::Mutex;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// `serve`'s vhost-user-blk flags.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct VhostArgs {
     /// Serve device NAME to a VMM as a virtio-blk disk over the vhost-user
@@ -25,10 +32,6 @@ pub struct VhostArgs {
 }
 
 impl VhostArgs {
-    pub fn enabled(&self) -> bool {
-        !self.vhost_user_blk.is_empty()
-    }
-
     fn parse(&self) -> anyhow::Result<Vec<(PathBuf, String, bool)>> {
         let mut out = Vec::new();
         for s in &self.vhost_user_blk {
@@ -46,9 +49,23 @@ impl VhostArgs {
         }
         Ok(out)
     }
+}
+
+impl ExportDriver for VhostArgs {
+    fn frontend(&self) -> &'static str {
+        "vhost-user-blk"
+    }
+
+    fn requested(&self) -> bool {
+        !self.vhost_user_blk.is_empty()
+    }
+
+    fn usage(&self) -> &'static str {
+        "--vhost-user-blk SOCKET:NAME"
+    }
 
     /// Start every --vhost-user-blk socket (all or none).
-    pub fn start(&self, reg: &Arc<Registry>) -> anyhow::Result<Arc<dyn ExportHost>> {
+    fn start(&self, reg: &Arc<Registry>) -> anyhow::Result<Arc<dyn ExportHost>> {
         let host = Arc::new(VhostHost::default());
         for (sock, name, ro) in self.parse()? {
             let dev = reg
