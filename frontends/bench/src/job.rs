@@ -77,10 +77,10 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
         let ramp_end = t0.saturating_add(spec.ramp_time.as_nanos() as u64);
         eng.pump_work(false, ramp_end, u64::MAX);
         // The verify log survives the ramp: those writes are on the device.
-        eng.read = DirStats::default();
-        eng.write = DirStats::default();
-        eng.trim = DirStats::default();
-        eng.depths = DepthStats::default();
+        eng.stats.read = DirStats::default();
+        eng.stats.write = DirStats::default();
+        eng.stats.trim = DirStats::default();
+        eng.stats.depths = DepthStats::default();
     }
 
     setup.progress.phase.store(1, Ordering::Relaxed);
@@ -100,12 +100,16 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
         setup.geometry.io_limit
     };
     eng.pump_work(true, deadline, io_limit);
-    if spec.end_fsync && spec.rw.writes() && !eng.failed {
+    if spec.end_fsync && spec.rw.writes() && !eng.stats.failed {
         eng.final_flush();
     }
     let work_end = now_ns();
     let work_ns = work_end - work_start;
-    for d in [&mut eng.read, &mut eng.write, &mut eng.trim] {
+    for d in [
+        &mut eng.stats.read,
+        &mut eng.stats.write,
+        &mut eng.stats.trim,
+    ] {
         if d.total_ios + d.errors > 0 {
             d.runtime_ns = work_ns;
         }
@@ -119,17 +123,17 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     if spec.verify != VerifyMode::None
         && spec.do_verify
         && spec.rw.writes()
-        && !eng.failed
+        && !eng.stats.failed
         && !stop_requested()
     {
         setup.progress.phase.store(2, Ordering::Relaxed);
         let v0 = now_ns();
-        let reads_before = eng.read.total_ios;
+        let reads_before = eng.stats.read.total_ios;
         eng.pump_verify();
         verify_ns = now_ns() - v0;
-        if eng.read.total_ios > reads_before {
+        if eng.stats.read.total_ios > reads_before {
             // fio counts the verify phase as read time.
-            eng.read.runtime_ns += verify_ns;
+            eng.stats.read.runtime_ns += verify_ns;
         }
     }
     let end = now_ns();
@@ -137,7 +141,7 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     eng.publish_progress();
     setup.progress.done.store(true, Ordering::Release);
 
-    result.error = eng.first_error;
+    result.error = eng.stats.first_error;
     if result.error == 0 && !rate_min_met(spec, &eng, work_ns) {
         // fio ends a job that cannot keep rate_min/rate_iops_min.
         result.error = libc::EIO;
@@ -146,10 +150,10 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
         request_segment_stop();
     }
     result.steady_attained = eng.ctl.steady_attained;
-    result.read = std::mem::take(&mut eng.read);
-    result.write = std::mem::take(&mut eng.write);
-    result.trim = std::mem::take(&mut eng.trim);
-    result.depths = std::mem::take(&mut eng.depths);
+    result.read = std::mem::take(&mut eng.stats.read);
+    result.write = std::mem::take(&mut eng.stats.write);
+    result.trim = std::mem::take(&mut eng.stats.trim);
+    result.depths = std::mem::take(&mut eng.stats.depths);
     result.usr_cpu_ns = cpu.user_ns;
     result.sys_cpu_ns = cpu.sys_ns;
     let ru1 = thread_rusage_counts();
@@ -158,10 +162,12 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     result.minf = ru1[2].saturating_sub(ru0[2]);
     result.runtime_ns = work_ns + verify_ns;
     result.elapsed_ns = end - t0;
-    result.verify_errors = eng.verify_errors;
-    result.verify_checked = eng.verify_checked;
-    result.verify_failures = std::mem::take(&mut eng.verify_failures);
-    debug_assert_eq!(eng.inflight, 0);
+    (
+        result.verify_errors,
+        result.verify_checked,
+        result.verify_failures,
+    ) = eng.take_verify_outcome();
+    debug_assert_eq!(eng.inflight(), 0);
     Ok(result)
 }
 
@@ -171,7 +177,7 @@ fn rate_min_met(spec: &crate::spec::JobSpec, eng: &Engine, work_ns: u64) -> bool
     if secs <= 0.0 {
         return true;
     }
-    [&eng.read, &eng.write, &eng.trim]
+    [&eng.stats.read, &eng.stats.write, &eng.stats.trim]
         .iter()
         .enumerate()
         .all(|(i, d)| {
