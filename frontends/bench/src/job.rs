@@ -73,14 +73,7 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     let mut result = JobResult::new(&spec.name, setup.groupid, spec, &setup.device_name);
 
     if !spec.ramp_time.is_zero() {
-        setup.progress.phase.store(0, Ordering::Relaxed);
-        let ramp_end = t0.saturating_add(spec.ramp_time.as_nanos() as u64);
-        eng.pump_work(false, ramp_end, u64::MAX);
-        // The verify log survives the ramp: those writes are on the device.
-        eng.stats.read = DirStats::default();
-        eng.stats.write = DirStats::default();
-        eng.stats.trim = DirStats::default();
-        eng.stats.depths = DepthStats::default();
+        ramp(&mut eng, &setup, t0);
     }
 
     setup.progress.phase.store(1, Ordering::Relaxed);
@@ -119,6 +112,50 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
             .with_context(|| format!("job '{}': writing its log files", spec.name))?;
     }
 
+    let verify_ns = verify_phase(&mut eng, &setup);
+    let end = now_ns();
+    let cpu = blkstack_core::cpu::thread_cpu().since(cpu0);
+    eng.publish_progress();
+    setup.progress.done.store(true, Ordering::Release);
+
+    result.error = eng.stats.first_error;
+    if result.error == 0 && !rate_min_met(spec, &eng, work_ns) {
+        // fio ends a job that cannot keep rate_min/rate_iops_min.
+        result.error = libc::EIO;
+    }
+    if spec.exitall {
+        request_segment_stop();
+    }
+    take_figures(&mut result, &mut eng);
+    result.usr_cpu_ns = cpu.user_ns;
+    result.sys_cpu_ns = cpu.sys_ns;
+    let ru1 = thread_rusage_counts();
+    result.ctx = ru1[0].saturating_sub(ru0[0]);
+    result.majf = ru1[1].saturating_sub(ru0[1]);
+    result.minf = ru1[2].saturating_sub(ru0[2]);
+    result.runtime_ns = work_ns + verify_ns;
+    result.elapsed_ns = end - t0;
+    debug_assert_eq!(eng.inflight(), 0);
+    Ok(result)
+}
+
+/// The ramp: I/O as in the work phase, none of it counted.
+fn ramp(eng: &mut Engine, setup: &ThreadSetup, t0: u64) {
+    let spec = &setup.spec;
+    setup.progress.phase.store(0, Ordering::Relaxed);
+    let ramp_end = t0.saturating_add(spec.ramp_time.as_nanos() as u64);
+    eng.pump_work(false, ramp_end, u64::MAX);
+    // The verify log survives the ramp: those writes are on the device.
+    eng.stats.read = DirStats::default();
+    eng.stats.write = DirStats::default();
+    eng.stats.trim = DirStats::default();
+    eng.stats.depths = DepthStats::default();
+}
+
+/// fio's verify phase after the writes, if the job has one; its
+/// duration in ns (0 without one).
+fn verify_phase(eng: &mut Engine, setup: &ThreadSetup) -> u64 {
+    let spec = &setup.spec;
     let mut verify_ns = 0;
     if spec.verify != VerifyMode::None
         && spec.do_verify
@@ -136,39 +173,21 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
             eng.stats.read.runtime_ns += verify_ns;
         }
     }
-    let end = now_ns();
-    let cpu = blkstack_core::cpu::thread_cpu().since(cpu0);
-    eng.publish_progress();
-    setup.progress.done.store(true, Ordering::Release);
+    verify_ns
+}
 
-    result.error = eng.stats.first_error;
-    if result.error == 0 && !rate_min_met(spec, &eng, work_ns) {
-        // fio ends a job that cannot keep rate_min/rate_iops_min.
-        result.error = libc::EIO;
-    }
-    if spec.exitall {
-        request_segment_stop();
-    }
+/// Move the engine's figures into the job's result.
+fn take_figures(result: &mut JobResult, eng: &mut Engine) {
     result.steady_attained = eng.ctl.steady_attained;
     result.read = std::mem::take(&mut eng.stats.read);
     result.write = std::mem::take(&mut eng.stats.write);
     result.trim = std::mem::take(&mut eng.stats.trim);
     result.depths = std::mem::take(&mut eng.stats.depths);
-    result.usr_cpu_ns = cpu.user_ns;
-    result.sys_cpu_ns = cpu.sys_ns;
-    let ru1 = thread_rusage_counts();
-    result.ctx = ru1[0].saturating_sub(ru0[0]);
-    result.majf = ru1[1].saturating_sub(ru0[1]);
-    result.minf = ru1[2].saturating_sub(ru0[2]);
-    result.runtime_ns = work_ns + verify_ns;
-    result.elapsed_ns = end - t0;
     (
         result.verify_errors,
         result.verify_checked,
         result.verify_failures,
     ) = eng.take_verify_outcome();
-    debug_assert_eq!(eng.inflight(), 0);
-    Ok(result)
 }
 
 /// Did the job keep its `rate_min`/`rate_iops_min` on average?

@@ -224,6 +224,51 @@ fn run_tool(name: &str, args: &LabArgs) -> Option<Result<()>> {
     }
 }
 
+/// The experiments' options from the command line, checked.
+fn lab_opts(args: &LabArgs) -> Result<LabOpts> {
+    let mut params = BTreeMap::new();
+    for kv in &args.set {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
+        params.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    let opts = LabOpts {
+        quick: args.quick,
+        repeats: args.repeats,
+        jobs: args.jobs,
+        params,
+    };
+    if args.repeats == Some(0) {
+        bail!("--repeats must be at least 1");
+    }
+    if args.jobs == Some(0) {
+        bail!("--jobs must be at least 1");
+    }
+    Ok(opts)
+}
+
+/// Where the outputs are and which checks did not reproduce.
+fn print_summary(out: &std::path::Path, unreproduced: &[String]) {
+    println!(
+        "outputs in {} (report page: {})",
+        out.display(),
+        out.join("index.html").display()
+    );
+    if unreproduced.is_empty() {
+        println!("every check reproduced");
+    } else {
+        println!(
+            "{} check(s) not reproduced on this run:",
+            unreproduced.len()
+        );
+        for u in unreproduced {
+            println!("  {u}");
+        }
+    }
+}
+
+/// `blkstack lab`.
 pub fn run_cli(args: LabArgs) -> Result<()> {
     if args.list {
         print!("{}", list());
@@ -245,25 +290,7 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
                 .join(" ")
         );
     }
-    let mut params = BTreeMap::new();
-    for kv in &args.set {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
-        params.insert(k.trim().to_string(), v.trim().to_string());
-    }
-    let opts = LabOpts {
-        quick: args.quick,
-        repeats: args.repeats,
-        jobs: args.jobs,
-        params,
-    };
-    if args.repeats == Some(0) {
-        bail!("--repeats must be at least 1");
-    }
-    if args.jobs == Some(0) {
-        bail!("--jobs must be at least 1");
-    }
+    let opts = lab_opts(&args)?;
     let selected: Vec<&Entry> = if name == "all" {
         EXPERIMENTS.iter().collect()
     } else {
@@ -296,22 +323,7 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
             }
         }
     }
-    println!(
-        "outputs in {} (report page: {})",
-        args.out.display(),
-        args.out.join("index.html").display()
-    );
-    if unreproduced.is_empty() {
-        println!("every check reproduced");
-    } else {
-        println!(
-            "{} check(s) not reproduced on this run:",
-            unreproduced.len()
-        );
-        for u in &unreproduced {
-            println!("  {u}");
-        }
-    }
+    print_summary(&args.out, &unreproduced);
     if !errors.is_empty() {
         bail!("experiment(s) failed to run: {}", errors.join(", "));
     }
