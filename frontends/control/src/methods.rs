@@ -391,10 +391,12 @@ impl Control {
                 match owners.as_slice() {
                     [] => return Err(not_exported(&p.name)),
                     [h] => *h,
-                    _ => return Err(RpcError::invalid_params(format!(
+                    _ => {
+                        return Err(RpcError::invalid_params(format!(
                         "{} is exported on several frontends; say which (frontend: nbd or ublk)",
                         p.name
-                    ))),
+                    )))
+                    }
                 }
             }
         };
