@@ -335,6 +335,7 @@ impl Experiment for Delay {
             scale.is_finite() && scale > 0.0,
             "--set runtime_scale must be positive"
         );
+        let with_qd32 = opts.param::<u32>("qd32", 1)? != 0;
         let setup = Setup {
             wait: opts.params.get("wait").cloned(),
             cpus_allowed: opts.params.get("cpus_allowed").cloned(),
@@ -345,7 +346,7 @@ impl Experiment for Delay {
         Ok(Config {
             delays,
             scale,
-            with_qd32: opts.param::<u32>("qd32", 1)? != 0,
+            with_qd32,
             repeats: opts.repeats.unwrap_or(if opts.quick { 3 } else { 5 }),
             quick: opts.quick,
             setup,

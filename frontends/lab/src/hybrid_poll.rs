@@ -477,7 +477,17 @@ impl Experiment for HybridPoll {
 /// The settings, checked, with the device built once to fail early.
 fn configure(opts: &LabOpts) -> Result<Config> {
     let many_jobs = opts.jobs.unwrap_or(2) as u32;
+    // Several short interleaved rounds rather than one long run per mode:
+    // on a shared machine every mode's figure moves a lot between rounds
+    // of one run (other tenants' builds come and go), so a verdict needs
+    // paired rounds and medians.
+    let repeats = opts.repeats.unwrap_or(if opts.quick { 3 } else { 5 });
+    let runtime =
+        Duration::from_millis(opts.param("runtime_ms", if opts.quick { 400 } else { 2000 })?);
     let iodepth: u32 = opts.param("iodepth", 64)?;
+    // `--set trace=1`: each run's figures and the device's status (for
+    // `null`, how late the emulated disk completed: timer_late_avg_ns).
+    let trace = opts.param::<u8>("trace", 0)? != 0;
     let services: Vec<u64> = opts.param_list("service_ns", &SERVICE_NS)?;
     let backend: String = opts.param("backend", "null".to_string())?;
     // Default: upstream's disk without poll queues (io_uring IOPOLL there
@@ -522,18 +532,10 @@ fn configure(opts: &LabOpts) -> Result<Config> {
     probe.remove_all();
     Ok(Config {
         many_jobs,
-        // Several short interleaved rounds rather than one long run per
-        // mode: on a shared machine every mode's figure moves a lot
-        // between rounds of one run (other tenants' builds come and go),
-        // so a verdict needs paired rounds and medians.
-        repeats: opts.repeats.unwrap_or(if opts.quick { 3 } else { 5 }),
-        runtime: Duration::from_millis(
-            opts.param("runtime_ms", if opts.quick { 400 } else { 2000 })?,
-        ),
+        repeats,
+        runtime,
         iodepth,
-        // `--set trace=1`: each run's figures and the device's status (for
-        // `null`, how late the emulated disk completed: timer_late_avg_ns).
-        trace: opts.param::<u8>("trace", 0)? != 0,
+        trace,
         services,
         backend,
         disk,

@@ -250,6 +250,8 @@ impl Experiment for MqRun {
 
     fn configure(opts: &LabOpts) -> Result<Config> {
         let jobs = opts.jobs.unwrap_or(8) as u32;
+        let runtime =
+            Duration::from_millis(opts.param("runtime_ms", if opts.quick { 750 } else { 4000 })?);
         let depths: Vec<u32> = opts.param_list("depths", &DEPTHS)?;
         let default_devices: &[&str] = if opts.quick {
             &[CHECKED]
@@ -273,7 +275,7 @@ impl Experiment for MqRun {
             job_sweep.iter().all(|&j| j >= 1),
             "--set job_sweep: every job count must be at least 1"
         );
-        let setup = configure_setup(opts)?;
+        let setup = configure_setup(opts, runtime)?;
         let deepest = depths.iter().copied().max().unwrap_or(1024);
         let mut points: Vec<Point> = DEVICES
             .iter()
@@ -412,7 +414,7 @@ impl Experiment for MqRun {
 }
 
 /// The settings every run shares, from the options.
-fn configure_setup(opts: &LabOpts) -> Result<Setup> {
+fn configure_setup(opts: &LabOpts, runtime: Duration) -> Result<Setup> {
     // The checked device's runs spread widely at any depth (see
     // docs/BENCHMARKS.md), so its medians need five runs even in quick
     // mode; the job sweep and `memory` carry no check and keep three.
@@ -422,8 +424,6 @@ fn configure_setup(opts: &LabOpts) -> Result<Setup> {
     } else {
         repeats
     };
-    let runtime =
-        Duration::from_millis(opts.param("runtime_ms", if opts.quick { 750 } else { 4000 })?);
     // `--set trace=1`: each run's figures on stderr.
     let trace: u8 = opts.param("trace", 0)?;
     let null_zero_reads: u8 = opts.param("null_zero_reads", 0)?;
