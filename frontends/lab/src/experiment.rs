@@ -113,3 +113,92 @@ pub fn check(name: impl Into<String>, pass: bool, detail: impl Into<String>) -> 
         detail: detail.into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A toy experiment: two rows, the second with a cell the first lacks.
+    struct Toy;
+
+    #[derive(Serialize)]
+    struct ToyRow {
+        depth: u32,
+        iops: f64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        extra: Option<&'static str>,
+    }
+
+    impl Experiment for Toy {
+        const NAME: &'static str = "toy";
+        const SEED: &'static str = "999";
+        const ABOUT: &'static str = "a toy";
+        const TITLE: &'static str = "toy title";
+        const SPLIT_BY: Option<&'static str> = None;
+        type Config = u32;
+        type Measurement = Vec<f64>;
+        type Row = ToyRow;
+
+        fn configure(opts: &LabOpts) -> Result<u32> {
+            opts.param("depth", 2)
+        }
+        fn measure(cfg: &u32) -> Result<Vec<f64>> {
+            Ok(vec![f64::from(*cfg) * 1000.5, 2000.0])
+        }
+        fn columns(_: &u32) -> Vec<String> {
+            vec!["depth".into(), "iops".into()]
+        }
+        fn rows(cfg: &u32, m: &Vec<f64>) -> Vec<ToyRow> {
+            vec![
+                ToyRow {
+                    depth: *cfg,
+                    iops: m[0],
+                    extra: None,
+                },
+                ToyRow {
+                    depth: cfg * 2,
+                    iops: m[1],
+                    extra: Some("a"),
+                },
+            ]
+        }
+        fn checks(_: &u32, _: &Vec<f64>, rows: &[ToyRow]) -> Vec<Check> {
+            vec![check("rises", rows[1].iops > rows[0].iops, "2000 > 2001")]
+        }
+        fn notes(_: &u32, _: &Vec<f64>, _: &[ToyRow]) -> Vec<String> {
+            vec!["a note".into()]
+        }
+        fn seed_table() -> Option<SeedTable> {
+            None
+        }
+        fn figures() -> Vec<Figure> {
+            Vec::new()
+        }
+    }
+
+    /// The typed report is the one `push_row` builds from the same cells.
+    #[test]
+    fn typed_report_equals_the_hand_built_one() {
+        let r = run::<Toy>(&LabOpts::default()).unwrap();
+        let mut want = LabReport::new("toy", "toy title", &["depth", "iops"]);
+        want.push_row([("depth", json!(2)), ("iops", json!(2001.0))]);
+        want.push_row([
+            ("depth", json!(4)),
+            ("iops", json!(2000.0)),
+            ("extra", json!("a")),
+        ]);
+        want.check("rises", false, "2000 > 2001");
+        want.note("a note");
+        assert_eq!(r.to_json().to_string(), want.to_json().to_string());
+        let e = Entry::of::<Toy>();
+        assert_eq!((e.name, e.seed, e.about), ("toy", "999", "a toy"));
+    }
+
+    #[test]
+    fn a_bad_setting_fails_before_measuring() {
+        let mut opts = LabOpts::default();
+        opts.params.insert("depth".into(), "x".into());
+        assert!(run::<Toy>(&opts).is_err());
+    }
+}
