@@ -105,38 +105,53 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                 Some(v.clone())
             }
         };
+        cl.apply_option(key, value)?;
+    }
+    Ok(cl)
+}
+
+/// `--output-format`'s comma-separated list.
+fn parse_output_formats(text: &str) -> anyhow::Result<Vec<OutputFormat>> {
+    text.split(',')
+        .map(str::trim)
+        .map(|f| {
+            Ok(match f {
+                "normal" => OutputFormat::Normal,
+                "json" => OutputFormat::Json,
+                "json+" => OutputFormat::JsonPlus,
+                "terse" => OutputFormat::Terse,
+                other => bail!(
+                    "--output-format: '{other}' is not supported (use normal, terse, json, json+, or a comma-separated list)"
+                ),
+            })
+        })
+        .collect()
+}
+
+impl CommandLine {
+    /// One `--key[=value]` option: the command line's own, or a job
+    /// option for the last `--name` job (the defaults before any), or an
+    /// override of the job files' jobs.
+    fn apply_option(&mut self, key: String, value: Option<String>) -> anyhow::Result<()> {
         match key.as_str() {
-            "stack" => cl
+            "stack" => self
                 .stack_files
                 .push(PathBuf::from(value.unwrap_or_default())),
-            "concise" => cl.concise.push(value.unwrap_or_default()),
-            "output" => cl.output = Some(PathBuf::from(value.unwrap_or_default())),
+            "concise" => self.concise.push(value.unwrap_or_default()),
+            "output" => self.output = Some(PathBuf::from(value.unwrap_or_default())),
             "output-format" | "output_format" => {
-                let text = value.unwrap_or_default();
-                let mut formats = Vec::new();
-                for f in text.split(',').map(str::trim) {
-                    formats.push(match f {
-                        "normal" => OutputFormat::Normal,
-                        "json" => OutputFormat::Json,
-                        "json+" => OutputFormat::JsonPlus,
-                        "terse" => OutputFormat::Terse,
-                        other => bail!(
-                            "--output-format: '{other}' is not supported (use normal, terse, json, json+, or a comma-separated list)"
-                        ),
-                    });
-                }
-                cl.output_formats = formats;
+                self.output_formats = parse_output_formats(&value.unwrap_or_default())?
             }
             "terse-version" | "terse_version" => {
                 let v = value.unwrap_or_default();
-                cl.terse_version = match v.trim() {
+                self.terse_version = match v.trim() {
                     "3" => 3,
                     "4" => 4,
                     "5" => 5,
                     o => bail!("--terse-version: '{o}' is not one of 3, 4, 5"),
                 };
             }
-            "minimal" => cl.output_formats = vec![OutputFormat::Terse],
+            "minimal" => self.output_formats = vec![OutputFormat::Terse],
             "status-interval" | "status_interval" => {
                 let v = value.unwrap_or_default();
                 let d = crate::parse::parse_time(&v, crate::parse::TimeUnit::Seconds)
@@ -144,10 +159,10 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                 if d.is_zero() {
                     bail!("--status-interval: must be more than 0");
                 }
-                cl.status_interval = Some(d);
+                self.status_interval = Some(d);
             }
             "eta" => {
-                cl.eta = match value.as_deref().unwrap_or("") {
+                self.eta = match value.as_deref().unwrap_or("") {
                     "auto" => EtaMode::Auto,
                     "always" => EtaMode::Always,
                     "never" => EtaMode::Never,
@@ -155,16 +170,16 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                 }
             }
             "name" => {
-                let mut job = cl.defaults.clone();
+                let mut job = self.defaults.clone();
                 job.name = value.unwrap_or_default();
                 if job.name.is_empty() {
                     bail!("--name needs a non-empty value");
                 }
-                cl.named_jobs.push(job);
+                self.named_jobs.push(job);
             }
             _ => {
-                let override_files = cl.named_jobs.is_empty() && !cl.job_files.is_empty();
-                let target = cl.named_jobs.last_mut().unwrap_or(&mut cl.defaults);
+                let override_files = self.named_jobs.is_empty() && !self.job_files.is_empty();
+                let target = self.named_jobs.last_mut().unwrap_or(&mut self.defaults);
                 if override_files {
                     // Checked now on a scratch job so a bad value is
                     // reported here, naming the option.
@@ -172,19 +187,17 @@ pub fn parse_command_line(args: &[String]) -> anyhow::Result<CommandLine> {
                     probe
                         .apply(&key, value.as_deref())
                         .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
-                    cl.overrides.push((key, value));
-                    continue;
+                    self.overrides.push((key, value));
+                    return Ok(());
                 }
                 target
                     .apply(&key, value.as_deref())
                     .map_err(|e| anyhow::anyhow!("--{}: {}", e.key, e.message))?;
             }
         }
+        Ok(())
     }
-    Ok(cl)
-}
 
-impl CommandLine {
     /// All jobs, in fio's order: the job files' jobs, then the `--name` jobs.
     pub fn jobs(&self) -> anyhow::Result<Vec<JobSpec>> {
         let mut jobs = Vec::new();

@@ -13,6 +13,7 @@
 //! fio's. `sequence` replays fixed block indices.
 
 use crate::parse::parse_size;
+use crate::parse::ValueError;
 use rand::rngs::SmallRng;
 use rand::Rng;
 
@@ -58,28 +59,28 @@ pub enum Distribution {
 
 impl Distribution {
     /// Parse fio's text (`zipf:1.2`, `zoned:60/10:30/20:10/`, ...).
-    pub fn parse(s: &str) -> Result<Distribution, String> {
+    pub fn parse(s: &str) -> Result<Distribution, ValueError> {
         let (kind, args) = match s.find([':', '=']) {
             Some(i) => (&s[..i], s[i + 1..].trim()),
             None => (s, ""),
         };
-        let floats = || -> Result<(f64, Option<f64>), String> {
+        let floats = || -> Result<(f64, Option<f64>), ValueError> {
             let mut it = args.split(':');
             let v: f64 = it
                 .next()
                 .filter(|t| !t.is_empty())
-                .ok_or_else(|| format!("'{s}': {kind} needs a value ({kind}:VALUE)"))?
+                .ok_or_else(|| ValueError(format!("'{s}': {kind} needs a value ({kind}:VALUE)")))?
                 .trim()
                 .parse()
-                .map_err(|_| format!("'{s}': '{args}' is not a number"))?;
+                .map_err(|_| ValueError(format!("'{s}': '{args}' is not a number")))?;
             let center = match it.next() {
                 Some(c) => {
                     let c: f64 = c
                         .trim()
                         .parse()
-                        .map_err(|_| format!("'{s}': center '{c}' is not a number"))?;
+                        .map_err(|_| ValueError(format!("'{s}': center '{c}' is not a number")))?;
                     if !(0.0..=1.0).contains(&c) {
-                        return Err(format!("'{s}': the center must be in [0, 1]"));
+                        return Err(ValueError(format!("'{s}': the center must be in [0, 1]")));
                     }
                     Some(c)
                 }
@@ -92,30 +93,34 @@ impl Distribution {
             "zipf" => {
                 let (theta, center) = floats()?;
                 if theta <= 0.0 || theta == 1.0 {
-                    return Err(format!("'{s}': zipf theta must be > 0 and not 1"));
+                    return Err(ValueError(format!(
+                        "'{s}': zipf theta must be > 0 and not 1"
+                    )));
                 }
                 Ok(Distribution::Zipf { theta, center })
             }
             "pareto" => {
                 let (h, center) = floats()?;
                 if !(h > 0.0 && h < 1.0) {
-                    return Err(format!("'{s}': pareto power must be in (0, 1)"));
+                    return Err(ValueError(format!("'{s}': pareto power must be in (0, 1)")));
                 }
                 Ok(Distribution::Pareto { h, center })
             }
             "normal" | "gauss" => {
                 let (dev, center) = floats()?;
                 if !(0.0..=100.0).contains(&dev) {
-                    return Err(format!("'{s}': normal deviation must be in 0..100"));
+                    return Err(ValueError(format!(
+                        "'{s}': normal deviation must be in 0..100"
+                    )));
                 }
                 Ok(Distribution::Normal { dev, center })
             }
             "zoned" => parse_zones(s, args, false).map(Distribution::Zoned),
             "zoned_abs" => parse_zones(s, args, true).map(Distribution::Zoned),
             "sequence" => parse_sequence(s, args),
-            other => Err(format!(
+            other => Err(ValueError(format!(
                 "'{other}' is not one of random, zipf, pareto, normal, zoned, zoned_abs, sequence"
-            )),
+            ))),
         }
     }
 
@@ -127,11 +132,11 @@ impl Distribution {
 
 /// `A/S:A/S:...`: a missing access or size share splits what the others
 /// leave (fio's `zone_split_ddir`); accesses must add up to 100.
-fn parse_zones(s: &str, args: &str, absolute: bool) -> Result<Vec<Zone>, String> {
+fn parse_zones(s: &str, args: &str, absolute: bool) -> Result<Vec<Zone>, ValueError> {
     if args.contains(',') {
-        return Err(format!(
+        return Err(ValueError(format!(
             "'{s}': per-direction zone lists are not supported (one list for all directions)"
-        ));
+        )));
     }
     let mut raw: Vec<(Option<u32>, Option<u64>)> = Vec::new();
     for part in args.split(':').map(str::trim).filter(|p| !p.is_empty()) {
@@ -140,7 +145,7 @@ fn parse_zones(s: &str, args: &str, absolute: bool) -> Result<Vec<Zone>, String>
             "" => None,
             t => Some(
                 t.parse::<u32>()
-                    .map_err(|_| format!("'{s}': '{t}' is not a whole percentage"))?,
+                    .map_err(|_| ValueError(format!("'{s}': '{t}' is not a whole percentage")))?,
             ),
         };
         let size = match b.trim() {
@@ -148,25 +153,27 @@ fn parse_zones(s: &str, args: &str, absolute: bool) -> Result<Vec<Zone>, String>
             t if absolute => Some(parse_size(t)?),
             t => Some(
                 t.parse::<u64>()
-                    .map_err(|_| format!("'{s}': '{t}' is not a whole percentage"))?,
+                    .map_err(|_| ValueError(format!("'{s}': '{t}' is not a whole percentage")))?,
             ),
         };
         raw.push((access, size));
     }
     if raw.is_empty() || raw.len() > MAX_ZONES {
-        return Err(format!("'{s}': give 1 to {MAX_ZONES} zones"));
+        return Err(ValueError(format!("'{s}': give 1 to {MAX_ZONES} zones")));
     }
     let access_sum: u32 = raw.iter().filter_map(|r| r.0).sum();
     let access_missing = raw.iter().filter(|r| r.0.is_none()).count() as u32;
     let size_sum: u64 = raw.iter().filter_map(|r| r.1).sum();
     let size_missing = raw.iter().filter(|r| r.1.is_none()).count() as u64;
     if access_sum > 100 || (!absolute && size_sum > 100) {
-        return Err(format!("'{s}': zone percentages add to more than 100"));
+        return Err(ValueError(format!(
+            "'{s}': zone percentages add to more than 100"
+        )));
     }
     if access_missing == 0 && access_sum < 100 {
-        return Err(format!(
+        return Err(ValueError(format!(
             "'{s}': access percentages add up to {access_sum}, not 100"
-        ));
+        )));
     }
     let zones = raw
         .into_iter()
@@ -183,18 +190,20 @@ fn parse_zones(s: &str, args: &str, absolute: bool) -> Result<Vec<Zone>, String>
     Ok(zones)
 }
 
-fn parse_sequence(s: &str, args: &str) -> Result<Distribution, String> {
+fn parse_sequence(s: &str, args: &str) -> Result<Distribution, ValueError> {
     let blocks = args
         .split(',')
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .map(|t| {
             t.parse::<u64>()
-                .map_err(|_| format!("'{s}': '{t}' is not a block index"))
+                .map_err(|_| ValueError(format!("'{s}': '{t}' is not a block index")))
         })
-        .collect::<Result<Vec<u64>, String>>()?;
+        .collect::<Result<Vec<u64>, ValueError>>()?;
     if blocks.is_empty() || blocks.len() > MAX_SEQUENCE {
-        return Err(format!("'{s}': give 1 to {MAX_SEQUENCE} block indices"));
+        return Err(ValueError(format!(
+            "'{s}': give 1 to {MAX_SEQUENCE} block indices"
+        )));
     }
     Ok(Distribution::Sequence {
         blocks,

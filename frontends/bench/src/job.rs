@@ -73,14 +73,7 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     let mut result = JobResult::new(&spec.name, setup.groupid, spec, &setup.device_name);
 
     if !spec.ramp_time.is_zero() {
-        setup.progress.phase.store(0, Ordering::Relaxed);
-        let ramp_end = t0.saturating_add(spec.ramp_time.as_nanos() as u64);
-        eng.pump_work(false, ramp_end, u64::MAX);
-        // The verify log survives the ramp: those writes are on the device.
-        eng.read = DirStats::default();
-        eng.write = DirStats::default();
-        eng.trim = DirStats::default();
-        eng.depths = DepthStats::default();
+        ramp(&mut eng, &setup, t0);
     }
 
     setup.progress.phase.store(1, Ordering::Relaxed);
@@ -100,12 +93,16 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
         setup.geometry.io_limit
     };
     eng.pump_work(true, deadline, io_limit);
-    if spec.end_fsync && spec.rw.writes() && !eng.failed {
+    if spec.end_fsync && spec.rw.writes() && !eng.stats.failed {
         eng.final_flush();
     }
     let work_end = now_ns();
     let work_ns = work_end - work_start;
-    for d in [&mut eng.read, &mut eng.write, &mut eng.trim] {
+    for d in [
+        &mut eng.stats.read,
+        &mut eng.stats.write,
+        &mut eng.stats.trim,
+    ] {
         if d.total_ios + d.errors > 0 {
             d.runtime_ns = work_ns;
         }
@@ -115,29 +112,13 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
             .with_context(|| format!("job '{}': writing its log files", spec.name))?;
     }
 
-    let mut verify_ns = 0;
-    if spec.verify != VerifyMode::None
-        && spec.do_verify
-        && spec.rw.writes()
-        && !eng.failed
-        && !stop_requested()
-    {
-        setup.progress.phase.store(2, Ordering::Relaxed);
-        let v0 = now_ns();
-        let reads_before = eng.read.total_ios;
-        eng.pump_verify();
-        verify_ns = now_ns() - v0;
-        if eng.read.total_ios > reads_before {
-            // fio counts the verify phase as read time.
-            eng.read.runtime_ns += verify_ns;
-        }
-    }
+    let verify_ns = verify_phase(&mut eng, &setup);
     let end = now_ns();
     let cpu = blkstack_core::cpu::thread_cpu().since(cpu0);
     eng.publish_progress();
     setup.progress.done.store(true, Ordering::Release);
 
-    result.error = eng.first_error;
+    result.error = eng.stats.first_error;
     if result.error == 0 && !rate_min_met(spec, &eng, work_ns) {
         // fio ends a job that cannot keep rate_min/rate_iops_min.
         result.error = libc::EIO;
@@ -145,11 +126,7 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     if spec.exitall {
         request_segment_stop();
     }
-    result.steady_attained = eng.ctl.steady_attained;
-    result.read = std::mem::take(&mut eng.read);
-    result.write = std::mem::take(&mut eng.write);
-    result.trim = std::mem::take(&mut eng.trim);
-    result.depths = std::mem::take(&mut eng.depths);
+    take_figures(&mut result, &mut eng);
     result.usr_cpu_ns = cpu.user_ns;
     result.sys_cpu_ns = cpu.sys_ns;
     let ru1 = thread_rusage_counts();
@@ -158,11 +135,59 @@ pub(crate) fn run_thread(setup: ThreadSetup) -> anyhow::Result<JobResult> {
     result.minf = ru1[2].saturating_sub(ru0[2]);
     result.runtime_ns = work_ns + verify_ns;
     result.elapsed_ns = end - t0;
-    result.verify_errors = eng.verify_errors;
-    result.verify_checked = eng.verify_checked;
-    result.verify_failures = std::mem::take(&mut eng.verify_failures);
-    debug_assert_eq!(eng.inflight, 0);
+    debug_assert_eq!(eng.inflight(), 0);
     Ok(result)
+}
+
+/// The ramp: I/O as in the work phase, none of it counted.
+fn ramp(eng: &mut Engine, setup: &ThreadSetup, t0: u64) {
+    let spec = &setup.spec;
+    setup.progress.phase.store(0, Ordering::Relaxed);
+    let ramp_end = t0.saturating_add(spec.ramp_time.as_nanos() as u64);
+    eng.pump_work(false, ramp_end, u64::MAX);
+    // The verify log survives the ramp: those writes are on the device.
+    eng.stats.read = DirStats::default();
+    eng.stats.write = DirStats::default();
+    eng.stats.trim = DirStats::default();
+    eng.stats.depths = DepthStats::default();
+}
+
+/// fio's verify phase after the writes, if the job has one; its
+/// duration in ns (0 without one).
+fn verify_phase(eng: &mut Engine, setup: &ThreadSetup) -> u64 {
+    let spec = &setup.spec;
+    let mut verify_ns = 0;
+    if spec.verify != VerifyMode::None
+        && spec.do_verify
+        && spec.rw.writes()
+        && !eng.stats.failed
+        && !stop_requested()
+    {
+        setup.progress.phase.store(2, Ordering::Relaxed);
+        let v0 = now_ns();
+        let reads_before = eng.stats.read.total_ios;
+        eng.pump_verify();
+        verify_ns = now_ns() - v0;
+        if eng.stats.read.total_ios > reads_before {
+            // fio counts the verify phase as read time.
+            eng.stats.read.runtime_ns += verify_ns;
+        }
+    }
+    verify_ns
+}
+
+/// Move the engine's figures into the job's result.
+fn take_figures(result: &mut JobResult, eng: &mut Engine) {
+    result.steady_attained = eng.ctl.steady_attained;
+    result.read = std::mem::take(&mut eng.stats.read);
+    result.write = std::mem::take(&mut eng.stats.write);
+    result.trim = std::mem::take(&mut eng.stats.trim);
+    result.depths = std::mem::take(&mut eng.stats.depths);
+    (
+        result.verify_errors,
+        result.verify_checked,
+        result.verify_failures,
+    ) = eng.take_verify_outcome();
 }
 
 /// Did the job keep its `rate_min`/`rate_iops_min` on average?
@@ -171,7 +196,7 @@ fn rate_min_met(spec: &crate::spec::JobSpec, eng: &Engine, work_ns: u64) -> bool
     if secs <= 0.0 {
         return true;
     }
-    [&eng.read, &eng.write, &eng.trim]
+    [&eng.stats.read, &eng.stats.write, &eng.stats.trim]
         .iter()
         .enumerate()
         .all(|(i, d)| {

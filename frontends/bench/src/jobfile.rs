@@ -8,6 +8,7 @@
 //! `${VAR}` is replaced by the environment variable. A job's `name` is its
 //! section name. Errors name the line and the key.
 
+use crate::parse::ValueError;
 use crate::spec::JobSpec;
 use std::fmt;
 
@@ -72,10 +73,10 @@ pub fn parse_job_file(text: &str, base: &JobSpec) -> Result<Vec<JobSpec>, JobFil
             }
             continue;
         }
-        let expanded = expand_env(line).map_err(|message| JobFileError {
+        let expanded = expand_env(line).map_err(|e| JobFileError {
             line: line_no,
             key: None,
-            message,
+            message: e.into(),
         })?;
         let (key, value) = match expanded.split_once('=') {
             Some((k, v)) => (k.trim().to_string(), Some(v.trim().to_string())),
@@ -134,7 +135,7 @@ fn strip_comment(line: &str) -> &str {
 }
 
 /// fio's `${VAR}` substitution from the environment.
-fn expand_env(line: &str) -> Result<String, String> {
+fn expand_env(line: &str) -> Result<String, ValueError> {
     let mut out = String::with_capacity(line.len());
     let mut rest = line;
     while let Some(start) = rest.find("${") {
@@ -142,10 +143,10 @@ fn expand_env(line: &str) -> Result<String, String> {
         let after = &rest[start + 2..];
         let end = after
             .find('}')
-            .ok_or_else(|| format!("'{line}': '${{' without a closing '}}'"))?;
+            .ok_or_else(|| ValueError(format!("'{line}': '${{' without a closing '}}'")))?;
         let var = &after[..end];
-        let val =
-            std::env::var(var).map_err(|_| format!("environment variable '{var}' is not set"))?;
+        let val = std::env::var(var)
+            .map_err(|_| ValueError(format!("environment variable '{var}' is not set")))?;
         out.push_str(&val);
         rest = &after[end + 1..];
     }

@@ -39,8 +39,6 @@ mod completion;
 mod controls;
 pub mod distribution;
 mod engine;
-mod engine_poll;
-mod engine_verify;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
 #[doc(hidden)]
 pub mod fuzzing;

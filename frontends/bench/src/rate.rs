@@ -11,6 +11,7 @@
 //! `lat_target_check`); `steadystate` ends a job once its IOPS or
 //! bandwidth stays within a limit (or its slope does) over `ss_dur`.
 
+use crate::parse::ValueError;
 use rand::rngs::SmallRng;
 use rand::Rng;
 use std::collections::HashMap;
@@ -93,10 +94,10 @@ pub struct SteadyState {
 }
 
 impl SteadyState {
-    pub fn parse(s: &str) -> Result<SteadyState, String> {
+    pub fn parse(s: &str) -> Result<SteadyState, ValueError> {
         let (m, l) = s
             .split_once(':')
-            .ok_or_else(|| format!("'{s}' is not METRIC:LIMIT (e.g. iops:10%)"))?;
+            .ok_or_else(|| ValueError(format!("'{s}' is not METRIC:LIMIT (e.g. iops:10%)")))?;
         let metric = match m.trim() {
             "iops" => SsMetric::Iops,
             "iops_slope" => SsMetric::IopsSlope,
@@ -105,16 +106,18 @@ impl SteadyState {
             "lat" => SsMetric::Lat,
             "lat_slope" => SsMetric::LatSlope,
             o => {
-                return Err(format!(
+                return Err(ValueError(format!(
                     "'{o}' is not one of iops, iops_slope, bw, bw_slope, lat, lat_slope"
-                ))
+                )))
             }
         };
         let (num, percent) = match l.trim().strip_suffix('%') {
             Some(n) => (n, true),
             None => (l.trim(), false),
         };
-        let limit: f64 = num.parse().map_err(|_| format!("'{l}' is not a number"))?;
+        let limit: f64 = num
+            .parse()
+            .map_err(|_| ValueError(format!("'{l}' is not a number")))?;
         Ok(SteadyState {
             metric,
             limit,

@@ -266,29 +266,7 @@ fn print(s: &str) -> anyhow::Result<()> {
 /// Run one verb against the server.
 pub fn run_cli(verb: Verb) -> anyhow::Result<()> {
     match verb {
-        Verb::Create(a) => {
-            let mut c = connect(&a.control)?;
-            let (subject, params) = match (&a.concise, &a.name) {
-                (Some(list), _) => {
-                    let list = if list == "-" {
-                        read_stdin("the concise device list")?
-                    } else {
-                        list.clone()
-                    };
-                    ("concise list".to_string(), json!({ "concise": list }))
-                }
-                (None, Some(name)) => {
-                    let table = table_text(&a.table, &a.table_file)?;
-                    (
-                        name.clone(),
-                        json!({ "name": name, "table": table, "uuid": a.uuid, "readonly": a.readonly }),
-                    )
-                }
-                (None, None) => bail!("create: give a device NAME or --concise"),
-            };
-            call(&mut c, "create", &subject, params)?;
-            Ok(())
-        }
+        Verb::Create(a) => create(&a),
         Verb::Remove(a) => {
             let mut c = connect(&a.control)?;
             for n in &a.names {
@@ -299,17 +277,7 @@ pub fn run_cli(verb: Verb) -> anyhow::Result<()> {
         Verb::Suspend(a) => each(&a, "suspend"),
         Verb::Resume(a) => each(&a, "resume"),
         Verb::Clear(a) => each(&a, "clear"),
-        Verb::Reload(a) => {
-            let table = table_text(&a.table, &a.table_file)?;
-            let mut c = connect(&a.control)?;
-            call(
-                &mut c,
-                "reload",
-                &a.name,
-                json!({ "name": a.name, "table": table, "force": a.force }),
-            )?;
-            Ok(())
-        }
+        Verb::Reload(a) => reload(&a),
         Verb::Table(a) => {
             let mut c = connect(&a.control)?;
             let r = call(
@@ -359,67 +327,114 @@ pub fn run_cli(verb: Verb) -> anyhow::Result<()> {
                 format::ls(&r)
             })
         }
-        Verb::Message(a) => {
-            let mut c = connect(&a.control)?;
-            let r = call(
-                &mut c,
-                "message",
-                &a.name,
-                json!({ "name": a.name, "sector": a.sector, "message": a.message }),
-            )?;
-            let reply = r.get("reply").and_then(Value::as_str).unwrap_or("");
-            if reply.is_empty() {
-                Ok(())
-            } else if reply.ends_with('\n') {
-                print(reply)
-            } else {
-                print(&format!("{reply}\n"))
-            }
-        }
-        Verb::Export(a) => {
-            let mut c = connect(&a.control)?;
-            let r = call(
-                &mut c,
-                "export",
-                &a.name,
-                json!({ "name": a.name, "readonly": a.readonly,
-                        "frontend": if a.ublk { "ublk" } else { "nbd" } }),
-            )?;
-            let mut out = String::new();
-            for u in r
-                .get("uris")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-            {
-                out.push_str(&format!(
-                    "exported {}{} at {}\n",
-                    a.name,
-                    if r["read_only"] == json!(true) {
-                        " (read-only)"
-                    } else {
-                        ""
-                    },
-                    u.as_str().unwrap_or("")
-                ));
-            }
-            print(&out)
-        }
-        Verb::Unexport(a) => {
-            let mut c = connect(&a.control)?;
-            call(
-                &mut c,
-                "unexport",
-                &a.name,
-                if a.ublk {
-                    json!({ "name": a.name, "force": a.force, "frontend": "ublk" })
-                } else {
-                    json!({ "name": a.name, "force": a.force })
-                },
-            )?;
-            Ok(())
-        }
+        Verb::Message(a) => message(&a),
+        Verb::Export(a) => export(&a),
+        Verb::Unexport(a) => unexport(&a),
     }
+}
+
+/// `create`.
+fn create(a: &CreateArgs) -> anyhow::Result<()> {
+    let mut c = connect(&a.control)?;
+    let (subject, params) = match (&a.concise, &a.name) {
+        (Some(list), _) => {
+            let list = if list == "-" {
+                read_stdin("the concise device list")?
+            } else {
+                list.clone()
+            };
+            ("concise list".to_string(), json!({ "concise": list }))
+        }
+        (None, Some(name)) => {
+            let table = table_text(&a.table, &a.table_file)?;
+            (
+                name.clone(),
+                json!({ "name": name, "table": table, "uuid": a.uuid, "readonly": a.readonly }),
+            )
+        }
+        (None, None) => bail!("create: give a device NAME or --concise"),
+    };
+    call(&mut c, "create", &subject, params)?;
+    Ok(())
+}
+
+/// `message`.
+fn message(a: &MessageArgs) -> anyhow::Result<()> {
+    let mut c = connect(&a.control)?;
+    let r = call(
+        &mut c,
+        "message",
+        &a.name,
+        json!({ "name": a.name, "sector": a.sector, "message": a.message }),
+    )?;
+    let reply = r.get("reply").and_then(Value::as_str).unwrap_or("");
+    if reply.is_empty() {
+        Ok(())
+    } else if reply.ends_with('\n') {
+        print(reply)
+    } else {
+        print(&format!("{reply}\n"))
+    }
+}
+
+/// `export`.
+fn export(a: &ExportArgs) -> anyhow::Result<()> {
+    let mut c = connect(&a.control)?;
+    let r = call(
+        &mut c,
+        "export",
+        &a.name,
+        json!({ "name": a.name, "readonly": a.readonly,
+                    "frontend": if a.ublk { "ublk" } else { "nbd" } }),
+    )?;
+    let mut out = String::new();
+    for u in r
+        .get("uris")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        out.push_str(&format!(
+            "exported {}{} at {}\n",
+            a.name,
+            if r["read_only"] == json!(true) {
+                " (read-only)"
+            } else {
+                ""
+            },
+            u.as_str().unwrap_or("")
+        ));
+    }
+    print(&out)
+}
+
+/// `unexport`.
+fn unexport(a: &UnexportArgs) -> anyhow::Result<()> {
+    let mut c = connect(&a.control)?;
+    call(
+        &mut c,
+        "unexport",
+        &a.name,
+        if a.ublk {
+            json!({ "name": a.name, "force": a.force, "frontend": "ublk" })
+        } else {
+            json!({ "name": a.name, "force": a.force })
+        },
+    )?;
+    Ok(())
+}
+
+/// `reload`.
+fn reload(a: &ReloadArgs) -> anyhow::Result<()> {
+    let table = table_text(&a.table, &a.table_file)?;
+    let mut c = connect(&a.control)?;
+    call(
+        &mut c,
+        "reload",
+        &a.name,
+        json!({ "name": a.name, "table": table, "force": a.force }),
+    )?;
+    Ok(())
 }
 
 /// `NAME[:ro]` items of a flag (`--export`, `--ublk`): (name, read_only)

@@ -260,95 +260,13 @@ impl Control {
                 }))
             }
             "create" => self.create(params(p)?),
-            "reload" => {
-                let p: ReloadParams = params(p)?;
-                let (name, lock) = self.device_lock(&p.name)?;
-                let _g = lock.lock();
-                self.reg.reload_forced(&name, &p.table, p.force)?;
-                Ok(json!({ "name": name }))
-            }
-            "clear" => {
-                let p: NameParams = params(p)?;
-                let (name, lock) = self.device_lock(&p.name)?;
-                let _g = lock.lock();
-                self.reg.clear(&name)?;
-                Ok(json!({ "name": name }))
-            }
-            "suspend" => {
-                let p: NameParams = params(p)?;
-                let (name, lock) = self.device_lock(&p.name)?;
-                let _g = lock.lock();
-                self.reg.suspend(&name)?;
-                Ok(json!({ "name": name }))
-            }
-            "resume" => {
-                let p: NameParams = params(p)?;
-                let (name, lock) = self.device_lock(&p.name)?;
-                let _g = lock.lock();
-                let swapped = self.reg.resume(&name)?;
-                Ok(json!({ "name": name, "table_swapped": swapped }))
-            }
+            "reload" => self.reload(params(p)?),
+            "clear" | "suspend" | "resume" => self.suspend_resume(method, params(p)?),
             "remove" => self.remove(params(p)?),
-            "table" => {
-                let p: OptNamesParams = params(p)?;
-                let inactive = p.inactive;
-                self.per_device(p.names, |name| {
-                    let text = if inactive {
-                        self.reg.inactive_table_text(name)?.map(Value::String)
-                    } else {
-                        Some(Value::String(self.reg.table_text(name)?))
-                    };
-                    Ok(json!({ "name": name, "table": text }))
-                })
-            }
-            "status" => {
-                let p: OptNamesParams = params(p)?;
-                if p.inactive {
-                    return Err(RpcError::invalid_params(
-                        "status has no inactive form (an inactive table has no state)",
-                    ));
-                }
-                self.per_device(p.names, |name| {
-                    Ok(json!({ "name": name, "status": self.reg.status_text(name)? }))
-                })
-            }
-            "info" => {
-                let p: OptNamesParams = params(p)?;
-                if p.inactive {
-                    return Err(RpcError::invalid_params("info has no inactive form"));
-                }
-                self.per_device(p.names, |name| {
-                    let i = self.reg.info(name)?;
-                    Ok(json!({
-                        "name": i.name,
-                        "uuid": i.uuid,
-                        "major": i.major,
-                        "minor": i.minor,
-                        "suspended": i.suspended,
-                        "read_only": i.read_only,
-                        "live_table": i.live_table,
-                        "inactive_table": i.inactive_table,
-                        "open_count": i.open_count,
-                        "event_nr": i.event_nr,
-                        "target_count": i.target_count,
-                        "size_bytes": i.size_bytes,
-                        "read_ahead": READ_AHEAD_SECTORS,
-                    }))
-                })
-            }
-            "deps" => {
-                let p: OptNamesParams = params(p)?;
-                if p.inactive {
-                    return Err(RpcError::invalid_params("deps has no inactive form"));
-                }
-                self.per_device(p.names, |name| {
-                    let dev = self
-                        .reg
-                        .get(name)
-                        .ok_or_else(|| blkstack_mapped::DmError::NoSuchDevice(name.into()))?;
-                    Ok(json!({ "name": dev.name, "deps": self.dep_list(&dev.name)? }))
-                })
-            }
+            "table" => self.table(params(p)?),
+            "status" => self.status(params(p)?),
+            "info" => self.info(params(p)?),
+            "deps" => self.deps(params(p)?),
             "ls" => {
                 let NoParams {} = params(p)?;
                 self.ls()
@@ -359,58 +277,146 @@ impl Control {
                 let reply = self.reg.message(&p.name, p.sector, &words)?;
                 Ok(json!({ "name": p.name, "reply": reply }))
             }
-            "export" => {
-                let p: ExportParams = params(p)?;
-                let frontend = p.frontend.as_deref().unwrap_or("nbd");
-                let host = self.host(frontend)?;
-                let (name, lock) = self.device_lock(&p.name)?;
-                let _g = lock.lock();
-                let dev = self.reg.get(&name).ok_or_else(|| {
-                    RpcError::from(blkstack_mapped::DmError::NoSuchDevice(name.clone()))
-                })?;
-                let e = host.export(&name, dev, p.readonly)?;
-                Ok(export_json(host.frontend(), &e))
-            }
-            "unexport" => {
-                let p: UnexportParams = params(p)?;
-                let host = match p.frontend.as_deref() {
-                    Some(f) => self.host(f)?,
-                    None => {
-                        let owners: Vec<&Arc<dyn ExportHost>> = self
-                            .hosts
-                            .iter()
-                            .filter(|h| h.exports().iter().any(|e| e.name == p.name))
-                            .collect();
-                        match owners.as_slice() {
-                            [] => return Err(not_exported(&p.name)),
-                            [h] => *h,
-                            _ => {
-                                return Err(RpcError::invalid_params(format!(
-                                    "{} is exported on several frontends; say which (frontend: nbd or ublk)",
-                                    p.name
-                                )))
-                            }
-                        }
-                    }
-                };
-                host.unexport(&p.name, p.force)?;
-                Ok(json!({ "name": p.name }))
-            }
+            "export" => self.export(params(p)?),
+            "unexport" => self.unexport(params(p)?),
             "exports" => {
                 let NoParams {} = params(p)?;
-                if self.hosts.is_empty() {
-                    self.host("nbd")?;
-                }
-                let list = self.all_exports();
-                Ok(
-                    json!({ "exports": list.iter().map(|(f, e)| export_json(f, e)).collect::<Vec<_>>() }),
-                )
+                self.exports()
             }
             other => Err(RpcError::new(
                 METHOD_NOT_FOUND,
                 format!("unknown method '{other}' (known: {})", METHODS.join(", ")),
             )),
         }
+    }
+
+    fn reload(&self, p: ReloadParams) -> Result<Value, RpcError> {
+        let (name, lock) = self.device_lock(&p.name)?;
+        let _g = lock.lock();
+        self.reg.reload_forced(&name, &p.table, p.force)?;
+        Ok(json!({ "name": name }))
+    }
+
+    /// `clear`, `suspend` and `resume`: one device's table state, under
+    /// its lock.
+    fn suspend_resume(&self, method: &str, p: NameParams) -> Result<Value, RpcError> {
+        let (name, lock) = self.device_lock(&p.name)?;
+        let _g = lock.lock();
+        match method {
+            "clear" => self.reg.clear(&name)?,
+            "suspend" => self.reg.suspend(&name)?,
+            _ => {
+                let swapped = self.reg.resume(&name)?;
+                return Ok(json!({ "name": name, "table_swapped": swapped }));
+            }
+        }
+        Ok(json!({ "name": name }))
+    }
+
+    fn table(&self, p: OptNamesParams) -> Result<Value, RpcError> {
+        let inactive = p.inactive;
+        self.per_device(p.names, |name| {
+            let text = if inactive {
+                self.reg.inactive_table_text(name)?.map(Value::String)
+            } else {
+                Some(Value::String(self.reg.table_text(name)?))
+            };
+            Ok(json!({ "name": name, "table": text }))
+        })
+    }
+
+    fn status(&self, p: OptNamesParams) -> Result<Value, RpcError> {
+        if p.inactive {
+            return Err(RpcError::invalid_params(
+                "status has no inactive form (an inactive table has no state)",
+            ));
+        }
+        self.per_device(p.names, |name| {
+            Ok(json!({ "name": name, "status": self.reg.status_text(name)? }))
+        })
+    }
+
+    fn info(&self, p: OptNamesParams) -> Result<Value, RpcError> {
+        if p.inactive {
+            return Err(RpcError::invalid_params("info has no inactive form"));
+        }
+        self.per_device(p.names, |name| {
+            let i = self.reg.info(name)?;
+            Ok(json!({
+                "name": i.name,
+                "uuid": i.uuid,
+                "major": i.major,
+                "minor": i.minor,
+                "suspended": i.suspended,
+                "read_only": i.read_only,
+                "live_table": i.live_table,
+                "inactive_table": i.inactive_table,
+                "open_count": i.open_count,
+                "event_nr": i.event_nr,
+                "target_count": i.target_count,
+                "size_bytes": i.size_bytes,
+                "read_ahead": READ_AHEAD_SECTORS,
+            }))
+        })
+    }
+
+    fn deps(&self, p: OptNamesParams) -> Result<Value, RpcError> {
+        if p.inactive {
+            return Err(RpcError::invalid_params("deps has no inactive form"));
+        }
+        self.per_device(p.names, |name| {
+            let dev = self
+                .reg
+                .get(name)
+                .ok_or_else(|| blkstack_mapped::DmError::NoSuchDevice(name.into()))?;
+            Ok(json!({ "name": dev.name, "deps": self.dep_list(&dev.name)? }))
+        })
+    }
+
+    fn export(&self, p: ExportParams) -> Result<Value, RpcError> {
+        let frontend = p.frontend.as_deref().unwrap_or("nbd");
+        let host = self.host(frontend)?;
+        let (name, lock) = self.device_lock(&p.name)?;
+        let _g = lock.lock();
+        let dev = self
+            .reg
+            .get(&name)
+            .ok_or_else(|| RpcError::from(blkstack_mapped::DmError::NoSuchDevice(name.clone())))?;
+        let e = host.export(&name, dev, p.readonly)?;
+        Ok(export_json(host.frontend(), &e))
+    }
+
+    fn unexport(&self, p: UnexportParams) -> Result<Value, RpcError> {
+        let host = match p.frontend.as_deref() {
+            Some(f) => self.host(f)?,
+            None => {
+                let owners: Vec<&Arc<dyn ExportHost>> = self
+                    .hosts
+                    .iter()
+                    .filter(|h| h.exports().iter().any(|e| e.name == p.name))
+                    .collect();
+                match owners.as_slice() {
+                    [] => return Err(not_exported(&p.name)),
+                    [h] => *h,
+                    _ => {
+                        return Err(RpcError::invalid_params(format!(
+                        "{} is exported on several frontends; say which (frontend: nbd or ublk)",
+                        p.name
+                    )))
+                    }
+                }
+            }
+        };
+        host.unexport(&p.name, p.force)?;
+        Ok(json!({ "name": p.name }))
+    }
+
+    fn exports(&self) -> Result<Value, RpcError> {
+        if self.hosts.is_empty() {
+            self.host("nbd")?;
+        }
+        let list = self.all_exports();
+        Ok(json!({ "exports": list.iter().map(|(f, e)| export_json(f, e)).collect::<Vec<_>>() }))
     }
 
     fn create(&self, p: CreateParams) -> Result<Value, RpcError> {

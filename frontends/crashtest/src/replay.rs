@@ -23,15 +23,20 @@ pub enum Check {
     Fua,
 }
 
+/// A `--check` value that is no rule.
+#[derive(Debug, thiserror::Error)]
+#[error("'{0}' is not flush, fua or a positive entry count")]
+pub struct BadCheck(String);
+
 impl std::str::FromStr for Check {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Check, String> {
+    type Err = BadCheck;
+    fn from_str(s: &str) -> Result<Check, BadCheck> {
         match s {
             "flush" => Ok(Check::Flush),
             "fua" => Ok(Check::Fua),
             n => match n.parse::<u64>() {
                 Ok(v) if v > 0 => Ok(Check::Every(v)),
-                _ => Err(format!("'{n}' is not flush, fua or a positive entry count")),
+                _ => Err(BadCheck(n.to_string())),
             },
         }
     }

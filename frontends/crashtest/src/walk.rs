@@ -27,9 +27,14 @@ pub enum PointRule {
     Every(u64),
 }
 
+/// A `--points` value that names no rule.
+#[derive(Debug, thiserror::Error)]
+#[error("'{0}' is not flush,fua, flush, fua, marks or every:N (N > 0)")]
+pub struct BadPointRule(String);
+
 impl std::str::FromStr for PointRule {
-    type Err = String;
-    fn from_str(s: &str) -> Result<PointRule, String> {
+    type Err = BadPointRule;
+    fn from_str(s: &str) -> Result<PointRule, BadPointRule> {
         match s {
             "flush,fua" | "fua,flush" | "durable" => Ok(PointRule::Durable),
             "flush" => Ok(PointRule::Flush),
@@ -37,9 +42,7 @@ impl std::str::FromStr for PointRule {
             "marks" => Ok(PointRule::Marks),
             n => match n.strip_prefix("every:").unwrap_or(n).parse::<u64>() {
                 Ok(v) if v > 0 => Ok(PointRule::Every(v)),
-                _ => Err(format!(
-                    "'{n}' is not flush,fua, flush, fua, marks or every:N (N > 0)"
-                )),
+                _ => Err(BadPointRule(n.to_string())),
             },
         }
     }

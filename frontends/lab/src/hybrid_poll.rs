@@ -46,7 +46,10 @@
 //! denominator, was cut by other processes).
 
 use crate::common::{median, round, status_counter};
-use crate::report::{LabReport, SeedTable};
+use crate::experiment::{check, Experiment};
+use crate::figures::ratio;
+use crate::plot::{Figure, Panel, Series, Style};
+use crate::report::{Check, Row as ReportRow, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, Context, Result};
 use blkstack_bench::{
@@ -54,8 +57,12 @@ use blkstack_bench::{
 };
 use blkstack_core::cpu::process_cpu;
 use blkstack_mapped::Registry;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use std::time::Duration;
+
+mod report;
+use report::{figure, notes, point_check, row, COLUMNS};
 
 /// One of upstream's four fio jobs.
 #[derive(Clone, Copy, Debug)]
@@ -250,7 +257,225 @@ fn median_figures(runs: &[Figures]) -> Figures {
     }
 }
 
-pub fn run(opts: &LabOpts) -> Result<LabReport> {
+/// Checked points whose poll job threads got less than this share of a
+/// CPU: the machine was too busy to measure what polling costs.
+const CONTENDED_POLL_THREAD_PCT: f64 = 60.0;
+
+/// The settings of a run.
+pub struct Config {
+    many_jobs: u32,
+    repeats: usize,
+    runtime: Duration,
+    iodepth: u32,
+    trace: bool,
+    services: Vec<u64>,
+    backend: String,
+    disk: DiskArgs,
+    tags: u32,
+    /// Hybrid's knobs, as the bench parsed them.
+    hybrid: JobSpec,
+    workloads: Vec<Workload>,
+}
+
+/// One point: a workload at a service time, every round of every mode.
+struct Point {
+    w: Workload,
+    jobs: u32,
+    service_ns: u64,
+    /// Per mode of [`WAITS`], one figure per round.
+    runs: [Vec<Figures>; 3],
+}
+
+/// What the runs measured.
+pub struct Measurement {
+    /// `/proc/loadavg` before the first run.
+    load_before: String,
+    points: Vec<Point>,
+}
+
+/// A point reduced: medians per mode and the paired hybrid/poll ratios.
+struct Reduced {
+    int: Figures,
+    poll: Figures,
+    hyb: Figures,
+    rounds: usize,
+    perf_ratio: f64,
+    cpu_ratio: f64,
+    /// Range of the per-round ratios, percent: perf (lo, hi), CPU (lo, hi).
+    perf_range: (f64, f64),
+    cpu_range: (f64, f64),
+}
+
+impl Point {
+    fn service_us(&self) -> f64 {
+        self.service_ns as f64 / 1e3
+    }
+
+    fn unit(&self) -> &'static str {
+        if self.w.bandwidth {
+            "MB/s"
+        } else {
+            "kIOPS"
+        }
+    }
+
+    /// The check compares hybrid with the poll run of the same round
+    /// (seconds apart, under the same load) and takes the median of those
+    /// paired ratios: a burst of load from other tenants then moves one
+    /// pair, not the verdict.
+    fn reduce(&self) -> Reduced {
+        let pairs: Vec<(f64, f64)> = self.runs[2]
+            .iter()
+            .zip(&self.runs[1])
+            .map(|(h, p)| {
+                (
+                    h.perf / p.perf.max(1e-9),
+                    h.cpu_per_job_pct / p.cpu_per_job_pct.max(1e-9),
+                )
+            })
+            .collect();
+        let perf_ratios: Vec<f64> = pairs.iter().map(|p| p.0).collect();
+        let cpu_ratios: Vec<f64> = pairs.iter().map(|p| p.1).collect();
+        Reduced {
+            int: median_figures(&self.runs[0]),
+            poll: median_figures(&self.runs[1]),
+            hyb: median_figures(&self.runs[2]),
+            rounds: pairs.len(),
+            perf_ratio: median(&perf_ratios),
+            cpu_ratio: median(&cpu_ratios),
+            perf_range: spread(&perf_ratios),
+            cpu_range: spread(&cpu_ratios),
+        }
+    }
+}
+
+/// The lowest and highest of `xs`, times 100.
+fn spread(xs: &[f64]) -> (f64, f64) {
+    let lo = xs.iter().cloned().fold(f64::INFINITY, f64::min);
+    let hi = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    (lo * 100.0, hi * 100.0)
+}
+
+/// How much a mode's own figure moved between rounds, over its median.
+fn perf_spread_pct(f: &[Figures]) -> f64 {
+    let xs: Vec<f64> = f.iter().map(|x| x.perf).collect();
+    let m = median(&xs).max(1e-9);
+    let (lo, hi) = spread(&xs);
+    (hi - lo) / m
+}
+
+/// A row of the table: one workload at one service time.
+#[derive(Serialize, Deserialize)]
+pub struct Row {
+    case: String,
+    workload: String,
+    service_us: f64,
+    jobs: u32,
+    iodepth: u32,
+    unit: String,
+    interrupt_perf: f64,
+    interrupt_cpu_pct: f64,
+    poll_perf: f64,
+    poll_cpu_pct: f64,
+    hybrid_perf: f64,
+    hybrid_cpu_pct: f64,
+    hybrid_vs_poll_perf_pct: f64,
+    hybrid_vs_poll_cpu_pct: f64,
+    hybrid_vs_poll_perf_pct_range: String,
+    hybrid_vs_poll_cpu_pct_range: String,
+    poll_perf_spread_pct: f64,
+    hybrid_perf_spread_pct: f64,
+    interrupt_thread_cpu_pct: f64,
+    poll_thread_cpu_pct: f64,
+    hybrid_thread_cpu_pct: f64,
+    poll_lat_us: f64,
+    hybrid_lat_us: f64,
+    poll_disk_spin_pct: f64,
+    hybrid_disk_spin_pct: f64,
+}
+
+/// `lab hybrid-poll`.
+pub struct HybridPoll;
+
+impl Experiment for HybridPoll {
+    const NAME: &'static str = "hybrid-poll";
+    const SEED: &'static str = "002";
+    const ABOUT: &'static str = "completion wait: interrupt vs poll vs hybrid (sleep, then poll)";
+    const TITLE: &'static str =
+        "wait for completions: interrupt vs poll vs hybrid (upstream hybrid io_uring polling)";
+    type Config = Config;
+    type Measurement = Measurement;
+    type Row = Row;
+
+    fn configure(opts: &LabOpts) -> Result<Config> {
+        configure(opts)
+    }
+
+    fn measure(cfg: &Config) -> Result<Measurement> {
+        // Other tenants of this machine skew CPU shares: say how busy it was.
+        let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        crate::progress::expect_runs(
+            (cfg.workloads.len() * cfg.services.len() * cfg.repeats * WAITS.len()) as u64,
+        );
+        let mut points = Vec::new();
+        for w in &cfg.workloads {
+            let jobs = if w.many_jobs { cfg.many_jobs } else { 1 };
+            for &svc in &cfg.services {
+                points.push(measure_point(cfg, w, jobs, svc)?);
+            }
+        }
+        Ok(Measurement {
+            load_before,
+            points,
+        })
+    }
+
+    fn columns(_: &Config) -> Vec<String> {
+        COLUMNS.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn rows(cfg: &Config, m: &Measurement) -> Vec<Row> {
+        m.points.iter().map(|p| row(cfg, p)).collect()
+    }
+
+    fn checks(_: &Config, m: &Measurement, _: &[Row]) -> Vec<Check> {
+        m.points
+            .iter()
+            .filter(|p| p.service_ns >= CLAIM_MIN_SERVICE_NS)
+            .map(point_check)
+            .collect()
+    }
+
+    fn notes(cfg: &Config, m: &Measurement, _: &[Row]) -> Vec<String> {
+        notes(cfg, m)
+    }
+
+    fn seed_table() -> Option<SeedTable> {
+        Some(SeedTable {
+            caption: "upstream (fio, NVMe without poll queues, 8-core VM, iodepth=64; \"Native\" = busy polling, \"Optimization\" = the patch; CPU = per-CPU utilisation in htop)".into(),
+            columns: ["rw", "unit", "native", "native_cpu", "optimization", "optimization_cpu"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            rows: SEED
+                .iter()
+                .map(|s| {
+                    [s.0, s.1, s.2, s.3, s.4, s.5]
+                        .iter()
+                        .map(|x| x.to_string())
+                        .collect()
+                })
+                .collect(),
+        })
+    }
+
+    fn figures() -> Vec<Figure> {
+        vec![figure()]
+    }
+}
+
+/// The settings, checked, with the device built once to fail early.
+fn configure(opts: &LabOpts) -> Result<Config> {
     let many_jobs = opts.jobs.unwrap_or(2) as u32;
     // Several short interleaved rounds rather than one long run per mode:
     // on a shared machine every mode's figure moves a lot between rounds
@@ -269,16 +494,14 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     // spins on completions its interrupt delivers): poll and hybrid spin
     // on the job's completion queue, filled by the disk's timer thread.
     // `--set iopoll=1`: a disk with poll queues, whose poll list the job
-    // reaps itself.
-    let iopoll = opts.param::<u8>("iopoll", 0)? != 0;
-    // `--set timer_spin_ns=N`: the emulated disk spins up to N ns before
-    // each deadline (null's `timer_spin_ns`), so an idle vCPU's late wake
-    // does not make it slower under the modes that let vCPUs idle; 0
-    // leaves it sleeping to each deadline, as null_blk's hrtimer does.
-    let timer_spin_ns: u64 = opts.param("timer_spin_ns", DEFAULT_TIMER_SPIN_NS)?;
+    // reaps itself. `--set timer_spin_ns=N`: the emulated disk spins up
+    // to N ns before each deadline (null's `timer_spin_ns`), so an idle
+    // vCPU's late wake does not make it slower under the modes that let
+    // vCPUs idle; 0 leaves it sleeping to each deadline, as null_blk's
+    // hrtimer does.
     let disk = DiskArgs {
-        iopoll,
-        timer_spin_ns,
+        iopoll: opts.param::<u8>("iopoll", 0)? != 0,
+        timer_spin_ns: opts.param("timer_spin_ns", DEFAULT_TIMER_SPIN_NS)?,
     };
     let tags: u32 = opts.param(
         "hw_queue_depth",
@@ -294,6 +517,36 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                 .map_err(|e| anyhow::anyhow!("--set {key}={v}: {e}"))?;
         }
     }
+    let workloads = configure_workloads(opts)?;
+    if iodepth == 0 || services.is_empty() {
+        bail!("--set iodepth must be at least 1 and service_ns must name a service time");
+    }
+    // Fail early and clearly if the backend lacks what the experiment needs.
+    let probe = Registry::new();
+    let text = stack(&backend, services[0], tags, &disk)?;
+    if let Err(e) = probe.create_stack(&text) {
+        bail!(
+            "the device under test cannot be built ({e}); `null irqmode=2 completion_nsec=N` needs the mq null driver, `--set backend=delay` uses dm-delay instead"
+        );
+    }
+    probe.remove_all();
+    Ok(Config {
+        many_jobs,
+        repeats,
+        runtime,
+        iodepth,
+        trace,
+        services,
+        backend,
+        disk,
+        tags,
+        hybrid,
+        workloads,
+    })
+}
+
+/// `--set workloads=...`: upstream's jobs by name.
+fn configure_workloads(opts: &LabOpts) -> Result<Vec<Workload>> {
     let names: Vec<String> = opts.param_list(
         "workloads",
         &WORKLOADS
@@ -301,7 +554,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
             .map(|w| w.name.to_string())
             .collect::<Vec<_>>(),
     )?;
-    let workloads: Vec<Workload> = names
+    names
         .iter()
         .map(|n| {
             WORKLOADS
@@ -312,261 +565,58 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
                     format!("--set workloads: '{n}' is not one of read, write, randread, randwrite")
                 })
         })
-        .collect::<Result<_>>()?;
-    if iodepth == 0 || services.is_empty() {
-        bail!("--set iodepth must be at least 1 and service_ns must name a service time");
-    }
-    // Fail early and clearly if the backend lacks what the experiment needs.
-    {
-        let probe = Registry::new();
-        let text = stack(&backend, services[0], tags, &disk)?;
-        if let Err(e) = probe.create_stack(&text) {
-            bail!(
-                "the device under test cannot be built ({e}); `null irqmode=2 completion_nsec=N` needs the mq null driver, `--set backend=delay` uses dm-delay instead"
-            );
-        }
-        probe.remove_all();
-    }
+        .collect()
+}
 
-    // Other tenants of this machine skew CPU shares: say how busy it was.
-    let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    // Checked points whose poll job threads got less than this share of a
-    // CPU: the machine was too busy to measure what polling costs.
-    const CONTENDED_POLL_THREAD_PCT: f64 = 60.0;
-    let mut contended: Vec<String> = Vec::new();
-    let mut r = LabReport::new(
-        "hybrid-poll",
-        "wait for completions: interrupt vs poll vs hybrid (upstream hybrid io_uring polling)",
-        &[
-            "case",
-            "workload",
-            "service_us",
-            "jobs",
-            "iodepth",
-            "unit",
-            "interrupt_perf",
-            "interrupt_cpu_pct",
-            "poll_perf",
-            "poll_cpu_pct",
-            "hybrid_perf",
-            "hybrid_cpu_pct",
-            "hybrid_vs_poll_perf_pct",
-            "hybrid_vs_poll_cpu_pct",
-            "hybrid_vs_poll_perf_pct_range",
-            "hybrid_vs_poll_cpu_pct_range",
-            "poll_perf_spread_pct",
-            "hybrid_perf_spread_pct",
-            "interrupt_thread_cpu_pct",
-            "poll_thread_cpu_pct",
-            "hybrid_thread_cpu_pct",
-            "poll_lat_us",
-            "hybrid_lat_us",
-            "poll_disk_spin_pct",
-            "hybrid_disk_spin_pct",
-        ],
-    );
-    crate::progress::expect_runs((workloads.len() * services.len() * repeats * WAITS.len()) as u64);
-    for w in &workloads {
-        let jobs = if w.many_jobs { many_jobs } else { 1 };
-        for &svc in &services {
-            let text = stack(&backend, svc, tags, &disk)?;
-            let mut runs: [Vec<Figures>; 3] = Default::default();
-            for round in 0..repeats {
-                // Modes interleaved, so slow drift of the machine (other
-                // tenants on the 2 vCPUs) hits all three alike, and the
-                // order rotated each round, so no mode always runs first
-                // or always right after another.
-                for k in 0..WAITS.len() {
-                    let i = (k + round) % WAITS.len();
-                    let wait = WAITS[i];
-                    let job = JobSpec {
-                        name: format!("{}-{}", w.name, wait.name()),
-                        filename: Some("dev".into()),
-                        rw: w.rw,
-                        bs: BlockSizes::single(w.bs),
-                        iodepth,
-                        numjobs: jobs,
-                        runtime: Some(runtime),
-                        time_based: true,
-                        group_reporting: true,
-                        norandommap: true,
-                        wait,
-                        hybrid_sleep_pct: hybrid.hybrid_sleep_pct,
-                        hybrid_estimator: hybrid.hybrid_estimator,
-                        ..JobSpec::default()
-                    };
-                    runs[i].push(measure(&text, &job, w, trace)?);
-                }
-            }
-            let [int, poll, hyb] = [
-                median_figures(&runs[0]),
-                median_figures(&runs[1]),
-                median_figures(&runs[2]),
-            ];
-            // The check compares hybrid with the poll run of the same round
-            // (seconds apart, under the same load) and takes the median of
-            // those paired ratios: a burst of load from other tenants then
-            // moves one pair, not the verdict.
-            let pairs: Vec<(f64, f64)> = runs[2]
-                .iter()
-                .zip(&runs[1])
-                .map(|(h, p)| {
-                    (
-                        h.perf / p.perf.max(1e-9),
-                        h.cpu_per_job_pct / p.cpu_per_job_pct.max(1e-9),
-                    )
-                })
-                .collect();
-            let perf_ratios: Vec<f64> = pairs.iter().map(|p| p.0).collect();
-            let cpu_ratios: Vec<f64> = pairs.iter().map(|p| p.1).collect();
-            let perf_ratio = median(&perf_ratios);
-            let cpu_ratio = median(&cpu_ratios);
-            let spread = |xs: &[f64]| {
-                let lo = xs.iter().cloned().fold(f64::INFINITY, f64::min);
-                let hi = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                (lo * 100.0, hi * 100.0)
+/// Every mode `repeats` times at one point.
+fn measure_point(cfg: &Config, w: &Workload, jobs: u32, svc: u64) -> Result<Point> {
+    let text = stack(&cfg.backend, svc, cfg.tags, &cfg.disk)?;
+    let mut runs: [Vec<Figures>; 3] = Default::default();
+    for round in 0..cfg.repeats {
+        // Modes interleaved, so slow drift of the machine (other tenants
+        // on the 2 vCPUs) hits all three alike, and the order rotated
+        // each round, so no mode always runs first or always right after
+        // another.
+        for k in 0..WAITS.len() {
+            let i = (k + round) % WAITS.len();
+            let wait = WAITS[i];
+            let job = JobSpec {
+                name: format!("{}-{}", w.name, wait.name()),
+                filename: Some("dev".into()),
+                rw: w.rw,
+                bs: BlockSizes::single(w.bs),
+                iodepth: cfg.iodepth,
+                numjobs: jobs,
+                runtime: Some(cfg.runtime),
+                time_based: true,
+                group_reporting: true,
+                norandommap: true,
+                wait,
+                hybrid_sleep_pct: cfg.hybrid.hybrid_sleep_pct,
+                hybrid_estimator: cfg.hybrid.hybrid_estimator,
+                ..JobSpec::default()
             };
-            let (perf_lo, perf_hi) = spread(&perf_ratios);
-            let (cpu_lo, cpu_hi) = spread(&cpu_ratios);
-            // How much each mode's own figure moved between rounds.
-            let perf_spread_pct = |f: &[Figures]| {
-                let xs: Vec<f64> = f.iter().map(|x| x.perf).collect();
-                let m = median(&xs).max(1e-9);
-                let (lo, hi) = spread(&xs);
-                (hi - lo) / m
-            };
-            let svc_us = svc as f64 / 1e3;
-            let unit = if w.bandwidth { "MB/s" } else { "kIOPS" };
-            r.push_row([
-                ("case", json!(format!("{} {}us", w.name, svc_us))),
-                ("workload", json!(w.name)),
-                ("service_us", json!(round(svc_us, 1))),
-                ("jobs", json!(jobs)),
-                ("iodepth", json!(iodepth)),
-                ("unit", json!(unit)),
-                ("interrupt_perf", json!(round(int.perf, 1))),
-                ("interrupt_cpu_pct", json!(round(int.cpu_per_job_pct, 1))),
-                ("poll_perf", json!(round(poll.perf, 1))),
-                ("poll_cpu_pct", json!(round(poll.cpu_per_job_pct, 1))),
-                ("hybrid_perf", json!(round(hyb.perf, 1))),
-                ("hybrid_cpu_pct", json!(round(hyb.cpu_per_job_pct, 1))),
-                (
-                    "hybrid_vs_poll_perf_pct",
-                    json!(round(perf_ratio * 100.0, 1)),
-                ),
-                ("hybrid_vs_poll_cpu_pct", json!(round(cpu_ratio * 100.0, 1))),
-                (
-                    "hybrid_vs_poll_perf_pct_range",
-                    json!(format!("{perf_lo:.0}-{perf_hi:.0}")),
-                ),
-                (
-                    "hybrid_vs_poll_cpu_pct_range",
-                    json!(format!("{cpu_lo:.0}-{cpu_hi:.0}")),
-                ),
-                (
-                    "poll_perf_spread_pct",
-                    json!(round(perf_spread_pct(&runs[1]), 1)),
-                ),
-                (
-                    "hybrid_perf_spread_pct",
-                    json!(round(perf_spread_pct(&runs[2]), 1)),
-                ),
-                (
-                    "interrupt_thread_cpu_pct",
-                    json!(round(int.job_thread_cpu_pct, 1)),
-                ),
-                (
-                    "poll_thread_cpu_pct",
-                    json!(round(poll.job_thread_cpu_pct, 1)),
-                ),
-                (
-                    "hybrid_thread_cpu_pct",
-                    json!(round(hyb.job_thread_cpu_pct, 1)),
-                ),
-                ("poll_lat_us", json!(round(poll.mean_lat_us, 1))),
-                ("hybrid_lat_us", json!(round(hyb.mean_lat_us, 1))),
-                ("poll_disk_spin_pct", json!(round(poll.disk_spin_pct, 1))),
-                ("hybrid_disk_spin_pct", json!(round(hyb.disk_spin_pct, 1))),
-            ]);
-            if svc >= CLAIM_MIN_SERVICE_NS {
-                if poll.job_thread_cpu_pct < CONTENDED_POLL_THREAD_PCT {
-                    contended.push(format!(
-                        "{} {}us ({:.0}%)",
-                        w.name, svc_us, poll.job_thread_cpu_pct
-                    ));
-                }
-                let pass = perf_ratio >= MIN_PERF_RATIO && cpu_ratio <= MAX_CPU_RATIO;
-                r.check(
-                    &format!("{} {}us: hybrid >= 97% of poll's {unit} at <= 30% of poll's CPU", w.name, svc_us),
-                    pass,
-                    format!(
-                        "hybrid {:.1} {unit} at {:.1}% CPU/job vs poll {:.1} {unit} at {:.1}% CPU/job (medians): {:.1}% of poll's {unit} (need >= 97%), {:.1}% of poll's CPU (need <= 30%) (medians of {} paired rounds, ranges {perf_lo:.0}-{perf_hi:.0}% and {cpu_lo:.0}-{cpu_hi:.0}%); interrupt {:.1} {unit} at {:.1}% CPU/job; poll's job threads ran {:.0}% of the time (a spinner given the whole CPU runs ~100%: less means other processes took it, which shrinks poll's CPU and so raises hybrid's share of it)",
-                        hyb.perf,
-                        hyb.cpu_per_job_pct,
-                        poll.perf,
-                        poll.cpu_per_job_pct,
-                        perf_ratio * 100.0,
-                        cpu_ratio * 100.0,
-                        pairs.len(),
-                        int.perf,
-                        int.cpu_per_job_pct,
-                        poll.job_thread_cpu_pct
-                    ),
-                );
-            }
+            runs[i].push(measure(&text, &job, w, cfg.trace)?);
         }
     }
-
-    r.seed = Some(SeedTable {
-        caption: "upstream (fio, NVMe without poll queues, 8-core VM, iodepth=64; \"Native\" = busy polling, \"Optimization\" = the patch; CPU = per-CPU utilisation in htop)".into(),
-        columns: ["rw", "unit", "native", "native_cpu", "optimization", "optimization_cpu"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
-        rows: SEED
-            .iter()
-            .map(|s| {
-                [s.0, s.1, s.2, s.3, s.4, s.5]
-                    .iter()
-                    .map(|x| x.to_string())
-                    .collect()
-            })
-            .collect(),
-    });
-    r.note(format!(
-        "device: {}; iodepth {iodepth}; sequential jobs 1 thread, random jobs {many_jobs} threads (upstream used 16 on 8 cores; this machine has {} CPUs); {repeats} round(s) of {} ms per point (modes interleaved, order rotated), medians shown, checks on the median of per-round hybrid/poll ratios",
-        stack(&backend, services[0], tags, &disk)?.trim().replace('\n', " | "),
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        runtime.as_millis()
-    ));
-    r.note(format!(
-        "hybrid sleeps {}% of the {} completion time seen, counted from the oldest in-flight submission, then polls (--set hybrid_sleep_pct=, hybrid_estimator=min|ewma); upstream IORING_SETUP_HYBRID_IOPOLL sleeps 50% of the minimum, counted from each request's first poll",
-        hybrid.hybrid_sleep_pct,
-        match hybrid.hybrid_estimator {
-            HybridEstimator::Min => "shortest",
-            HybridEstimator::Ewma => "moving-average",
-        }
-    ));
-    if !contended.is_empty() {
-        r.note(format!(
-            "measured under contention: at {} of the checked points poll's job threads ran under {CONTENDED_POLL_THREAD_PCT:.0}% of the time ({}); a poller only gets its fair share of a busy machine, so there poll's CPU, the CPU check's denominator, reflects the load rather than what polling costs",
-            contended.len(),
-            contended.join(", ")
-        ));
-    }
-    r.note(format!(
-        "load average (1/5/15 min) before the run: {}; anything above the CPU count means other processes competed with the jobs for CPU",
-        load_before.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-    ));
-    r.note("perf columns are MB/s (10^6 B/s) for read/write and kIOPS for randread/randwrite; *_cpu_pct is process CPU over wall time divided by the job count, less the emulated disk's spin towards its deadlines (with --set timer_spin_ns=N; *_disk_spin_pct shows it, in % of one CPU), which a real disk's clock does not cost the host; *_thread_cpu_pct is the job threads' own CPU");
-    r.note("read rows: the null device runs with zero_reads=0 (null_blk's own behaviour: the read buffer is not touched), because a real NVMe disk DMAs the data and upstream's host CPU never touches it; with zero-filled reads (the null default) the job thread copies 128 KiB per read in every wait mode and no wait strategy can save that CPU.");
-    r.note("hybrid can only save CPU when the job thread has time to wait: when the service time is shorter than the CPU cost of keeping iodepth I/Os moving, every mode is CPU-bound and all three spend about the same CPU (upstream's randread row shows the same: 100% for both)");
-    Ok(r)
+    Ok(Point {
+        w: *w,
+        jobs,
+        service_ns: svc,
+        runs,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn typed_rows_write_the_saved_report_unchanged() {
+        let (saved, again) =
+            crate::report::round_trip::<Row>(include_str!("../../../docs/lab/hybrid-poll.json"));
+        assert_eq!(saved, again);
+    }
 
     /// A tiny run: one workload, one service time, three modes. The
     /// figures are not judged here (timed assertions do not belong in unit
@@ -588,7 +638,7 @@ mod tests {
         ] {
             opts.params.insert(k.into(), v.into());
         }
-        let r = run(&opts).expect("experiment runs");
+        let r = crate::experiment::run::<HybridPoll>(&opts).expect("experiment runs");
         assert_eq!(r.rows.len(), 1);
         let row = &r.rows[0];
         for col in ["interrupt_perf", "poll_perf", "hybrid_perf"] {
@@ -606,15 +656,23 @@ mod tests {
     fn bad_settings_are_refused() {
         let mut opts = LabOpts::default();
         opts.params.insert("workloads".into(), "sideways".into());
-        let e = run(&opts).unwrap_err().to_string();
+        let e = crate::experiment::run::<HybridPoll>(&opts)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("sideways"), "{e}");
         let mut opts = LabOpts::default();
         opts.params.insert("hybrid_sleep_pct".into(), "0".into());
-        let e = format!("{:#}", run(&opts).unwrap_err());
+        let e = format!(
+            "{:#}",
+            crate::experiment::run::<HybridPoll>(&opts).unwrap_err()
+        );
         assert!(e.contains("hybrid_sleep_pct"), "{e}");
         let mut opts = LabOpts::default();
         opts.params.insert("backend".into(), "floppy".into());
-        let e = format!("{:#}", run(&opts).unwrap_err());
+        let e = format!(
+            "{:#}",
+            crate::experiment::run::<HybridPoll>(&opts).unwrap_err()
+        );
         assert!(e.contains("floppy"), "{e}");
     }
 }

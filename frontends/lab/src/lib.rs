@@ -5,12 +5,14 @@
 //! self-contained report page for every experiment run into the output
 //! directory). `lab compare A B` puts two runs side by side.
 //!
-//! An experiment is one module with `run(&LabOpts) -> Result<LabReport>`
-//! and one line in [`EXPERIMENTS`]; its figures are in [`figures`].
+//! An experiment is one module with a type implementing
+//! [`experiment::Experiment`] (configure, measure, rows, checks, notes,
+//! figures) and one line in [`EXPERIMENTS`].
 
 pub mod common;
 pub mod compare;
 pub mod delay;
+pub mod experiment;
 pub mod figures;
 pub mod html;
 pub mod hybrid_poll;
@@ -25,6 +27,7 @@ pub mod report;
 pub mod sbitmap;
 
 use anyhow::{anyhow, bail, Context, Result};
+use experiment::Entry;
 use report::LabReport;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -91,46 +94,13 @@ impl LabOpts {
     }
 }
 
-/// One experiment: name (the subcommand), the upstream change it reruns, its runner.
-pub struct Experiment {
-    pub name: &'static str,
-    pub seed: &'static str,
-    pub about: &'static str,
-    pub run: fn(&LabOpts) -> Result<LabReport>,
-}
-
 /// Every experiment, in the order of the upstream changes' dates.
-pub static EXPERIMENTS: &[Experiment] = &[
-    Experiment {
-        name: "delay",
-        seed: "000",
-        about: "dm-delay QD1 0..20 ms: timer+wq vs kthread vs hybrid, CPU per I/O",
-        run: delay::run,
-    },
-    Experiment {
-        name: "mq-run",
-        seed: "001",
-        about: "queue-run dedup off vs on at QD 16..1024",
-        run: mq_run::run,
-    },
-    Experiment {
-        name: "hybrid-poll",
-        seed: "002",
-        about: "completion wait: interrupt vs poll vs hybrid (sleep, then poll)",
-        run: hybrid_poll::run,
-    },
-    Experiment {
-        name: "sbitmap",
-        seed: "003",
-        about: "tag wakeups: wait_cnt vs completion/wakeup counters",
-        run: sbitmap::run,
-    },
-    Experiment {
-        name: "mpath",
-        seed: "004",
-        about: "multipath per-path share: service-time vs HST with jiffies and ns start times",
-        run: mpath_hosts::run,
-    },
+pub static EXPERIMENTS: &[Entry] = &[
+    Entry::of::<delay::Delay>(),
+    Entry::of::<mq_run::MqRun>(),
+    Entry::of::<hybrid_poll::HybridPoll>(),
+    Entry::of::<sbitmap::Sbitmap>(),
+    Entry::of::<mpath_hosts::Mpath>(),
 ];
 
 #[derive(clap::Args, Debug)]
@@ -183,7 +153,7 @@ fn list() -> String {
 
 /// Run one experiment and write its outputs: `NAME.json`, its figures as
 /// `NAME*.svg`, and `index.html` rebuilt from every report in `out`.
-pub fn run_one(e: &Experiment, opts: &LabOpts, out: &std::path::Path) -> Result<LabReport> {
+pub fn run_one(e: &Entry, opts: &LabOpts, out: &std::path::Path) -> Result<LabReport> {
     let started = std::time::Instant::now();
     let load_before = machine::load_average();
     progress::begin(e.name);
@@ -254,6 +224,51 @@ fn run_tool(name: &str, args: &LabArgs) -> Option<Result<()>> {
     }
 }
 
+/// The experiments' options from the command line, checked.
+fn lab_opts(args: &LabArgs) -> Result<LabOpts> {
+    let mut params = BTreeMap::new();
+    for kv in &args.set {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
+        params.insert(k.trim().to_string(), v.trim().to_string());
+    }
+    let opts = LabOpts {
+        quick: args.quick,
+        repeats: args.repeats,
+        jobs: args.jobs,
+        params,
+    };
+    if args.repeats == Some(0) {
+        bail!("--repeats must be at least 1");
+    }
+    if args.jobs == Some(0) {
+        bail!("--jobs must be at least 1");
+    }
+    Ok(opts)
+}
+
+/// Where the outputs are and which checks did not reproduce.
+fn print_summary(out: &std::path::Path, unreproduced: &[String]) {
+    println!(
+        "outputs in {} (report page: {})",
+        out.display(),
+        out.join("index.html").display()
+    );
+    if unreproduced.is_empty() {
+        println!("every check reproduced");
+    } else {
+        println!(
+            "{} check(s) not reproduced on this run:",
+            unreproduced.len()
+        );
+        for u in unreproduced {
+            println!("  {u}");
+        }
+    }
+}
+
+/// `blkstack lab`.
 pub fn run_cli(args: LabArgs) -> Result<()> {
     if args.list {
         print!("{}", list());
@@ -275,26 +290,8 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
                 .join(" ")
         );
     }
-    let mut params = BTreeMap::new();
-    for kv in &args.set {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--set {kv}: expected KEY=VALUE"))?;
-        params.insert(k.trim().to_string(), v.trim().to_string());
-    }
-    let opts = LabOpts {
-        quick: args.quick,
-        repeats: args.repeats,
-        jobs: args.jobs,
-        params,
-    };
-    if args.repeats == Some(0) {
-        bail!("--repeats must be at least 1");
-    }
-    if args.jobs == Some(0) {
-        bail!("--jobs must be at least 1");
-    }
-    let selected: Vec<&Experiment> = if name == "all" {
+    let opts = lab_opts(&args)?;
+    let selected: Vec<&Entry> = if name == "all" {
         EXPERIMENTS.iter().collect()
     } else {
         match EXPERIMENTS.iter().find(|e| e.name == name) {
@@ -326,22 +323,7 @@ pub fn run_cli(args: LabArgs) -> Result<()> {
             }
         }
     }
-    println!(
-        "outputs in {} (report page: {})",
-        args.out.display(),
-        args.out.join("index.html").display()
-    );
-    if unreproduced.is_empty() {
-        println!("every check reproduced");
-    } else {
-        println!(
-            "{} check(s) not reproduced on this run:",
-            unreproduced.len()
-        );
-        for u in &unreproduced {
-            println!("  {u}");
-        }
-    }
+    print_summary(&args.out, &unreproduced);
     if !errors.is_empty() {
         bail!("experiment(s) failed to run: {}", errors.join(", "));
     }

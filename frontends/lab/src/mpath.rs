@@ -50,14 +50,15 @@
 //! and for the remote-paths table `host_ms` (0.1,0.2,0.4,0.8).
 
 use crate::common::{job, mean_sd, round};
-use crate::report::{LabReport, SeedTable};
+use crate::experiment::check;
+use crate::report::{present, Check, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
 use blkstack_bench::{run_jobs, RunOptions, RwMode};
 use blkstack_core::clock::{now_ns, Jiffies};
 use blkstack_mapped::targets::multipath::StartTime;
 use blkstack_mapped::Registry;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -210,7 +211,7 @@ pub(crate) fn run_policy(
     })
 }
 
-/// What the in-process table's loop passes on.
+/// The load every selector runs under, in both tables.
 pub(crate) struct Load {
     pub qd: u32,
     pub jobs: u32,
@@ -219,12 +220,16 @@ pub(crate) struct Load {
     pub repeats: usize,
 }
 
-/// A table over other paths (`mpath_hosts`' remote one), given the
-/// selectors and the load of the in-process table, added to its report.
-pub(crate) type ExtraTable = fn(&LabOpts, &mut LabReport, &[Policy], &Load) -> Result<()>;
+/// The in-process table's settings.
+pub(crate) struct Config {
+    pub fast_ms: f64,
+    pub costs: Vec<f64>,
+    pub hz: u32,
+    pub load: Load,
+}
 
-/// The in-process table, then `extra` (the remote one) in the same report.
-pub(crate) fn run_with(opts: &LabOpts, extra: ExtraTable) -> Result<LabReport> {
+/// Read and check the in-process table's settings.
+pub(crate) fn configure(opts: &LabOpts) -> Result<Config> {
     let fast_ms: f64 = opts.param("fast_ms", 0.25)?;
     let costs: Vec<f64> = opts.param_list("costs", &COSTS)?;
     let hz: u32 = opts.param("hz", 250)?;
@@ -246,80 +251,206 @@ pub(crate) fn run_with(opts: &LabOpts, extra: ExtraTable) -> Result<LabReport> {
     if warmup >= runtime {
         bail!("--set warmup_ms must be shorter than runtime_ms");
     }
-    let costs_ms: Vec<f64> = costs.iter().map(|c| c * fast_ms).collect();
-    let capacity: f64 = costs.iter().map(|c| 1.0 / c).sum();
-    let ideal: Vec<f64> = costs.iter().map(|c| (1.0 / c) / capacity).collect();
-    let n = costs.len();
+    Ok(Config {
+        fast_ms,
+        costs,
+        hz,
+        load: Load {
+            qd,
+            jobs,
+            runtime,
+            warmup,
+            repeats,
+        },
+    })
+}
 
-    let policies = policies(hz);
-    // shares[policy][repeat][path]
-    let mut shares: Vec<Vec<Vec<f64>>> = vec![Vec::new(); policies.len()];
-    let mut iops: Vec<Vec<f64>> = vec![Vec::new(); policies.len()];
-    crate::progress::expect_runs((repeats * policies.len()) as u64);
-    for _ in 0..repeats {
-        for (pi, p) in policies.iter().enumerate() {
-            let o = run_policy(&stack(&costs_ms, p), n, qd, jobs, runtime, warmup)?;
-            ensure!(o.errors == 0, "{}: {} I/O errors", p.column, o.errors);
-            shares[pi].push(o.shares);
-            iops[pi].push(o.iops);
+impl Config {
+    /// Each path's ideal share: its capacity over the sum.
+    fn ideal(&self) -> Vec<f64> {
+        let capacity: f64 = self.costs.iter().map(|c| 1.0 / c).sum();
+        self.costs.iter().map(|c| (1.0 / c) / capacity).collect()
+    }
+}
+
+/// Every run of every selector: shares per path and IOPS.
+pub(crate) struct Runs {
+    /// The selectors' columns, in run order.
+    pub columns: Vec<&'static str>,
+    /// shares[policy][repeat][path]
+    pub shares: Vec<Vec<Vec<f64>>>,
+    /// iops[policy][repeat]
+    pub iops: Vec<Vec<f64>>,
+}
+
+impl Runs {
+    pub fn new(policies: &[Policy]) -> Runs {
+        Runs {
+            columns: policies.iter().map(|p| p.column).collect(),
+            shares: vec![Vec::new(); policies.len()],
+            iops: vec![Vec::new(); policies.len()],
         }
     }
-    let mean_share = |pi: usize, path: usize| -> f64 {
-        let xs: Vec<f64> = shares[pi].iter().map(|r| r[path]).collect();
-        mean_sd(&xs).0
-    };
 
-    let mut r = LabReport::new(
-        "mpath",
-        "share of I/O per path, 10 asymmetric paths, randwrite 2 jobs x QD64: service-time, HST with jiffies, tick-truncated and ns start times, ideal",
-        &["table", "path", "cost", "latency_ms", "ideal", "st", "hst_jiffies", "hst_tick", "hst_ns", "seed_st", "seed_hst_orig", "seed_hst_ktime", "seed_best"],
-    );
-    for path in 0..n {
-        let seed = SEED.get(path).filter(|_| n == DISKS.len());
-        let name = match DISKS.get(path) {
-            Some(d) if n == DISKS.len() => format!("p{path}/{d}"),
-            _ => format!("p{path}"),
-        };
-        r.push_row([
-            ("table", json!("in-process")),
-            ("path", json!(name)),
-            ("cost", json!(costs[path])),
-            ("ideal", json!(round(ideal[path], 3))),
-            ("st", json!(round(mean_share(0, path), 3))),
-            ("hst_jiffies", json!(round(mean_share(1, path), 3))),
-            ("hst_tick", json!(round(mean_share(2, path), 3))),
-            ("hst_ns", json!(round(mean_share(3, path), 3))),
-            ("seed_st", json!(seed.map(|s| s[0]))),
-            ("seed_hst_orig", json!(seed.map(|s| s[1]))),
-            ("seed_hst_ktime", json!(seed.map(|s| s[2]))),
-            ("seed_best", json!(seed.map(|s| s[3]))),
-        ]);
+    /// Policy `pi`'s mean share of `path` over the runs.
+    pub fn mean_share(&self, pi: usize, path: usize) -> f64 {
+        mean_sd(&self.shares[pi].iter().map(|r| r[path]).collect::<Vec<_>>()).0
     }
 
-    let worst = |pi: usize| -> (usize, f64) {
-        (0..n)
-            .map(|p| (p, (mean_share(pi, p) - ideal[p]).abs()))
-            .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a })
-    };
-    const NS: usize = 3;
-    let (wp, wd) = worst(NS);
-    r.check(
-        "HST with ns start times: within 0.02 of the ideal share on every path",
-        wd <= 0.02,
-        format!(
-            "largest gap {wd:.3} on p{wp} (ns {:.3} vs ideal {:.3})",
-            mean_share(NS, wp),
-            ideal[wp]
-        ),
-    );
-    let slow: Vec<usize> = (0..n)
+    /// The mean share of the selector with `column`, rounded for the table.
+    pub fn cell(&self, column: &str, path: usize) -> Option<f64> {
+        let pi = self.columns.iter().position(|c| *c == column)?;
+        Some(round(self.mean_share(pi, path), 3))
+    }
+
+    /// Per selector: "COLUMN: mean IOPS (sd)".
+    pub fn iops(&self, pi: usize) -> (f64, f64) {
+        mean_sd(&self.iops[pi])
+    }
+}
+
+/// A row of either table: a path's share under each selector (the
+/// remote table has no tick-truncated column and no upstream figures;
+/// the in-process one no remote latency).
+#[derive(Serialize, Deserialize)]
+pub struct Row {
+    pub table: String,
+    pub path: String,
+    pub cost: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ms: Option<f64>,
+    pub ideal: f64,
+    pub st: f64,
+    pub hst_jiffies: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hst_tick: Option<f64>,
+    pub hst_ns: f64,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub seed_st: Option<Option<f64>>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub seed_hst_orig: Option<Option<f64>>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub seed_hst_ktime: Option<Option<f64>>,
+    #[serde(
+        default,
+        deserialize_with = "present",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub seed_best: Option<Option<f64>>,
+}
+
+/// The in-process table's columns (the remote one adds `latency_ms`).
+pub(crate) const COLUMNS: [&str; 13] = [
+    "table",
+    "path",
+    "cost",
+    "latency_ms",
+    "ideal",
+    "st",
+    "hst_jiffies",
+    "hst_tick",
+    "hst_ns",
+    "seed_st",
+    "seed_hst_orig",
+    "seed_hst_ktime",
+    "seed_best",
+];
+
+/// Every selector `repeats` times over the in-process paths.
+pub(crate) fn measure(cfg: &Config) -> Result<Runs> {
+    let costs_ms: Vec<f64> = cfg.costs.iter().map(|c| c * cfg.fast_ms).collect();
+    let n = cfg.costs.len();
+    let policies = policies(cfg.hz);
+    let mut runs = Runs::new(&policies);
+    let l = &cfg.load;
+    crate::progress::expect_runs((l.repeats * policies.len()) as u64);
+    for _ in 0..l.repeats {
+        for (pi, p) in policies.iter().enumerate() {
+            let o = run_policy(&stack(&costs_ms, p), n, l.qd, l.jobs, l.runtime, l.warmup)?;
+            ensure!(o.errors == 0, "{}: {} I/O errors", p.column, o.errors);
+            runs.shares[pi].push(o.shares);
+            runs.iops[pi].push(o.iops);
+        }
+    }
+    Ok(runs)
+}
+
+/// The in-process table: one row per path.
+pub(crate) fn rows(cfg: &Config, runs: &Runs) -> Vec<Row> {
+    let n = cfg.costs.len();
+    let ideal = cfg.ideal();
+    let cell = |c: &str, path: usize| runs.cell(c, path).unwrap_or(0.0);
+    (0..n)
+        .map(|path| {
+            let seed = SEED.get(path).filter(|_| n == DISKS.len());
+            let name = match DISKS.get(path) {
+                Some(d) if n == DISKS.len() => format!("p{path}/{d}"),
+                _ => format!("p{path}"),
+            };
+            Row {
+                table: "in-process".into(),
+                path: name,
+                cost: cfg.costs[path],
+                latency_ms: None,
+                ideal: round(ideal[path], 3),
+                st: cell("st", path),
+                hst_jiffies: cell("hst_jiffies", path),
+                hst_tick: runs.cell("hst_tick", path),
+                hst_ns: cell("hst_ns", path),
+                seed_st: Some(seed.map(|s| s[0])),
+                seed_hst_orig: Some(seed.map(|s| s[1])),
+                seed_hst_ktime: Some(seed.map(|s| s[2])),
+                seed_best: Some(seed.map(|s| s[3])),
+            }
+        })
+        .collect()
+}
+
+/// Index of the ns-start-time HST in [`policies`].
+const NS: usize = 3;
+
+/// The path with the largest gap between policy `pi`'s share and the
+/// ideal, and the gap.
+fn worst(cfg: &Config, runs: &Runs, pi: usize) -> (usize, f64) {
+    let ideal = cfg.ideal();
+    (0..cfg.costs.len())
+        .map(|p| (p, (runs.mean_share(pi, p) - ideal[p]).abs()))
+        .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a })
+}
+
+/// The slow paths' total share under (jiffies, tick, ns), and ideally.
+fn slow_shares(cfg: &Config, runs: &Runs) -> (Vec<usize>, [f64; 3], f64) {
+    let costs = &cfg.costs;
+    let ideal = cfg.ideal();
+    let slow: Vec<usize> = (0..costs.len())
         .filter(|&p| costs[p] > costs.iter().cloned().fold(f64::INFINITY, f64::min))
         .collect();
-    let slow_sum = |pi: usize| slow.iter().map(|&p| mean_share(pi, p)).sum::<f64>();
+    let slow_sum = |pi: usize| slow.iter().map(|&p| runs.mean_share(pi, p)).sum::<f64>();
     let ideal_slow: f64 = slow.iter().map(|&p| ideal[p]).sum();
-    let (jiffies_slow, tick_slow, ns_slow) = (slow_sum(1), slow_sum(2), slow_sum(NS));
+    let sums = [slow_sum(1), slow_sum(2), slow_sum(NS)];
+    (slow, sums, ideal_slow)
+}
+
+/// The in-process claims: HST with ns start times near the ideal on
+/// every path; with jiffies start times the slow paths starve.
+pub(crate) fn checks(cfg: &Config, runs: &Runs) -> Vec<Check> {
+    let ideal = cfg.ideal();
+    let (wp, wd) = worst(cfg, runs, NS);
+    let (slow, [jiffies_slow, _, ns_slow], ideal_slow) = slow_shares(cfg, runs);
     // Upstream's slow disks are the same ones when the costs are the default.
-    let seed_slow = if costs == COSTS {
+    let seed_slow = if cfg.costs == COSTS {
         let col = |c: usize| slow.iter().map(|&p| SEED[p][c]).sum::<f64>();
         format!(
             " (upstream: orig {:.2}, ktime {:.2}, best {:.2})",
@@ -330,48 +461,70 @@ pub(crate) fn run_with(opts: &LabOpts, extra: ExtraTable) -> Result<LabReport> {
     } else {
         String::new()
     };
-    r.check(
-        "HST with jiffies start times starves the slow paths (under a tenth of their ideal share, upstream: 0.00)",
-        !slow.is_empty() && jiffies_slow < 0.1 * ideal_slow && jiffies_slow < ns_slow,
-        format!(
-            "slow paths' total share: jiffies {jiffies_slow:.3}, ns {ns_slow:.3}, ideal {ideal_slow:.3}{seed_slow}"
+    vec![
+        check(
+            "HST with ns start times: within 0.02 of the ideal share on every path",
+            wd <= 0.02,
+            format!(
+                "largest gap {wd:.3} on p{wp} (ns {:.3} vs ideal {:.3})",
+                runs.mean_share(NS, wp),
+                ideal[wp]
+            ),
         ),
-    );
-    r.note(format!(
-        "precision loss alone (start truncated to its tick on the clock's base): slow paths' total share {tick_slow:.3}, vs {ns_slow:.3} with ns and {jiffies_slow:.3} with the kernel's jiffies start time"
-    ));
-    let (st_wp, st_wd) = worst(0);
-    r.note(format!(
-        "service-time: largest gap to ideal {st_wd:.3} on p{st_wp}"
-    ));
-    for (pi, p) in policies.iter().enumerate() {
-        let (m, sd) = mean_sd(&iops[pi]);
-        r.note(format!("{}: {:.0} IOPS (sd {:.0})", p.column, m, sd));
+        check(
+            "HST with jiffies start times starves the slow paths (under a tenth of their ideal share, upstream: 0.00)",
+            !slow.is_empty() && jiffies_slow < 0.1 * ideal_slow && jiffies_slow < ns_slow,
+            format!(
+                "slow paths' total share: jiffies {jiffies_slow:.3}, ns {ns_slow:.3}, ideal {ideal_slow:.3}{seed_slow}"
+            ),
+        ),
+    ]
+}
+
+/// The in-process notes: precision loss alone, service-time's gap, IOPS
+/// per selector, the load, the paths, the jiffies origin.
+pub(crate) fn notes(cfg: &Config, runs: &Runs) -> Vec<String> {
+    let (_, [jiffies_slow, tick_slow, ns_slow], _) = slow_shares(cfg, runs);
+    let (st_wp, st_wd) = worst(cfg, runs, 0);
+    let mut notes = vec![
+        format!(
+            "precision loss alone (start truncated to its tick on the clock's base): slow paths' total share {tick_slow:.3}, vs {ns_slow:.3} with ns and {jiffies_slow:.3} with the kernel's jiffies start time"
+        ),
+        format!("service-time: largest gap to ideal {st_wd:.3} on p{st_wp}"),
+    ];
+    for (pi, column) in runs.columns.iter().enumerate() {
+        let (m, sd) = runs.iops(pi);
+        notes.push(format!("{column}: {m:.0} IOPS (sd {sd:.0})"));
     }
-    r.note(format!(
-        "utilisation = share of completed I/Os per path (multipath path_stats), counted after a {} ms warm-up of a {} ms run, {repeats} run(s) per selector; load {jobs} job(s) x QD{qd} randwrite 4k",
-        warmup.as_millis(),
-        runtime.as_millis(),
+    let l = &cfg.load;
+    notes.push(format!(
+        "utilisation = share of completed I/Os per path (multipath path_stats), counted after a {} ms warm-up of a {} ms run, {} run(s) per selector; load {} job(s) x QD{} randwrite 4k",
+        l.warmup.as_millis(),
+        l.runtime.as_millis(),
+        l.repeats,
+        l.jobs,
+        l.qd
     ));
-    r.note(format!(
-        "paths: delay targets over one null device, delay = cost x {fast_ms} ms x (1 + I/Os in flight on the path) (load_k=1), so path capacity is 1/cost; jiffies and tick runs at HZ={hz}"
+    notes.push(format!(
+        "paths: delay targets over one null device, delay = cost x {} ms x (1 + I/Os in flight on the path) (load_k=1), so path capacity is 1/cost; jiffies and tick runs at HZ={}",
+        cfg.fast_ms, cfg.hz
     ));
-    r.note(start_time_note(hz));
-    r.split_by = Some("table".into());
-    let load = Load {
-        qd,
-        jobs,
-        runtime,
-        warmup,
-        repeats,
-    };
-    // The remote paths: service-time and HST with both start times.
-    let remote: Vec<Policy> = policies
+    notes.push(start_time_note(cfg.hz));
+    notes
+}
+
+/// The remote paths' selectors: service-time and HST with both start
+/// times (no tick-truncated run).
+pub(crate) fn remote_policies(hz: u32) -> Vec<Policy> {
+    policies(hz)
         .into_iter()
         .filter(|p| p.column != "hst_tick")
-        .collect();
-    extra(opts, &mut r, &remote, &load)?;
-    r.seed = Some(SeedTable {
+        .collect()
+}
+
+/// Upstream's table.
+pub(crate) fn seed_table() -> SeedTable {
+    SeedTable {
         caption: "upstream: utilisation of a 10-disk multipath with asymmetric costs, fio randwrite QD64, bio-based mpath".into(),
         columns: ["disk", "ST", "HST (orig)", "HST(ktime)", "Best"]
             .iter()
@@ -386,8 +539,7 @@ pub(crate) fn run_with(opts: &LabOpts, extra: ExtraTable) -> Result<LabReport> {
                 row
             })
             .collect(),
-    });
-    Ok(r)
+    }
 }
 
 /// Where the kernel's jiffies start time lies on this machine now: the

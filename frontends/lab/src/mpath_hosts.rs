@@ -21,16 +21,18 @@
 //!
 //! `--set` keys: `host_ms` (comma list of remote delays in ms).
 //!
-//! [`run`] is the experiment's entry: the in-process table
-//! ([`crate::mpath`]) with this one added to its report.
+//! [`Mpath`] is the experiment: the in-process table ([`crate::mpath`])
+//! with this one added to its report.
 
-use crate::common::{mean_sd, round};
-use crate::mpath::{multipath_line, run_policy, Load, Policy};
+use crate::common::round;
+use crate::experiment::{check, Experiment};
+use crate::mpath::{self, multipath_line, run_policy, Load, Policy, Runs};
 use crate::netns::{self, delay_over_file, Daemon, Testbed};
-use crate::report::LabReport;
+use crate::plot::{Figure, Panel, Series, Style};
+use crate::report::{Check, Row as ReportRow, SeedTable};
 use crate::LabOpts;
 use anyhow::{bail, ensure, Context, Result};
-use serde_json::json;
+use serde_json::{json, Value};
 use std::path::PathBuf;
 
 /// Remote service times of the four paths, in ms.
@@ -116,52 +118,127 @@ fn client_stack(uris: &[String], p: &Policy) -> String {
     s
 }
 
-/// Add the remote-paths rows, checks and notes to `r`, or a note saying
-/// why they could not be measured here.
-/// `lab mpath`: the in-process table, then this one.
-pub fn run(opts: &LabOpts) -> Result<LabReport> {
-    crate::mpath::run_with(opts, add_table)
+/// `lab mpath`: the in-process table ([`crate::mpath`]), then this one.
+pub struct Mpath;
+
+/// Both tables' settings.
+pub struct Config {
+    in_process: mpath::Config,
+    /// Remote service times of the hosts, ms.
+    host_ms: Vec<f64>,
 }
 
-fn add_table(opts: &LabOpts, r: &mut LabReport, policies: &[Policy], load: &Load) -> Result<()> {
-    let host_ms: Vec<f64> = opts.param_list("host_ms", &HOST_MS)?;
-    if host_ms.is_empty()
-        || host_ms.len() > 64
-        || host_ms.iter().any(|m| !m.is_finite() || *m <= 0.0)
-    {
-        bail!("--set host_ms: give 1..64 positive delays in ms");
-    }
-    if let Err(why) = netns::probe() {
-        r.note(format!(
-            "remote-paths table skipped: network namespaces cannot be made here ({why:#}); it needs root and iproute2"
-        ));
-        return Ok(());
-    }
-    if let Err(why) = server_binary() {
-        r.note(format!("remote-paths table skipped: {why:#}"));
-        return Ok(());
-    }
-    // A failure here (a server that does not start, an I/O error) costs
-    // this table only: the in-process one is kept, and a failed check
-    // says what went wrong.
-    if let Err(e) = measure(r, policies, load, &host_ms) {
-        r.check(
-            "remote paths: the table was measured",
-            false,
-            format!("{e:#}"),
-        );
-    }
-    Ok(())
+/// What the remote-paths table came to.
+enum Remote {
+    /// Not run here, and why.
+    Skipped(String),
+    /// Run, and failed (a server that does not start, an I/O error): the
+    /// in-process table is kept and a failed check says what went wrong.
+    Failed(String),
+    Measured(Runs),
 }
 
-/// Start the hosts, run every policy over them, add rows, checks, notes.
-fn measure(r: &mut LabReport, policies: &[Policy], load: &Load, host_ms: &[f64]) -> Result<()> {
+/// Both tables' runs.
+pub struct Measurement {
+    in_process: Runs,
+    remote: Remote,
+}
+
+impl Experiment for Mpath {
+    const NAME: &'static str = "mpath";
+    const SEED: &'static str = "004";
+    const ABOUT: &'static str =
+        "multipath per-path share: service-time vs HST with jiffies and ns start times";
+    const TITLE: &'static str = "share of I/O per path, 10 asymmetric paths, randwrite 2 jobs x QD64: service-time, HST with jiffies, tick-truncated and ns start times, ideal";
+    const SPLIT_BY: Option<&'static str> = Some("table");
+    type Config = Config;
+    type Measurement = Measurement;
+    type Row = mpath::Row;
+
+    fn configure(opts: &LabOpts) -> Result<Config> {
+        let in_process = mpath::configure(opts)?;
+        let host_ms: Vec<f64> = opts.param_list("host_ms", &HOST_MS)?;
+        if host_ms.is_empty()
+            || host_ms.len() > 64
+            || host_ms.iter().any(|m| !m.is_finite() || *m <= 0.0)
+        {
+            bail!("--set host_ms: give 1..64 positive delays in ms");
+        }
+        Ok(Config {
+            in_process,
+            host_ms,
+        })
+    }
+
+    fn measure(cfg: &Config) -> Result<Measurement> {
+        let in_process = mpath::measure(&cfg.in_process)?;
+        let remote = if let Err(why) = netns::probe() {
+            Remote::Skipped(format!(
+                "remote-paths table skipped: network namespaces cannot be made here ({why:#}); it needs root and iproute2"
+            ))
+        } else if let Err(why) = server_binary() {
+            Remote::Skipped(format!("remote-paths table skipped: {why:#}"))
+        } else {
+            let policies = mpath::remote_policies(cfg.in_process.hz);
+            match measure_remote(&policies, &cfg.in_process.load, &cfg.host_ms) {
+                Ok(runs) => Remote::Measured(runs),
+                Err(e) => Remote::Failed(format!("{e:#}")),
+            }
+        };
+        Ok(Measurement { in_process, remote })
+    }
+
+    fn columns(_: &Config) -> Vec<String> {
+        mpath::COLUMNS.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn rows(cfg: &Config, m: &Measurement) -> Vec<mpath::Row> {
+        let mut rows = mpath::rows(&cfg.in_process, &m.in_process);
+        if let Remote::Measured(runs) = &m.remote {
+            rows.extend(remote_rows(&cfg.host_ms, runs));
+        }
+        rows
+    }
+
+    fn checks(cfg: &Config, m: &Measurement, _: &[mpath::Row]) -> Vec<Check> {
+        let mut checks = mpath::checks(&cfg.in_process, &m.in_process);
+        match &m.remote {
+            Remote::Skipped(_) => {}
+            Remote::Failed(e) => checks.push(check(
+                "remote paths: the table was measured",
+                false,
+                e.clone(),
+            )),
+            Remote::Measured(runs) => checks.extend(remote_check(&cfg.host_ms, runs)),
+        }
+        checks
+    }
+
+    fn notes(cfg: &Config, m: &Measurement, _: &[mpath::Row]) -> Vec<String> {
+        let mut notes = mpath::notes(&cfg.in_process, &m.in_process);
+        match &m.remote {
+            Remote::Skipped(why) => notes.push(why.clone()),
+            Remote::Failed(_) => {}
+            Remote::Measured(runs) => notes.extend(remote_notes(&cfg.host_ms, runs)),
+        }
+        notes
+    }
+
+    fn seed_table() -> Option<SeedTable> {
+        Some(mpath::seed_table())
+    }
+
+    fn figures() -> Vec<Figure> {
+        vec![figure()]
+    }
+}
+
+/// Start the hosts, run every policy over them.
+fn measure_remote(policies: &[Policy], load: &Load, host_ms: &[f64]) -> Result<Runs> {
     let hosts = RemotePaths::start(host_ms).context("starting the hosts")?;
     let n = host_ms.len();
     crate::progress::expect_runs((load.repeats * policies.len()) as u64);
-    // shares[policy][repeat][path]
-    let mut shares: Vec<Vec<Vec<f64>>> = vec![Vec::new(); policies.len()];
-    let mut iops: Vec<Vec<f64>> = vec![Vec::new(); policies.len()];
+    let mut runs = Runs::new(policies);
     for _ in 0..load.repeats {
         for (pi, p) in policies.iter().enumerate() {
             let stack = hosts.stack(p);
@@ -177,71 +254,142 @@ fn measure(r: &mut LabReport, policies: &[Policy], load: &Load, host_ms: &[f64])
                 p.column,
                 o.errors
             );
-            shares[pi].push(o.shares);
-            iops[pi].push(o.iops);
+            runs.shares[pi].push(o.shares);
+            runs.iops[pi].push(o.iops);
         }
     }
-    let mean = |pi: usize, path: usize| -> f64 {
-        mean_sd(&shares[pi].iter().map(|s| s[path]).collect::<Vec<_>>()).0
-    };
-    let column = |name: &str| policies.iter().position(|p| p.column == name);
-    let fastest = host_ms.iter().cloned().fold(f64::INFINITY, f64::min);
+    Ok(runs)
+}
+
+/// Each host's ideal share: its capacity over the sum.
+fn ideal(host_ms: &[f64]) -> Vec<f64> {
     let capacity: f64 = host_ms.iter().map(|m| 1.0 / m).sum();
-    let ideal: Vec<f64> = host_ms.iter().map(|m| (1.0 / m) / capacity).collect();
-    for (path, ms) in host_ms.iter().enumerate() {
-        let mut row = vec![
-            ("table", json!(TABLE)),
-            ("path", json!(format!("h{path}"))),
-            ("cost", json!(round(ms / fastest, 3))),
-            ("latency_ms", json!(ms)),
-            ("ideal", json!(round(ideal[path], 3))),
-        ];
-        for (pi, p) in policies.iter().enumerate() {
-            row.push((p.column, json!(round(mean(pi, path), 3))));
-        }
-        r.push_row(row);
-    }
-    let gap = |pi: usize| -> f64 {
-        (0..n)
-            .map(|p| (mean(pi, p) - ideal[p]).abs())
-            .fold(0.0, f64::max)
-    };
-    // Upstream's claim, on the path that shows it: HST with the kernel's
-    // jiffies start times never works the slowest path's inflated
-    // history down, so it starves; with ns start times it gets its share.
+    host_ms.iter().map(|m| (1.0 / m) / capacity).collect()
+}
+
+/// The remote table: one row per host.
+fn remote_rows(host_ms: &[f64], runs: &Runs) -> Vec<mpath::Row> {
+    let fastest = host_ms.iter().cloned().fold(f64::INFINITY, f64::min);
+    let ideal = ideal(host_ms);
+    let cell = |c: &str, path: usize| runs.cell(c, path).unwrap_or(0.0);
+    host_ms
+        .iter()
+        .enumerate()
+        .map(|(path, ms)| mpath::Row {
+            table: TABLE.into(),
+            path: format!("h{path}"),
+            cost: round(ms / fastest, 3),
+            latency_ms: Some(*ms),
+            ideal: round(ideal[path], 3),
+            st: cell("st", path),
+            hst_jiffies: cell("hst_jiffies", path),
+            hst_tick: runs.cell("hst_tick", path),
+            hst_ns: cell("hst_ns", path),
+            seed_st: None,
+            seed_hst_orig: None,
+            seed_hst_ktime: None,
+            seed_best: None,
+        })
+        .collect()
+}
+
+/// Upstream's claim, on the path that shows it: HST with the kernel's
+/// jiffies start times never works the slowest path's inflated history
+/// down, so it starves; with ns start times it gets its share.
+fn remote_check(host_ms: &[f64], runs: &Runs) -> Option<Check> {
+    let n = host_ms.len();
+    let column = |name: &str| runs.columns.iter().position(|c| *c == name);
     let slowest = (0..n)
         .max_by(|&a, &b| host_ms[a].total_cmp(&host_ms[b]))
         .unwrap_or(0);
-    if let (Some(ns), Some(jf)) = (column("hst_ns"), column("hst_jiffies")) {
-        let (ns_share, jf_share, want) = (mean(ns, slowest), mean(jf, slowest), ideal[slowest]);
-        r.check(
-            "remote paths: HST with jiffies start times starves the slowest host (under a quarter of its ideal share), with ns it gets at least half",
-            jf_share < 0.25 * want && ns_share >= 0.5 * want,
+    let (ns, jf) = (column("hst_ns")?, column("hst_jiffies")?);
+    let want = ideal(host_ms)[slowest];
+    let (ns_share, jf_share) = (runs.mean_share(ns, slowest), runs.mean_share(jf, slowest));
+    Some(check(
+        "remote paths: HST with jiffies start times starves the slowest host (under a quarter of its ideal share), with ns it gets at least half",
+        jf_share < 0.25 * want && ns_share >= 0.5 * want,
+        format!(
+            "h{slowest} ({} ms): jiffies {jf_share:.3}, ns {ns_share:.3}, ideal {want:.3}",
+            host_ms[slowest]
+        ),
+    ))
+}
+
+/// IOPS and the largest gap per selector; how the hosts were set up.
+fn remote_notes(host_ms: &[f64], runs: &Runs) -> Vec<String> {
+    let ideal = ideal(host_ms);
+    let gap = |pi: usize| -> f64 {
+        (0..host_ms.len())
+            .map(|p| (runs.mean_share(pi, p) - ideal[p]).abs())
+            .fold(0.0, f64::max)
+    };
+    let mut notes: Vec<String> = runs
+        .columns
+        .iter()
+        .enumerate()
+        .map(|(pi, column)| {
+            let (m, sd) = runs.iops(pi);
             format!(
-                "h{slowest} ({} ms): jiffies {jf_share:.3}, ns {ns_share:.3}, ideal {want:.3}",
-                host_ms[slowest]
-            ),
-        );
-    }
-    for (pi, p) in policies.iter().enumerate() {
-        let (m, sd) = mean_sd(&iops[pi]);
-        r.note(format!(
-            "remote paths, {}: {m:.0} IOPS (sd {sd:.0}), largest gap to ideal {:.3}",
-            p.column,
-            gap(pi)
-        ));
-    }
-    r.note(format!(
-        "remote paths (table={TABLE}): {n} hosts in network namespaces on one bridge, each blkstack serve exporting a delay target of {} ms (load_k=1) over one shared file; the multipath runs in a client namespace over nbd leaves (TCP)",
+                "remote paths, {column}: {m:.0} IOPS (sd {sd:.0}), largest gap to ideal {:.3}",
+                gap(pi)
+            )
+        })
+        .collect();
+    notes.push(format!(
+        "remote paths (table={TABLE}): {} hosts in network namespaces on one bridge, each blkstack serve exporting a delay target of {} ms (load_k=1) over one shared file; the multipath runs in a client namespace over nbd leaves (TCP)",
+        host_ms.len(),
         host_ms.iter().map(|m| m.to_string()).collect::<Vec<_>>().join("/")
     ));
-    Ok(())
+    notes
+}
+
+/// A row of `lab mpath`'s remote-paths table (hosts in namespaces).
+fn remote_path_row(r: &ReportRow) -> bool {
+    r.get("table").and_then(Value::as_str) == Some(TABLE)
+}
+
+fn figure() -> Figure {
+    let mut p = Panel::new(
+        "share of I/O per path (path cost in the table)",
+        "path",
+        "path",
+        "share of completed I/O",
+    );
+    p.bars = true;
+    p.skip = Some(remote_path_row);
+    p.series = vec![
+        Series::column("ideal", Style::Ours, 7, "ideal"),
+        Series::column("service-time", Style::Ours, 2, "st"),
+        Series::column("HST jiffies (old)", Style::Ours, 3, "hst_jiffies"),
+        Series::column("HST ns", Style::Ours, 0, "hst_ns"),
+        Series::column("upstream HST orig", Style::Upstream, 3, "seed_hst_orig"),
+        Series::column("upstream HST ktime", Style::Upstream, 0, "seed_hst_ktime"),
+    ];
+    let mut remote = Panel::new(
+        "remote paths: share of I/O per host (NBD over veth; remote delay in the table)",
+        "path",
+        "host",
+        "share of completed I/O",
+    );
+    remote.bars = true;
+    remote.filter = vec![("table".into(), json!(TABLE))];
+    remote.series = vec![
+        Series::column("ideal", Style::Ours, 7, "ideal"),
+        Series::column("service-time", Style::Ours, 2, "st"),
+        Series::column("HST jiffies (old)", Style::Ours, 3, "hst_jiffies"),
+        Series::column("HST ns", Style::Ours, 0, "hst_ns"),
+    ];
+    Figure {
+        suffix: String::new(),
+        title: "dm-mpath HST: per-path share with jiffies vs ns start times, in process and over remote paths".into(),
+        columns: 1,
+        panels: vec![p, remote],
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn client_stack_is_a_multipath_over_one_nbd_leaf_per_host() {
@@ -270,23 +418,19 @@ mod tests {
     }
 
     #[test]
-    fn bad_host_delays_are_refused() {
+    fn bad_host_delays_are_refused_before_any_run() {
         for bad in ["0", "-1", "0.1,x", "nan"] {
             let mut opts = LabOpts::default();
             opts.params.insert("host_ms".into(), bad.into());
-            let mut r = LabReport::new("mpath", "t", &[]);
-            let load = Load {
-                qd: 1,
-                jobs: 1,
-                runtime: Duration::from_millis(10),
-                warmup: Duration::from_millis(1),
-                repeats: 1,
-            };
-            assert!(add_table(&opts, &mut r, &[], &load).is_err(), "{bad}");
-            assert!(
-                r.rows.is_empty() && r.notes.is_empty(),
-                "{bad}: changed the report"
-            );
+            assert!(Mpath::configure(&opts).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn typed_rows_write_the_saved_report_unchanged() {
+        let (saved, again) = crate::report::round_trip::<mpath::Row>(include_str!(
+            "../../cli/tests/data/lab-report/mpath.json"
+        ));
+        assert_eq!(saved, again);
     }
 }

@@ -110,6 +110,21 @@ impl LabReport {
         self.rows.push(row);
     }
 
+    /// Add a typed row: its serialized fields, in their order, are the
+    /// row's cells (an experiment's `Row` struct, see
+    /// [`crate::experiment::Experiment::Row`]).
+    pub fn push_typed<T: Serialize>(&mut self, row: &T) -> Result<(), serde_json::Error> {
+        match serde_json::to_value(row)? {
+            Value::Object(cells) => {
+                self.push_row(cells);
+                Ok(())
+            }
+            other => Err(serde::ser::Error::custom(format!(
+                "a row must serialize as an object, not {other}"
+            ))),
+        }
+    }
+
     pub fn check(&mut self, name: &str, pass: bool, detail: impl Into<String>) {
         self.checks.push(Check {
             name: name.to_string(),
@@ -220,6 +235,40 @@ impl LabReport {
         }
         s
     }
+}
+
+/// For a typed row's cell that some rows leave out and others leave
+/// empty: `None` is no key, `Some(None)` a `null` cell. Use with
+/// `#[serde(default, deserialize_with = "present", skip_serializing_if =
+/// "Option::is_none")]` so a saved row reads back the same.
+pub fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// A saved report's rows read back as `T` and written again, as text:
+/// equal to the saved rows when `T` is the experiment's row type (the
+/// typed rows' tests use this on the saved fixtures).
+#[cfg(test)]
+pub(crate) fn round_trip<T: Serialize + serde::de::DeserializeOwned>(
+    saved: &str,
+) -> (String, String) {
+    let r = LabReport::from_json(saved).expect("saved report parses");
+    let typed: Vec<T> = r
+        .rows
+        .iter()
+        .map(|row| {
+            serde_json::from_value(Value::Object(row.clone())).expect("row reads as its type")
+        })
+        .collect();
+    let again = serde_json::to_string(&typed).expect("typed rows serialize");
+    (
+        serde_json::to_string(&r.rows).expect("rows serialize"),
+        again,
+    )
 }
 
 /// Format an axis or table number: no more digits than it needs.

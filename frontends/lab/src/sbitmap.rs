@@ -33,10 +33,14 @@
 //! columns that way.
 
 use crate::common::{job, mean_sd, round, run_stack};
-use crate::report::{LabReport, SeedTable};
+use crate::experiment::{check, Experiment};
+use crate::figures::{in_job_sweep, ratio};
+use crate::plot::{Figure, Panel, Series, Style};
+use crate::report::{Check, SeedTable};
 use crate::LabOpts;
 use anyhow::Result;
 use blkstack_bench::RwMode;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::time::Duration;
 
@@ -119,9 +123,9 @@ impl Tally {
 }
 
 /// One point of the table.
-struct Point<'a> {
-    table: &'a str,
-    sweep: &'a str,
+struct Point {
+    table: &'static str,
+    sweep: &'static str,
     depth: u32,
     queues: u32,
     jobs: u32,
@@ -140,17 +144,17 @@ struct Setup {
 /// The table's points: a depth sweep per table (`single`: one hardware
 /// queue and `jobs` jobs; `shared`: `shared_queues` queues on one tag set
 /// and twice the jobs), then the job sweep on one queue.
-fn points<'a>(
-    tables: &[&'a str],
+fn points(
+    tables: &[String],
     depths: &[u32],
     jobs: u32,
     shared_queues: u32,
     job_sweep: &[u32],
     sweep_depth: u32,
-) -> Vec<Point<'a>> {
+) -> Vec<Point> {
     let mut points = Vec::new();
     for (table, queues, njobs) in [("single", 1u32, jobs), ("shared", shared_queues, jobs * 2)] {
-        if tables.contains(&table) {
+        if tables.iter().any(|t| t == table) {
             for &depth in depths {
                 points.push(Point {
                     table,
@@ -211,51 +215,154 @@ fn measure_point(p: &Point, s: &Setup) -> Result<Vec<Tally>> {
     Ok(tallies)
 }
 
-fn push_row(r: &mut LabReport, p: &Point, t: &[Tally], seed: Option<(f64, f64)>) {
-    let (wm, ws) = mean_sd(&t[0].kiops);
-    let (cm, cs) = mean_sd(&t[1].kiops);
-    r.push_row([
-        ("table", json!(p.table)),
-        ("sweep", json!(p.sweep)),
-        ("jobs", json!(p.jobs)),
-        ("depth", json!(p.depth)),
-        ("wait_cnt_kiops", json!(round(wm, 1))),
-        ("wait_cnt_sd", json!(round(ws, 1))),
-        ("counter_kiops", json!(round(cm, 1))),
-        ("counter_sd", json!(round(cs, 1))),
-        ("counter/wait_cnt", json!(round(cm / wm.max(1e-9), 3))),
-        ("wait_cnt_rescued", json!(t[0].rescued)),
-        ("counter_rescued", json!(t[1].rescued)),
-        (
-            "wait_cnt_sleeps_per_io",
-            json!(round(t[0].sleeps_per_io(), 3)),
-        ),
-        (
-            "counter_sleeps_per_io",
-            json!(round(t[1].sleeps_per_io(), 3)),
-        ),
-        (
-            "wait_cnt_woken_per_batch",
-            json!(round(t[0].woken_per_batch(), 2)),
-        ),
-        (
-            "counter_woken_per_batch",
-            json!(round(t[1].woken_per_batch(), 2)),
-        ),
-        (
-            "wait_cnt_wasted_per_batch",
-            json!(round(t[0].wasted_per_batch(), 3)),
-        ),
-        (
-            "counter_wasted_per_batch",
-            json!(round(t[1].wasted_per_batch(), 3)),
-        ),
-        ("seed_wait_cnt_kiops", json!(seed.map(|s| s.0))),
-        ("seed_counter_kiops", json!(seed.map(|s| s.1))),
-    ]);
+/// The settings of a run.
+pub struct Config {
+    jobs: u32,
+    shared_queues: u32,
+    job_sweep: Vec<u32>,
+    sweep_depth: u32,
+    setup: Setup,
+    points: Vec<Point>,
 }
 
-pub fn run(opts: &LabOpts) -> Result<LabReport> {
+/// Per point of [`Config::points`], per algorithm, the tally of its runs.
+pub struct Measurement {
+    tallies: Vec<Vec<Tally>>,
+}
+
+/// A row of the table: both algorithms at one point.
+#[derive(Serialize, Deserialize)]
+pub struct Row {
+    table: String,
+    sweep: String,
+    jobs: u32,
+    depth: u32,
+    wait_cnt_kiops: f64,
+    wait_cnt_sd: f64,
+    counter_kiops: f64,
+    counter_sd: f64,
+    #[serde(rename = "counter/wait_cnt")]
+    counter_per_wait_cnt: f64,
+    wait_cnt_rescued: u64,
+    counter_rescued: u64,
+    wait_cnt_sleeps_per_io: f64,
+    counter_sleeps_per_io: f64,
+    wait_cnt_woken_per_batch: f64,
+    counter_woken_per_batch: f64,
+    wait_cnt_wasted_per_batch: f64,
+    counter_wasted_per_batch: f64,
+    seed_wait_cnt_kiops: Option<f64>,
+    seed_counter_kiops: Option<f64>,
+}
+
+/// `lab sbitmap`.
+pub struct Sbitmap;
+
+impl Experiment for Sbitmap {
+    const NAME: &'static str = "sbitmap";
+    const SEED: &'static str = "003";
+    const ABOUT: &'static str = "tag wakeups: wait_cnt vs completion/wakeup counters";
+    const TITLE: &'static str =
+        "tag wakeups: per-queue wait_cnt countdown (old) vs completion/wakeup counters";
+    type Config = Config;
+    type Measurement = Measurement;
+    type Row = Row;
+
+    fn configure(opts: &LabOpts) -> Result<Config> {
+        configure(opts)
+    }
+
+    fn measure(cfg: &Config) -> Result<Measurement> {
+        let s = &cfg.setup;
+        crate::progress::expect_runs((cfg.points.len() * s.repeats * s.algos.len()) as u64);
+        let tallies = cfg
+            .points
+            .iter()
+            .map(|p| measure_point(p, s))
+            .collect::<Result<_>>()?;
+        Ok(Measurement { tallies })
+    }
+
+    fn columns(_: &Config) -> Vec<String> {
+        ["table", "sweep", "jobs", "depth"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    }
+
+    fn rows(cfg: &Config, m: &Measurement) -> Vec<Row> {
+        cfg.points
+            .iter()
+            .zip(&m.tallies)
+            .map(|(p, t)| row(p, t))
+            .collect()
+    }
+
+    fn checks(cfg: &Config, m: &Measurement, rows: &[Row]) -> Vec<Check> {
+        let mut checks: Vec<Check> = cfg
+            .points
+            .iter()
+            .zip(&m.tallies)
+            .filter_map(|(p, t)| throughput_check(p, t))
+            .collect();
+        checks.extend(guarantee_checks(rows));
+        checks
+    }
+
+    fn notes(cfg: &Config, m: &Measurement, _: &[Row]) -> Vec<String> {
+        let mut notes: Vec<String> = cfg
+            .points
+            .iter()
+            .zip(&m.tallies)
+            .filter_map(|(p, t)| extra_algo_note(p, t, &cfg.setup))
+            .collect();
+        notes.push(format!(
+            "{} jobs on one hardware queue, {} jobs on {} queues sharing one tag set; job sweep {:?} on one queue at depth {}; {} runs of {} ms per point, interleaved; wasted wakeups: woken by a completion, found no free tag, slept again",
+            cfg.jobs,
+            cfg.jobs * 2,
+            cfg.shared_queues,
+            cfg.job_sweep,
+            cfg.sweep_depth,
+            cfg.setup.repeats,
+            cfg.setup.runtime.as_millis()
+        ));
+        notes
+    }
+
+    fn seed_table() -> Option<SeedTable> {
+        Some(SeedTable {
+            caption:
+                "upstream, 20-CPU box, 20 jobs (shared: 40 jobs, 20 hctx), QD64 randwrite, KIOPS mean"
+                    .into(),
+            columns: vec![
+                "table".into(),
+                "depth".into(),
+                "6.1-rc2 (wait_cnt)".into(),
+                "patched (counter)".into(),
+            ],
+            rows: [("single", &SEED_SINGLE), ("shared", &SEED_SHARED)]
+                .iter()
+                .flat_map(|(t, s)| {
+                    DEPTHS.iter().zip(s.iter()).map(move |(d, (o, n))| {
+                        vec![
+                            t.to_string(),
+                            d.to_string(),
+                            format!("{o}K"),
+                            format!("{n}K"),
+                        ]
+                    })
+                })
+                .collect(),
+        })
+    }
+
+    fn figures() -> Vec<Figure> {
+        vec![figure()]
+    }
+}
+
+/// The settings, checked.
+fn configure(opts: &LabOpts) -> Result<Config> {
     let jobs = opts.jobs.unwrap_or(4) as u32;
     let shared_queues: u32 = opts.param("shared_queues", 4)?;
     let repeats = opts.repeats.unwrap_or(if opts.quick { 3 } else { 5 });
@@ -280,7 +387,7 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
     let mut algos = vec!["wait_cnt".to_string(), "counter".to_string()];
     // An unknown name is refused by the null driver's table parser.
     if !also.is_empty() {
-        algos.push(also.clone());
+        algos.push(also);
     }
     let setup = Setup {
         algos,
@@ -290,7 +397,6 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         runtime,
         trace: opts.param::<u8>("trace", 0)? != 0,
     };
-    let tables: Vec<&str> = tables.iter().map(String::as_str).collect();
     let points = points(
         &tables,
         &depths,
@@ -299,102 +405,96 @@ pub fn run(opts: &LabOpts) -> Result<LabReport> {
         &job_sweep,
         sweep_depth,
     );
-    crate::progress::expect_runs((points.len() * repeats * setup.algos.len()) as u64);
-
-    let mut r = LabReport::new(
-        "sbitmap",
-        "tag wakeups: per-queue wait_cnt countdown (old) vs completion/wakeup counters",
-        &["table", "sweep", "jobs", "depth"],
-    );
-    for p in &points {
-        let t = measure_point(p, &setup)?;
-        let seed = (p.sweep == "depth")
-            .then(|| DEPTHS.iter().position(|&d| d == p.depth))
-            .flatten()
-            .map(|i| {
-                if p.table == "single" {
-                    SEED_SINGLE[i]
-                } else {
-                    SEED_SHARED[i]
-                }
-            });
-        push_row(&mut r, p, &t, seed);
-        check_point(&mut r, p, &t, &setup);
-    }
-    add_guarantee_checks(&mut r);
-    r.seed = Some(SeedTable {
-        caption:
-            "upstream, 20-CPU box, 20 jobs (shared: 40 jobs, 20 hctx), QD64 randwrite, KIOPS mean"
-                .into(),
-        columns: vec![
-            "table".into(),
-            "depth".into(),
-            "6.1-rc2 (wait_cnt)".into(),
-            "patched (counter)".into(),
-        ],
-        rows: [("single", &SEED_SINGLE), ("shared", &SEED_SHARED)]
-            .iter()
-            .flat_map(|(t, s)| {
-                DEPTHS.iter().zip(s.iter()).map(move |(d, (o, n))| {
-                    vec![
-                        t.to_string(),
-                        d.to_string(),
-                        format!("{o}K"),
-                        format!("{n}K"),
-                    ]
-                })
-            })
-            .collect(),
-    });
-    r.note(format!(
-        "{jobs} jobs on one hardware queue, {} jobs on {shared_queues} queues sharing one tag set; job sweep {job_sweep:?} on one queue at depth {sweep_depth}; {repeats} runs of {} ms per point, interleaved; wasted wakeups: woken by a completion, found no free tag, slept again",
-        jobs * 2,
-        runtime.as_millis()
-    ));
-    Ok(r)
+    Ok(Config {
+        jobs,
+        shared_queues,
+        job_sweep,
+        sweep_depth,
+        setup,
+        points,
+    })
 }
 
-/// The throughput check of a depth point, and the note on the extra
-/// algorithm (`--set also=...`) if one ran.
-fn check_point(r: &mut LabReport, p: &Point, t: &[Tally], setup: &Setup) {
-    if p.sweep == "depth" {
-        // "Within noise": the difference is smaller than the two
-        // standard deviations together.
-        let ((wm, ws), (cm, cs)) = (mean_sd(&t[0].kiops), mean_sd(&t[1].kiops));
-        r.check(
-            &format!(
-                "{} depth {}: counter IOPS >= wait_cnt within noise",
-                p.table, p.depth
-            ),
-            cm + cs + ws >= wm,
-            format!("counter {cm:.1}k (sd {cs:.1}) vs wait_cnt {wm:.1}k (sd {ws:.1})"),
-        );
+/// A point's row, with upstream's figures at its depth.
+fn row(p: &Point, t: &[Tally]) -> Row {
+    let seed = (p.sweep == "depth")
+        .then(|| DEPTHS.iter().position(|&d| d == p.depth))
+        .flatten()
+        .map(|i| {
+            if p.table == "single" {
+                SEED_SINGLE[i]
+            } else {
+                SEED_SHARED[i]
+            }
+        });
+    let (wm, ws) = mean_sd(&t[0].kiops);
+    let (cm, cs) = mean_sd(&t[1].kiops);
+    Row {
+        table: p.table.to_string(),
+        sweep: p.sweep.to_string(),
+        jobs: p.jobs,
+        depth: p.depth,
+        wait_cnt_kiops: round(wm, 1),
+        wait_cnt_sd: round(ws, 1),
+        counter_kiops: round(cm, 1),
+        counter_sd: round(cs, 1),
+        counter_per_wait_cnt: round(cm / wm.max(1e-9), 3),
+        wait_cnt_rescued: t[0].rescued,
+        counter_rescued: t[1].rescued,
+        wait_cnt_sleeps_per_io: round(t[0].sleeps_per_io(), 3),
+        counter_sleeps_per_io: round(t[1].sleeps_per_io(), 3),
+        wait_cnt_woken_per_batch: round(t[0].woken_per_batch(), 2),
+        counter_woken_per_batch: round(t[1].woken_per_batch(), 2),
+        wait_cnt_wasted_per_batch: round(t[0].wasted_per_batch(), 3),
+        counter_wasted_per_batch: round(t[1].wasted_per_batch(), 3),
+        seed_wait_cnt_kiops: seed.map(|s| s.0),
+        seed_counter_kiops: seed.map(|s| s.1),
     }
-    if let (Some(extra), Some(et)) = (setup.algos.get(2), t.get(2)) {
-        let (em, es) = mean_sd(&et.kiops);
-        r.note(format!(
-            "{} depth {} {} jobs: {extra} {em:.1}k (sd {es:.1}), {:.2}x wait_cnt; \
-             {:.3} sleeps/IO, {:.2} woken and {:.3} wasted per batch, {} rescued",
-            p.table,
-            p.depth,
-            p.jobs,
-            em / mean_sd(&t[0].kiops).0.max(1e-9),
-            et.sleeps_per_io(),
-            et.woken_per_batch(),
-            et.wasted_per_batch(),
-            et.rescued
-        ));
+}
+
+/// The throughput check of a depth point.
+fn throughput_check(p: &Point, t: &[Tally]) -> Option<Check> {
+    if p.sweep != "depth" {
+        return None;
     }
+    // "Within noise": the difference is smaller than the two standard
+    // deviations together.
+    let ((wm, ws), (cm, cs)) = (mean_sd(&t[0].kiops), mean_sd(&t[1].kiops));
+    Some(check(
+        format!(
+            "{} depth {}: counter IOPS >= wait_cnt within noise",
+            p.table, p.depth
+        ),
+        cm + cs + ws >= wm,
+        format!("counter {cm:.1}k (sd {cs:.1}) vs wait_cnt {wm:.1}k (sd {ws:.1})"),
+    ))
+}
+
+/// The note on the extra algorithm (`--set also=...`), if one ran.
+fn extra_algo_note(p: &Point, t: &[Tally], setup: &Setup) -> Option<String> {
+    let (extra, et) = (setup.algos.get(2)?, t.get(2)?);
+    let (em, es) = mean_sd(&et.kiops);
+    Some(format!(
+        "{} depth {} {} jobs: {extra} {em:.1}k (sd {es:.1}), {:.2}x wait_cnt; \
+         {:.3} sleeps/IO, {:.2} woken and {:.3} wasted per batch, {} rescued",
+        p.table,
+        p.depth,
+        p.jobs,
+        em / mean_sd(&t[0].kiops).0.max(1e-9),
+        et.sleeps_per_io(),
+        et.woken_per_batch(),
+        et.wasted_per_batch(),
+        et.rescued
+    ))
 }
 
 /// What the change guarantees besides throughput: no lost wakeup with
 /// the counters (no sleep ended by the rescue timeout), and fewer wasted
 /// wakeups per batch than `wait_cnt` at small depths.
-fn add_guarantee_checks(r: &mut LabReport) {
-    let f = |x: &crate::report::Row, c: &str| x.get(c).and_then(|v| v.as_f64()).unwrap_or(0.0);
-    let rescued: f64 = r.rows.iter().map(|x| f(x, "counter_rescued")).sum();
-    let old_rescued: f64 = r.rows.iter().map(|x| f(x, "wait_cnt_rescued")).sum();
-    r.check(
+fn guarantee_checks(rows: &[Row]) -> Vec<Check> {
+    let rescued: f64 = rows.iter().map(|x| x.counter_rescued as f64).sum();
+    let old_rescued: f64 = rows.iter().map(|x| x.wait_cnt_rescued as f64).sum();
+    let mut checks = vec![check(
         "counter: no lost wakeup (no sleep ended by the rescue timeout, any point)",
         rescued == 0.0,
         format!(
@@ -402,31 +502,136 @@ fn add_guarantee_checks(r: &mut LabReport) {
              also happens when no completion arrives within {RESCUE_MS} ms (completion thread \
              starved on a loaded machine): check the load in the machine line"
         ),
-    );
+    )];
     for table in ["single", "shared"] {
-        let small: Vec<&crate::report::Row> = r
-            .rows
+        let small: Vec<&Row> = rows
             .iter()
-            .filter(|x| {
-                x.get("sweep") == Some(&json!("depth"))
-                    && x.get("table") == Some(&json!(table))
-                    && SMALL_DEPTHS
-                        .iter()
-                        .any(|&d| x.get("depth") == Some(&json!(d)))
-            })
+            .filter(|x| x.sweep == "depth" && x.table == table && SMALL_DEPTHS.contains(&x.depth))
             .collect();
         if small.is_empty() {
             continue;
         }
-        let mean = |c: &str| small.iter().map(|x| f(x, c)).sum::<f64>() / small.len() as f64;
+        let mean =
+            |f: fn(&Row) -> f64| small.iter().map(|x| f(x)).sum::<f64>() / small.len() as f64;
         let (old, new) = (
-            mean("wait_cnt_wasted_per_batch"),
-            mean("counter_wasted_per_batch"),
+            mean(|x| x.wait_cnt_wasted_per_batch),
+            mean(|x| x.counter_wasted_per_batch),
         );
-        r.check(
-            &format!("{table} depths 2-8: counter wastes fewer wakeups per batch than wait_cnt"),
+        checks.push(check(
+            format!("{table} depths 2-8: counter wastes fewer wakeups per batch than wait_cnt"),
             new < old || (new == 0.0 && old == 0.0),
             format!("mean wasted wakeups per batch: counter {new:.3}, wait_cnt {old:.3}"),
+        ));
+    }
+    checks
+}
+
+/// Counter/wait_cnt IOPS ratio per depth with upstream's ratio; wakeups
+/// per batch, wasted wakeups per batch, sleeps per I/O.
+fn figure() -> Figure {
+    let depth_rows = |table: &str| vec![("table".to_string(), json!(table))];
+    let mut gain = Panel::new(
+        "IOPS ratio counter / wait_cnt",
+        "depth",
+        "hardware queue depth",
+        "counter / wait_cnt",
+    );
+    gain.reference = Some(1.0);
+    gain.skip = Some(in_job_sweep);
+    for (i, table) in ["single", "shared"].into_iter().enumerate() {
+        gain.series.push(
+            Series::column(
+                &format!("{table} queue"),
+                Style::Ours,
+                i,
+                "counter/wait_cnt",
+            )
+            .only("table", json!(table)),
+        );
+        gain.series.push(
+            Series::new(
+                &format!("upstream {table}"),
+                Style::Upstream,
+                i,
+                ratio("seed_counter_kiops", "seed_wait_cnt_kiops", 1.0),
+            )
+            .only("table", json!(table)),
+        );
+    }
+    let per_algo = |title: &str, y: &str, suffix: &str| {
+        let mut p = Panel::new(title, "depth", "hardware queue depth (single queue)", y);
+        p.filter = depth_rows("single");
+        p.skip = Some(in_job_sweep);
+        p.series = vec![
+            Series::column(
+                "wait_cnt (old)",
+                Style::Ours,
+                3,
+                &format!("wait_cnt_{suffix}"),
+            ),
+            Series::column("counter", Style::Ours, 0, &format!("counter_{suffix}")),
+        ];
+        p
+    };
+    let woken = per_algo(
+        "threads woken per wake batch",
+        "woken per batch",
+        "woken_per_batch",
+    );
+    let wasted = per_algo(
+        "wasted wakeups per batch (woken, no tag, slept)",
+        "wasted per batch",
+        "wasted_per_batch",
+    );
+    let sleeps = per_algo("tag sleeps per I/O", "sleeps per I/O", "sleeps_per_io");
+    let mut jobs = Panel::new(
+        "IOPS ratio vs jobs (one queue, small depth)",
+        "jobs",
+        "jobs (tag waiters)",
+        "counter / wait_cnt",
+    );
+    jobs.filter = vec![("sweep".into(), json!("jobs"))];
+    jobs.reference = Some(1.0);
+    jobs.series = vec![Series::column(
+        "counter / wait_cnt",
+        Style::Ours,
+        0,
+        "counter/wait_cnt",
+    )];
+    Figure {
+        suffix: String::new(),
+        title: "sbitmap batched wakeups: throughput ratio and the per-operation figures".into(),
+        columns: 2,
+        panels: vec![gain, jobs, woken, wasted, sleeps],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_rows_write_the_saved_report_unchanged() {
+        let (saved, again) = crate::report::round_trip::<Row>(include_str!(
+            "../../cli/tests/data/lab-report/sbitmap.json"
+        ));
+        assert_eq!(saved, again);
+    }
+
+    #[test]
+    fn points_sweep_depths_per_table_then_jobs() {
+        let p = points(&["shared".to_string()], &[2, 4], 3, 4, &[2], 4);
+        let shape: Vec<_> = p
+            .iter()
+            .map(|p| (p.table, p.sweep, p.depth, p.queues, p.jobs))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                ("shared", "depth", 2, 4, 6),
+                ("shared", "depth", 4, 4, 6),
+                ("single", "jobs", 4, 1, 2)
+            ]
         );
     }
 }

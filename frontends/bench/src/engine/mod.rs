@@ -34,33 +34,35 @@ use crate::completion::{stop_requested, CompletionQueue, DoneList, JobProgress};
 use crate::controls::{Controls, Gate};
 use crate::geometry::Geometry;
 use crate::offsets::{IoGen, Req};
-use crate::spec::{Ddir, HybridEstimator, JobSpec, VerifyMode, WaitMode};
+use crate::spec::{Ddir, JobSpec, VerifyMode};
 use crate::stats::{DepthStats, DirStats};
 use crate::verify::WriteLog;
-use crate::verify_algo::Verifier;
 use blkstack_core::clock::{now_ns, sleep_until_ns, CycleClock};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, Op};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-pub(crate) struct Slot {
-    pub(crate) buf: AlignedBuf,
+mod verify;
+mod wait;
+
+struct Slot {
+    buf: AlignedBuf,
     /// The bio this slot reuses, present while it is idle.
-    pub(crate) bio: Option<Bio>,
-    pub(crate) busy: bool,
-    pub(crate) dir: Ddir,
+    bio: Option<Bio>,
+    busy: bool,
+    dir: Ddir,
     /// An empty flush (fsync), counted in no direction.
-    pub(crate) flush: bool,
-    pub(crate) offset: u64,
-    pub(crate) len: u64,
+    flush: bool,
+    offset: u64,
+    len: u64,
     /// Write number (verify mode).
-    pub(crate) seq: u64,
-    pub(crate) start_ns: u64,
+    seq: u64,
+    start_ns: u64,
 }
 
 /// What the pump loop is doing.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Phase {
+enum Phase {
     /// The job's I/O; `record` is false during ramp_time.
     Work { record: bool },
     /// Reading back what was written.
@@ -68,12 +70,9 @@ pub(crate) enum Phase {
 }
 
 /// Spins of the completion-queue check before a poller yields the CPU.
-pub(crate) const POLL_SPINS: u32 = 256;
-/// How long a job whose device has nothing to poll (its connection is
-/// being restored) waits for an ordinary completion before polling again.
-const SLEEPING_POLL_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
+const POLL_SPINS: u32 = 256;
 /// Verify failures described in the result (the count is always exact).
-pub(crate) const MAX_FAILURE_TEXTS: usize = 10;
+const MAX_FAILURE_TEXTS: usize = 10;
 
 /// Everything one job thread needs.
 pub(crate) struct ThreadSetup {
@@ -89,69 +88,59 @@ pub(crate) struct ThreadSetup {
     pub wait_for: Vec<Arc<JobProgress>>,
 }
 
+/// One job thread's engine. Its state is grouped by the file that works
+/// on it: the slots and the device here, the wait for completions in
+/// [`wait`], the verify side in [`verify`]; `stats` and `ctl` are what the
+/// job thread (`job.rs`) reads and resets around the phases.
 pub(crate) struct Engine {
-    pub(crate) dev: DeviceRef,
-    pub(crate) cq: Arc<CompletionQueue>,
-    pub(crate) sink: Arc<dyn EndIo>,
-    pub(crate) slots: Vec<Slot>,
-    pub(crate) free: Vec<usize>,
+    dev: DeviceRef,
+    cq: Arc<CompletionQueue>,
+    sink: Arc<dyn EndIo>,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
     /// Bios issued since the last flush (the kernel's plug).
-    pub(crate) plug: Vec<Bio>,
-    pub(crate) drained: DoneList,
-    pub(crate) clock: &'static CycleClock,
-    pub(crate) inflight: u32,
-    pub(crate) depth: u32,
-    pub(crate) wait: WaitMode,
-    pub(crate) gen: IoGen,
-    pub(crate) log: Option<WriteLog>,
-    pub(crate) verify_reads_in_work: bool,
-    pub(crate) stop_on_error: bool,
-    pub(crate) verify_fatal: bool,
-    pub(crate) unit: u64,
-    pub(crate) device_name: String,
+    plug: Vec<Bio>,
+    drained: DoneList,
+    clock: &'static CycleClock,
+    inflight: u32,
+    depth: u32,
+    gen: IoGen,
+    stop_on_error: bool,
+    unit: u64,
+    device_name: String,
+    filler: BufferFiller,
+    /// The rest of a trim split at the device's largest request.
+    trim_rest: Option<Req>,
+    progress: Arc<JobProgress>,
+    waiter: wait::Waiter,
+    verify: verify::VerifyState,
+    sampler: Sampler,
+    /// What the job measured (reset after the ramp).
+    pub(crate) stats: JobStats,
+    pub(crate) ctl: Controls,
+}
+
+/// The job's figures per direction, and how it ended.
+#[derive(Default)]
+pub(crate) struct JobStats {
     pub(crate) read: DirStats,
     pub(crate) write: DirStats,
     pub(crate) trim: DirStats,
     pub(crate) depths: DepthStats,
+    /// The first error's errno (0: none).
     pub(crate) first_error: i32,
+    /// An error stopped the job (`continue_on_error` off, `verify_fatal`).
     pub(crate) failed: bool,
-    pub(crate) verify_errors: u64,
-    pub(crate) verify_checked: u64,
-    pub(crate) verify_failures: Vec<String>,
-    pub(crate) ctl: Controls,
-    pub(crate) verifier: Verifier,
-    pub(crate) filler: BufferFiller,
-    /// `verify_backlog`: writes completed since the last read-back.
-    pub(crate) backlog: Vec<(u64, u64)>,
-    pub(crate) backlog_every: u64,
-    /// The rest of a trim split at the device's largest request.
-    pub(crate) trim_rest: Option<Req>,
-    /// Percent of written units trimmed instead of read back in the
-    /// verify phase (fio `trim_percentage`).
-    pub(crate) trim_pct: u32,
-    pub(crate) rng_state: u64,
-    pub(crate) min_lat_ns: u64,
-    /// Moving average of completion times (`hybrid_estimator=ewma`).
-    pub(crate) ewma_lat_ns: u64,
-    /// `wait=poll|hybrid` on a device that polls (`Device::polls`): bios
-    /// go out `POLLED`, and the wait loop calls `Device::poll`, which
-    /// completes them once due (io_uring IOPOLL: the submitter reaps its
-    /// own I/O; nothing wakes it from another thread).
-    pub(crate) dev_polls: bool,
-    /// `wait=interrupt` on a device whose poll sleeps in the device
-    /// (`Device::poll_sleeps`: the `nbd` leaf's poll queues): bios go out
-    /// `POLLED` and the job thread waits in `Device::poll_wait`, reading
-    /// its own replies, so one wake-up (the reply's) serves each wait.
-    pub(crate) dev_sleeps: bool,
-    pub(crate) hybrid_sleep_pct: u64,
-    pub(crate) hybrid_estimator: HybridEstimator,
-    pub(crate) progress: Arc<JobProgress>,
-    /// When the next bandwidth/IOPS sample is due, and the counters at the
-    /// previous one: `[read, write, trim]` as `(bytes, ios)`.
-    pub(crate) sample_due_ns: u64,
-    pub(crate) sample_prev_ns: u64,
-    pub(crate) sample_prev: [(u64, u64); 3],
-    pub(crate) sample_dirs: [bool; 3],
+}
+
+/// Periodic bandwidth/IOPS samples: when the next is due, and the
+/// counters at the previous one: `[read, write, trim]` as `(bytes, ios)`.
+struct Sampler {
+    due_ns: u64,
+    prev_ns: u64,
+    prev: [(u64, u64); 3],
+    /// The directions the job does.
+    dirs: [bool; 3],
 }
 
 impl Engine {
@@ -205,50 +194,43 @@ impl Engine {
             clock,
             inflight: 0,
             depth,
-            wait: spec.wait,
             gen: IoGen::new(spec, g, setup.thread_number).with_zones(
                 spec,
                 &setup.device_name,
                 g.dev_size,
             ),
-            log,
-            verify_reads_in_work: verify && !spec.rw.writes(),
             stop_on_error: !spec.continue_on_error,
-            verify_fatal: spec.verify_fatal,
             unit: g.unit,
             device_name: setup.device_name.clone(),
-            read: DirStats::default(),
-            write: DirStats::default(),
-            trim: DirStats::default(),
-            depths: DepthStats::default(),
             ctl: Controls::new(spec, setup.thread_number, clock.now_ns(), depth),
-            verifier: Verifier::new(spec.verify, &spec.verify_pattern),
             filler,
-            trim_pct: spec.trim_percentage,
             trim_rest: None,
-            backlog: Vec::new(),
-            backlog_every: if verify { spec.verify_backlog } else { 0 },
-            rng_state: spec.randseed | 1,
-            first_error: 0,
-            failed: false,
-            verify_errors: 0,
-            verify_checked: 0,
-            verify_failures: Vec::new(),
-            min_lat_ns: u64::MAX,
-            ewma_lat_ns: 0,
-            dev_polls: match spec.wait {
-                WaitMode::Interrupt => setup.device.poll_sleeps(),
-                _ => setup.device.polls(),
-            },
-            dev_sleeps: spec.wait == WaitMode::Interrupt && setup.device.poll_sleeps(),
-            hybrid_sleep_pct: spec.hybrid_sleep_pct.clamp(1, 100) as u64,
-            hybrid_estimator: spec.hybrid_estimator,
             progress: setup.progress.clone(),
-            sample_due_ns: u64::MAX,
-            sample_prev_ns: 0,
-            sample_prev: [(0, 0); 3],
-            sample_dirs: [spec.rw.reads(), spec.rw.writes(), spec.rw.trims()],
+            waiter: wait::Waiter::new(spec, &setup.device),
+            verify: verify::VerifyState::new(spec, log),
+            sampler: Sampler {
+                due_ns: u64::MAX,
+                prev_ns: 0,
+                prev: [(0, 0); 3],
+                dirs: [spec.rw.reads(), spec.rw.writes(), spec.rw.trims()],
+            },
+            stats: JobStats::default(),
         })
+    }
+
+    /// I/Os in flight.
+    pub(crate) fn inflight(&self) -> u32 {
+        self.inflight
+    }
+
+    /// The verify counters, taken: (units with a bad check, units
+    /// checked, the first failures described).
+    pub(crate) fn take_verify_outcome(&mut self) -> (u64, u64, Vec<String>) {
+        (
+            self.verify.errors,
+            self.verify.checked,
+            std::mem::take(&mut self.verify.failures),
+        )
     }
 
     /// A trim larger than the device's largest request goes out in pieces
@@ -291,7 +273,7 @@ impl Engine {
         for _ in 0..8 {
             let r = self.gen.next()?;
             if r.dir != Ddir::Read
-                && self.log.is_some()
+                && self.verify.log.is_some()
                 && self.overlaps_inflight_write(r.offset, r.len)
             {
                 continue;
@@ -301,8 +283,8 @@ impl Engine {
         None
     }
 
-    pub(crate) fn issue(&mut self, slot_idx: usize, req: Req) {
-        let seq = match (&mut self.log, req.dir) {
+    fn issue(&mut self, slot_idx: usize, req: Req) {
+        let seq = match (&mut self.verify.log, req.dir) {
             (Some(log), Ddir::Write) => log.next_seq(),
             _ => 0,
         };
@@ -311,7 +293,9 @@ impl Engine {
             let unit = self.unit as usize;
             let data = &mut slot.buf.as_mut_slice()[..req.len as usize];
             for (i, u) in data.chunks_mut(unit).enumerate() {
-                self.verifier.fill(u, req.offset + (i * unit) as u64, seq);
+                self.verify
+                    .verifier
+                    .fill(u, req.offset + (i * unit) as u64, seq);
             }
         } else if req.dir == Ddir::Write {
             let data = &mut slot.buf.as_mut_slice()[..req.len as usize];
@@ -364,7 +348,7 @@ impl Engine {
                 b
             }
         };
-        if self.dev_polls {
+        if self.waiter.dev_polls {
             bio.flags.insert(BioFlags::POLLED);
         }
         slot.busy = true;
@@ -372,19 +356,19 @@ impl Engine {
         slot.len = len;
         slot.start_ns = bio.start_ns;
         self.inflight += 1;
-        self.depths.depth[DepthStats::depth_bucket(self.inflight)] += 1;
+        self.stats.depths.depth[DepthStats::depth_bucket(self.inflight)] += 1;
         self.plug.push(bio);
     }
 
     /// Submit what the refill loop issued: one bio alone, several with one
     /// `submit_batch` (the kernel's `blk_finish_plug`), so each layer pays
     /// its per-submission costs once per refill.
-    pub(crate) fn flush_plug(&mut self) {
+    fn flush_plug(&mut self) {
         let n = self.plug.len();
         if n == 0 {
             return;
         }
-        self.depths.submit[DepthStats::batch_bucket(n as u32)] += 1;
+        self.stats.depths.submit[DepthStats::batch_bucket(n as u32)] += 1;
         if n == 1 {
             if let Some(bio) = self.plug.pop() {
                 self.dev.submit(bio);
@@ -395,79 +379,17 @@ impl Engine {
         debug_assert!(self.plug.is_empty());
     }
 
-    /// Wait for at least one completion according to the wait mode.
-    pub(crate) fn wait_for_completions(&mut self) -> usize {
-        let n = self.cq.try_take(&mut self.drained);
-        if n > 0 {
-            return n;
-        }
-        match self.wait {
-            WaitMode::Interrupt if self.dev_sleeps => self.sleeping_poll_take(),
-            WaitMode::Interrupt => self.cq.wait_take(&mut self.drained),
-            WaitMode::Poll => self.poll_take(),
-            WaitMode::Hybrid => {
-                if self.min_lat_ns != u64::MAX {
-                    let oldest = self
-                        .slots
-                        .iter()
-                        .filter(|s| s.busy)
-                        .map(|s| s.start_ns)
-                        .min()
-                        .unwrap_or(0);
-                    let estimate = match self.hybrid_estimator {
-                        HybridEstimator::Min => self.min_lat_ns,
-                        HybridEstimator::Ewma => self.ewma_lat_ns.max(1),
-                    };
-                    let wake = oldest.saturating_add(estimate * self.hybrid_sleep_pct / 100);
-                    // Sleeping for less than a few µs costs more than it saves.
-                    let now = self.clock.now_ns();
-                    if wake > now + 2_000 && !self.cq.has_ready() {
-                        // Stamps are on the cycle clock; sleep on now_ns.
-                        sleep_until_ns(now_ns() + (wake - now));
-                    }
-                }
-                self.poll_take()
-            }
-        }
-    }
-
-    /// Wait in the device's sleeping poll; when it has nothing to read
-    /// (no polled bio in flight there, or its connection is down and being
-    /// restored) wait for an ordinary completion, briefly, and look again.
-    fn sleeping_poll_take(&mut self) -> usize {
-        loop {
-            let cq = &self.cq;
-            if self.dev.poll_wait(&|| cq.has_any()) == 0 {
-                let n = self
-                    .cq
-                    .wait_take_for(&mut self.drained, SLEEPING_POLL_RETRY);
-                if n > 0 {
-                    return n;
-                }
-            }
-            let n = self.cq.try_take(&mut self.drained);
-            if n > 0 {
-                return n;
-            }
-        }
-    }
-
     /// Handle everything in `drained`. Returns the latest completion time.
-    pub(crate) fn process_completions(&mut self, phase: Phase) -> u64 {
+    fn process_completions(&mut self, phase: Phase) -> u64 {
         let mut last_ns = 0;
         let n = self.drained.len() as u32;
-        self.depths.complete[DepthStats::batch_bucket(n)] += 1;
+        self.stats.depths.complete[DepthStats::batch_bucket(n)] += 1;
         let mut drained = std::mem::replace(&mut self.drained, DoneList::with_capacity(0));
         for (bio, (status, done_ns)) in drained.bios.drain(..).zip(drained.meta.drain(..)) {
             let idx = bio.cookie as usize;
             let lat = done_ns.saturating_sub(bio.start_ns);
             last_ns = last_ns.max(done_ns);
-            self.min_lat_ns = self.min_lat_ns.min(lat.max(1));
-            self.ewma_lat_ns = if self.ewma_lat_ns == 0 {
-                lat.max(1)
-            } else {
-                self.ewma_lat_ns - self.ewma_lat_ns / 8 + lat.max(1) / 8
-            };
+            self.waiter.observe(lat);
             let (dir, flush, offset, len, seq) = {
                 let s = &mut self.slots[idx];
                 s.bio = Some(bio);
@@ -494,20 +416,20 @@ impl Engine {
             }
             match (phase, dir) {
                 (Phase::Work { .. }, Ddir::Write) => {
-                    if let Some(log) = &mut self.log {
+                    if let Some(log) = &mut self.verify.log {
                         log.written(offset, len, seq);
-                        if self.backlog_every > 0 {
-                            self.backlog.push((offset, len));
+                        if self.verify.backlog_every > 0 {
+                            self.verify.backlog.push((offset, len));
                         }
                     }
                 }
                 (Phase::Work { .. }, Ddir::Trim) => {
                     // A trimmed block may read back as anything.
-                    if let Some(log) = &mut self.log {
+                    if let Some(log) = &mut self.verify.log {
                         log.written(offset, len, 0);
                     }
                 }
-                (Phase::Work { .. }, Ddir::Read) if self.verify_reads_in_work => {
+                (Phase::Work { .. }, Ddir::Read) if self.verify.reads_in_work => {
                     self.check_read(idx, offset, len, false)
                 }
                 (Phase::Verify, Ddir::Read) => self.check_read(idx, offset, len, true),
@@ -520,9 +442,9 @@ impl Engine {
 
     fn dir_stats(&mut self, dir: Ddir) -> &mut DirStats {
         match dir {
-            Ddir::Read => &mut self.read,
-            Ddir::Write => &mut self.write,
-            Ddir::Trim => &mut self.trim,
+            Ddir::Read => &mut self.stats.read,
+            Ddir::Write => &mut self.stats.write,
+            Ddir::Trim => &mut self.stats.trim,
         }
     }
 
@@ -532,64 +454,74 @@ impl Engine {
         if dir != Ddir::Read {
             // What a failed write left behind is unknown: stop expecting
             // anything there (fio drops it from io_hist).
-            if let Some(log) = &mut self.log {
+            if let Some(log) = &mut self.verify.log {
                 if len > 0 {
                     log.written(offset, len, 0);
                 }
             }
         }
-        if self.first_error == 0 {
-            self.first_error = errno;
+        if self.stats.first_error == 0 {
+            self.stats.first_error = errno;
         }
         if self.stop_on_error {
-            self.failed = true;
+            self.stats.failed = true;
         }
     }
 
     pub fn publish_progress(&self) {
         let p = &self.progress;
-        p.read_ios.store(self.read.total_ios, Ordering::Relaxed);
-        p.write_ios.store(self.write.total_ios, Ordering::Relaxed);
-        p.read_bytes.store(self.read.io_bytes, Ordering::Relaxed);
-        p.write_bytes.store(self.write.io_bytes, Ordering::Relaxed);
+        p.read_ios
+            .store(self.stats.read.total_ios, Ordering::Relaxed);
+        p.write_ios
+            .store(self.stats.write.total_ios, Ordering::Relaxed);
+        p.read_bytes
+            .store(self.stats.read.io_bytes, Ordering::Relaxed);
+        p.write_bytes
+            .store(self.stats.write.io_bytes, Ordering::Relaxed);
         p.ios.store(
-            self.read.total_ios + self.write.total_ios,
+            self.stats.read.total_ios + self.stats.write.total_ios,
             Ordering::Relaxed,
         );
-        p.bytes
-            .store(self.read.io_bytes + self.write.io_bytes, Ordering::Relaxed);
+        p.bytes.store(
+            self.stats.read.io_bytes + self.stats.write.io_bytes,
+            Ordering::Relaxed,
+        );
     }
 
     /// Start periodic bandwidth/IOPS sampling from `now`.
     pub fn start_sampling(&mut self, now: u64) {
-        self.sample_prev_ns = now;
-        self.sample_due_ns = now + crate::stats::SAMPLE_INTERVAL_NS;
-        self.sample_prev = [(0, 0); 3];
+        self.sampler.prev_ns = now;
+        self.sampler.due_ns = now + crate::stats::SAMPLE_INTERVAL_NS;
+        self.sampler.prev = [(0, 0); 3];
         self.ctl.restart(now);
     }
 
     /// Close a sample interval at `now` (a completion time: no clock read).
     fn take_sample(&mut self, now: u64) {
-        let spent_ms = (now - self.sample_prev_ns) / 1_000_000;
+        let spent_ms = (now - self.sampler.prev_ns) / 1_000_000;
         if spent_ms == 0 {
             return;
         }
-        for (i, dir) in [&mut self.read, &mut self.write, &mut self.trim]
-            .into_iter()
-            .enumerate()
+        for (i, dir) in [
+            &mut self.stats.read,
+            &mut self.stats.write,
+            &mut self.stats.trim,
+        ]
+        .into_iter()
+        .enumerate()
         {
-            if !self.sample_dirs[i] {
+            if !self.sampler.dirs[i] {
                 continue;
             }
-            let (pb, pi) = self.sample_prev[i];
+            let (pb, pi) = self.sampler.prev[i];
             let bw_kib = (dir.io_bytes - pb) * 1000 / spent_ms / 1024;
             let iops = (dir.total_ios - pi) * 1000 / spent_ms;
             dir.bw_samples.push(bw_kib);
             dir.iops_samples.push(iops);
-            self.sample_prev[i] = (dir.io_bytes, dir.total_ios);
+            self.sampler.prev[i] = (dir.io_bytes, dir.total_ios);
         }
-        self.sample_prev_ns = now;
-        self.sample_due_ns = now + crate::stats::SAMPLE_INTERVAL_NS;
+        self.sampler.prev_ns = now;
+        self.sampler.due_ns = now + crate::stats::SAMPLE_INTERVAL_NS;
     }
 
     /// Run the work phase until `deadline_ns` or `io_limit` bytes.
@@ -603,7 +535,7 @@ impl Engine {
         loop {
             let mut not_before = 0u64;
             let depth = self.ctl.depth(self.depth);
-            while !stop && !self.failed && self.inflight < depth && !self.backlog_due() {
+            while !stop && !self.stats.failed && self.inflight < depth && !self.backlog_due() {
                 if self.ctl.sync_owed {
                     self.ctl.sync_owed = false;
                     let slot = self.free.pop().expect("a free slot below iodepth");
@@ -652,11 +584,11 @@ impl Engine {
             }
             self.flush_plug();
             if self.inflight == 0 {
-                if self.backlog_due() && !self.failed {
+                if self.backlog_due() && !self.stats.failed {
                     self.pump_backlog();
                     continue;
                 }
-                if stop || self.failed || not_before == 0 || stop_requested() {
+                if stop || self.stats.failed || not_before == 0 || stop_requested() {
                     break;
                 }
                 if not_before >= deadline_ns {
@@ -669,7 +601,7 @@ impl Engine {
             let last = self.process_completions(phase);
             if record {
                 self.publish_progress();
-                if last >= self.sample_due_ns {
+                if last >= self.sampler.due_ns {
                     self.take_sample(last);
                 }
                 if self.ctl.steady_tick(last, self.totals()) {
@@ -684,7 +616,7 @@ impl Engine {
 
     /// `(ios, bytes, latency sum ns, latency samples)` over every direction.
     fn totals(&self) -> (u64, u64, u64, u64) {
-        [&self.read, &self.write, &self.trim]
+        [&self.stats.read, &self.stats.write, &self.stats.trim]
             .iter()
             .fold((0, 0, 0, 0), |t, d| {
                 let lat_sum = (d.clat.mean() * d.clat.samples as f64) as u64;
