@@ -17,6 +17,10 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
 }
 
 impl LeafDriver for FileDevice {
+    type Device = FileDevice;
+    fn device(&self) -> &Self::Device {
+        self
+    }
     fn status(&self) -> String {
         FileDevice::status(self)
     }

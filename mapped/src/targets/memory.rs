@@ -16,7 +16,12 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     Ok(Arc::new(LeafTarget { driver }))
 }
 
+/// The engine's leaf disk the device derefs to.
 impl LeafDriver for MemoryDevice {
+    type Device = <MemoryDevice as std::ops::Deref>::Target;
+    fn device(&self) -> &Self::Device {
+        self
+    }
     fn status(&self) -> String {
         MemoryDevice::status(self)
     }

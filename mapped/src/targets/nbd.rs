@@ -19,7 +19,12 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     Ok(Arc::new(LeafTarget { driver }))
 }
 
+/// The engine's leaf disk the device derefs to.
 impl LeafDriver for NbdDevice {
+    type Device = <NbdDevice as std::ops::Deref>::Target;
+    fn device(&self) -> &Self::Device {
+        self
+    }
     fn status(&self) -> String {
         NbdDevice::status(self)
     }
