@@ -12,8 +12,8 @@
 //! held bios in arrival order. The live table is read per I/O through
 //! `arc_swap`, which costs no lock and no shared-counter bounce.
 
-use crate::dm_table::Table;
 use crate::error::TargetError;
+use crate::table::Table;
 use arc_swap::ArcSwap;
 use blkstack_core::device::{check_bio_geometry, Extent};
 use blkstack_core::{Bio, BioFlags, Device, EndIo, Features, Op, QueueShape, Status};

@@ -11,9 +11,9 @@
 //! refused.
 
 use crate::device::MappedDevice;
-use crate::dm_table::{Table, TableEntry};
 use crate::error::{DmError, LineError};
-use crate::table::{parse_concise, parse_stack, parse_table, DeviceSpec};
+use crate::table::{Table, TableEntry};
+use crate::table_text::{parse_concise, parse_stack, parse_table, DeviceSpec};
 use crate::target::{CtrContext, TargetRef, DM_MAJOR};
 use crate::targets;
 use blkstack_core::{Device, DeviceRef};
@@ -81,7 +81,7 @@ impl State {
     /// Check `spec` against the devices and reservations and reserve its
     /// name, uuid and minor.
     fn reserve(&mut self, spec: &DeviceSpec) -> Result<(), DmError> {
-        crate::table::validate_name(&spec.name)?;
+        crate::table_text::validate_name(&spec.name)?;
         if self.devices.contains_key(&spec.name)
             || self.reserved.iter().any(|r| r.name == spec.name)
         {

@@ -12,7 +12,8 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("memory", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
-    let driver = MemoryDevice::from_args_with_store(ctx.len_bytes(), args, ctx.kept_store.take())?;
+    let driver = MemoryDevice::from_args_with_store(ctx.len_bytes(), args, ctx.kept_store.take())
+        .map_err(TargetError::driver)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 

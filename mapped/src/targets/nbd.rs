@@ -15,7 +15,7 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("nbd", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
-    let driver = NbdDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = NbdDevice::from_args(ctx.len_bytes(), args).map_err(TargetError::driver)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("null", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
-    let driver = NullDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = NullDevice::from_args(ctx.len_bytes(), args).map_err(TargetError::driver)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 
