@@ -16,6 +16,7 @@ use crate::table::{Table, TableEntry};
 use crate::table_text::{parse_concise, parse_stack, parse_table, DeviceSpec};
 use crate::target::{CtrContext, TargetRef, DM_MAJOR};
 use crate::targets;
+use crate::targets::memory::ram_lost;
 use blkstack_core::{Device, DeviceRef};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -208,9 +209,6 @@ impl Registry {
             })?;
             let mut ctx = CtrContext::new(line.start, line.len, name, &lookup)
                 .with_target_lookup(&target_lookup);
-            if line.target == "memory" {
-                ctx.kept_store = live.and_then(|t| t.ram_store_at(line.start, line.len));
-            }
             ctx.live_target = live.and_then(|t| t.target_at(line.start, &line.target));
             let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
             let target = (tt.ctr)(&mut ctx, &args).map_err(|source| {
@@ -375,7 +373,7 @@ impl Registry {
         let mut t = Self::build_table(&resolve, &dev.name, table, Some(&live))?;
         crate::table_type::check_reload(&dev.name, dev.queue_type, &live, &t)?;
         t.drops_ram = force;
-        let lost = live.ram_lost_to(Some(&t));
+        let lost = ram_lost(&live, Some(&t));
         if !lost.is_empty() && !force {
             return Err(DmError::WouldLoseData {
                 name: dev.name.clone(),
@@ -421,7 +419,7 @@ impl Registry {
     pub fn resume(&self, name: &str) -> Result<bool, DmError> {
         let dev = self.must_get(name)?;
         if let Some(staged) = dev.inactive_table().filter(|t| !t.drops_ram) {
-            let lost = dev.live_table().ram_lost_to(Some(&staged));
+            let lost = ram_lost(&dev.live_table(), Some(&staged));
             if !lost.is_empty() {
                 return Err(DmError::WouldLoseData {
                     name: dev.name.clone(),
@@ -460,7 +458,7 @@ impl Registry {
                 why: format!("open count {} (exported?); use force", dev.open_count()),
             });
         }
-        let lost = dev.live_table().ram_lost_to(None);
+        let lost = ram_lost(&dev.live_table(), None);
         if !lost.is_empty() && !force {
             return Err(DmError::WouldLoseData {
                 name: dev.name.clone(),

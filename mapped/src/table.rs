@@ -5,13 +5,10 @@
 //! is `table_text.rs`; the device that holds a live and a staged table is
 //! `device.rs`.
 
-use crate::error::RamLoss;
 use crate::split::Split;
 use crate::table_text::{render_table, TableLine};
 use crate::target::{Target, TargetRef};
 use blkstack_core::{Bio, DeviceRef, Features, Op, QueueShape, SECTOR_SIZE};
-use blkstack_drivers::memory::{PageStore, PAGE_SIZE};
-use std::sync::Arc;
 
 /// One constructed table line.
 pub struct TableEntry {
@@ -36,21 +33,13 @@ impl TableEntry {
 pub struct Table {
     pub entries: Vec<TableEntry>,
     /// Staged with `force`: it may drop data the live table holds in RAM
-    /// when it goes live.
+    /// (see `targets::memory::ram_lost`) when it goes live.
     pub drops_ram: bool,
 }
 
 impl Table {
     pub fn size_bytes(&self) -> u64 {
         self.entries.last().map(|e| e.end_bytes()).unwrap_or(0)
-    }
-
-    /// The RAM store of the `memory`-like line at exactly `start`/`len`.
-    pub fn ram_store_at(&self, start: u64, len: u64) -> Option<Arc<PageStore>> {
-        self.entries
-            .iter()
-            .find(|e| e.line.start == start && e.line.len == len)
-            .and_then(|e| e.target.ram_store())
     }
 
     /// The target of the line starting at sector `start` with type
@@ -60,30 +49,6 @@ impl Table {
             .iter()
             .find(|e| e.line.start == start && e.line.target == target)
             .map(|e| e.target.clone())
-    }
-
-    /// The lines of this table holding data in RAM that `next` (a new
-    /// table; `None` for removal) does not keep.
-    pub fn ram_lost_to(&self, next: Option<&Table>) -> Vec<RamLoss> {
-        let kept = |store: &Arc<PageStore>| {
-            next.is_some_and(|t| {
-                t.entries
-                    .iter()
-                    .filter_map(|e| e.target.ram_store())
-                    .any(|s| Arc::ptr_eq(&s, store))
-            })
-        };
-        self.entries
-            .iter()
-            .filter_map(|e| {
-                let store = e.target.ram_store()?;
-                let bytes = store.allocated_pages() * PAGE_SIZE;
-                (bytes > 0 && !kept(&store)).then(|| RamLoss {
-                    line: e.line.to_text(),
-                    bytes,
-                })
-            })
-            .collect()
     }
 
     /// Index of the entry containing byte `off`.

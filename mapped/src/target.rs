@@ -13,7 +13,6 @@
 use crate::error::TargetError;
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, DeviceRef, Features, QueueShape, SECTOR_SIZE};
-use blkstack_drivers::memory::PageStore;
 use std::fmt;
 use std::sync::Arc;
 
@@ -70,14 +69,6 @@ pub trait Target: Send + Sync {
         None
     }
 
-    /// The RAM pages this target holds the device's data in (a `memory`
-    /// target), which a reload may carry to the new table and which are
-    /// lost when the table goes; `None` for targets whose data lives
-    /// elsewhere.
-    fn ram_store(&self) -> Option<Arc<PageStore>> {
-        None
-    }
-
     /// Data/hole map, target-relative, if known.
     fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {
         None
@@ -130,13 +121,6 @@ pub trait Target: Send + Sync {
     fn events(&self) -> u64 {
         0
     }
-
-    /// The target as `Any`, for a target that must find another of its
-    /// kind (a `thin` line its `thin-pool`, as dm-thin.c looks a pool up
-    /// by its mapped device); `None` for the others.
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
 }
 
 pub type TargetRef = Arc<dyn Target>;
@@ -179,13 +163,10 @@ pub struct CtrContext<'a> {
     pub len: u64,
     /// The name of the device being built (for worker thread names).
     pub device_name: &'a str,
-    /// The RAM store of the live table's `memory` target at the same start
-    /// and length, for a reload to keep (dm keeps the underlying device
-    /// across a table swap); a `memory` constructor takes it.
-    pub kept_store: Option<Arc<PageStore>>,
     /// On a reload, the live table's target on the line starting at the
     /// same sector with the same target type (a `thin-pool` reload keeps
-    /// its pool, as dm-thin.c's `__pool_find` does).
+    /// its pool, as dm-thin.c's `__pool_find` does; a `memory` line its
+    /// pages).
     pub live_target: Option<TargetRef>,
     lookup: DeviceLookup<'a>,
     target_lookup: Option<TargetLookup<'a>>,
@@ -201,7 +182,6 @@ impl<'a> CtrContext<'a> {
             begin,
             len,
             device_name,
-            kept_store: None,
             live_target: None,
             lookup,
             target_lookup: None,

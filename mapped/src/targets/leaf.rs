@@ -7,8 +7,6 @@ use crate::error::TargetError;
 use crate::target::{Target, TargetType};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Device, Features, QueueShape};
-use blkstack_drivers::memory::PageStore;
-use std::sync::Arc;
 
 /// What a leaf driver shows through `status`, `table` and `message`, and
 /// the device it submits to (for the drivers under the engine, the
@@ -18,9 +16,6 @@ pub trait LeafDriver: Send + Sync + 'static {
     fn device(&self) -> &Self::Device;
     fn status(&self) -> String;
     fn table_args(&self) -> String;
-    fn ram_store(&self) -> Option<Arc<PageStore>> {
-        None
-    }
     fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         Err(TargetError::invalid(format!(
             "message '{}' not supported",
@@ -60,10 +55,6 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
 
     fn queue_shape(&self) -> Option<QueueShape> {
         self.driver.device().queue_shape()
-    }
-
-    fn ram_store(&self) -> Option<Arc<PageStore>> {
-        self.driver.ram_store()
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {

@@ -95,14 +95,10 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
         .parse()
         .map_err(|_| invalid("Invalid low water mark"))?;
     let data_blocks = ctx.len / block_sectors;
-    let live = ctx.live_target.as_ref().and_then(|t| {
-        t.as_any()
-            .and_then(|a| a.downcast_ref::<PoolTarget>())
-            .map(|p| p.pool.clone())
-    });
     // `__pool_find`: a pool over this metadata device that another
     // mapped device holds is refused with EBUSY, before anything else.
     let mut table = pool_table::lock();
+    let live = ctx.live_target.as_ref().and_then(|t| table.by_target(t));
     let found = table
         .find(&metadata.dev, &data.dev, ctx.device_name)
         .map_err(|e| TargetError::Refused {
@@ -132,15 +128,17 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             pool
         }
     };
-    Ok(Arc::new(PoolTarget {
-        pool,
+    let target: TargetRef = Arc::new(PoolTarget {
+        pool: pool.clone(),
         metadata,
         data,
         block_sectors,
         low_water_blocks,
         requested,
         data_blocks,
-    }))
+    });
+    table.add_target(&pool, &target);
+    Ok(target)
 }
 
 /// `__pool_find` for a table reload of the device that runs `pool`:
@@ -518,9 +516,5 @@ impl Target for PoolTarget {
 
     fn events(&self) -> u64 {
         self.pool.shared.state.lock().events
-    }
-
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
     }
 }
