@@ -352,27 +352,21 @@ impl Device for MappedDevice {
     /// thread, 1 ms past the deadline), so a suspend or a table swap never
     /// waits for a poller.
     fn poll(&self) -> usize {
-        self.core
-            .live
-            .load()
-            .entries
-            .iter()
-            .map(|e| e.target.poll())
-            .sum()
+        self.core.live.load().poll()
     }
 
-    /// Only a one-line table can sleep in its target: with several, a
-    /// sleep in one would hold back the completions of the others.
+    /// Only a table that sends every polled bio to one device can sleep
+    /// in it (see `Table::sole_poll_device`).
     fn poll_sleeps(&self) -> bool {
         let table = self.core.live.load();
-        table.entries.len() == 1 && table.entries[0].target.poll_sleeps()
+        table.sole_poll_device().is_some_and(|d| d.poll_sleeps())
     }
 
     fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
         let table = self.core.live.load();
-        match &table.entries[..] {
-            [one] if one.target.poll_sleeps() => one.target.poll_wait(ready),
-            entries => entries.iter().map(|e| e.target.poll()).sum(),
+        match table.sole_poll_device() {
+            Some(d) if d.poll_sleeps() => d.poll_wait(ready),
+            _ => table.poll(),
         }
     }
 

@@ -8,7 +8,7 @@
 use crate::split::Split;
 use crate::table_text::{render_table, TableLine};
 use crate::target::{Target, TargetRef};
-use blkstack_core::{Bio, DeviceRef, Features, Op, QueueShape, SECTOR_SIZE};
+use blkstack_core::{Bio, Device, DeviceRef, Features, Op, QueueShape, SECTOR_SIZE};
 
 /// One constructed table line.
 pub struct TableEntry {
@@ -124,9 +124,43 @@ impl Table {
         f.unwrap_or_default()
     }
 
-    /// Every target polls (see [`Target::polls`]).
+    /// Every target sends polled bios to devices, all of which poll
+    /// (kernel `dm_table_supports_poll`; see [`Target::poll_devices`]).
     pub(crate) fn polls(&self) -> bool {
-        self.entries.iter().all(|e| e.target.polls())
+        self.entries.iter().all(|e| {
+            let (mut any, mut all) = (false, true);
+            e.target.poll_devices(&mut |d| {
+                any = true;
+                all &= d.polls();
+            });
+            any && all
+        })
+    }
+
+    /// Poll every device the targets send polled bios to (kernel
+    /// `dm_poll_bio`); how many bios completed.
+    pub(crate) fn poll(&self) -> usize {
+        let mut n = 0;
+        for e in &self.entries {
+            e.target.poll_devices(&mut |d| n += d.poll());
+        }
+        n
+    }
+
+    /// The device a one-line table sends every polled bio to, when there
+    /// is exactly one: only then may a poller sleep in it, since with
+    /// several a sleep in one would hold back the completions of the
+    /// others.
+    pub(crate) fn sole_poll_device(&self) -> Option<&dyn Device> {
+        let [one] = &self.entries[..] else {
+            return None;
+        };
+        let (mut count, mut sole) = (0, None);
+        one.target.poll_devices(&mut |d| {
+            count += 1;
+            sole = Some(d);
+        });
+        sole.filter(|_| count == 1)
     }
 
     /// Map device-relative bios that passed the admission check: a

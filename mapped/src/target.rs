@@ -12,7 +12,7 @@
 
 use crate::error::TargetError;
 use blkstack_core::device::Extent;
-use blkstack_core::{Bio, DeviceRef, Features, QueueShape, SECTOR_SIZE};
+use blkstack_core::{Bio, Device, DeviceRef, Features, QueueShape, SECTOR_SIZE};
 use std::fmt;
 use std::sync::Arc;
 
@@ -88,33 +88,15 @@ pub trait Target: Send + Sync {
         self.max_io_len(offset)
     }
 
-    /// Whether `map` may see [`blkstack_core::BioFlags::POLLED`] bios: a
-    /// target that says yes must reach every such bio it holds, or passes
-    /// down, from [`Target::poll`]. For the others the mapped device
-    /// clears the flag (kernel `bio_clear_polled`), so a polled bio never
-    /// waits below a layer that would not poll it.
-    fn polls(&self) -> bool {
-        false
-    }
-
-    /// Complete or send on the polled bios that are ready, on the caller's
-    /// thread (see [`blkstack_core::Device::poll`]).
-    fn poll(&self) -> usize {
-        0
-    }
-
-    /// Whether [`Target::poll_wait`] sleeps in the device below (see
-    /// [`blkstack_core::Device::poll_sleeps`]): only a target that passes
-    /// every bio to one such device can say yes.
-    fn poll_sleeps(&self) -> bool {
-        false
-    }
-
-    /// [`Target::poll`] that may sleep in the device below (see
-    /// [`blkstack_core::Device::poll_wait`]).
-    fn poll_wait(&self, _ready: &dyn Fn() -> bool) -> usize {
-        self.poll()
-    }
+    /// Give `f` each device this target sends
+    /// [`blkstack_core::BioFlags::POLLED`] bios straight to (the polling
+    /// side of dm's `iterate_devices`, as `dm_table_supports_poll` and
+    /// `dm_poll_bio` use it): the mapped device polls those devices. A
+    /// target that gives none cannot poll, and the mapped device clears
+    /// the flag of the bios it maps to it (kernel `bio_clear_polled`), so
+    /// a polled bio never waits below a layer that would not poll it; one
+    /// that gives some must pass every polled bio to one of them.
+    fn poll_devices<'a>(&'a self, _f: &mut dyn FnMut(&'a dyn Device)) {}
 
     /// How many dm events this target raised (`dm_table_event`), which
     /// the device's event number counts.

@@ -61,20 +61,8 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
         self.driver.device().extents(offset, len)
     }
 
-    fn polls(&self) -> bool {
-        self.driver.device().polls()
-    }
-
-    fn poll(&self) -> usize {
-        self.driver.device().poll()
-    }
-
-    fn poll_sleeps(&self) -> bool {
-        self.driver.device().poll_sleeps()
-    }
-
-    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
-        self.driver.device().poll_wait(ready)
+    fn poll_devices<'a>(&'a self, f: &mut dyn FnMut(&'a dyn Device)) {
+        f(self.driver.device());
     }
 }
 
