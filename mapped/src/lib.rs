@@ -22,4 +22,4 @@ pub mod targets;
 pub use device::MappedDevice;
 pub use error::DmError;
 pub use registry::{DeviceInfo, Registry};
-pub use target::{CtrContext, DevArg, Target, TargetRef, TargetType};
+pub use target::{CtrContext, DevArg, Events, Target, TargetRef, TargetType};

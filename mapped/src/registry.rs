@@ -14,7 +14,7 @@ use crate::device::MappedDevice;
 use crate::error::{DmError, LineError};
 use crate::table::{Table, TableEntry};
 use crate::table_text::{parse_concise, parse_stack, parse_table, DeviceSpec};
-use crate::target::{CtrContext, TargetRef, DM_MAJOR};
+use crate::target::{CtrContext, Events, TargetRef, DM_MAJOR};
 use crate::targets;
 use crate::targets::memory::ram_lost;
 use blkstack_core::{Device, DeviceRef};
@@ -180,6 +180,7 @@ impl Registry {
         name: &str,
         text: &str,
         live: Option<&Table>,
+        events: &Events,
     ) -> Result<Table, DmError> {
         let lines = parse_table(text).map_err(|e| e.in_device(name))?;
         let lookup = |arg: &str| -> Option<(String, u32, DeviceRef)> {
@@ -210,6 +211,7 @@ impl Registry {
             let mut ctx = CtrContext::new(line.start, line.len, name, &lookup)
                 .with_target_lookup(&target_lookup);
             ctx.live_target = live.and_then(|t| t.target_at(line.start, &line.target));
+            ctx.events = events.clone();
             let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
             let target = (tt.ctr)(&mut ctx, &args).map_err(|source| {
                 let target = line.target.clone();
@@ -297,23 +299,22 @@ impl Registry {
         for spec in specs {
             let minor = self.state.lock().reserved_minor(&spec.name);
             let resolve = |arg: &str| self.state.lock().resolve(&staged, arg);
-            let table =
-                Self::build_table(&resolve, &spec.name, &spec.table, None).map_err(|e| {
-                    match (e, &spec.origin_lines) {
-                        (
-                            DmError::Line {
-                                device,
-                                line,
-                                source,
-                            },
-                            Some(origin),
-                        ) => DmError::Line {
+            let events = Events::default();
+            let table = Self::build_table(&resolve, &spec.name, &spec.table, None, &events)
+                .map_err(|e| match (e, &spec.origin_lines) {
+                    (
+                        DmError::Line {
                             device,
-                            line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
+                            line,
                             source,
                         },
-                        (e, _) => e,
-                    }
+                        Some(origin),
+                    ) => DmError::Line {
+                        device,
+                        line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
+                        source,
+                    },
+                    (e, _) => e,
                 })?;
             staged.push(Arc::new(MappedDevice::new(
                 spec.name.clone(),
@@ -321,6 +322,7 @@ impl Registry {
                 minor,
                 spec.read_only,
                 table,
+                events,
             )));
         }
         Ok(staged)
@@ -370,7 +372,7 @@ impl Registry {
             .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
         let live = dev.live_table();
         let resolve = |arg: &str| state.resolve(&[], arg);
-        let mut t = Self::build_table(&resolve, &dev.name, table, Some(&live))?;
+        let mut t = Self::build_table(&resolve, &dev.name, table, Some(&live), dev.events())?;
         crate::table_type::check_reload(&dev.name, dev.queue_type, &live, &t)?;
         t.drops_ram = force;
         let lost = ram_lost(&live, Some(&t));

@@ -14,6 +14,7 @@ use crate::error::TargetError;
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Device, DeviceRef, Features, QueueShape, SECTOR_SIZE};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The device-mapper major number, used to print device references the way
@@ -97,15 +98,26 @@ pub trait Target: Send + Sync {
     /// a polled bio never waits below a layer that would not poll it; one
     /// that gives some must pass every polled bio to one of them.
     fn poll_devices<'a>(&'a self, _f: &mut dyn FnMut(&'a dyn Device)) {}
-
-    /// How many dm events this target raised (`dm_table_event`), which
-    /// the device's event number counts.
-    fn events(&self) -> u64 {
-        0
-    }
 }
 
 pub type TargetRef = Arc<dyn Target>;
+
+/// A mapped device's event counter, which its targets raise (kernel
+/// `dm_table_event`: a thin-pool reaching its low water mark, changing
+/// mode) and its table swaps count in too; `dmsetup info` shows it as
+/// the event number.
+#[derive(Clone, Debug, Default)]
+pub struct Events(Arc<AtomicU64>);
+
+impl Events {
+    pub fn raise(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
 
 /// A device argument of a table line, resolved.
 #[derive(Clone)]
@@ -150,6 +162,8 @@ pub struct CtrContext<'a> {
     /// its pool, as dm-thin.c's `__pool_find` does; a `memory` line its
     /// pages).
     pub live_target: Option<TargetRef>,
+    /// The events of the device the table is for, for a target to raise.
+    pub events: Events,
     lookup: DeviceLookup<'a>,
     target_lookup: Option<TargetLookup<'a>>,
     used: Vec<String>,
@@ -165,6 +179,7 @@ impl<'a> CtrContext<'a> {
             len,
             device_name,
             live_target: None,
+            events: Events::default(),
             lookup,
             target_lookup: None,
             used: Vec::new(),

@@ -206,7 +206,11 @@ fn start_pool(
     let mut adjusted = pf;
     adjust_passdown(&mut adjusted, &data);
     let shared = PoolShared::new(metadata, data, block_sectors, md, adjusted, low_water);
-    shared.state.lock().requested_pf = pf;
+    {
+        let mut st = shared.state.lock();
+        st.requested_pf = pf;
+        st.events = ctx.events.clone();
+    }
     Pool::start(shared, ctx.device_name).map_err(|source| TargetError::Io {
         what: "Couldn't start the pool's worker thread",
         source,
@@ -231,7 +235,7 @@ fn grow_metadata(shared: &PoolShared, st: &mut PoolState) {
             tracing::info!(pool = %shared.data_dev.name, "thin-pool: growing the metadata device from {before} to {} blocks", st.md.metadata_blocks().1);
             if st.mode == Mode::OutOfMetadataSpace {
                 st.mode = Mode::Write;
-                st.events += 1;
+                st.events.raise();
             }
             let _ = shared.commit(st);
         }
@@ -512,9 +516,5 @@ impl Target for PoolTarget {
         let mut f = self.pool.shared.data_dev.dev.features();
         f.discard &= self.requested.discard_enabled && self.requested.discard_passdown;
         f
-    }
-
-    fn events(&self) -> u64 {
-        self.pool.shared.state.lock().events
     }
 }
