@@ -9,8 +9,23 @@
 //! Printed with its sources (`{:#}` through anyhow, or [`report`]) an error
 //! reads `device d: line 2: linear: device 'm9' not found`.
 
-use crate::targets::memory::RamLoss;
 use thiserror::Error;
+
+/// A table line whose RAM-held data a reload or removal would drop
+/// (found by the `memory` target, `targets::memory::ram_lost`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RamLoss {
+    /// The line as `table` prints it.
+    pub line: String,
+    /// Bytes it holds (allocated pages).
+    pub bytes: u64,
+}
+
+impl std::fmt::Display for RamLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "'{}' holds {} bytes", self.line, self.bytes)
+    }
+}
 
 /// A registry operation failed.
 #[derive(Debug, Error)]

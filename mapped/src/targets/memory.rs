@@ -11,7 +11,7 @@
 //! of this is known to the generic layer (`Target`, `Table`).
 
 use super::leaf::{leaf_type, LeafDriver, LeafTarget};
-use crate::error::TargetError;
+use crate::error::{RamLoss, TargetError};
 use crate::table::Table;
 use crate::target::{CtrContext, Target, TargetRef, TargetType};
 use blkstack_drivers::memory::{MemoryDevice, PageStore, PAGE_SIZE};
@@ -19,21 +19,6 @@ use parking_lot::Mutex;
 use std::sync::{Arc, Weak};
 
 pub const TYPE: TargetType = leaf_type("memory", ctr);
-
-/// A table line whose RAM-held data a reload or removal would drop.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RamLoss {
-    /// The line as `table` prints it.
-    pub line: String,
-    /// Bytes it holds (allocated pages).
-    pub bytes: u64,
-}
-
-impl std::fmt::Display for RamLoss {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "'{}' holds {} bytes", self.line, self.bytes)
-    }
-}
 
 /// One running memory target and its pages.
 struct Held {
