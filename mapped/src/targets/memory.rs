@@ -99,7 +99,7 @@ pub fn ram_lost(live: &Table, next: Option<&Table>) -> Vec<RamLoss> {
         .collect()
 }
 
-/// The engine's leaf disk the device derefs to.
+/// A leaf target submitting to the engine's `Disk` the device derefs to.
 impl LeafDriver for MemoryDevice {
     type Device = <MemoryDevice as std::ops::Deref>::Target;
     fn device(&self) -> &Self::Device {

@@ -19,7 +19,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     Ok(Arc::new(LeafTarget { driver }))
 }
 
-/// The engine's leaf disk the device derefs to.
+/// A leaf target submitting to the engine's `Disk` the device derefs to.
 impl LeafDriver for NbdDevice {
     type Device = <NbdDevice as std::ops::Deref>::Target;
     fn device(&self) -> &Self::Device {
