@@ -18,14 +18,15 @@
 //!
 //! The completion knobs (`irqmode`, `completion_nsec`, `iopoll`,
 //! `timer_spin_ns`) are null_blk's, not the engine's: they are defined in
-//! [`crate::null::completion`] and only read and printed here, in the
+//! [`crate::emulation::completion`] and only read and printed here, in the
 //! table's order, so that `null` and `memory` lines keep one syntax.
 
 use crate::args::KvArgs;
+use crate::emulation::completion::CompletionArgs;
+use crate::emulation::{EmulatedDisk, EmulatedQueueError};
 use crate::error::ArgError;
-use crate::null::completion::CompletionArgs;
 use blkstack_mq::sbitmap::{WakeWeight, WakeupAlgo, MAX_DEPTH};
-use blkstack_mq::{EngineOptions, KblockdKind, MAX_HW_QUEUES};
+use blkstack_mq::{DiskLimits, Driver, EngineOptions, KblockdKind, MAX_HW_QUEUES};
 use std::fmt::Write;
 
 /// Engine options plus the completion mode a leaf driver runs them with.
@@ -63,6 +64,16 @@ impl EngineArgs {
         })?;
         completion.validate(kv.driver())?;
         Ok(EngineArgs { opts, completion })
+    }
+
+    /// The emulated disk over `driver` these args ask for: the engine's
+    /// options and the completion mode.
+    pub fn disk<D: Driver>(
+        &self,
+        driver: D,
+        limits: DiskLimits,
+    ) -> Result<EmulatedDisk<D>, EmulatedQueueError> {
+        EmulatedDisk::new(driver, self.opts.clone(), self.completion.opts, limits)
     }
 
     /// Append the non-default args, each preceded by a space.
@@ -180,7 +191,7 @@ fn parse_engine_options(kv: &mut KvArgs<'_>) -> Result<EngineOptions, ArgError> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::null::completion::CompletionMode;
+    use crate::emulation::completion::CompletionMode;
 
     fn parse(args: &[&str]) -> Result<EngineArgs, ArgError> {
         let mut kv = KvArgs::parse("null", args)?;

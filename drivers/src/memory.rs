@@ -7,8 +7,10 @@
 //! asks), so the data/hole map that [`Device::extents`] reports is exact at
 //! page granularity. Optional table args: `bs=` (512..=4096, power of two)
 //! and the engine args of [`crate::engine_args`]: requests go through the
-//! blk-mq engine like `null`'s, so the same completion modes and tag
-//! options apply (the copy itself is done in `queue_rq`).
+//! blk-mq engine on the same emulated disk as `null`'s
+//! ([`crate::emulation`]), so the same completion modes (`iopoll=1`
+//! included) and tag options apply (the copy itself is done in
+//! `queue_rq`).
 //!
 //! Allocation is bounded, as a thin pool's data device is: `max_alloc=SIZE`
 //! bounds one device, and a process-wide budget (by default three quarters
@@ -20,13 +22,14 @@
 //! to the new table, as dm keeps the underlying device across a reload.
 
 use crate::args::{check_block_size, check_size, KvArgs};
+use crate::emulation::{Emulated, EmulatedDisk};
 use crate::engine_args::EngineArgs;
 use crate::error::{ArgError, MemoryError};
-use crate::null::EmulatedQueue;
-use blkstack_core::device::{check_bio, Extent};
-use blkstack_core::{Bio, BioFlags, Device, Features, Op, QueueShape, Status};
-use blkstack_mq::queue::{Driver, EngineOptions, QueueRq, QueueStats, Rq};
+use blkstack_core::device::Extent;
+use blkstack_core::{Bio, BioFlags, Features, Op, Status};
+use blkstack_mq::{Disk, DiskLimits, Driver, EngineOptions, QueueRq, Rq};
 use std::fmt::Write;
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -125,6 +128,8 @@ fn memory_execute(store: &PageStore, max_pages: u64, bio: &Bio) -> Status {
 pub struct MemoryDriver {
     store: Arc<PageStore>,
     max_pages: u64,
+    /// Pages the device spans.
+    pages: u64,
 }
 
 impl Driver for MemoryDriver {
@@ -132,15 +137,25 @@ impl Driver for MemoryDriver {
     fn queue_rq(&self, rq: Rq<'_>) -> QueueRq {
         QueueRq::Done(memory_execute(&self.store, self.max_pages, rq.bio))
     }
+
+    fn extents(&self, offset: u64, end: u64) -> Option<Vec<Extent>> {
+        // Every page of the device allocated: no holes anywhere, known
+        // without a lookup per page (an NBD server asks before every
+        // structured READ, and those lookups are cache misses).
+        if self.store.allocated_pages() >= self.pages {
+            return None;
+        }
+        Some(self.store.extents(offset, end))
+    }
 }
 
+/// A memory device: its table options and its disk.
 pub struct MemoryDevice {
-    size: u64,
     block_size: u32,
     /// `max_alloc=` as given (bytes), if given.
     max_alloc: Option<u64>,
     engine: EngineArgs,
-    queue: EmulatedQueue<MemoryDriver>,
+    disk: EmulatedDisk<MemoryDriver>,
 }
 
 /// A RAM size as `max_alloc=` and `serve --memory-limit` take it: bytes
@@ -219,14 +234,21 @@ impl MemoryDevice {
         let driver = MemoryDriver {
             store,
             max_pages: max_alloc.map_or(u64::MAX, |b| b / PAGE_SIZE),
+            pages: size_bytes.div_ceil(PAGE_SIZE),
         };
-        let queue = EmulatedQueue::new(driver, &engine).map_err(MemoryError::Queue)?;
+        let features = Features {
+            discard: true,
+            write_zeroes: true,
+            fast_zero: true,
+            knows_holes: true,
+            ..Features::default()
+        };
+        let limits = DiskLimits::new(size_bytes, block_size, features);
         Ok(MemoryDevice {
-            size: size_bytes,
+            disk: engine.disk(driver, limits).map_err(MemoryError::Queue)?,
             block_size,
             max_alloc,
             engine,
-            queue,
         })
     }
 
@@ -257,69 +279,26 @@ impl MemoryDevice {
             self.store().allocated_pages() * PAGE_SIZE,
             self.alloc_bound_bytes(),
             self.engine.describe(),
-            self.queue.status()
+            self.disk.status()
         )
     }
 
     pub fn store(&self) -> &PageStore {
-        &self.queue.driver().store
+        &self.disk.inner_driver().store
     }
 
     /// The page store itself, to hand to the next table's memory target.
     pub fn shared_store(&self) -> Arc<PageStore> {
-        self.queue.driver().store.clone()
-    }
-
-    pub fn engine_stats(&self) -> QueueStats {
-        self.queue.stats()
-    }
-
-    pub fn queue(&self) -> &EmulatedQueue<MemoryDriver> {
-        &self.queue
+        self.disk.inner_driver().store.clone()
     }
 }
 
-impl Device for MemoryDevice {
-    #[inline]
-    fn submit(&self, bio: Bio) {
-        if let Err(st) = check_bio(self, &bio) {
-            bio.complete(st);
-            return;
-        }
-        self.queue.submit(bio);
-    }
+/// The device is the engine's leaf [`Disk`] (submission, checks, polling).
+impl Deref for MemoryDevice {
+    type Target = Disk<Emulated<MemoryDriver>>;
 
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    fn logical_block_size(&self) -> u32 {
-        self.block_size
-    }
-
-    fn queue_shape(&self) -> Option<QueueShape> {
-        Some(self.queue.queue().options().queue_shape())
-    }
-
-    fn features(&self) -> Features {
-        Features {
-            discard: true,
-            write_zeroes: true,
-            fast_zero: true,
-            knows_holes: true,
-            ..Features::default()
-        }
-    }
-
-    fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
-        // Every page of the device allocated: no holes anywhere, known
-        // without a lookup per page (an NBD server asks before every
-        // structured READ, and those lookups are cache misses).
-        if self.store().allocated_pages() >= self.size.div_ceil(PAGE_SIZE) {
-            return None;
-        }
-        let end = offset.saturating_add(len).min(self.size);
-        Some(self.store().extents(offset, end))
+    fn deref(&self) -> &Disk<Emulated<MemoryDriver>> {
+        &self.disk
     }
 }
 

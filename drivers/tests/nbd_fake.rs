@@ -214,12 +214,12 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 fn write_read_back(dev: &NbdDevice, offset: u64, len: usize, seed: u8) {
     let mut w = pattern(len, seed);
     assert_eq!(
-        submit_and_wait(dev, Op::Write, offset, len as u64, &mut w),
+        submit_and_wait(&**dev, Op::Write, offset, len as u64, &mut w),
         Status::Ok
     );
     let mut r = vec![0u8; len];
     assert_eq!(
-        submit_and_wait(dev, Op::Read, offset, len as u64, &mut r),
+        submit_and_wait(&**dev, Op::Read, offset, len as u64, &mut r),
         Status::Ok
     );
     assert_eq!(r, w);
@@ -236,11 +236,11 @@ fn old_server_simple_replies_and_export_name() {
         &srv.script.data.lock()[4096..4096 + 8192],
         &pattern(8192, 1)[..]
     );
-    assert_eq!(submit_and_wait(&dev, Op::Flush, 0, 0, &mut []), Status::Ok);
+    assert_eq!(submit_and_wait(&*dev, Op::Flush, 0, 0, &mut []), Status::Ok);
     assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 1);
     // PREFLUSH adds a FLUSH part to the write.
     let mut w = pattern(4096, 9);
-    let st = submit_and_wait_flags(&dev, Op::Write, BioFlags::PREFLUSH, 0, 4096, &mut w);
+    let st = submit_and_wait_flags(&*dev, Op::Write, BioFlags::PREFLUSH, 0, 4096, &mut w);
     assert_eq!(st, Status::Ok);
     assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 2);
     assert_eq!(&srv.script.data.lock()[..4096], &w[..]);
@@ -254,7 +254,7 @@ fn a_read_reply_that_leaves_bytes_uncovered_is_an_error() {
     let dev = NbdDevice::from_args(SIZE, &[&srv.uri()]).unwrap();
     let mut r = vec![0xa5u8; 8192];
     assert_eq!(
-        submit_and_wait(&dev, Op::Read, 0, 8192, &mut r),
+        submit_and_wait(&*dev, Op::Read, 0, 8192, &mut r),
         Status::IoError,
         "half a reply must not read as success"
     );
@@ -272,22 +272,22 @@ fn large_bios_are_split_at_the_maximum_block_size() {
     // Unaligned to the export's minimum block size: refused before sending.
     let mut b = vec![0u8; 512];
     assert_eq!(
-        submit_and_wait(&dev, Op::Read, 512, 512, &mut b),
+        submit_and_wait(&*dev, Op::Read, 512, 512, &mut b),
         Status::Invalid
     );
     // No SEND_FLUSH: nothing to flush, as the kernel's nbd client; no
     // WRITE_ZEROES: written as zeroes; no TRIM: not supported.
-    assert_eq!(submit_and_wait(&dev, Op::Flush, 0, 0, &mut []), Status::Ok);
+    assert_eq!(submit_and_wait(&*dev, Op::Flush, 0, 0, &mut []), Status::Ok);
     assert_eq!(srv.script.flushes.load(Ordering::SeqCst), 0);
     assert_eq!(
-        submit_and_wait(&dev, Op::WriteZeroes, 65536, 8192, &mut []),
+        submit_and_wait(&*dev, Op::WriteZeroes, 65536, 8192, &mut []),
         Status::Ok
     );
     assert!(srv.script.data.lock()[65536..65536 + 8192]
         .iter()
         .all(|&b| b == 0));
     assert_eq!(
-        submit_and_wait(&dev, Op::Discard, 0, 4096, &mut []),
+        submit_and_wait(&*dev, Op::Discard, 0, 4096, &mut []),
         Status::NotSupported
     );
 }
@@ -299,12 +299,15 @@ fn read_only_export_refuses_writes_with_permission() {
     assert!(dev.features().read_only);
     let mut w = vec![1u8; 4096];
     assert_eq!(
-        submit_and_wait(&dev, Op::Write, 0, 4096, &mut w),
+        submit_and_wait(&*dev, Op::Write, 0, 4096, &mut w),
         Status::Permission
     );
     assert!(srv.script.data.lock().iter().all(|&b| b == 0));
     let mut r = vec![1u8; 4096];
-    assert_eq!(submit_and_wait(&dev, Op::Read, 0, 4096, &mut r), Status::Ok);
+    assert_eq!(
+        submit_and_wait(&*dev, Op::Read, 0, 4096, &mut r),
+        Status::Ok
+    );
 }
 
 #[test]
@@ -320,7 +323,7 @@ fn unanswered_request_times_out_reconnects_and_is_resent() {
     let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     let dev = NbdDevice::from_args(SIZE, &args).unwrap();
     let mut w = pattern(4096, 3);
-    let st = submit_and_wait_flags(&dev, Op::Write, BioFlags::FUA, 8192, 4096, &mut w);
+    let st = submit_and_wait_flags(&*dev, Op::Write, BioFlags::FUA, 8192, 4096, &mut w);
     assert_eq!(st, Status::Ok);
     assert_eq!(&srv.script.data.lock()[8192..8192 + 4096], &w[..]);
     assert_eq!(srv.script.connections.load(Ordering::SeqCst), 2);
@@ -604,6 +607,6 @@ fn no_poll_queues_without_multi_conn() {
     assert!(status.contains("multi_conn=no(asked_"), "{status}");
     // A polled bio on a device that does not poll ends as any other.
     let mut w = pattern(4096, 3);
-    let c = submit_and_wait_flags(&dev, Op::Write, BioFlags::POLLED, 0, 4096, &mut w);
+    let c = submit_and_wait_flags(&*dev, Op::Write, BioFlags::POLLED, 0, 4096, &mut w);
     assert_eq!(c, Status::Ok);
 }

@@ -12,8 +12,9 @@
 //! held bios in arrival order. The live table is read per I/O through
 //! `arc_swap`, which costs no lock and no shared-counter bounce.
 
-use crate::dm_table::Table;
 use crate::error::TargetError;
+use crate::table::Table;
+use crate::target::Events;
 use arc_swap::ArcSwap;
 use blkstack_core::device::{check_bio_geometry, Extent};
 use blkstack_core::{Bio, BioFlags, Device, EndIo, Features, Op, QueueShape, Status};
@@ -33,8 +34,9 @@ struct Core {
     drain_lock: Mutex<()>,
     drained: Condvar,
     read_only: AtomicBool,
-    /// Counts table swaps and other events, as `dmsetup info` shows.
-    event_nr: AtomicU64,
+    /// Counts table swaps and the events targets raised, as `dmsetup
+    /// info` shows.
+    events: Events,
     open_count: AtomicU64,
 }
 
@@ -88,6 +90,7 @@ impl MappedDevice {
         minor: u32,
         read_only: bool,
         table: Table,
+        events: Events,
     ) -> MappedDevice {
         MappedDevice {
             name,
@@ -104,7 +107,7 @@ impl MappedDevice {
                 drain_lock: Mutex::new(()),
                 drained: Condvar::new(),
                 read_only: AtomicBool::new(read_only),
-                event_nr: AtomicU64::new(0),
+                events,
                 open_count: AtomicU64::new(0),
             }),
         }
@@ -134,16 +137,15 @@ impl MappedDevice {
         self.core.inflight.load(Ordering::SeqCst)
     }
 
-    /// Table swaps, plus the events the live targets raised (kernel
+    /// Table swaps, plus the events the targets raised (kernel
     /// `dm_table_event`: a thin-pool reaching its low water mark).
     pub fn event_nr(&self) -> u64 {
-        let raised: u64 = self
-            .live_table()
-            .entries
-            .iter()
-            .map(|e| e.target.events())
-            .sum();
-        self.core.event_nr.load(Ordering::Relaxed) + raised
+        self.core.events.count()
+    }
+
+    /// The device's events, for the targets of a table built for it.
+    pub fn events(&self) -> &Events {
+        &self.core.events
     }
 
     /// Holders outside the registry (an NBD export) count here; remove
@@ -204,7 +206,7 @@ impl MappedDevice {
                 self.suspend();
             }
             self.core.live.store(t);
-            self.core.event_nr.fetch_add(1, Ordering::Relaxed);
+            self.core.events.raise();
         }
         if !self.is_suspended() {
             return swapped;
@@ -352,27 +354,21 @@ impl Device for MappedDevice {
     /// thread, 1 ms past the deadline), so a suspend or a table swap never
     /// waits for a poller.
     fn poll(&self) -> usize {
-        self.core
-            .live
-            .load()
-            .entries
-            .iter()
-            .map(|e| e.target.poll())
-            .sum()
+        self.core.live.load().poll()
     }
 
-    /// Only a one-line table can sleep in its target: with several, a
-    /// sleep in one would hold back the completions of the others.
+    /// Only a table that sends every polled bio to one device can sleep
+    /// in it (see `Table::sole_poll_device`).
     fn poll_sleeps(&self) -> bool {
         let table = self.core.live.load();
-        table.entries.len() == 1 && table.entries[0].target.poll_sleeps()
+        table.sole_poll_device().is_some_and(|d| d.poll_sleeps())
     }
 
     fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
         let table = self.core.live.load();
-        match &table.entries[..] {
-            [one] if one.target.poll_sleeps() => one.target.poll_wait(ready),
-            entries => entries.iter().map(|e| e.target.poll()).sum(),
+        match table.sole_poll_device() {
+            Some(d) if d.poll_sleeps() => d.poll_wait(ready),
+            _ => table.poll(),
         }
     }
 

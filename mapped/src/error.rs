@@ -9,12 +9,10 @@
 //! Printed with its sources (`{:#}` through anyhow, or [`report`]) an error
 //! reads `device d: line 2: linear: device 'm9' not found`.
 
-use blkstack_drivers::nbd::NbdError;
-use blkstack_drivers::null::NullError;
-use blkstack_drivers::{ArgError, FileError, MemoryError};
 use thiserror::Error;
 
-/// A table line whose RAM-held data a reload or removal would drop.
+/// A table line whose RAM-held data a reload or removal would drop
+/// (found by the `memory` target, `targets::memory::ram_lost`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RamLoss {
     /// The line as `table` prints it.
@@ -290,17 +288,10 @@ pub enum TargetError {
         #[source]
         source: std::io::Error,
     },
-    /// A leaf driver refused its `key=value` arguments.
+    /// A leaf driver refused its arguments or could not start (each
+    /// driver's own typed error, which names the driver).
     #[error(transparent)]
-    DriverArgs(#[from] ArgError),
-    #[error(transparent)]
-    Memory(#[from] MemoryError),
-    #[error(transparent)]
-    File(#[from] FileError),
-    #[error(transparent)]
-    Null(#[from] NullError),
-    #[error(transparent)]
-    Nbd(#[from] NbdError),
+    Driver(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// A rule of one target broken, the message says which argument and
     /// why: the kernel's per-target `ti->error` strings.
     #[error("{0}")]
@@ -341,6 +332,12 @@ impl TargetError {
     /// This error and its sources on one line, as a user is shown it.
     pub fn report(&self) -> String {
         report(self)
+    }
+
+    /// A leaf driver's own error (its arguments, or a queue or connection
+    /// it could not start).
+    pub fn driver(e: impl std::error::Error + Send + Sync + 'static) -> TargetError {
+        TargetError::Driver(Box::new(e))
     }
 
     /// A target-specific rule broken; `msg` names the argument and the rule.

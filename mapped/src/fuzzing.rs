@@ -11,7 +11,7 @@
 //! input makes the fuzzer allocate much or touch the filesystem.
 
 use crate::registry::Registry;
-use crate::table::{parse_line, parse_stack, parse_table, TableLine};
+use crate::table_text::{parse_line, parse_stack, parse_table, TableLine};
 use blkstack_core::Device;
 use std::sync::Arc;
 

@@ -6,7 +6,6 @@
 //! one table language describes a whole stack.
 
 pub mod device;
-pub mod dm_table;
 pub mod error;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
 #[doc(hidden)]
@@ -15,6 +14,7 @@ pub mod registry;
 pub mod selectors;
 pub mod split;
 pub mod table;
+pub mod table_text;
 pub mod table_type;
 pub mod target;
 pub mod targets;
@@ -22,4 +22,4 @@ pub mod targets;
 pub use device::MappedDevice;
 pub use error::DmError;
 pub use registry::{DeviceInfo, Registry};
-pub use target::{CtrContext, DevArg, Target, TargetRef, TargetType};
+pub use target::{CtrContext, DevArg, Events, Target, TargetRef, TargetType};

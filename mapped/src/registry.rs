@@ -11,11 +11,12 @@
 //! refused.
 
 use crate::device::MappedDevice;
-use crate::dm_table::{Table, TableEntry};
 use crate::error::{DmError, LineError};
-use crate::table::{parse_concise, parse_stack, parse_table, DeviceSpec};
-use crate::target::{CtrContext, TargetRef, DM_MAJOR};
+use crate::table::{Table, TableEntry};
+use crate::table_text::{parse_concise, parse_stack, parse_table, DeviceSpec};
+use crate::target::{CtrContext, Events, TargetRef, DM_MAJOR};
 use crate::targets;
+use crate::targets::memory::ram_lost;
 use blkstack_core::{Device, DeviceRef};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -81,7 +82,7 @@ impl State {
     /// Check `spec` against the devices and reservations and reserve its
     /// name, uuid and minor.
     fn reserve(&mut self, spec: &DeviceSpec) -> Result<(), DmError> {
-        crate::table::validate_name(&spec.name)?;
+        crate::table_text::validate_name(&spec.name)?;
         if self.devices.contains_key(&spec.name)
             || self.reserved.iter().any(|r| r.name == spec.name)
         {
@@ -179,6 +180,7 @@ impl Registry {
         name: &str,
         text: &str,
         live: Option<&Table>,
+        events: &Events,
     ) -> Result<Table, DmError> {
         let lines = parse_table(text).map_err(|e| e.in_device(name))?;
         let lookup = |arg: &str| -> Option<(String, u32, DeviceRef)> {
@@ -208,10 +210,8 @@ impl Registry {
             })?;
             let mut ctx = CtrContext::new(line.start, line.len, name, &lookup)
                 .with_target_lookup(&target_lookup);
-            if line.target == "memory" {
-                ctx.kept_store = live.and_then(|t| t.ram_store_at(line.start, line.len));
-            }
             ctx.live_target = live.and_then(|t| t.target_at(line.start, &line.target));
+            ctx.events = events.clone();
             let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
             let target = (tt.ctr)(&mut ctx, &args).map_err(|source| {
                 let target = line.target.clone();
@@ -299,23 +299,22 @@ impl Registry {
         for spec in specs {
             let minor = self.state.lock().reserved_minor(&spec.name);
             let resolve = |arg: &str| self.state.lock().resolve(&staged, arg);
-            let table =
-                Self::build_table(&resolve, &spec.name, &spec.table, None).map_err(|e| {
-                    match (e, &spec.origin_lines) {
-                        (
-                            DmError::Line {
-                                device,
-                                line,
-                                source,
-                            },
-                            Some(origin),
-                        ) => DmError::Line {
+            let events = Events::default();
+            let table = Self::build_table(&resolve, &spec.name, &spec.table, None, &events)
+                .map_err(|e| match (e, &spec.origin_lines) {
+                    (
+                        DmError::Line {
                             device,
-                            line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
+                            line,
                             source,
                         },
-                        (e, _) => e,
-                    }
+                        Some(origin),
+                    ) => DmError::Line {
+                        device,
+                        line: origin.get(line.wrapping_sub(1)).copied().unwrap_or(line),
+                        source,
+                    },
+                    (e, _) => e,
                 })?;
             staged.push(Arc::new(MappedDevice::new(
                 spec.name.clone(),
@@ -323,6 +322,7 @@ impl Registry {
                 minor,
                 spec.read_only,
                 table,
+                events,
             )));
         }
         Ok(staged)
@@ -372,10 +372,10 @@ impl Registry {
             .ok_or_else(|| DmError::NoSuchDevice(name.to_string()))?;
         let live = dev.live_table();
         let resolve = |arg: &str| state.resolve(&[], arg);
-        let mut t = Self::build_table(&resolve, &dev.name, table, Some(&live))?;
+        let mut t = Self::build_table(&resolve, &dev.name, table, Some(&live), dev.events())?;
         crate::table_type::check_reload(&dev.name, dev.queue_type, &live, &t)?;
         t.drops_ram = force;
-        let lost = live.ram_lost_to(Some(&t));
+        let lost = ram_lost(&live, Some(&t));
         if !lost.is_empty() && !force {
             return Err(DmError::WouldLoseData {
                 name: dev.name.clone(),
@@ -421,7 +421,7 @@ impl Registry {
     pub fn resume(&self, name: &str) -> Result<bool, DmError> {
         let dev = self.must_get(name)?;
         if let Some(staged) = dev.inactive_table().filter(|t| !t.drops_ram) {
-            let lost = dev.live_table().ram_lost_to(Some(&staged));
+            let lost = ram_lost(&dev.live_table(), Some(&staged));
             if !lost.is_empty() {
                 return Err(DmError::WouldLoseData {
                     name: dev.name.clone(),
@@ -460,7 +460,7 @@ impl Registry {
                 why: format!("open count {} (exported?); use force", dev.open_count()),
             });
         }
-        let lost = dev.live_table().ram_lost_to(None);
+        let lost = ram_lost(&dev.live_table(), None);
         if !lost.is_empty() && !force {
             return Err(DmError::WouldLoseData {
                 name: dev.name.clone(),

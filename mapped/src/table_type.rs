@@ -6,8 +6,8 @@
 //! target (error). blkstack maps every table bio by bio; the type is
 //! kept only so that the same reloads are refused.
 
-use crate::dm_table::Table;
 use crate::error::DmError;
+use crate::table::Table;
 
 /// dm's `enum dm_queue_mode`, as far as a reload can tell them apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

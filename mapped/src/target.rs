@@ -12,9 +12,9 @@
 
 use crate::error::TargetError;
 use blkstack_core::device::Extent;
-use blkstack_core::{Bio, DeviceRef, Features, QueueShape, SECTOR_SIZE};
-use blkstack_drivers::memory::PageStore;
+use blkstack_core::{Bio, Device, DeviceRef, Features, QueueShape, SECTOR_SIZE};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The device-mapper major number, used to print device references the way
@@ -70,14 +70,6 @@ pub trait Target: Send + Sync {
         None
     }
 
-    /// The RAM pages this target holds the device's data in (a `memory`
-    /// target), which a reload may carry to the new table and which are
-    /// lost when the table goes; `None` for targets whose data lives
-    /// elsewhere.
-    fn ram_store(&self) -> Option<Arc<PageStore>> {
-        None
-    }
-
     /// Data/hole map, target-relative, if known.
     fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {
         None
@@ -97,49 +89,35 @@ pub trait Target: Send + Sync {
         self.max_io_len(offset)
     }
 
-    /// Whether `map` may see [`blkstack_core::BioFlags::POLLED`] bios: a
-    /// target that says yes must reach every such bio it holds, or passes
-    /// down, from [`Target::poll`]. For the others the mapped device
-    /// clears the flag (kernel `bio_clear_polled`), so a polled bio never
-    /// waits below a layer that would not poll it.
-    fn polls(&self) -> bool {
-        false
-    }
-
-    /// Complete or send on the polled bios that are ready, on the caller's
-    /// thread (see [`blkstack_core::Device::poll`]).
-    fn poll(&self) -> usize {
-        0
-    }
-
-    /// Whether [`Target::poll_wait`] sleeps in the device below (see
-    /// [`blkstack_core::Device::poll_sleeps`]): only a target that passes
-    /// every bio to one such device can say yes.
-    fn poll_sleeps(&self) -> bool {
-        false
-    }
-
-    /// [`Target::poll`] that may sleep in the device below (see
-    /// [`blkstack_core::Device::poll_wait`]).
-    fn poll_wait(&self, _ready: &dyn Fn() -> bool) -> usize {
-        self.poll()
-    }
-
-    /// How many dm events this target raised (`dm_table_event`), which
-    /// the device's event number counts.
-    fn events(&self) -> u64 {
-        0
-    }
-
-    /// The target as `Any`, for a target that must find another of its
-    /// kind (a `thin` line its `thin-pool`, as dm-thin.c looks a pool up
-    /// by its mapped device); `None` for the others.
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
+    /// Give `f` each device this target sends
+    /// [`blkstack_core::BioFlags::POLLED`] bios straight to (the polling
+    /// side of dm's `iterate_devices`, as `dm_table_supports_poll` and
+    /// `dm_poll_bio` use it): the mapped device polls those devices. A
+    /// target that gives none cannot poll, and the mapped device clears
+    /// the flag of the bios it maps to it (kernel `bio_clear_polled`), so
+    /// a polled bio never waits below a layer that would not poll it; one
+    /// that gives some must pass every polled bio to one of them.
+    fn poll_devices<'a>(&'a self, _f: &mut dyn FnMut(&'a dyn Device)) {}
 }
 
 pub type TargetRef = Arc<dyn Target>;
+
+/// A mapped device's event counter, which its targets raise (kernel
+/// `dm_table_event`: a thin-pool reaching its low water mark, changing
+/// mode) and its table swaps count in too; `dmsetup info` shows it as
+/// the event number.
+#[derive(Clone, Debug, Default)]
+pub struct Events(Arc<AtomicU64>);
+
+impl Events {
+    pub fn raise(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
 
 /// A device argument of a table line, resolved.
 #[derive(Clone)]
@@ -179,14 +157,13 @@ pub struct CtrContext<'a> {
     pub len: u64,
     /// The name of the device being built (for worker thread names).
     pub device_name: &'a str,
-    /// The RAM store of the live table's `memory` target at the same start
-    /// and length, for a reload to keep (dm keeps the underlying device
-    /// across a table swap); a `memory` constructor takes it.
-    pub kept_store: Option<Arc<PageStore>>,
     /// On a reload, the live table's target on the line starting at the
     /// same sector with the same target type (a `thin-pool` reload keeps
-    /// its pool, as dm-thin.c's `__pool_find` does).
+    /// its pool, as dm-thin.c's `__pool_find` does; a `memory` line its
+    /// pages).
     pub live_target: Option<TargetRef>,
+    /// The events of the device the table is for, for a target to raise.
+    pub events: Events,
     lookup: DeviceLookup<'a>,
     target_lookup: Option<TargetLookup<'a>>,
     used: Vec<String>,
@@ -201,8 +178,8 @@ impl<'a> CtrContext<'a> {
             begin,
             len,
             device_name,
-            kept_store: None,
             live_target: None,
+            events: Events::default(),
             lookup,
             target_lookup: None,
             used: Vec::new(),

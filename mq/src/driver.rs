@@ -7,6 +7,7 @@
 //! [`CompleterRef`] the engine passes to [`Driver::poll`] (kernel
 //! `blk_mq_poll` calling `mq_ops->poll`).
 
+use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Status};
 use std::sync::{Arc, Weak};
 
@@ -69,6 +70,14 @@ pub trait Driver: Send + Sync + 'static {
     /// `blkstack_core::Device::poll_wait`).
     fn poll_wait(&self, completer: &CompleterRef<'_>, _ready: &dyn Fn() -> bool) -> usize {
         self.poll(completer)
+    }
+
+    /// The data/hole map of `offset..end` (`end` already within the
+    /// disk), if the driver knows one (see
+    /// `blkstack_core::Device::extents`, which the driver's
+    /// [`crate::Disk`] answers with this).
+    fn extents(&self, _offset: u64, _end: u64) -> Option<Vec<Extent>> {
+        None
     }
 }
 

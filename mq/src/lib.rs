@@ -19,6 +19,9 @@
 //! - [`queue`]: [`Queue`] over a [`Driver`]. How a driver completes
 //!   (null_blk's completion modes, timers, poll lists) is the driver's, in
 //!   `blkstack-drivers`.
+//! - [`disk`]: [`Disk`], the one leaf `Device` (a queue over a driver,
+//!   with the geometry the driver gave it): drivers implement [`Driver`]
+//!   only, as blk-mq drivers write only their `blk_mq_ops`.
 //!
 //! Under `--cfg loom` only the sbitmap queue, the run state and their
 //! primitives are built, for the model checks in `tests/loom_sbitmap.rs`
@@ -28,6 +31,8 @@ pub mod runstate;
 pub mod sbitmap;
 mod sync;
 
+#[cfg(not(loom))]
+pub mod disk;
 #[cfg(not(loom))]
 pub mod driver;
 #[cfg(not(loom))]
@@ -43,6 +48,8 @@ pub mod tags;
 
 pub use sbitmap::{SbitmapQueue, SbqStats, SbqWait, WaitIndex, WakeupAlgo};
 
+#[cfg(not(loom))]
+pub use disk::{Disk, DiskLimits};
 #[cfg(not(loom))]
 pub use driver::{CompleterRef, Driver, HeldCompleter, QueueRq, RequestCompleter, Rq};
 #[cfg(not(loom))]

@@ -1,8 +1,8 @@
 //! Tests of [`super`] (`memory.rs`), kept apart so that file stays short.
 
 use super::*;
-use blkstack_core::submit_and_wait;
 use blkstack_core::sync::submit_and_wait_flags;
+use blkstack_core::{submit_and_wait, Device};
 use std::sync::Arc;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -21,19 +21,19 @@ fn stores_and_reads_back_across_pages() {
 fn stores_and_reads_back(d: MemoryDevice) {
     let mut w = pattern(8192 + 1024, 7);
     assert_eq!(
-        submit_and_wait(&d, Op::Write, 3584, w.len() as u64, &mut w),
+        submit_and_wait(&*d, Op::Write, 3584, w.len() as u64, &mut w),
         Status::Ok
     );
     let mut r = vec![0xffu8; w.len()];
     assert_eq!(
-        submit_and_wait(&d, Op::Read, 3584, r.len() as u64, &mut r),
+        submit_and_wait(&*d, Op::Read, 3584, r.len() as u64, &mut r),
         Status::Ok
     );
     assert_eq!(r, w);
     // Never written: zeroes.
     let mut r = vec![0xffu8; 4096];
     assert_eq!(
-        submit_and_wait(&d, Op::Read, 65536, 4096, &mut r),
+        submit_and_wait(&*d, Op::Read, 65536, 4096, &mut r),
         Status::Ok
     );
     assert!(r.iter().all(|&b| b == 0));
@@ -43,16 +43,16 @@ fn stores_and_reads_back(d: MemoryDevice) {
 fn discard_frees_and_nounmap_zeroes() {
     let d = MemoryDevice::from_args(1 << 20, &[]).unwrap();
     let mut w = pattern(16384, 1);
-    submit_and_wait(&d, Op::Write, 0, 16384, &mut w);
+    submit_and_wait(&*d, Op::Write, 0, 16384, &mut w);
     assert_eq!(d.store().allocated_pages(), 4);
     // Discard 512..12800: page 0 and 3 partly zeroed, pages 1-2 freed.
     assert_eq!(
-        submit_and_wait(&d, Op::Discard, 512, 12288, &mut []),
+        submit_and_wait(&*d, Op::Discard, 512, 12288, &mut []),
         Status::Ok
     );
     assert_eq!(d.store().allocated_pages(), 2);
     let mut r = vec![0u8; 16384];
-    submit_and_wait(&d, Op::Read, 0, 16384, &mut r);
+    submit_and_wait(&*d, Op::Read, 0, 16384, &mut r);
     assert_eq!(&r[..512], &w[..512]);
     assert!(r[512..12800].iter().all(|&b| b == 0));
     assert_eq!(&r[12800..], &w[12800..]);
@@ -78,26 +78,26 @@ fn discard_frees_and_nounmap_zeroes() {
         ]
     );
     // NOUNMAP write-zeroes keeps (allocates) the pages.
-    let st = submit_and_wait_flags(&d, Op::WriteZeroes, BioFlags::NOUNMAP, 0, 16384, &mut []);
+    let st = submit_and_wait_flags(&*d, Op::WriteZeroes, BioFlags::NOUNMAP, 0, 16384, &mut []);
     assert_eq!(st, Status::Ok);
     assert_eq!(d.store().allocated_pages(), 4);
-    submit_and_wait(&d, Op::Read, 0, 16384, &mut r);
+    submit_and_wait(&*d, Op::Read, 0, 16384, &mut r);
     assert!(r.iter().all(|&b| b == 0));
     // A range inside one page zeroes just that part.
     let mut w = pattern(4096, 9);
-    submit_and_wait(&d, Op::Write, 0, 4096, &mut w);
+    submit_and_wait(&*d, Op::Write, 0, 4096, &mut w);
     assert_eq!(
-        submit_and_wait(&d, Op::Discard, 1024, 1024, &mut []),
+        submit_and_wait(&*d, Op::Discard, 1024, 1024, &mut []),
         Status::Ok
     );
     let mut r = vec![0u8; 4096];
-    submit_and_wait(&d, Op::Read, 0, 4096, &mut r);
+    submit_and_wait(&*d, Op::Read, 0, 4096, &mut r);
     assert_eq!(&r[..1024], &w[..1024]);
     assert!(r[1024..2048].iter().all(|&b| b == 0));
     assert_eq!(&r[2048..], &w[2048..]);
     // Plain write-zeroes frees them.
     assert_eq!(
-        submit_and_wait(&d, Op::WriteZeroes, 0, 16384, &mut []),
+        submit_and_wait(&*d, Op::WriteZeroes, 0, 16384, &mut []),
         Status::Ok
     );
     assert_eq!(d.store().allocated_pages(), 0);
@@ -116,7 +116,7 @@ fn huge_sparse_device_extents_and_discard() {
     let size = 1u64 << 40;
     let d = MemoryDevice::from_args(size, &["bs=4096"]).unwrap();
     let mut w = pattern(4096, 3);
-    submit_and_wait(&d, Op::Write, size / 2, 4096, &mut w);
+    submit_and_wait(&*d, Op::Write, size / 2, 4096, &mut w);
     let ext = d.extents(0, size).unwrap();
     assert_eq!(ext.len(), 3);
     assert_eq!(
@@ -128,7 +128,7 @@ fn huge_sparse_device_extents_and_discard() {
         }
     );
     assert_eq!(
-        submit_and_wait(&d, Op::Discard, 0, size, &mut []),
+        submit_and_wait(&*d, Op::Discard, 0, size, &mut []),
         Status::Ok
     );
     assert_eq!(d.store().allocated_pages(), 0);
@@ -139,12 +139,12 @@ fn bad_bios_and_args() {
     let d = MemoryDevice::from_args(1 << 20, &["bs=4096"]).unwrap();
     let mut b = vec![0u8; 512];
     assert_eq!(
-        submit_and_wait(&d, Op::Write, 0, 512, &mut b),
+        submit_and_wait(&*d, Op::Write, 0, 512, &mut b),
         Status::Invalid
     );
     let mut b = vec![0u8; 4096];
     assert_eq!(
-        submit_and_wait(&d, Op::Write, 1 << 20, 4096, &mut b),
+        submit_and_wait(&*d, Op::Write, 1 << 20, 4096, &mut b),
         Status::Invalid
     );
     assert_eq!(d.store().allocated_pages(), 0);
@@ -175,19 +175,26 @@ fn writes_past_max_alloc_fail_with_no_space_until_pages_are_freed() {
         d.status()
     );
     let mut w = pattern(8192, 5);
-    assert_eq!(submit_and_wait(&d, Op::Write, 0, 8192, &mut w), Status::Ok);
+    assert_eq!(submit_and_wait(&*d, Op::Write, 0, 8192, &mut w), Status::Ok);
     // Rewriting allocated pages needs no new page.
     assert_eq!(
-        submit_and_wait(&d, Op::Write, 0, 4096, &mut w[..4096]),
+        submit_and_wait(&*d, Op::Write, 0, 4096, &mut w[..4096]),
         Status::Ok
     );
     let mut w3 = pattern(4096, 6);
     assert_eq!(
-        submit_and_wait(&d, Op::Write, 65536, 4096, &mut w3),
+        submit_and_wait(&*d, Op::Write, 65536, 4096, &mut w3),
         Status::NoSpace
     );
     assert_eq!(
-        submit_and_wait_flags(&d, Op::WriteZeroes, BioFlags::NOUNMAP, 65536, 4096, &mut []),
+        submit_and_wait_flags(
+            &*d,
+            Op::WriteZeroes,
+            BioFlags::NOUNMAP,
+            65536,
+            4096,
+            &mut []
+        ),
         Status::NoSpace
     );
     assert_eq!(d.store().allocated_pages(), 2);
@@ -196,15 +203,15 @@ fn writes_past_max_alloc_fail_with_no_space_until_pages_are_freed() {
         .contains("allocated_bytes=8192 max_alloc_bytes=8192 "));
     // The data already held is intact.
     let mut r = vec![0u8; 8192];
-    submit_and_wait(&d, Op::Read, 0, 8192, &mut r);
+    submit_and_wait(&*d, Op::Read, 0, 8192, &mut r);
     assert_eq!(r, w);
     // Discarding a page makes room again.
     assert_eq!(
-        submit_and_wait(&d, Op::Discard, 0, 4096, &mut []),
+        submit_and_wait(&*d, Op::Discard, 0, 4096, &mut []),
         Status::Ok
     );
     assert_eq!(
-        submit_and_wait(&d, Op::Write, 65536, 4096, &mut w3),
+        submit_and_wait(&*d, Op::Write, 65536, 4096, &mut w3),
         Status::Ok
     );
     for bad in [
@@ -257,7 +264,7 @@ fn concurrent_writers_distinct_blocks() {
                     let off = (i * 4 + t as u64) * 2048;
                     let mut w = pattern(2048, t.wrapping_add(i as u8));
                     assert_eq!(
-                        submit_and_wait(&*d, Op::Write, off, 2048, &mut w),
+                        submit_and_wait(&**d, Op::Write, off, 2048, &mut w),
                         Status::Ok
                     );
                 }
@@ -271,7 +278,7 @@ fn concurrent_writers_distinct_blocks() {
         for i in 0..256u64 {
             let off = (i * 4 + t as u64) * 2048;
             let mut r = vec![0u8; 2048];
-            submit_and_wait(&*d, Op::Read, off, 2048, &mut r);
+            submit_and_wait(&**d, Op::Read, off, 2048, &mut r);
             assert_eq!(r, pattern(2048, t.wrapping_add(i as u8)));
         }
     }
@@ -281,16 +288,16 @@ fn concurrent_writers_distinct_blocks() {
 fn a_fully_written_device_has_no_holes_until_one_is_punched() {
     let d = MemoryDevice::from_args(65536, &[]).unwrap();
     let mut w = pattern(65536 - 4096, 3);
-    submit_and_wait(&d, Op::Write, 0, 65536 - 4096, &mut w);
+    submit_and_wait(&*d, Op::Write, 0, 65536 - 4096, &mut w);
     // One page never written: its hole is reported.
     let ext = d.extents(0, 65536).unwrap();
     assert_eq!(ext.last().map(|e| (e.offset, e.hole)), Some((61440, true)));
     let mut last = pattern(4096, 4);
-    submit_and_wait(&d, Op::Write, 61440, 4096, &mut last);
+    submit_and_wait(&*d, Op::Write, 61440, 4096, &mut last);
     // All pages allocated: "all data", without a map.
     assert_eq!(d.extents(0, 65536), None);
     assert_eq!(
-        submit_and_wait(&d, Op::Discard, 8192, 4096, &mut []),
+        submit_and_wait(&*d, Op::Discard, 8192, 4096, &mut []),
         Status::Ok
     );
     let ext = d.extents(0, 65536).unwrap();
@@ -354,4 +361,71 @@ fn page_store_matches_a_flat_model_under_random_operations() {
             assert_eq!(present[p as usize], !e.hole, "page {p}");
         }
     }
+}
+
+/// Submits `n` polled 4 KiB writes of `fill` and polls until they are all
+/// done, from a little before they are due; returns how many the poll
+/// ended (the completion thread, the backstop, ends the others).
+fn polled_writes_reaped(d: &MemoryDevice, n: u64, due_ns: u64, fill: u8) -> usize {
+    use blkstack_core::clock::now_ns;
+    use blkstack_core::testing::CompletionRecorder;
+    use blkstack_core::IoBuf;
+    let rec = CompletionRecorder::new();
+    let mut mem = vec![fill; (n * 4096) as usize];
+    let t0 = now_ns();
+    for i in 0..n {
+        // SAFETY: `mem` outlives the bios: every one is waited for below.
+        let buf = unsafe { IoBuf::from_raw(mem.as_mut_ptr().add(i as usize * 4096), 4096) };
+        let mut bio = Bio::new(Op::Write, i * 4096, 4096, buf, rec.clone(), i);
+        bio.flags.insert(BioFlags::POLLED);
+        d.submit(bio);
+    }
+    // Not due yet: polling ends nothing and nothing else does either.
+    assert_eq!(d.poll(), 0);
+    assert_eq!(rec.count(), 0);
+    std::thread::sleep(std::time::Duration::from_nanos(due_ns / 2));
+    let mut by_poll = 0;
+    while rec.count() < n as usize {
+        let ended = d.poll();
+        if ended > 0 {
+            assert!(now_ns() - t0 >= due_ns, "completed early");
+        }
+        by_poll += ended;
+        assert!(now_ns() - t0 < 10_000_000_000, "never completed");
+    }
+    assert!(rec.completions().iter().all(|c| c.status == Status::Ok));
+    by_poll
+}
+
+#[test]
+fn iopoll_leaves_polled_bios_to_the_submitters_poll() {
+    let d = MemoryDevice::from_args(
+        1 << 20,
+        &["irqmode=2", "completion_nsec=100000000", "iopoll=1"],
+    )
+    .unwrap();
+    assert!(d.polls());
+    // The completion thread takes a polled bio only when nobody polled
+    // for 1 ms past its deadline; a poller descheduled that long at the
+    // deadline on a loaded machine loses them all, so try a few rounds.
+    let reaped = (0..3u8).map(|r| polled_writes_reaped(&d, 4, 100_000_000, 0x40 + r));
+    assert!(
+        reaped.take_while(|&n| n == 0).count() < 3,
+        "poll reaped nothing"
+    );
+    // Whoever ended them, the data of the last round is stored.
+    let mut r = vec![0u8; 4 * 4096];
+    assert_eq!(
+        submit_and_wait(&*d, Op::Read, 0, r.len() as u64, &mut r),
+        Status::Ok
+    );
+    let last = r[0];
+    assert!((0x40..0x43).contains(&last) && r.iter().all(|&b| b == last));
+}
+
+#[test]
+fn without_iopoll_memory_does_not_poll() {
+    let d = MemoryDevice::from_args(1 << 20, &["irqmode=2", "completion_nsec=1000"]).unwrap();
+    assert!(!d.polls());
+    assert_eq!(d.poll(), 0);
 }

@@ -43,10 +43,11 @@ pub mod uri;
 pub mod wire;
 
 use crate::error::ArgError;
-use blkstack_core::device::{check_bio, Extent};
-use blkstack_core::{Bio, Device, Features, QueueShape};
+use blkstack_core::device::Extent;
+use blkstack_core::Features;
 use blkstack_mq::{
-    CompleterRef, Driver, EngineOptions, Queue, QueueError, QueueRq, RequestCompleter, Rq,
+    CompleterRef, Disk, DiskLimits, Driver, EngineOptions, QueueError, QueueRq, RequestCompleter,
+    Rq,
 };
 use connection::{Connection, Geometry};
 use extents::ExtentQuery;
@@ -55,6 +56,7 @@ use options::NbdOptions;
 use proto::*;
 use reconnect::DeviceShared;
 use std::fmt::Write;
+use std::ops::Deref;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
@@ -107,6 +109,8 @@ pub struct NbdDriver {
     shared: Arc<DeviceShared>,
     /// Index of the first poll queue (the number of connections if none).
     first_polled: usize,
+    /// The export's `base:allocation` context, if it has one.
+    allocation_context: Option<u32>,
     completer: OnceLock<RequestCompleter>,
 }
 
@@ -148,17 +152,55 @@ impl Driver for NbdDriver {
     fn poll_wait(&self, completer: &CompleterRef<'_>, ready: &dyn Fn() -> bool) -> usize {
         self.pollers().poll_wait(completer, ready)
     }
+
+    /// The export's answers to BLOCK_STATUS, merged into runs.
+    fn extents(&self, offset: u64, end: u64) -> Option<Vec<Extent>> {
+        let ctx = self.allocation_context?;
+        let wait = Duration::from_millis(self.shared.opts.dead_timeout_ms)
+            + self.shared.opts.connect_timeout();
+        let mut out: Vec<Extent> = Vec::new();
+        let mut at = offset;
+        while at < end {
+            let part = self
+                .shared
+                .extents
+                .query(&self.shared.conns[0], ctx, at, end - at, wait)?;
+            let Some(last) = part.last() else { break };
+            at = last.offset + last.len;
+            for e in part {
+                match out.last_mut() {
+                    Some(l) if l.hole == e.hole && l.offset + l.len == e.offset => l.len += e.len,
+                    _ => out.push(e),
+                }
+            }
+        }
+        Some(out)
+    }
 }
 
+/// An nbd device: its connections, their threads and its disk.
 pub struct NbdDevice {
-    size: u64,
-    block_size: u32,
     geo: Geometry,
     /// Connections asked for but refused (server without CAN_MULTI_CONN).
     multi_conn_refused: bool,
     shared: Arc<DeviceShared>,
-    queue: Queue<NbdDriver>,
+    disk: Disk<NbdDriver>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// What the export's flags let the device offer.
+fn features(i: &ExportInfo, connections: usize) -> Features {
+    Features {
+        flush: i.has(TFLAG_SEND_FLUSH),
+        fua: i.has(TFLAG_SEND_FUA),
+        discard: i.has(TFLAG_SEND_TRIM),
+        discard_granularity: 0,
+        write_zeroes: !i.has(TFLAG_READ_ONLY),
+        fast_zero: i.has(TFLAG_SEND_WRITE_ZEROES) && i.has(TFLAG_SEND_FAST_ZERO),
+        read_only: i.has(TFLAG_READ_ONLY),
+        flush_is_global: i.has(TFLAG_CAN_MULTI_CONN) || connections == 1,
+        knows_holes: i.allocation_context.is_some(),
+    }
 }
 
 /// Block-size rules: logical = server minimum rounded up to 512, largest
@@ -288,21 +330,25 @@ impl NbdDevice {
         let driver = NbdDriver {
             shared: shared.clone(),
             first_polled,
+            allocation_context: geo.info.allocation_context,
             completer: OnceLock::new(),
         };
-        let queue = Queue::new(driver, engine).map_err(NbdError::Queue)?;
+        let limits = DiskLimits {
+            // The server's preferred block size is its optimal I/O size.
+            physical_block_size: geo.info.preferred_block.clamp(block_size, 64 * 1024),
+            ..DiskLimits::new(size, block_size, features(&geo.info, shared.conns.len()))
+        };
+        let disk = Disk::new(driver, engine, limits).map_err(NbdError::Queue)?;
         let mut dev = NbdDevice {
-            size,
-            block_size,
             geo,
             multi_conn_refused,
             shared: shared.clone(),
-            queue,
+            disk,
             threads: Vec::new(),
         };
         for (i, rx) in receivers.into_iter().enumerate() {
             let done = dev
-                .queue
+                .disk
                 .driver()
                 .completer
                 .get()
@@ -368,8 +414,8 @@ impl NbdDevice {
             s,
             " multi_conn={multi} structured={} bs={} io_opt={} max_io={} export_bytes={}",
             if info.structured { "yes" } else { "no" },
-            self.block_size,
-            self.physical_block_size(),
+            self.disk.limits().logical_block_size,
+            self.disk.limits().physical_block_size,
             self.geo.max_part,
             info.size
         );
@@ -409,7 +455,7 @@ impl Drop for NbdDevice {
         // removal never waits for a server that is gone.
         let me = std::thread::current().id();
         let deadline = std::time::Instant::now() + THREAD_EXIT_WAIT;
-        let done = self.queue.driver().completer.get().and_then(|c| c.hold());
+        let done = self.disk.driver().completer.get().and_then(|c| c.hold());
         for (t, c) in self.threads.drain(..).zip(self.shared.conns.iter()) {
             if t.thread().id() == me {
                 continue;
@@ -428,100 +474,12 @@ impl Drop for NbdDevice {
     }
 }
 
-impl Device for NbdDevice {
-    #[inline]
-    fn submit(&self, bio: Bio) {
-        if let Err(st) = check_bio(self, &bio) {
-            bio.complete(st);
-            return;
-        }
-        self.queue.submit(bio);
-    }
+/// The device is the engine's leaf [`Disk`] (submission, checks, polling).
+impl Deref for NbdDevice {
+    type Target = Disk<NbdDriver>;
 
-    fn submit_batch(&self, bios: &mut Vec<Bio>) {
-        if bios.iter().any(|b| check_bio(self, b).is_err()) {
-            for b in bios.drain(..) {
-                self.submit(b);
-            }
-            return;
-        }
-        self.queue.submit_batch(bios);
-    }
-
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    fn logical_block_size(&self) -> u32 {
-        self.block_size
-    }
-
-    /// One hardware queue per connection (see the module doc).
-    fn queue_shape(&self) -> Option<QueueShape> {
-        Some(self.queue.options().queue_shape())
-    }
-
-    /// The server's preferred block size (its optimal I/O size).
-    fn physical_block_size(&self) -> u32 {
-        self.geo
-            .info
-            .preferred_block
-            .clamp(self.block_size, 64 * 1024)
-    }
-
-    fn features(&self) -> Features {
-        let i = &self.geo.info;
-        Features {
-            flush: i.has(TFLAG_SEND_FLUSH),
-            fua: i.has(TFLAG_SEND_FUA),
-            discard: i.has(TFLAG_SEND_TRIM),
-            discard_granularity: 0,
-            write_zeroes: !i.has(TFLAG_READ_ONLY),
-            fast_zero: i.has(TFLAG_SEND_WRITE_ZEROES) && i.has(TFLAG_SEND_FAST_ZERO),
-            read_only: i.has(TFLAG_READ_ONLY),
-            flush_is_global: i.has(TFLAG_CAN_MULTI_CONN) || self.shared.conns.len() == 1,
-            knows_holes: i.allocation_context.is_some(),
-        }
-    }
-
-    fn polls(&self) -> bool {
-        self.queue.polls()
-    }
-
-    fn poll(&self) -> usize {
-        self.queue.poll()
-    }
-
-    fn poll_sleeps(&self) -> bool {
-        self.queue.poll_sleeps()
-    }
-
-    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
-        self.queue.poll_wait(ready)
-    }
-
-    fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
-        let ctx = self.geo.info.allocation_context?;
-        let end = offset.saturating_add(len).min(self.size);
-        let wait = Duration::from_millis(self.shared.opts.dead_timeout_ms)
-            + self.shared.opts.connect_timeout();
-        let mut out: Vec<Extent> = Vec::new();
-        let mut at = offset;
-        while at < end {
-            let part = self
-                .shared
-                .extents
-                .query(&self.shared.conns[0], ctx, at, end - at, wait)?;
-            let Some(last) = part.last() else { break };
-            at = last.offset + last.len;
-            for e in part {
-                match out.last_mut() {
-                    Some(l) if l.hole == e.hole && l.offset + l.len == e.offset => l.len += e.len,
-                    _ => out.push(e),
-                }
-            }
-        }
-        Some(out)
+    fn deref(&self) -> &Disk<NbdDriver> {
+        &self.disk
     }
 }
 

@@ -6,8 +6,8 @@
 //! the blk-mq queue-run and sbitmap wakeup changes were measured against
 //! null_blk, so it takes null_blk's knobs as table args: `bs=` (logical
 //! block size, power of two in 512..=4096), its completion knobs
-//! ([`completion`]: `irqmode`, `completion_nsec`, `iopoll`,
-//! `timer_spin_ns`), the engine args of [`crate::engine_args`]
+//! ([`crate::emulation::completion`]: `irqmode`, `completion_nsec`,
+//! `iopoll`, `timer_spin_ns`), the engine args of [`crate::engine_args`]
 //! (`hw_queue_depth`, `submit_queues`, `shared_tags`, `blocking`,
 //! `tag_wakeup`, `tag_wake_weight`, `run_dedup`, `run_on_completion`,
 //! `tag_rescue_ms`, `kblockd`), and `max_inflight=` (per hardware queue;
@@ -15,10 +15,11 @@
 //! full: the dispatch-list and queue-run paths need a driver that pushes
 //! back; 0 = never busy, the default), and `zero_reads=0|1`.
 //!
-//! As in `drivers/block/null_blk/main.c`, the emulation is the driver's:
-//! the completion threads and the timer ([`timer`]), the poll list
-//! ([`poll`]) and the queue that wires them to the engine ([`emulated`]);
-//! the engine only sees a driver that ends its requests later.
+//! As in `drivers/block/null_blk/main.c`, the emulation (completion
+//! threads, timer, poll list) is the driver's, in [`crate::emulation`],
+//! which `memory` shares; the engine only sees a driver that ends its
+//! requests later. The device itself is the engine's one leaf
+//! [`Disk`], which [`NullDevice`] derefs to.
 //!
 //! `zero_reads=1` (the default) fills read buffers with zeroes, so what a
 //! client reads agrees with the hole the device reports and never shows it
@@ -29,24 +30,18 @@
 //! measured (fio's `null` engine does not touch buffers either); extents
 //! then report data, since the contents are unknown.
 
-pub mod completion;
-pub mod emulated;
-pub mod poll;
-pub mod timer;
-
-pub use crate::error::EmulatedQueueError;
-pub use completion::{CompletionArgs, CompletionMode, CompletionOptions};
-pub use emulated::{Emulated, EmulatedQueue};
-pub use timer::TimerStats;
-
 use crate::args::{check_block_size, check_size, KvArgs};
+use crate::emulation::{
+    CompletionArgs, CompletionOptions, Emulated, EmulatedDisk, EmulatedQueueError, TimerStats,
+};
 use crate::engine_args::EngineArgs;
 use crate::error::ArgError;
-use blkstack_core::device::{check_bio, check_bio_geometry, Extent};
-use blkstack_core::{Bio, Device, Features, Op, QueueShape, Status};
-use blkstack_mq::{Driver, EngineOptions, Queue, QueueRq, QueueStats, Rq};
+use blkstack_core::device::Extent;
+use blkstack_core::{Features, Op, Status};
+use blkstack_mq::{Disk, DiskLimits, Driver, EngineOptions, QueueRq, QueueStats, Rq};
 use crossbeam_utils::CachePadded;
 use std::fmt::Write;
+use std::ops::Deref;
 use std::sync::atomic::AtomicU32;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -80,15 +75,28 @@ impl Driver for NullDriver {
         }
         status
     }
+
+    /// Nothing is stored: one hole if reads give zeroes, else one run of
+    /// data whose contents are unknown.
+    fn extents(&self, offset: u64, end: u64) -> Option<Vec<Extent>> {
+        if offset >= end {
+            return Some(Vec::new());
+        }
+        Some(vec![Extent {
+            offset,
+            len: end - offset,
+            hole: self.zero_reads,
+        }])
+    }
 }
 
+/// A null device: its table options and its disk.
 pub struct NullDevice {
-    size: u64,
     block_size: u32,
     max_inflight: u32,
     zero_reads: bool,
     engine: EngineArgs,
-    queue: EmulatedQueue<NullDriver>,
+    disk: EmulatedDisk<NullDriver>,
 }
 
 /// A `null` table line or device that cannot be built.
@@ -155,14 +163,20 @@ impl NullDevice {
                 .map(|_| CachePadded::new(AtomicU32::new(0)))
                 .collect(),
         };
-        let queue = EmulatedQueue::new(driver, &engine)?;
+        let features = Features {
+            discard: true,
+            write_zeroes: true,
+            fast_zero: true,
+            knows_holes: zero_reads,
+            ..Features::default()
+        };
+        let disk = engine.disk(driver, DiskLimits::new(size_bytes, block_size, features))?;
         Ok(NullDevice {
-            size: size_bytes,
             block_size,
             max_inflight,
             zero_reads,
             engine,
-            queue,
+            disk,
         })
     }
 
@@ -192,93 +206,28 @@ impl NullDevice {
             self.max_inflight,
             u8::from(self.zero_reads),
             self.engine.describe(),
-            self.queue.status()
+            self.disk.status()
         )
     }
 
     /// The engine's counters, for experiments.
     pub fn engine_stats(&self) -> QueueStats {
-        self.queue.stats()
+        self.disk.stats()
     }
 
     /// The timer-mode counters (irqmode=2): completions, how late, and
     /// the spin budget's CPU time.
     pub fn timer_stats(&self) -> TimerStats {
-        self.queue.timer_stats()
-    }
-
-    /// The engine queue itself (run/stop queues, per-hctx counters).
-    pub fn queue(&self) -> &Queue<Emulated<NullDriver>> {
-        self.queue.queue()
+        self.disk.timer_stats()
     }
 }
 
-impl Device for NullDevice {
-    /// In timer mode (irqmode=2) with `iopoll=1`: see [`poll`].
-    fn polls(&self) -> bool {
-        self.queue.polls()
-    }
+/// The device is the engine's leaf [`Disk`] (submission, checks, polling).
+impl Deref for NullDevice {
+    type Target = Disk<Emulated<NullDriver>>;
 
-    fn poll(&self) -> usize {
-        self.queue.poll()
-    }
-
-    #[inline]
-    fn submit(&self, bio: Bio) {
-        if let Err(st) = check_bio(self, &bio) {
-            bio.complete(st);
-            return;
-        }
-        self.queue.submit(bio);
-    }
-
-    /// Bios that fail the admission check are completed at once; the rest
-    /// go to the engine as one batch.
-    fn submit_batch(&self, bios: &mut Vec<Bio>) {
-        let (size, lbs) = (self.size, self.block_size);
-        for bio in bios.extract_if(.., |b| check_bio_geometry(size, lbs, b).is_err()) {
-            let st = check_bio_geometry(size, lbs, &bio)
-                .err()
-                .unwrap_or(Status::Invalid);
-            bio.complete(st);
-        }
-        self.queue.submit_batch(bios);
-    }
-
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    fn logical_block_size(&self) -> u32 {
-        self.block_size
-    }
-
-    fn queue_shape(&self) -> Option<QueueShape> {
-        Some(self.queue.queue().options().queue_shape())
-    }
-
-    fn features(&self) -> Features {
-        Features {
-            discard: true,
-            write_zeroes: true,
-            fast_zero: true,
-            knows_holes: self.zero_reads,
-            ..Features::default()
-        }
-    }
-
-    /// Nothing is stored: one hole if reads give zeroes, else one run of
-    /// data whose contents are unknown.
-    fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
-        let end = offset.saturating_add(len).min(self.size);
-        if offset >= end {
-            return Some(Vec::new());
-        }
-        Some(vec![Extent {
-            offset,
-            len: end - offset,
-            hole: self.zero_reads,
-        }])
+    fn deref(&self) -> &Disk<Emulated<NullDriver>> {
+        &self.disk
     }
 }
 
@@ -287,6 +236,7 @@ mod tests {
     use super::*;
     use blkstack_core::clock::now_ns;
     use blkstack_core::submit_and_wait;
+    use blkstack_core::{Bio, Device};
     use std::time::Duration;
 
     #[test]
@@ -295,14 +245,17 @@ mod tests {
             let d = NullDevice::from_args(1 << 20, &[irq]).unwrap();
             let mut buf = vec![0xabu8; 4096];
             assert_eq!(
-                submit_and_wait(&d, Op::Write, 0, 4096, &mut buf),
+                submit_and_wait(&*d, Op::Write, 0, 4096, &mut buf),
                 Status::Ok
             );
-            assert_eq!(submit_and_wait(&d, Op::Read, 0, 4096, &mut buf), Status::Ok);
-            assert!(buf.iter().all(|&b| b == 0));
-            assert_eq!(submit_and_wait(&d, Op::Flush, 0, 0, &mut []), Status::Ok);
             assert_eq!(
-                submit_and_wait(&d, Op::Discard, 0, 8192, &mut []),
+                submit_and_wait(&*d, Op::Read, 0, 4096, &mut buf),
+                Status::Ok
+            );
+            assert!(buf.iter().all(|&b| b == 0));
+            assert_eq!(submit_and_wait(&*d, Op::Flush, 0, 0, &mut []), Status::Ok);
+            assert_eq!(
+                submit_and_wait(&*d, Op::Discard, 0, 8192, &mut []),
                 Status::Ok
             );
             assert_eq!(d.engine_stats().tags_in_use, 0);
@@ -313,7 +266,10 @@ mod tests {
     fn zero_reads_0_leaves_the_buffer_alone_and_reports_data() {
         let d = NullDevice::from_args(1 << 20, &["zero_reads=0"]).unwrap();
         let mut buf = vec![0xabu8; 4096];
-        assert_eq!(submit_and_wait(&d, Op::Read, 0, 4096, &mut buf), Status::Ok);
+        assert_eq!(
+            submit_and_wait(&*d, Op::Read, 0, 4096, &mut buf),
+            Status::Ok
+        );
         assert!(buf.iter().all(|&b| b == 0xab));
         assert_eq!(d.table_args(), "zero_reads=0");
         let e = d.extents(0, 8192).unwrap();
@@ -328,12 +284,12 @@ mod tests {
         let d = NullDevice::from_args(1 << 20, &["bs=4096"]).unwrap();
         let mut buf = vec![0u8; 512];
         assert_eq!(
-            submit_and_wait(&d, Op::Read, 0, 512, &mut buf),
+            submit_and_wait(&*d, Op::Read, 0, 512, &mut buf),
             Status::Invalid
         );
         let mut buf = vec![0u8; 4096];
         assert_eq!(
-            submit_and_wait(&d, Op::Read, 1 << 20, 4096, &mut buf),
+            submit_and_wait(&*d, Op::Read, 1 << 20, 4096, &mut buf),
             Status::Invalid
         );
     }
@@ -396,7 +352,10 @@ mod tests {
         let mut buf = vec![0u8; 4096];
         for _ in 0..10 {
             let t0 = now_ns();
-            assert_eq!(submit_and_wait(&d, Op::Read, 0, 4096, &mut buf), Status::Ok);
+            assert_eq!(
+                submit_and_wait(&*d, Op::Read, 0, 4096, &mut buf),
+                Status::Ok
+            );
             assert!(now_ns() - t0 >= 200_000);
         }
     }

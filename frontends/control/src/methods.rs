@@ -19,7 +19,7 @@
 //! reach a multipath device that a pending suspend is waiting on.
 
 use crate::proto::{RpcError, EBUSY, ENOTSUP, ENXIO, METHOD_NOT_FOUND};
-use blkstack_mapped::table::DeviceSpec;
+use blkstack_mapped::table_text::DeviceSpec;
 use blkstack_mapped::{MappedDevice, Registry};
 use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
@@ -430,10 +430,10 @@ impl Control {
                 origin_lines: None,
             }],
             (None, None, Some(c), None) if p.uuid.is_none() && !p.readonly => {
-                blkstack_mapped::table::parse_concise(c)?
+                blkstack_mapped::table_text::parse_concise(c)?
             }
             (None, None, None, Some(s)) if p.uuid.is_none() && !p.readonly => {
-                blkstack_mapped::table::parse_stack(s)?
+                blkstack_mapped::table_text::parse_stack(s)?
             }
             _ => {
                 return Err(RpcError::invalid_params(

@@ -12,11 +12,15 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("file", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
-    let driver = FileDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = FileDevice::from_args(ctx.len_bytes(), args).map_err(TargetError::driver)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 
 impl LeafDriver for FileDevice {
+    type Device = FileDevice;
+    fn device(&self) -> &Self::Device {
+        self
+    }
     fn status(&self) -> String {
         FileDevice::status(self)
     }

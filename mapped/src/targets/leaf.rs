@@ -7,16 +7,15 @@ use crate::error::TargetError;
 use crate::target::{Target, TargetType};
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, Device, Features, QueueShape};
-use blkstack_drivers::memory::PageStore;
-use std::sync::Arc;
 
-/// What a leaf driver shows through `status`, `table` and `message`.
-pub trait LeafDriver: Device {
+/// What a leaf driver shows through `status`, `table` and `message`, and
+/// the device it submits to (for the drivers under the engine, the
+/// engine's one leaf `Disk`).
+pub trait LeafDriver: Send + Sync + 'static {
+    type Device: Device;
+    fn device(&self) -> &Self::Device;
     fn status(&self) -> String;
     fn table_args(&self) -> String;
-    fn ram_store(&self) -> Option<Arc<PageStore>> {
-        None
-    }
     fn message(&self, args: &[&str]) -> Result<String, TargetError> {
         Err(TargetError::invalid(format!(
             "message '{}' not supported",
@@ -31,11 +30,11 @@ pub struct LeafTarget<D: LeafDriver> {
 
 impl<D: LeafDriver> Target for LeafTarget<D> {
     fn map(&self, bio: Bio) {
-        self.driver.submit(bio);
+        self.driver.device().submit(bio);
     }
 
     fn map_batch(&self, bios: &mut Vec<Bio>) {
-        self.driver.submit_batch(bios);
+        self.driver.device().submit_batch(bios);
     }
 
     fn status(&self) -> String {
@@ -51,35 +50,19 @@ impl<D: LeafDriver> Target for LeafTarget<D> {
     }
 
     fn features(&self) -> Features {
-        self.driver.features()
+        self.driver.device().features()
     }
 
     fn queue_shape(&self) -> Option<QueueShape> {
-        self.driver.queue_shape()
-    }
-
-    fn ram_store(&self) -> Option<Arc<PageStore>> {
-        self.driver.ram_store()
+        self.driver.device().queue_shape()
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
-        self.driver.extents(offset, len)
+        self.driver.device().extents(offset, len)
     }
 
-    fn polls(&self) -> bool {
-        self.driver.polls()
-    }
-
-    fn poll(&self) -> usize {
-        self.driver.poll()
-    }
-
-    fn poll_sleeps(&self) -> bool {
-        self.driver.poll_sleeps()
-    }
-
-    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
-        self.driver.poll_wait(ready)
+    fn poll_devices<'a>(&'a self, f: &mut dyn FnMut(&'a dyn Device)) {
+        f(self.driver.device());
     }
 }
 

@@ -11,7 +11,7 @@ use crate::target::{
     expect_args, extents_from, parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType,
 };
 use blkstack_core::device::Extent;
-use blkstack_core::{Bio, Features, SECTOR_SIZE};
+use blkstack_core::{Bio, Device, Features, SECTOR_SIZE};
 use std::sync::Arc;
 
 pub const TYPE: TargetType = TargetType {
@@ -47,20 +47,8 @@ impl Target for LinearTarget {
         self.dev.dev.features()
     }
 
-    fn polls(&self) -> bool {
-        self.dev.dev.polls()
-    }
-
-    fn poll(&self) -> usize {
-        self.dev.dev.poll()
-    }
-
-    fn poll_sleeps(&self) -> bool {
-        self.dev.dev.poll_sleeps()
-    }
-
-    fn poll_wait(&self, ready: &dyn Fn() -> bool) -> usize {
-        self.dev.dev.poll_wait(ready)
+    fn poll_devices<'a>(&'a self, f: &mut dyn FnMut(&'a dyn Device)) {
+        f(&*self.dev.dev);
     }
 
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {

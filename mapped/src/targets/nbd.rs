@@ -19,11 +19,16 @@ pub use blkstack_drivers::nbd::proto;
 pub const TYPE: TargetType = leaf_type("nbd", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
-    let driver = NbdDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = NbdDevice::from_args(ctx.len_bytes(), args).map_err(TargetError::driver)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 
+/// A leaf target submitting to the engine's `Disk` the device derefs to.
 impl LeafDriver for NbdDevice {
+    type Device = <NbdDevice as std::ops::Deref>::Target;
+    fn device(&self) -> &Self::Device {
+        self
+    }
     fn status(&self) -> String {
         NbdDevice::status(self)
     }

@@ -11,11 +11,16 @@ use std::sync::Arc;
 pub const TYPE: TargetType = leaf_type("null", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
-    let driver = NullDevice::from_args(ctx.len_bytes(), args)?;
+    let driver = NullDevice::from_args(ctx.len_bytes(), args).map_err(TargetError::driver)?;
     Ok(Arc::new(LeafTarget { driver }))
 }
 
+/// A leaf target submitting to the engine's `Disk` the device derefs to.
 impl LeafDriver for NullDevice {
+    type Device = <NullDevice as std::ops::Deref>::Target;
+    fn device(&self) -> &Self::Device {
+        self
+    }
     fn status(&self) -> String {
         NullDevice::status(self)
     }

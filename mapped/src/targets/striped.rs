@@ -11,7 +11,7 @@
 use crate::error::TargetError;
 use crate::split::Split;
 use crate::target::{parse_arg, parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType};
-use blkstack_core::{Bio, EndIo, Features, Op, Status, SECTOR_SIZE};
+use blkstack_core::{Bio, Device, EndIo, Features, Op, Status, SECTOR_SIZE};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -164,12 +164,10 @@ impl Target for StripedTarget {
         s
     }
 
-    fn polls(&self) -> bool {
-        self.inner.stripes.iter().all(|s| s.dev.dev.polls())
-    }
-
-    fn poll(&self) -> usize {
-        self.inner.stripes.iter().map(|s| s.dev.dev.poll()).sum()
+    fn poll_devices<'a>(&'a self, f: &mut dyn FnMut(&'a dyn Device)) {
+        for s in self.inner.stripes.iter() {
+            f(&*s.dev.dev);
+        }
     }
 
     fn features(&self) -> Features {

@@ -13,7 +13,7 @@
 use super::deferred::{DeferredSet, Work};
 use super::metadata::{MetadataError, PoolMetadata};
 use super::params::no_space_timeout_secs;
-use crate::target::DevArg;
+use crate::target::{DevArg, Events};
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{clock, Bio, EndIo, Op, Status, SECTOR_SIZE};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -108,8 +108,8 @@ pub struct PoolState {
     pub requested_pf: PoolFeatures,
     /// When the pool went out of data space (the no-space timeout's start).
     out_of_space_since: u64,
-    /// Times the pool raised a dm event (low water, mode changes).
-    pub events: u64,
+    /// The owning device's events, raised on low water and mode changes.
+    pub events: Events,
     /// Virtual blocks being provisioned, with the bios that wait for them.
     cells: HashMap<(u64, u64), Waiters>,
     pending: HashMap<u64, Pending>,
@@ -248,7 +248,7 @@ impl PoolShared {
                 metadata_low: false,
                 requested_pf: pf,
                 out_of_space_since: 0,
-                events: 0,
+                events: Events::default(),
                 cells: HashMap::new(),
                 pending: HashMap::new(),
                 next_id: 1,
@@ -395,7 +395,7 @@ impl PoolShared {
             tracing::warn!(pool = %self.data_dev.name, "thin-pool: switching pool to out-of-data-space mode");
             st.mode = Mode::OutOfDataSpace;
             st.out_of_space_since = clock::now_ns();
-            st.events += 1;
+            st.events.raise();
         }
         if st.pf.error_if_no_space || st.no_space.len() >= MAX_HELD {
             return (Prepared::Fail(Status::NoSpace), Some(bio));
@@ -410,7 +410,7 @@ impl PoolShared {
         if st.md.metadata_free() == 0 && matches!(st.mode, Mode::Write | Mode::OutOfDataSpace) {
             tracing::error!(pool = %self.data_dev.name, "thin-pool: switching pool to out-of-metadata-space (read-only) mode");
             st.mode = Mode::OutOfMetadataSpace;
-            st.events += 1;
+            st.events.raise();
         }
     }
 
@@ -419,7 +419,7 @@ impl PoolShared {
         if st.md.data_free() <= st.low_water_blocks && !st.low_water_triggered {
             tracing::warn!(pool = %self.data_dev.name, "thin-pool: reached low water mark for data device: sending event.");
             st.low_water_triggered = true;
-            st.events += 1;
+            st.events.raise();
         }
     }
 
@@ -431,7 +431,7 @@ impl PoolShared {
         let low = st.md.metadata_raw_free() <= (total / 4).min(1024);
         if low && !st.metadata_low {
             tracing::warn!(pool = %self.data_dev.name, "thin-pool: reached low water mark for metadata device: sending event.");
-            st.events += 1;
+            st.events.raise();
         }
         st.metadata_low = low;
     }
@@ -444,7 +444,7 @@ impl PoolShared {
         }
         st.mode = Mode::Write;
         st.pf.error_if_no_space = st.requested_pf.error_if_no_space;
-        st.events += 1;
+        st.events.raise();
         for (bio, thin, _) in std::mem::take(&mut st.no_space) {
             self.push(Job::Remap(bio, thin));
         }
@@ -478,7 +478,7 @@ impl PoolShared {
             }
         }
         st.generation += 1;
-        st.events += 1;
+        st.events.raise();
     }
 
     /// Flush the data device, then commit the metadata (`commit`), with
@@ -536,7 +536,7 @@ impl PoolShared {
             if st.mode == Mode::OutOfDataSpace && st.md.data_free() > 0 {
                 st.mode = Mode::Write;
                 st.pf.error_if_no_space = st.requested_pf.error_if_no_space;
-                st.events += 1;
+                st.events.raise();
             }
             let _ = self.commit(&mut st);
             std::mem::take(&mut st.no_space)
@@ -606,7 +606,7 @@ impl PoolShared {
         }
         tracing::warn!(pool = %self.data_dev.name, "thin-pool: no space timeout: failing queued I/O");
         st.pf.error_if_no_space = true;
-        st.events += 1;
+        st.events.raise();
         std::mem::take(&mut st.no_space)
             .into_iter()
             .map(|(b, _, _)| b)

@@ -1,6 +1,9 @@
 //! The table of running pools, keyed by their metadata device
 //! (dm-thin.c `dm_thin_pool_table`, `__pool_table_lookup_metadata_dev`,
-//! `__pool_find`).
+//! `__pool_find`), and the thin-pool targets running each
+//! (`__pool_table_lookup`: a `thin` line finds its pool through the pool
+//! device's live target, as the kernel finds it by the pool's mapped
+//! device; a reloaded `thin-pool` line finds the pool it keeps).
 //!
 //! Two pools over one metadata device would each keep their own
 //! in-memory copy of the btrees and space maps, hand out the same free
@@ -15,6 +18,7 @@
 //! so the address cannot be reused while the entry is alive.
 
 use super::pool::Pool;
+use crate::target::{Target, TargetRef};
 use blkstack_core::DeviceRef;
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::{Arc, Weak};
@@ -25,6 +29,18 @@ struct Entry {
     /// The mapped device whose table holds the pool (`pool->pool_md`).
     owner: String,
     pool: Weak<Pool>,
+    /// The thin-pool targets running the pool (of the owner's live and
+    /// staged tables).
+    targets: Vec<Weak<dyn Target>>,
+}
+
+impl Entry {
+    fn runs(&self, target: &TargetRef) -> bool {
+        // A dead Weak keeps its allocation, so a live target never shares
+        // an address with one.
+        let want = Arc::as_ptr(target) as *const ();
+        self.targets.iter().any(|w| w.as_ptr() as *const () == want)
+    }
 }
 
 static TABLE: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
@@ -53,7 +69,16 @@ pub struct Table(MutexGuard<'static, Vec<Entry>>);
 pub fn lock() -> Table {
     let mut t = TABLE.lock();
     t.retain(|e| e.pool.strong_count() > 0);
+    for e in t.iter_mut() {
+        e.targets.retain(|w| w.strong_count() > 0);
+    }
     Table(t)
+}
+
+/// `__pool_table_lookup`: the pool `target` runs, if it is a thin-pool
+/// target.
+pub fn lookup(target: &TargetRef) -> Option<Arc<Pool>> {
+    lock().by_target(target)
 }
 
 impl Table {
@@ -88,6 +113,24 @@ impl Table {
             data: key(&pool.shared.data_dev.dev),
             owner: owner.to_string(),
             pool: Arc::downgrade(pool),
+            targets: Vec::new(),
         });
+    }
+
+    /// [`lookup`] under a lock already held.
+    pub fn by_target(&self, target: &TargetRef) -> Option<Arc<Pool>> {
+        self.0
+            .iter()
+            .find(|e| e.runs(target))
+            .and_then(|e| e.pool.upgrade())
+    }
+
+    /// A thin-pool target just built over `pool`, which must be in the
+    /// table (inserted when it started).
+    pub fn add_target(&mut self, pool: &Arc<Pool>, target: &TargetRef) {
+        let want = Arc::as_ptr(pool);
+        if let Some(e) = self.0.iter_mut().find(|e| e.pool.as_ptr() == want) {
+            e.targets.push(Arc::downgrade(target));
+        }
     }
 }

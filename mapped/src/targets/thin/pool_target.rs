@@ -95,14 +95,10 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
         .parse()
         .map_err(|_| invalid("Invalid low water mark"))?;
     let data_blocks = ctx.len / block_sectors;
-    let live = ctx.live_target.as_ref().and_then(|t| {
-        t.as_any()
-            .and_then(|a| a.downcast_ref::<PoolTarget>())
-            .map(|p| p.pool.clone())
-    });
     // `__pool_find`: a pool over this metadata device that another
     // mapped device holds is refused with EBUSY, before anything else.
     let mut table = pool_table::lock();
+    let live = ctx.live_target.as_ref().and_then(|t| table.by_target(t));
     let found = table
         .find(&metadata.dev, &data.dev, ctx.device_name)
         .map_err(|e| TargetError::Refused {
@@ -132,15 +128,17 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             pool
         }
     };
-    Ok(Arc::new(PoolTarget {
-        pool,
+    let target: TargetRef = Arc::new(PoolTarget {
+        pool: pool.clone(),
         metadata,
         data,
         block_sectors,
         low_water_blocks,
         requested,
         data_blocks,
-    }))
+    });
+    table.add_target(&pool, &target);
+    Ok(target)
 }
 
 /// `__pool_find` for a table reload of the device that runs `pool`:
@@ -208,7 +206,11 @@ fn start_pool(
     let mut adjusted = pf;
     adjust_passdown(&mut adjusted, &data);
     let shared = PoolShared::new(metadata, data, block_sectors, md, adjusted, low_water);
-    shared.state.lock().requested_pf = pf;
+    {
+        let mut st = shared.state.lock();
+        st.requested_pf = pf;
+        st.events = ctx.events.clone();
+    }
     Pool::start(shared, ctx.device_name).map_err(|source| TargetError::Io {
         what: "Couldn't start the pool's worker thread",
         source,
@@ -233,7 +235,7 @@ fn grow_metadata(shared: &PoolShared, st: &mut PoolState) {
             tracing::info!(pool = %shared.data_dev.name, "thin-pool: growing the metadata device from {before} to {} blocks", st.md.metadata_blocks().1);
             if st.mode == Mode::OutOfMetadataSpace {
                 st.mode = Mode::Write;
-                st.events += 1;
+                st.events.raise();
             }
             let _ = shared.commit(st);
         }
@@ -514,13 +516,5 @@ impl Target for PoolTarget {
         let mut f = self.pool.shared.data_dev.dev.features();
         f.discard &= self.requested.discard_enabled && self.requested.discard_passdown;
         f
-    }
-
-    fn events(&self) -> u64 {
-        self.pool.shared.state.lock().events
-    }
-
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        Some(self)
     }
 }

@@ -8,7 +8,7 @@ use super::discard;
 use super::fill::{self, Fills};
 use super::metadata::read_dev_id;
 use super::pool::{Mode, Pool, PoolShared, Prepared, ThinDev};
-use super::pool_target::PoolTarget;
+use super::pool_table;
 use crate::error::TargetError;
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::sync::submit_and_wait;
@@ -63,11 +63,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     let target = ctx
         .live_target_of(args[0])
         .ok_or_else(|| invalid("Couldn't get pool mapped device"))?;
-    let pool = target
-        .as_any()
-        .and_then(|a| a.downcast_ref::<PoolTarget>())
-        .map(|p| p.pool.clone())
-        .ok_or_else(|| invalid("Couldn't find pool object"))?;
+    let pool = pool_table::lookup(&target).ok_or_else(|| invalid("Couldn't find pool object"))?;
     let discards = {
         let mut st = pool.shared.state.lock();
         if st.mode == Mode::Fail {

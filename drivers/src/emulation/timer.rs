@@ -1,5 +1,5 @@
-//! null's completion threads (`irqmode=1` softirq and `irqmode=2` timer):
-//! one per hardware queue, ending the requests the driver handed it, in
+//! The emulated disk's completion threads (`irqmode=1` softirq and
+//! `irqmode=2` timer): one per hardware queue, ending the requests the driver handed it, in
 //! timer mode each no earlier than `completion_nsec` after its issue
 //! (null_blk's `null_cmd_end_timer`/hrtimer), with an optional spin
 //! budget (`timer_spin_ns`) that keeps the emulated disk's clock on time.

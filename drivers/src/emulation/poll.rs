@@ -1,5 +1,5 @@
-//! null's poll list (`iopoll=1` with `irqmode=2`): a timer-mode request
-//! whose bio is `POLLED` is not completed by the timer thread but waits
+//! The emulated disk's poll list (`iopoll=1` with `irqmode=2`): a
+//! timer-mode request whose bio is `POLLED` is not completed by the timer thread but waits
 //! here, in deadline order, for the submitter's own poll to end it once
 //! due, like a request on one of null_blk's poll queues reaped by
 //! `null_poll` (kernel `blk_mq_poll` → `mq_ops->poll`; io_uring IOPOLL).

@@ -1,4 +1,4 @@
-//! A blk-mq queue whose driver's completions are delivered the way
+//! A blk-mq disk whose driver's completions are delivered the way
 //! null_blk's `irqmode` says: at once, from a per-hardware-queue thread
 //! (softirq), or from that thread after `completion_nsec` (timer), with
 //! `POLLED` bios of timer mode reaped by the submitter's poll. The driver
@@ -6,15 +6,22 @@
 //! an issued request and ends it later through the engine's
 //! [`RequestCompleter`], like any driver with an interrupt handler, so the
 //! engine (`blkstack_mq`) knows nothing of irqmode, as blk-mq knows
-//! nothing of it in Linux. `null` and `memory` both run on it.
+//! nothing of it in Linux (`drivers/block/null_blk/main.c`:
+//! `null_handle_cmd`, `null_cmd_end_timer`, `null_poll`). `null` and
+//! `memory` both run on it.
 
 use super::completion::{CompletionMode, CompletionOptions};
 use super::timer::{completion_thread, IrqQueue, TimerStats};
-use crate::engine_args::EngineArgs;
 use crate::error::EmulatedQueueError;
 use blkstack_core::clock::now_ns;
-use blkstack_core::{Bio, BioFlags, Status};
-use blkstack_mq::{CompleterRef, Driver, Queue, QueueRq, QueueStats, RequestCompleter, Rq};
+use blkstack_core::device::Extent;
+use blkstack_core::BioFlags;
+use blkstack_core::Status;
+use blkstack_mq::{
+    CompleterRef, Disk, DiskLimits, Driver, EngineOptions, QueueRq, QueueStats, RequestCompleter,
+    Rq,
+};
+use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
@@ -84,26 +91,34 @@ impl<D: Driver> Driver for Emulated<D> {
         }
         n
     }
+
+    fn extents(&self, offset: u64, end: u64) -> Option<Vec<Extent>> {
+        self.inner.extents(offset, end)
+    }
 }
 
-/// A blk-mq queue over `D` with null_blk's completion modes, and the
+/// A blk-mq disk over `D` with null_blk's completion modes, and the
 /// completion threads it needs (joined on drop, after they have ended
-/// every request they hold).
-pub struct EmulatedQueue<D: Driver> {
-    queue: Queue<Emulated<D>>,
+/// every request they hold). It derefs to its [`Disk`], the leaf device.
+pub struct EmulatedDisk<D: Driver> {
+    disk: Disk<Emulated<D>>,
     irq: Arc<Irq>,
     threads: Vec<JoinHandle<()>>,
 }
 
-impl<D: Driver> EmulatedQueue<D> {
-    /// A queue over `driver` with the engine options and completion mode
-    /// of `args`.
-    pub fn new(driver: D, args: &EngineArgs) -> Result<Self, EmulatedQueueError> {
-        let opts = args.completion.opts;
-        let depth = args.opts.queue_depth as usize;
+impl<D: Driver> EmulatedDisk<D> {
+    /// A disk over `driver` with engine options `engine`, completion mode
+    /// `completion` and geometry `limits`.
+    pub fn new(
+        driver: D,
+        engine: EngineOptions,
+        completion: CompletionOptions,
+        limits: DiskLimits,
+    ) -> Result<Self, EmulatedQueueError> {
+        let depth = engine.queue_depth as usize;
         let irq = Arc::new(Irq {
-            opts,
-            queues: (0..args.opts.hw_queues)
+            opts: completion,
+            queues: (0..engine.hw_queues)
                 .map(|_| IrqQueue::new(depth))
                 .collect(),
             completer: OnceLock::new(),
@@ -112,13 +127,13 @@ impl<D: Driver> EmulatedQueue<D> {
             inner: driver,
             irq: irq.clone(),
         };
-        let queue = Queue::new(wrapped, args.opts.clone())?;
-        let mut q = EmulatedQueue {
-            queue,
+        let disk = Disk::new(wrapped, engine, limits)?;
+        let mut q = EmulatedDisk {
+            disk,
             irq,
             threads: Vec::new(),
         };
-        if opts.mode != CompletionMode::Inline {
+        if completion.mode != CompletionMode::Inline {
             q.start_threads(depth)?;
         }
         Ok(q)
@@ -168,40 +183,17 @@ impl<D: Driver> EmulatedQueue<D> {
     }
 
     /// The driver under the emulation.
-    pub fn driver(&self) -> &D {
-        &self.queue.driver().inner
-    }
-
-    /// The engine queue itself (run/stop queues, per-hctx counters).
-    pub fn queue(&self) -> &Queue<Emulated<D>> {
-        &self.queue
+    pub fn inner_driver(&self) -> &D {
+        &self.disk.driver().inner
     }
 
     pub fn completion(&self) -> &CompletionOptions {
         &self.irq.opts
     }
 
-    #[inline]
-    pub fn submit(&self, bio: Bio) {
-        self.queue.submit(bio)
-    }
-
-    #[inline]
-    pub fn submit_batch(&self, bios: &mut Vec<Bio>) {
-        self.queue.submit_batch(bios)
-    }
-
-    pub fn polls(&self) -> bool {
-        self.queue.polls()
-    }
-
-    pub fn poll(&self) -> usize {
-        self.queue.poll()
-    }
-
     /// The engine's counters.
     pub fn stats(&self) -> QueueStats {
-        self.queue.stats()
+        self.disk.queue().stats()
     }
 
     /// Timer-mode counters.
@@ -216,11 +208,19 @@ impl<D: Driver> EmulatedQueue<D> {
     /// The engine part of a `dmsetup status` line, then the timer
     /// counters once there are any.
     pub fn status(&self) -> String {
-        self.queue.status() + &self.timer_stats().status_suffix()
+        self.disk.queue().status() + &self.timer_stats().status_suffix()
     }
 }
 
-impl<D: Driver> Drop for EmulatedQueue<D> {
+impl<D: Driver> Deref for EmulatedDisk<D> {
+    type Target = Disk<Emulated<D>>;
+
+    fn deref(&self) -> &Disk<Emulated<D>> {
+        &self.disk
+    }
+}
+
+impl<D: Driver> Drop for EmulatedDisk<D> {
     fn drop(&mut self) {
         for q in self.irq.queues.iter() {
             q.stop();
