@@ -142,6 +142,8 @@ pub struct IoBuf {
 // the construction contract; moving that ownership between threads is the
 // point of submitting a request.
 unsafe impl Send for IoBuf {}
+// SAFETY: shared access only reads the pointer and length; the bytes are
+// touched by the one request that owns them, as for Send.
 unsafe impl Sync for IoBuf {}
 
 impl IoBuf {
@@ -228,6 +230,8 @@ pub struct AlignedBuf {
 
 // SAFETY: plain owned memory.
 unsafe impl Send for AlignedBuf {}
+// SAFETY: plain owned memory; `&self` methods only read it or lend it
+// out under `io_buf`'s own contract.
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
@@ -266,7 +270,9 @@ impl AlignedBuf {
     /// until the request completes.
     pub unsafe fn io_buf(&self, off: usize, len: usize) -> IoBuf {
         assert!(off + len <= self.len, "AlignedBuf::io_buf out of range");
-        IoBuf::from_raw(self.ptr.as_ptr().add(off), len)
+        // SAFETY: `off + len` is inside the allocation (checked above), and
+        // the caller keeps it alive and untouched while the request runs.
+        unsafe { IoBuf::from_raw(self.ptr.as_ptr().add(off), len) }
     }
 }
 
@@ -532,10 +538,12 @@ mod tests {
     fn child_shares_parent_buffer_range() {
         let owner = Arc::new(Seen::default());
         let mut mem = vec![0u8; 8192];
+        // SAFETY: `mem` outlives both bios, completed below.
         let buf = unsafe { IoBuf::from_slice(&mut mem) };
         let parent = Bio::new(Op::Write, 0, 8192, buf, owner.clone(), 1);
         let child = parent.child(4096, 4096, owner.clone(), 2);
         assert_eq!(child.offset, 4096);
+        // SAFETY: 4096 is inside `mem`'s 8192 bytes.
         assert_eq!(child.buf.as_ptr(), unsafe { mem.as_mut_ptr().add(4096) });
         child.complete(Status::Ok);
         parent.complete(Status::Ok);

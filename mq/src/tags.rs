@@ -48,6 +48,7 @@ pub struct RequestSlot {
 // the tag to another thread (a completion thread) goes through a lock or an
 // atomic with release/acquire ordering, and freeing the tag releases it.
 unsafe impl Sync for RequestSlot {}
+// SAFETY: as for Sync: the tag's holder owns the slot's contents.
 unsafe impl Send for RequestSlot {}
 
 impl RequestSlot {

@@ -30,9 +30,8 @@ impl DeadlineTimer {
             return Err(DeadlineTimerError::Create(std::io::Error::last_os_error()));
         }
         // SAFETY: a fresh descriptor we own.
-        Ok(DeadlineTimer {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(DeadlineTimer { fd })
     }
 
     /// Fire at the absolute CLOCK_MONOTONIC time `at_ns` (at least 1: 0

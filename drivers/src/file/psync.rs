@@ -240,21 +240,23 @@ mod tests {
         aligned.as_mut_slice().fill(0x5a);
         let mut raw = vec![0x6bu8; 8192 + 1];
         let cases: [(u64, IoBuf, u8, Route); 3] = [
-            // SAFETY: the buffers outlive the synchronous calls below.
             (
                 4096,
+                // SAFETY: the buffers outlive the synchronous calls below.
                 unsafe { aligned.io_buf(0, 4096) },
                 0x5a,
                 Route::Direct,
             ),
             (
                 8192 + 512,
+                // SAFETY: as above.
                 unsafe { aligned.io_buf(4096, 4096) },
                 0x5a,
                 Route::Buffered,
             ),
             (
                 65536,
+                // SAFETY: as above.
                 unsafe { IoBuf::from_slice(&mut raw[1..]) },
                 0x6b,
                 Route::Bounce,

@@ -110,10 +110,10 @@ pub fn replies(input: &[u8]) -> Vec<Status> {
         .map(|&(_, _, len)| vec![0xa5u8; len as usize])
         .collect();
     for (i, (&(op, offset, len), buf)) in REQUESTS.iter().zip(bufs.iter_mut()).enumerate() {
-        // SAFETY: every buffer outlives the wait for its request below
-        // (or the process, when a request never ends: then we panic
-        // while still holding them).
         let io = if len > 0 {
+            // SAFETY: every buffer outlives the wait for its request below
+            // (or the process, when a request never ends: then we panic
+            // while still holding them).
             unsafe { IoBuf::from_slice(buf) }
         } else {
             IoBuf::empty()

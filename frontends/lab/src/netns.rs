@@ -59,10 +59,9 @@ pub fn ip(args: &[&str]) -> Result<String> {
 /// (a throw-away namespace is created and deleted to find out).
 pub fn probe() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("network namespaces need root (running as uid {})", unsafe {
-            libc::geteuid()
-        });
+    let uid = unsafe { libc::geteuid() };
+    if uid != 0 {
+        bail!("network namespaces need root (running as uid {uid})");
     }
     if Command::new("ip")
         .arg("-V")

@@ -328,10 +328,10 @@ impl Engine {
     /// Arm the slot's bio for `op` and put it on the plug.
     fn submit_slot(&mut self, slot_idx: usize, op: Op, offset: u64, len: u64) {
         let slot = &mut self.slots[slot_idx];
-        // SAFETY: the slot's buffer lives as long as the engine, and the
-        // engine does not touch it until this bio comes back through the
-        // completion queue (the slot is marked busy until then).
         let buf = if op.has_data() {
+            // SAFETY: the slot's buffer lives as long as the engine, and the
+            // engine does not touch it until this bio comes back through the
+            // completion queue (the slot is marked busy until then).
             unsafe { slot.buf.io_buf(0, len as usize) }
         } else {
             blkstack_core::IoBuf::empty()
