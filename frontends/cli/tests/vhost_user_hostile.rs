@@ -403,3 +403,41 @@ fn connections_beyond_the_cap_are_closed_at_once() {
     next.setup().expect("a VMM after the crowd");
     others_still_served(&mut srv);
 }
+
+/// A VMM that connects and goes again and again (qemu's `reconnect=N`)
+/// costs serve no descriptor: vhost-user-backend leaves each
+/// connection's exit event open, and serve closes it when the
+/// connection ends. Before, each round left one, until the process ran
+/// out and its acceptors hung.
+#[test]
+fn reconnecting_vmms_leave_no_descriptors_behind() {
+    let (srv, sock) = serve();
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", srv.pid()))
+            .expect("serve's fds")
+            .count()
+    };
+    let round = || {
+        let mut vmm = Vu::connect(&sock);
+        vmm.setup().expect("setup");
+        let mem = memfd();
+        assert_eq!(vmm.mem_table(mem.as_raw_fd(), MEMFD_LEN), Some(0));
+        drop(vmm);
+    };
+    round();
+    std::thread::sleep(Duration::from_millis(300));
+    let before = fds();
+    for _ in 0..20 {
+        round();
+    }
+    // The last connection's end is noticed asynchronously.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fds() >= before + 5 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let after = fds();
+    assert!(
+        after < before + 5,
+        "serve had {before} descriptors before 20 VMM connections, {after} after"
+    );
+}

@@ -17,6 +17,7 @@ use crate::guard::{self, Regions};
 use crate::request::{self, Limits, Mem, ID_LEN};
 use blkstack_core::DeviceRef;
 use parking_lot::{Condvar, Mutex, RwLock};
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -54,6 +55,12 @@ pub struct BlkBackend {
     /// The exit events handed to the current connection's worker threads
     /// (a new set per connection): written to stop them.
     exits: parking_lot::Mutex<Vec<EventNotifier>>,
+    /// The read ends of those exit events. vhost-user-backend 0.24 turns
+    /// each into a raw fd for its epoll (`VringEpollHandler::new`,
+    /// `consumer.into_raw_fd()`) and never closes it: one descriptor per
+    /// connection, so a VMM that reconnects would exhaust the process's
+    /// descriptors. Closed here once the connection's workers are gone.
+    exit_consumers: parking_lot::Mutex<Vec<std::os::fd::RawFd>>,
 }
 
 impl BlkBackend {
@@ -83,6 +90,7 @@ impl BlkBackend {
             setup_cv: Condvar::new(),
             conn: Mutex::new(None),
             exits: parking_lot::Mutex::new(Vec::new()),
+            exit_consumers: parking_lot::Mutex::new(Vec::new()),
         }))
     }
 
@@ -94,9 +102,17 @@ impl BlkBackend {
     }
 
     /// The connection ended: drop its guest memory (the guard unmaps it
-    /// once nothing else holds it) and its failure, so that the next
-    /// connection starts afresh.
+    /// once nothing else holds it), its failure and the exit events' read
+    /// ends the handler left open, so that the next connection starts
+    /// afresh. Call it only once the connection's daemon is dropped (its
+    /// worker threads joined and their epolls closed).
     pub fn end_connection(&self) {
+        for fd in self.exit_consumers.lock().drain(..) {
+            // SAFETY: `fd` is an exit event's read end that the handler
+            // took with `into_raw_fd` and never closes; its worker and
+            // epoll are gone, so nothing uses it, and nothing else owns it.
+            drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+        }
         *self.conn.lock() = None;
         *self.mem.write() = None;
         guard::release_unused();
@@ -264,6 +280,7 @@ impl VhostUserBackend for BlkBackend {
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         let (c, n) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
         self.exits.lock().push(n.try_clone().ok()?);
+        self.exit_consumers.lock().push(c.as_raw_fd());
         Some((c, n))
     }
 

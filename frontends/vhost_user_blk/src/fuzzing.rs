@@ -92,6 +92,7 @@ pub fn session(dev: DeviceRef, input: &[u8]) {
     drop(stream);
     let _ = daemon.wait();
     backend.stop_workers();
+    drop(daemon);
     backend.end_connection();
 }
 
