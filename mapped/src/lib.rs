@@ -12,7 +12,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod registry;
 pub mod selectors;
-pub mod split;
+pub(crate) mod split;
 pub mod table;
 pub mod table_text;
 pub mod table_type;

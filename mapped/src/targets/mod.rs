@@ -2,21 +2,21 @@
 //! one line in [`TYPES`].
 
 pub mod delay;
-pub mod dust;
-pub mod error;
-pub mod file;
-pub mod flakey;
-pub mod leaf;
-pub mod linear;
+pub(crate) mod dust;
+pub(crate) mod error;
+pub(crate) mod file;
+pub(crate) mod flakey;
+pub(crate) mod leaf;
+pub(crate) mod linear;
 pub mod log_writes;
 pub mod memory;
 pub mod multipath;
 pub mod nbd;
-pub mod null;
-pub mod snapshot;
-pub mod striped;
+pub(crate) mod null;
+pub(crate) mod snapshot;
+pub(crate) mod striped;
 pub mod thin;
-pub mod zero;
+pub(crate) mod zero;
 
 use crate::target::TargetType;
 
