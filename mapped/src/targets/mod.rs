@@ -40,6 +40,8 @@ pub static TYPES: &[TargetType] = &[
     snapshot::TYPE,
 ];
 
+/// The target type a table line names (kernel `dm_get_target_type`);
+/// `None` for an unknown name.
 pub fn lookup(name: &str) -> Option<&'static TargetType> {
     TYPES.iter().find(|t| t.name == name)
 }
@@ -50,6 +52,7 @@ pub fn is_singleton(name: &str) -> bool {
     name == "multipath"
 }
 
+/// Every target type's name, as `dmsetup targets` lists them.
 pub fn names() -> Vec<&'static str> {
     TYPES.iter().map(|t| t.name).collect()
 }
