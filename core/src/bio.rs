@@ -30,7 +30,9 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Op {
+    /// Read `len` bytes at `offset` into the buffer (`REQ_OP_READ`).
     Read,
+    /// Write the buffer's `len` bytes at `offset` (`REQ_OP_WRITE`).
     Write,
     /// An empty flush: make earlier completed writes durable.
     Flush,
@@ -51,6 +53,7 @@ impl Op {
         matches!(self, Op::Read | Op::Write)
     }
 
+    /// The op's lower-case name, as fio and the stats reports spell it.
     pub fn name(self) -> &'static str {
         match self {
             Op::Read => "read",
@@ -68,6 +71,7 @@ impl Op {
 pub struct BioFlags(u8);
 
 impl BioFlags {
+    /// No flag set: a plain request.
     pub const NONE: BioFlags = BioFlags(0);
     /// Forced unit access: this write is durable when it completes.
     pub const FUA: BioFlags = BioFlags(1);
@@ -88,15 +92,21 @@ impl BioFlags {
     /// kernel's `bio_clear_polled`).
     pub const POLLED: BioFlags = BioFlags(32);
 
+    /// Whether every bit of `other` is set; false for an empty `other`,
+    /// so `contains(NONE)` never reads as a flag being present.
     pub fn contains(self, other: BioFlags) -> bool {
         self.0 & other.0 == other.0 && other.0 != 0
     }
+    /// Set the bits of `other` (kernel `bio->bi_opf |= ...`).
     pub fn insert(&mut self, other: BioFlags) {
         self.0 |= other.0;
     }
+    /// Clear the bits of `other`, as a layer does before passing a bio to
+    /// a device that does not honour them (kernel `bio_clear_polled`).
     pub fn remove(&mut self, other: BioFlags) {
         self.0 &= !other.0;
     }
+    /// The raw bits, for encoding a request in a trace or on the wire.
     pub fn bits(self) -> u8 {
         self.0
     }
@@ -172,14 +182,17 @@ impl IoBuf {
         }
     }
 
+    /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the buffer has no bytes (flushes, discards).
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// Start of the lent memory, for handing to a syscall (`pread`, an io_uring SQE).
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -201,11 +214,15 @@ impl IoBuf {
         }
     }
 
+    /// The lent memory as bytes: what a write carries.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: validity is the construction contract.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
+    /// The lent memory as mutable bytes: where a read lands. Sound because
+    /// the one request holding the buffer is its only user (the
+    /// construction contract), as a driver fills a `bio_vec` page.
     #[allow(clippy::mut_from_ref)]
     pub fn as_mut_slice(&self) -> &mut [u8] {
         // SAFETY: exclusive use by the one request holding this buffer is the
@@ -235,8 +252,11 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
+    /// Alignment in bytes: a page, enough for O_DIRECT on any device.
     pub const ALIGN: usize = 4096;
 
+    /// A zeroed buffer of `len` bytes; aborts on allocation failure, as the
+    /// global allocator does.
     pub fn new(len: usize) -> AlignedBuf {
         let layout = Layout::from_size_align(len.max(1), Self::ALIGN).expect("buffer layout");
         // SAFETY: layout has non-zero size.
@@ -245,19 +265,23 @@ impl AlignedBuf {
         AlignedBuf { ptr, len, layout }
     }
 
+    /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether the buffer has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// The whole buffer, to check what a read brought back.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: owned allocation of `len` bytes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
+    /// The whole buffer, mutably, to fill a write pattern before lending it.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: owned allocation of `len` bytes, borrowed mutably.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
@@ -291,6 +315,8 @@ impl Drop for AlignedBuf {
 /// it either completes it further up (`bio.complete(status)`), resubmits it
 /// (multipath retry), or, as the owner, keeps it for reuse.
 pub trait EndIo: Send + Sync {
+    /// Called once per completion of a bio this sink pushed a frame for,
+    /// with the frame's `private` word; it now owns the bio.
     fn end_io(&self, bio: Bio, status: Status, private: u64);
 }
 
@@ -312,12 +338,16 @@ pub const INLINE_FRAMES: usize = 2;
 
 /// One block I/O request. See the module documentation for the model.
 pub struct Bio {
+    /// What the request does.
     pub op: Op,
+    /// Modifiers (FUA, PREFLUSH, POLLED, ...), kernel `bi_opf`'s flag bits.
     pub flags: BioFlags,
     /// Byte offset on the device the bio is currently submitted to.
     pub offset: u64,
     /// Length in bytes. For reads and writes it equals `buf.len()`.
     pub len: u64,
+    /// The data: where a read lands and what a write carries (empty for
+    /// flush and discard), kernel `bi_io_vec`.
     pub buf: IoBuf,
     /// When the owner issued it, in [`crate::clock::now_ns`] nanoseconds.
     pub start_ns: u64,
@@ -356,6 +386,7 @@ impl Bio {
         }
     }
 
+    /// The same bio with `flags` set, for building one in a single expression.
     pub fn with_flags(mut self, flags: BioFlags) -> Bio {
         self.flags = flags;
         self
@@ -429,6 +460,7 @@ impl Bio {
         self.buf.as_slice()
     }
 
+    /// The data, mutably: where a driver puts what a read returns.
     #[allow(clippy::mut_from_ref)]
     pub fn data_mut(&self) -> &mut [u8] {
         self.buf.as_mut_slice()

@@ -27,10 +27,12 @@ pub fn now_ns() -> u64 {
 /// [`now_ns`] so that it agrees with every other timestamp.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Jiffies {
+    /// Ticks per second (kernel `CONFIG_HZ`: 100, 250, 300 or 1000).
     pub hz: u32,
 }
 
 impl Jiffies {
+    /// A counter at `hz` ticks per second. Panics if `hz` is 0.
     pub fn new(hz: u32) -> Jiffies {
         assert!(hz > 0, "HZ must be positive");
         Jiffies { hz }
@@ -120,6 +122,8 @@ pub fn sleep_ns(ns: u64) {
     sleep_until_ns(now_ns().saturating_add(ns));
 }
 
+/// A `Duration` in nanoseconds, saturating at `u64::MAX` (about 584
+/// years), the unit every timestamp here is in.
 pub fn duration_ns(d: Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64
 }

@@ -6,15 +6,21 @@ use std::time::Duration;
 /// User and system CPU time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuTime {
+    /// Time spent in user mode, in nanoseconds (`ru_utime`).
     pub user_ns: u64,
+    /// Time spent in the kernel on the process's behalf, in nanoseconds
+    /// (`ru_stime`).
     pub sys_ns: u64,
 }
 
 impl CpuTime {
+    /// User plus system time.
     pub fn total_ns(self) -> u64 {
         self.user_ns + self.sys_ns
     }
 
+    /// CPU time spent between `earlier` and this sample (saturating, so a
+    /// sample taken out of order reads as zero rather than wrapping).
     pub fn since(self, earlier: CpuTime) -> CpuTime {
         CpuTime {
             user_ns: self.user_ns.saturating_sub(earlier.user_ns),
@@ -22,6 +28,7 @@ impl CpuTime {
         }
     }
 
+    /// The sum of two samples, to total CPU time over several threads.
     pub fn plus(self, o: CpuTime) -> CpuTime {
         CpuTime {
             user_ns: self.user_ns + o.user_ns,

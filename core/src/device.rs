@@ -17,14 +17,17 @@ pub struct Features {
     pub flush: bool,
     /// Honours FUA.
     pub fua: bool,
+    /// Accepts `Op::Discard`.
     pub discard: bool,
     /// Discards are only acted on in whole units of this many bytes (the
     /// kernel's `discard_granularity`); 0 when the device states none,
     /// and a frontend then offers its physical block size.
     pub discard_granularity: u32,
+    /// Accepts `Op::WriteZeroes`.
     pub write_zeroes: bool,
     /// Write-zeroes is cheap (no data written), so FAST_ZERO can succeed.
     pub fast_zero: bool,
+    /// Refuses writes (they complete with `Status::Permission`).
     pub read_only: bool,
     /// A flush from any submitter covers writes completed for every
     /// submitter (true for devices with one shared state): NBD's
@@ -77,6 +80,7 @@ impl Features {
 /// its queues than one of ours can take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QueueShape {
+    /// Hardware queues (kernel `nr_hw_queues`).
     pub hw_queues: u32,
     /// Tags per hardware queue (a shared tag set's fair share of it).
     pub depth: u32,
@@ -101,11 +105,18 @@ impl QueueShape {
 /// A run of bytes that is either data or a hole (reads as zeroes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Extent {
+    /// Byte offset where the run starts.
     pub offset: u64,
+    /// Length of the run in bytes.
     pub len: u64,
+    /// Whether the run is a hole (reads as zeroes) rather than data.
     pub hole: bool,
 }
 
+/// A block device: bios go in, each comes back completed exactly once
+/// (kernel `struct block_device` with `submit_bio`; see the module
+/// documentation for the contract). Leaf drivers, mapped devices and the
+/// frontends' clients all meet at this trait.
 pub trait Device: Send + Sync {
     /// Hand a bio to the device. It will be completed exactly once.
     fn submit(&self, bio: Bio);
@@ -127,10 +138,15 @@ pub trait Device: Send + Sync {
     /// Size in bytes.
     fn size(&self) -> u64;
 
+    /// The smallest unit a request may address, in bytes (kernel
+    /// `logical_block_size`); offsets and lengths must be multiples of it.
     fn logical_block_size(&self) -> u32 {
         512
     }
 
+    /// The unit the device writes atomically and efficiently (kernel
+    /// `physical_block_size`); at least the logical block size, and a page
+    /// unless the device says otherwise.
     fn physical_block_size(&self) -> u32 {
         self.logical_block_size().max(4096)
     }
@@ -142,6 +158,8 @@ pub trait Device: Send + Sync {
         64 << 20
     }
 
+    /// What the device can do (flush, FUA, discard, ...), which the layers
+    /// above and the NBD handshake advertise.
     fn features(&self) -> Features {
         Features::default()
     }
@@ -197,6 +215,8 @@ pub trait Device: Send + Sync {
     }
 }
 
+/// A shared handle to a device: how tables, stacks and frontends hold
+/// the devices below them.
 pub type DeviceRef = Arc<dyn Device>;
 
 /// Common admission check for a bio against a device's geometry: the range

@@ -11,6 +11,8 @@
 //! Nothing here knows about queues, tables or frontends: imports only point
 //! down, and this is the floor.
 
+#![warn(missing_docs)]
+
 pub mod affinity;
 pub mod bio;
 pub mod clock;
@@ -30,4 +32,6 @@ pub use sync::{submit_and_wait, Completion};
 /// Sector size used by device-mapper tables: lengths and starts are in
 /// 512-byte units whatever the device's logical block size is.
 pub const SECTOR_SIZE: u64 = 512;
+/// `log2(SECTOR_SIZE)`: sectors to bytes by shifting, as the kernel's
+/// `SECTOR_SHIFT`.
 pub const SECTOR_SHIFT: u32 = 9;

@@ -11,6 +11,7 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[repr(u8)]
 pub enum Status {
+    /// Success (`BLK_STS_OK`).
     #[default]
     Ok = 0,
     /// Operation not supported by this device (EOPNOTSUPP).
@@ -40,6 +41,7 @@ pub enum Status {
 }
 
 impl Status {
+    /// Whether the bio succeeded.
     pub fn is_ok(self) -> bool {
         self == Status::Ok
     }
@@ -98,10 +100,13 @@ impl Status {
         )
     }
 
+    /// The status as one byte, for traces and wire formats;
+    /// [`Status::from_u8`] reverses it.
     pub fn as_u8(self) -> u8 {
         self as u8
     }
 
+    /// The status [`Status::as_u8`] encoded; unknown bytes become `IoError`.
     pub fn from_u8(v: u8) -> Status {
         const ALL: [Status; 13] = [
             Status::Ok,

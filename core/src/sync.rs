@@ -16,10 +16,13 @@ pub struct Completion {
 }
 
 impl Completion {
+    /// A completion nobody has completed yet, shared so one clone can be the
+    /// bio's owner and the other the waiter.
     pub fn new() -> Arc<Completion> {
         Arc::new(Completion::default())
     }
 
+    /// Block until the bio completes, and return its status.
     pub fn wait(&self) -> Status {
         let mut g = self.done.lock();
         while g.is_none() {

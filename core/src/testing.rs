@@ -24,6 +24,7 @@ pub struct Completed {
     /// The bio's offset as it came back (restored to what its owner
     /// submitted).
     pub offset: u64,
+    /// How the bio ended.
     pub status: Status,
     /// When it completed, on [`now_ns`].
     pub at_ns: u64,
@@ -38,6 +39,7 @@ pub struct CompletionRecorder {
 }
 
 impl CompletionRecorder {
+    /// An empty recorder, shared so it can own bios and be waited on.
     pub fn new() -> Arc<CompletionRecorder> {
         Arc::new(CompletionRecorder::default())
     }
@@ -249,6 +251,7 @@ impl BioFreeList {
         self.free.lock().len()
     }
 
+    /// Whether every bio is out (submitted and not yet back).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -75,8 +75,11 @@ impl EndIo for Core {
 
 /// A named device built from a table.
 pub struct MappedDevice {
+    /// The device's name in the registry (`dmsetup create NAME`).
     pub name: String,
+    /// Its uuid, if it was created with one (`dmsetup create -u`).
     pub uuid: Option<String>,
+    /// Its minor number: `253:MINOR` in tables that name it.
     pub minor: u32,
     /// Set by the first table, as dm sets `md->type` (see `table_type`).
     pub queue_type: crate::table_type::QueueType,
@@ -84,6 +87,10 @@ pub struct MappedDevice {
 }
 
 impl MappedDevice {
+    /// A device named `name` with `table` live and none staged, not
+    /// suspended (kernel `alloc_dev` plus the first `table_load` and
+    /// `do_resume`); `events` is the counter the table's targets were built
+    /// with.
     pub fn new(
         name: String,
         uuid: Option<String>,
@@ -113,26 +120,34 @@ impl MappedDevice {
         }
     }
 
+    /// The table bios are mapped through now (kernel `md->map`).
     pub fn live_table(&self) -> Arc<Table> {
         self.core.live.load_full()
     }
 
+    /// The table staged by a reload and not yet swapped in by a resume
+    /// (dm-ioctl's inactive table), if any.
     pub fn inactive_table(&self) -> Option<Arc<Table>> {
         self.core.inactive.lock().clone()
     }
 
+    /// Whether the device is suspended: new bios wait until it resumes.
     pub fn is_suspended(&self) -> bool {
         self.core.suspended.load(Ordering::SeqCst)
     }
 
+    /// Whether writes are refused (`dmsetup create -r`, kernel `dm_disk_ro`).
     pub fn is_read_only(&self) -> bool {
         self.core.read_only.load(Ordering::Relaxed)
     }
 
+    /// Make the device refuse writes, or accept them again.
     pub fn set_read_only(&self, ro: bool) {
         self.core.read_only.store(ro, Ordering::Relaxed);
     }
 
+    /// Bios submitted to the device and not yet completed (kernel
+    /// `md_in_flight`); suspend waits for it to reach zero.
     pub fn inflight(&self) -> u64 {
         self.core.inflight.load(Ordering::SeqCst)
     }
@@ -154,10 +169,13 @@ impl MappedDevice {
         self.core.open_count.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Drop a holder counted by [`MappedDevice::open`].
     pub fn close(&self) {
         self.core.open_count.fetch_sub(1, Ordering::SeqCst);
     }
 
+    /// Holders counted by [`MappedDevice::open`] now (`dmsetup info`'s
+    /// "Open count").
     pub fn open_count(&self) -> u64 {
         self.core.open_count.load(Ordering::SeqCst)
     }
@@ -240,10 +258,13 @@ impl MappedDevice {
         }
     }
 
+    /// The live table as `dmsetup table` prints it.
     pub fn table_text(&self) -> String {
         self.live_table().table_text()
     }
 
+    /// The live table's `dmsetup status` text: each line's start, length,
+    /// target name and the target's status words.
     pub fn status_text(&self) -> String {
         self.live_table().status_text()
     }

@@ -33,25 +33,54 @@ pub enum DmError {
     /// A table line is wrong: its number, and why as the source.
     #[error("{}line {line}", device_prefix(device))]
     Line {
+        /// The device the table is for, once known (see
+        /// [`DmError::in_device`]).
         device: Option<String>,
+        /// 1-based number of the line in its table text.
         line: usize,
         /// Boxed: a target's error can be large, a registry result should
         /// not be.
         #[source]
         source: Box<LineError>,
     },
+    /// A table with no lines: dm refuses to make a device of nothing.
     #[error("{}empty table: no target lines", device_prefix(device))]
-    EmptyTable { device: Option<String> },
+    EmptyTable {
+        /// The device the table is for, once known.
+        device: Option<String>,
+    },
+    /// No device has this name (kernel `-ENXIO` from `dm_get_md`).
     #[error("device {0} not found")]
     NoSuchDevice(String),
+    /// `create` named a device that exists (kernel `-EBUSY` from
+    /// `dm_hash_insert`).
     #[error("device {0} already exists")]
     Exists(String),
+    /// The device cannot be removed or shrunk now: it is open, or another
+    /// device's table uses it.
     #[error("device {name} is busy: {why}")]
-    Busy { name: String, why: String },
+    Busy {
+        /// The device refused.
+        name: String,
+        /// Who holds it: the user reads this.
+        why: String,
+    },
+    /// `create -u` gave a uuid another device has.
     #[error("device {name}: uuid {uuid} is already in use")]
-    UuidInUse { name: String, uuid: String },
+    UuidInUse {
+        /// The device being created.
+        name: String,
+        /// The uuid asked for.
+        uuid: String,
+    },
+    /// `create` asked for a minor number another device has.
     #[error("device {name}: minor {minor} is already in use")]
-    MinorInUse { name: String, minor: u32 },
+    MinorInUse {
+        /// The device being created.
+        name: String,
+        /// The minor asked for.
+        minor: u32,
+    },
     /// A reload, resume or remove would discard data only RAM holds.
     #[error(
         "device {name}: {verb} would discard data held in RAM: {}; {}",
@@ -59,26 +88,46 @@ pub enum DmError {
         force_hint(verb)
     )]
     WouldLoseData {
+        /// The device.
         name: String,
+        /// The operation refused (`reload`, `resume`, `remove`).
         verb: &'static str,
+        /// The lines whose RAM-held data would go.
         lost: Vec<RamLoss>,
     },
+    /// The table names, directly or through other devices, the device it
+    /// is for.
     #[error("device {name}: table would make a cycle through {through}")]
-    Cycle { name: String, through: String },
+    Cycle {
+        /// The device the table is for.
+        name: String,
+        /// The device through which the table reaches it again.
+        through: String,
+    },
     /// dm-ioctl.c `table_load`: the device's queue type or immutable target
     /// does not allow this table.
     #[error("device {name}: {why}")]
-    TableType { name: String, why: String },
+    TableType {
+        /// The device.
+        name: String,
+        /// Which rule the table breaks.
+        why: String,
+    },
+    /// A device name dm would not accept.
     #[error(transparent)]
     Name(#[from] NameError),
+    /// A `--concise` device list is malformed.
     #[error(transparent)]
     Concise(#[from] ConciseError),
+    /// A stack file with no device in it.
     #[error("stack file defines no device")]
     EmptyStack,
     /// `dmsetup message` was refused by the device or its target.
     #[error("{device}: message failed")]
     Message {
+        /// The device messaged.
         device: String,
+        /// What the target said.
         #[source]
         source: Box<TargetError>,
     },
@@ -111,6 +160,8 @@ impl DmError {
         report(self)
     }
 
+    /// Line `line` of a table is wrong because of `source`; the device is
+    /// added by [`DmError::in_device`] once known.
     pub fn line(line: usize, source: LineError) -> DmError {
         DmError::Line {
             device: None,
@@ -143,64 +194,121 @@ impl DmError {
 /// What is wrong with one table line.
 #[derive(Debug, Error)]
 pub enum LineError {
+    /// Fewer than three words: not a table line (the text is kept).
     #[error("expected '<start> <length> <target> [args...]', got '{0}'")]
     Shape(String),
+    /// The start or length is not a sector count.
     #[error("bad {what} '{value}': not a non-negative integer")]
-    Number { what: &'static str, value: String },
+    Number {
+        /// Which word (`start`, `length`).
+        what: &'static str,
+        /// The text given.
+        value: String,
+    },
+    /// A line of length 0 (kernel `dm_table_add_target`: "zero-length
+    /// target").
     #[error("zero-length target")]
     ZeroLength,
+    /// The line's end does not fit in a sector number.
     #[error("start sector {start} + length {len} overflows u64")]
-    Overflow { start: u64, len: u64 },
+    Overflow {
+        /// The line's first sector.
+        start: u64,
+        /// Its length in sectors.
+        len: u64,
+    },
     /// The length in bytes does not fit in u64 (it would wrap to a small
     /// device).
     #[error("length {len} sectors x 512 bytes overflows u64")]
-    LengthBytesOverflow { len: u64 },
+    LengthBytesOverflow {
+        /// The length in sectors.
+        len: u64,
+    },
     /// The device would reach 2^63 bytes, where a signed 64-bit size
     /// (`off_t`, the kernel's `loff_t`, NBD clients' `int64_t`) goes
     /// negative.
     #[error("start sector {start} + length {len} ends at sector {end}, past the device limit of {max} sectors (below 2^63 bytes)")]
     TooLarge {
+        /// The line's first sector.
         start: u64,
+        /// Its length in sectors.
         len: u64,
+        /// The sector it would end at.
         end: u64,
+        /// The most sectors a device may have.
         max: u64,
     },
+    /// The line starts before the previous one ends (kernel
+    /// `dm_table_add_target`'s adjacency check).
     #[error("sectors {start}..{end} overlap line {prev_line}, which ends at {prev_end}")]
     Overlap {
+        /// The line's first sector.
         start: u64,
+        /// The sector after its last.
         end: u64,
+        /// The number of the line it overlaps.
         prev_line: usize,
+        /// Where that line ends.
         prev_end: u64,
     },
+    /// The first line does not start at sector 0.
     #[error("table must start at sector 0, this line starts at {start}")]
-    NotAtZero { start: u64 },
+    NotAtZero {
+        /// Where it starts.
+        start: u64,
+    },
+    /// The line starts after the previous one ends: sectors no line maps.
     #[error(
         "gap in table: line {prev_line} ends at sector {prev_end}, this line starts at {start}"
     )]
     Gap {
+        /// The number of the previous line.
         prev_line: usize,
+        /// Where it ends.
         prev_end: u64,
+        /// Where this line starts.
         start: u64,
     },
+    /// The lines are not in sector order.
     #[error("lines out of order: starts at {start} after a line starting at {prev_start}")]
-    OutOfOrder { start: u64, prev_start: u64 },
+    OutOfOrder {
+        /// Where this line starts.
+        start: u64,
+        /// Where the line before it starts.
+        prev_start: u64,
+    },
+    /// No target type has this name (kernel `dm_get_target_type` fails).
     #[error("unknown target type '{target}' (known: {known})")]
-    UnknownTarget { target: String, known: String },
+    UnknownTarget {
+        /// The name given.
+        target: String,
+        /// The known names, comma-separated, for the reader.
+        known: String,
+    },
     /// The target's constructor refused its arguments.
     #[error("{target}")]
     Target {
+        /// The target type's name.
         target: String,
+        /// What the constructor refused.
         #[source]
         source: TargetError,
     },
+    /// The line names, as an underlying device, the device its table is
+    /// for.
     #[error("device {0} cannot use itself")]
     UsesItself(String),
     /// dm-table.c `dm_table_add_target`: a `DM_TARGET_SINGLETON` type
     /// (multipath) must be the only line of its table.
     #[error("target type {target} must appear alone in table")]
-    Singleton { target: String },
+    Singleton {
+        /// The target type's name.
+        target: String,
+    },
+    /// A stack file in both its forms at once.
     #[error("stack file mixes 'NAME: table line' lines with other text; use one form")]
     MixedStack,
+    /// A device name in the line dm would not accept.
     #[error(transparent)]
     Name(#[from] NameError),
 }
@@ -208,10 +316,13 @@ pub enum LineError {
 /// A device name dm would not accept in `/dev/mapper/`.
 #[derive(Debug, Error)]
 pub enum NameError {
+    /// The empty name.
     #[error("empty device name")]
     Empty,
+    /// Longer than dm's `DM_NAME_LEN` allows.
     #[error("device name '{0}' is longer than 127 characters")]
     TooLong(String),
+    /// A name that could not be a file in `/dev/mapper/`.
     #[error("bad device name '{0}': no '/', whitespace or control characters, not '.' or '..'")]
     Bad(String),
 }
@@ -219,16 +330,33 @@ pub enum NameError {
 /// dmsetup's concise format (`name,uuid,minor,flags,table;...`) is wrong.
 #[derive(Debug, Error)]
 pub enum ConciseError {
+    /// A device with fewer than five fields.
     #[error("concise device {which} ('{text}'): expected name,uuid,minor,flags,table[,table...], got {fields} field(s)")]
     Fields {
+        /// 1-based position of the device in the list.
         which: usize,
+        /// The device's text.
         text: String,
+        /// How many comma-separated fields it has.
         fields: usize,
     },
+    /// The minor field is neither empty nor a number.
     #[error("concise device {name}: bad minor '{minor}'")]
-    Minor { name: String, minor: String },
+    Minor {
+        /// The device.
+        name: String,
+        /// The text given.
+        minor: String,
+    },
+    /// The flags field is neither `ro` nor `rw`.
     #[error("concise device {name}: bad flags '{flags}' (expected ro or rw)")]
-    Flags { name: String, flags: String },
+    Flags {
+        /// The device.
+        name: String,
+        /// The text given.
+        flags: String,
+    },
+    /// The list is empty.
     #[error("concise list names no device")]
     NoDevice,
 }
@@ -236,20 +364,35 @@ pub enum ConciseError {
 /// What a target's constructor, path selector or `message` refused.
 #[derive(Debug, Error)]
 pub enum TargetError {
+    /// The wrong number of arguments (kernel `ti->error = "Invalid
+    /// argument count"`).
     #[error("expected {want} argument(s) '{syntax}', got {got}")]
     ArgCount {
+        /// How many it takes (`3`, `at least 2`).
         want: String,
+        /// The target's argument syntax, for the reader.
         syntax: &'static str,
+        /// How many it got.
         got: usize,
     },
+    /// An argument that does not parse as what it should be.
     #[error("invalid {what} '{value}'")]
-    InvalidArg { what: String, value: String },
+    InvalidArg {
+        /// Which argument.
+        what: String,
+        /// The text given.
+        value: String,
+    },
     /// dm's `dm_read_arg` range check.
     #[error("invalid {what} {value}: must be in {min}..={max}")]
     OutOfRange {
+        /// Which argument.
         what: String,
+        /// The value given.
         value: u64,
+        /// The smallest allowed.
         min: u64,
+        /// The largest allowed.
         max: u64,
     },
     /// The arguments ended before a required one.
@@ -258,33 +401,48 @@ pub enum TargetError {
     /// dm's `dm_read_arg_group`: a count larger than what follows.
     #[error("{what} is {count} but only {left} argument(s) follow")]
     GroupTooLong {
+        /// Which count.
         what: String,
+        /// Its value.
         count: u32,
+        /// Arguments left after it.
         left: usize,
     },
+    /// A device argument names no device (kernel `dm_get_device` fails).
     #[error("device '{0}' not found")]
     NoDevice(String),
+    /// A device argument's offset plus the line's length overflows.
     #[error("device '{0}': range overflows")]
     RangeOverflows(String),
+    /// A device argument is too small for the range the line maps onto
+    /// it (kernel `device_area_is_invalid`).
     #[error("device '{arg}' is too small: sectors {start}..{end} needed, it has {has}")]
     DeviceTooSmall {
+        /// The device argument as given.
         arg: String,
+        /// First sector needed on it.
         start: u64,
+        /// The sector after the last needed.
         end: u64,
+        /// Sectors it has.
         has: u64,
     },
     /// Where in the arguments the wrapped error happened (`stripe 1`,
     /// `priority group 2`).
     #[error("{context}")]
     In {
+        /// Where (`stripe 1`).
         context: String,
+        /// What went wrong there.
         #[source]
         source: Box<TargetError>,
     },
     /// The target could not start a worker or open a resource it needs.
     #[error("{what}")]
     Io {
+        /// What could not be done.
         what: &'static str,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
@@ -303,17 +461,31 @@ pub enum TargetError {
         "error attaching hardware handler '{0}': blkstack devices have no SCSI device handlers"
     )]
     HwHandler(String),
+    /// `dmsetup message` with no words.
     #[error("empty message")]
     EmptyMessage,
+    /// `dmsetup message` named a sector no line of the table covers.
     #[error("sector {sector} is beyond the end of {device}")]
-    MessageSector { sector: u64, device: String },
+    MessageSector {
+        /// The sector given.
+        sector: u64,
+        /// The device messaged.
+        device: String,
+    },
+    /// The target takes no message of this name (kernel: "Unsupported
+    /// message").
     #[error("message '{0}' not supported by this target")]
     UnsupportedMessage(String),
     /// A message refused with an errno other than EINVAL, as the kernel's
     /// target returns it through the dm ioctl (dm-thin's metadata
     /// messages: EEXIST, ENODATA, EBUSY).
     #[error("{why}")]
-    Refused { errno: Refusal, why: String },
+    Refused {
+        /// The errno class to return.
+        errno: Refusal,
+        /// The target's message.
+        why: String,
+    },
 }
 
 /// Why a [`TargetError::Refused`] message was refused, by the errno the

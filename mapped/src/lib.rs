@@ -5,6 +5,8 @@
 //! Leaf drivers (null, memory, file) appear here as table targets too, so
 //! one table language describes a whole stack.
 
+#![warn(missing_docs)]
+
 pub mod device;
 pub mod error;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
@@ -12,7 +14,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod registry;
 pub mod selectors;
-pub mod split;
+pub(crate) mod split;
 pub mod table;
 pub mod table_text;
 pub mod table_type;

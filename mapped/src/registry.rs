@@ -25,17 +25,29 @@ use std::sync::Arc;
 /// What `dmsetup info` shows for a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceInfo {
+    /// The device's name.
     pub name: String,
+    /// Its uuid, if it has one.
     pub uuid: Option<String>,
+    /// Its major number: always [`crate::target::DM_MAJOR`].
     pub major: u32,
+    /// Its minor number.
     pub minor: u32,
+    /// Whether it is suspended ("State: SUSPENDED").
     pub suspended: bool,
+    /// Whether it refuses writes.
     pub read_only: bool,
+    /// Whether it has a live table ("Tables present: LIVE").
     pub live_table: bool,
+    /// Whether a reload staged a table not yet resumed ("INACTIVE").
     pub inactive_table: bool,
+    /// Holders outside the registry ("Open count").
     pub open_count: u64,
+    /// Events so far ("Event number"): table swaps plus target events.
     pub event_nr: u64,
+    /// Lines in the live table ("Number of targets").
     pub target_count: usize,
+    /// Size of the device in bytes.
     pub size_bytes: u64,
 }
 
@@ -167,6 +179,8 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// An empty registry, shared by the frontends and control paths that
+    /// create and look up devices in it.
     pub fn new() -> Arc<Registry> {
         Arc::new(Registry::default())
     }
@@ -338,6 +352,7 @@ impl Registry {
         self.create_specs(&parse_stack(text)?)
     }
 
+    /// The device called `name`, if there is one.
     pub fn get(&self, name: &str) -> Option<Arc<MappedDevice>> {
         let state = self.state.lock();
         state.resolve(&[], name)
@@ -408,6 +423,8 @@ impl Registry {
         Ok(())
     }
 
+    /// `dmsetup suspend`: stop mapping new bios and wait for those in flight
+    /// (kernel `dm_suspend`).
     pub fn suspend(&self, name: &str) -> Result<(), DmError> {
         let dev = self.must_get(name)?;
         dev.suspend();
@@ -496,10 +513,12 @@ impl Registry {
         }
     }
 
+    /// The names of every device, in name order (`dmsetup ls`).
     pub fn names(&self) -> Vec<String> {
         self.state.lock().devices.keys().cloned().collect()
     }
 
+    /// `dmsetup table NAME`: the device's live table as text.
     pub fn table_text(&self, name: &str) -> Result<String, DmError> {
         Ok(self.must_get(name)?.table_text())
     }
@@ -512,10 +531,14 @@ impl Registry {
             .map(|t| t.table_text()))
     }
 
+    /// `dmsetup status NAME`: the live table's status text.
     pub fn status_text(&self, name: &str) -> Result<String, DmError> {
         Ok(self.must_get(name)?.status_text())
     }
 
+    /// `dmsetup message NAME SECTOR ARGS...`: pass `args` to the target of
+    /// the line holding `sector` (kernel `target_message`) and return its
+    /// reply.
     pub fn message(&self, name: &str, sector: u64, args: &[&str]) -> Result<String, DmError> {
         let dev = self.must_get(name)?;
         dev.message(sector, args)
@@ -525,6 +548,7 @@ impl Registry {
             })
     }
 
+    /// `dmsetup info NAME`.
     pub fn info(&self, name: &str) -> Result<DeviceInfo, DmError> {
         let d = self.must_get(name)?;
         let t = d.live_table();

@@ -12,7 +12,10 @@ use blkstack_core::{Bio, Device, DeviceRef, Features, Op, QueueShape, SECTOR_SIZ
 
 /// One constructed table line.
 pub struct TableEntry {
+    /// The line as parsed, kept to print it back for `dmsetup table`.
     pub line: TableLine,
+    /// The target its constructor built (kernel `dm_target`'s private state
+    /// with its `target_type`).
     pub target: TargetRef,
     /// Registry names of the devices this line uses.
     pub deps: Vec<String>,
@@ -31,6 +34,8 @@ impl TableEntry {
 
 /// A constructed table: lines in sector order, tiling `0..size`.
 pub struct Table {
+    /// The lines, in sector order, each with its built target (kernel
+    /// `dm_table.targets`).
     pub entries: Vec<TableEntry>,
     /// Staged with `force`: it may drop data the live table holds in RAM
     /// (see `targets::memory::ram_lost`) when it goes live.
@@ -38,6 +43,7 @@ pub struct Table {
 }
 
 impl Table {
+    /// Size of the device the table makes, in bytes: where its last line ends.
     pub fn size_bytes(&self) -> u64 {
         self.entries.last().map(|e| e.end_bytes()).unwrap_or(0)
     }

@@ -21,9 +21,14 @@ use std::fmt::Write as _;
 pub struct TableLine {
     /// 1-based line number in the text it came from (for errors).
     pub line: usize,
+    /// First sector the line covers (dm's `logical_start_sector`).
     pub start: u64,
+    /// Sectors the line covers (dm's `num_sectors`); never 0.
     pub len: u64,
+    /// The target type's name (`linear`, `thin-pool`, ...).
     pub target: String,
+    /// The target's arguments, split on whitespace, as its constructor gets
+    /// them (`argv`).
     pub args: Vec<String>,
 }
 
@@ -221,9 +226,13 @@ pub fn render_table(lines: &[TableLine]) -> String {
 /// One device of a `--concise` list or a stack file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DeviceSpec {
+    /// The device's name (dmsetup's `--concise` `<name>`).
     pub name: String,
+    /// Its uuid, if the spec gave one (`dmsetup create -u`).
     pub uuid: Option<String>,
+    /// Its requested minor number, if the spec gave one.
     pub minor: Option<u32>,
+    /// Whether the device is created read-only (`ro` instead of `rw`).
     pub read_only: bool,
     /// The table, one line per entry, in order.
     pub table: String,

@@ -12,7 +12,10 @@ use crate::table::Table;
 /// dm's `enum dm_queue_mode`, as far as a reload can tell them apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QueueType {
+    /// Bio-based (`DM_TYPE_BIO_BASED`): how every blkstack table maps.
     Bio,
+    /// Request-based (`DM_TYPE_REQUEST_BASED`): what a multipath table makes
+    /// a device, so that a later table must be request-based too.
     Request,
 }
 

@@ -21,6 +21,10 @@ use std::sync::Arc;
 /// `dmsetup table` does (`253:MINOR`).
 pub const DM_MAJOR: u32 = 253;
 
+/// A target: the code behind one table line (kernel `struct target_type`'s
+/// methods with the target's private state, `ti->private`). It maps each
+/// bio of its sector range, and answers `status`, `message` and the
+/// suspend/resume hooks of the device it belongs to.
 pub trait Target: Send + Sync {
     /// Handle a bio whose offset is relative to the target's start. The
     /// target owns it: submit it (remapped) to a lower device, queue it, or
@@ -59,6 +63,8 @@ pub trait Target: Send + Sync {
     /// When the device resumes with this target live.
     fn resume(&self) {}
 
+    /// What the target can do (flush, FUA, discard, ...); the device offers
+    /// what every line of its table offers ([`Features::intersect`]).
     fn features(&self) -> Features {
         Features::default()
     }
@@ -100,6 +106,7 @@ pub trait Target: Send + Sync {
     fn poll_devices<'a>(&'a self, _f: &mut dyn FnMut(&'a dyn Device)) {}
 }
 
+/// A shared handle to a built target, as a table holds it.
 pub type TargetRef = Arc<dyn Target>;
 
 /// A mapped device's event counter, which its targets raise (kernel
@@ -110,10 +117,12 @@ pub type TargetRef = Arc<dyn Target>;
 pub struct Events(Arc<AtomicU64>);
 
 impl Events {
+    /// Count one event (kernel `dm_table_event`).
     pub fn raise(&self) {
         self.0.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Events raised so far: the event number `dmsetup info` shows.
     pub fn count(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -124,7 +133,9 @@ impl Events {
 pub struct DevArg {
     /// The device's name in the registry.
     pub name: String,
+    /// Its minor number, for printing the argument as `253:MINOR`.
     pub minor: u32,
+    /// The device itself, for the target to submit to.
     pub dev: DeviceRef,
 }
 
@@ -173,6 +184,9 @@ pub struct CtrContext<'a> {
 }
 
 impl<'a> CtrContext<'a> {
+    /// The context for constructing the line at sector `begin` of `len`
+    /// sectors in device `device_name`, resolving device arguments through
+    /// `lookup` (kernel `dm_table_add_target` filling `struct dm_target`).
     pub fn new(begin: u64, len: u64, device_name: &'a str, lookup: DeviceLookup<'a>) -> Self {
         CtrContext {
             begin,
@@ -248,9 +262,12 @@ impl<'a> CtrContext<'a> {
 
 /// A target type: the name used in tables and its constructor.
 pub struct TargetType {
+    /// The name tables use (kernel `target_type->name`).
     pub name: &'static str,
     /// dm's target version triple, shown by `dmsetup targets`.
     pub version: [u32; 3],
+    /// The constructor: builds a target from its arguments or says why not,
+    /// naming the argument (kernel `target_type->ctr` and `ti->error`).
     pub ctr: fn(&mut CtrContext<'_>, &[&str]) -> Result<TargetRef, TargetError>,
 }
 

@@ -20,8 +20,12 @@ use blkstack_core::{Bio, Device, Features, QueueShape, Status};
 pub struct DiskLimits {
     /// Size in bytes.
     pub size: u64,
+    /// Smallest addressable unit in bytes (kernel `logical_block_size`).
     pub logical_block_size: u32,
+    /// Unit the medium writes atomically, in bytes (kernel
+    /// `physical_block_size`).
     pub physical_block_size: u32,
+    /// What the disk offers to the layers above (flush, FUA, discard, ...).
     pub features: Features,
 }
 
@@ -64,6 +68,7 @@ impl<D: Driver> Disk<D> {
         self.queue.driver()
     }
 
+    /// The geometry the driver gave the disk when it was built.
     pub fn limits(&self) -> &DiskLimits {
         &self.limits
     }

@@ -27,8 +27,12 @@ pub enum QueueRq {
 /// A request as the driver sees it.
 #[derive(Clone, Copy)]
 pub struct Rq<'a> {
+    /// The request's tag: its slot in the hardware queue's tag set, unique
+    /// among the requests in flight there (kernel `rq->tag`).
     pub tag: u32,
+    /// Index of the hardware queue that dispatched it (kernel `hctx->queue_num`).
     pub hctx: u32,
+    /// The bio the request carries; the driver reads its op, range and buffer.
     pub bio: &'a Bio,
 }
 

@@ -80,14 +80,18 @@ impl HwQueue {
         }
     }
 
+    /// Index of this hardware queue in its request queue (kernel `queue_num`).
     pub fn index(&self) -> u32 {
         self.index
     }
 
+    /// The tag set this hardware queue allocates from (kernel `hctx->tags`).
     pub fn tags(&self) -> &Arc<Tags> {
         &self.tags
     }
 
+    /// Whether the driver stopped this queue (kernel `blk_mq_hctx_stopped`):
+    /// runs do nothing until it is started again.
     pub fn is_stopped(&self) -> bool {
         self.run.is_stopped()
     }
@@ -104,6 +108,7 @@ impl HwQueue {
         self.dispatch_len.load(SeqCst) != 0
     }
 
+    /// Requests on the dispatch list now, for stats (a relaxed read).
     pub fn dispatch_len(&self) -> u32 {
         self.dispatch_len.load(Relaxed)
     }
@@ -141,6 +146,7 @@ impl HwQueue {
         Some(t)
     }
 
+    /// A snapshot of this queue's run and dispatch counters.
     pub fn stats(&self) -> HctxStats {
         let c = &self.counters;
         HctxStats {

@@ -68,6 +68,8 @@ pub struct DelayedWork {
 }
 
 impl DelayedWork {
+    /// A work item that runs `func` each time a worker picks it up (kernel
+    /// `INIT_DELAYED_WORK`); not pending until it is posted.
     pub fn new(func: impl Fn() + Send + Sync + 'static) -> Arc<DelayedWork> {
         Arc::new(DelayedWork {
             deadline: AtomicU64::new(NOT_PENDING),
@@ -344,6 +346,7 @@ impl Kblockd {
         work.deadline.store(NOT_PENDING, Relaxed);
     }
 
+    /// A snapshot of the pool's post and run counters.
     pub fn stats(&self) -> KblockdStats {
         KblockdStats {
             posts: self.shared.posts.load(Relaxed),

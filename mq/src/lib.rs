@@ -27,6 +27,8 @@
 //! primitives are built, for the model checks in `tests/loom_sbitmap.rs`
 //! and `tests/loom_runstate.rs`.
 
+#![warn(missing_docs)]
+
 pub mod runstate;
 pub mod sbitmap;
 mod sync;

@@ -32,6 +32,9 @@ pub struct EngineOptions {
     pub tag_fair_share: bool,
     /// The driver may sleep in `queue_rq`: queue runs always go to kblockd.
     pub blocking: bool,
+    /// Which wakeup algorithm the tag sets' waiters use: the batched
+    /// counters of "sbitmap: Use single per-bitmap counting to wake up queued
+    /// tags" or the per-waitqueue countdown before it.
     pub tag_wakeup: WakeupAlgo,
     /// What a woken tag sleeper counts for (`WakeWeight`).
     pub tag_wake_weight: WakeWeight,
@@ -60,6 +63,7 @@ pub enum KblockdKind {
 }
 
 impl KblockdKind {
+    /// The option value naming this kind, as `kblockd=` spells it.
     pub fn name(self) -> &'static str {
         match self {
             KblockdKind::PerCpu => "percpu",
@@ -92,14 +96,29 @@ impl Default for EngineOptions {
 /// An [`EngineOptions`] value out of range, named by its table key.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum EngineOptionsError {
+    /// `submit_queues` was 0 or above the maximum.
     #[error("submit_queues={0} is out of range 1..={MAX_HW_QUEUES}")]
     HwQueues(u32),
+    /// Every hardware queue would be a poll queue, leaving none for bios
+    /// that do not poll.
     #[error("poll_queues={poll} must leave at least one of submit_queues={hw} for unpolled I/O")]
-    PollQueues { poll: u32, hw: u32 },
+    PollQueues {
+        /// The `poll_queues` asked for.
+        poll: u32,
+        /// The `submit_queues` they would be taken from.
+        hw: u32,
+    },
+    /// `hw_queue_depth` was 0 or above the maximum.
     #[error("hw_queue_depth={0} is out of range 1..={MAX_DEPTH}")]
     QueueDepth(u32),
+    /// `reserved_tags` would leave no tag for ordinary requests.
     #[error("reserved_tags={reserved} must be below hw_queue_depth={depth}")]
-    ReservedTags { reserved: u32, depth: u32 },
+    ReservedTags {
+        /// The `reserved_tags` asked for.
+        reserved: u32,
+        /// The `hw_queue_depth` they must stay below.
+        depth: u32,
+    },
 }
 
 impl EngineOptions {
@@ -118,6 +137,8 @@ impl EngineOptions {
         blkstack_core::QueueShape { hw_queues, depth }
     }
 
+    /// Check the options before a queue is built from them, so a bad table
+    /// line fails at load with a message, not later at I/O.
     pub fn validate(&self) -> Result<(), EngineOptionsError> {
         if self.hw_queues == 0 || self.hw_queues > MAX_HW_QUEUES {
             return Err(EngineOptionsError::HwQueues(self.hw_queues));

@@ -65,8 +65,10 @@ pub const IDLE_CHECK_NS: u64 = 100_000_000;
 /// Why a queue could not be built.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QueueError {
+    /// The engine options were out of range.
     #[error(transparent)]
     Options(#[from] EngineOptionsError),
+    /// A tag set could not be built.
     #[error(transparent)]
     Tags(#[from] TagsError),
 }
@@ -78,7 +80,9 @@ pub struct QueueStats {
     pub tags_in_use: u32,
     /// Total tags over all tag sets.
     pub tags_total: u32,
+    /// Sleeps and wakeups of the tag sets' waiters, summed over the sets.
     pub tags: SbqStats,
+    /// Run and dispatch counters, summed over the hardware queues.
     pub hctx: HctxStats,
     /// Requests waiting on dispatch lists now.
     pub dispatch_waiting: u32,
@@ -132,6 +136,9 @@ impl<D: Driver> Queue<D> {
         Self::with_kblockd(driver, opts, pool)
     }
 
+    /// [`Queue::new`] on a given kblockd pool rather than the
+    /// process-wide one, so a test or benchmark can own and observe its
+    /// workers.
     pub fn with_kblockd(
         driver: D,
         opts: EngineOptions,
@@ -194,6 +201,7 @@ impl<D: Driver> Queue<D> {
         Ok(Queue { inner })
     }
 
+    /// The options the queue was built with.
     pub fn options(&self) -> &EngineOptions {
         &self.inner.opts
     }
@@ -228,10 +236,12 @@ impl<D: Driver> Queue<D> {
         self.inner.driver.poll_wait(&completer, ready)
     }
 
+    /// The driver under the queue.
     pub fn driver(&self) -> &D {
         &self.inner.driver
     }
 
+    /// The hardware queues (kernel `q->queue_hw_ctx`), in index order.
     pub fn hw_queues(&self) -> &[HwQueue] {
         &self.inner.hctxs
     }

@@ -50,6 +50,7 @@ impl Default for RunState {
 }
 
 impl RunState {
+    /// A started queue with no run posted and nothing in the driver.
     pub fn new() -> RunState {
         RunState {
             bits: CachePadded::new(AtomicU32::new(0)),
@@ -57,6 +58,7 @@ impl RunState {
         }
     }
 
+    /// Whether the queue is stopped (kernel `BLK_MQ_S_STOPPED`).
     pub fn is_stopped(&self) -> bool {
         self.bits.load(Relaxed) & S_STOPPED != 0
     }
@@ -66,6 +68,7 @@ impl RunState {
         self.bits.load(Relaxed) & S_WORK_QUEUED != 0
     }
 
+    /// Requests the driver accepted and has not completed.
     pub fn in_driver(&self) -> u32 {
         self.in_driver.load(Relaxed)
     }
@@ -77,6 +80,8 @@ impl RunState {
         self.bits.fetch_and(!S_WORK_QUEUED, SeqCst);
     }
 
+    /// Kernel `blk_mq_start_hw_queue`'s bit: runs may dispatch again. The
+    /// caller runs the queue afterwards to send what waited.
     pub fn start(&self) {
         self.bits.fetch_and(!S_STOPPED, SeqCst);
     }

@@ -109,6 +109,7 @@ pub enum WakeWeight {
 }
 
 impl WakeWeight {
+    /// The option value naming this weight.
     pub fn name(self) -> &'static str {
         match self {
             WakeWeight::Plug => "plug",
@@ -118,6 +119,7 @@ impl WakeWeight {
 }
 
 impl WakeupAlgo {
+    /// The option value naming this algorithm.
     pub fn name(self) -> &'static str {
         match self {
             WakeupAlgo::Counter => "counter",
@@ -126,6 +128,7 @@ impl WakeupAlgo {
         }
     }
 
+    /// The algorithm an option value names; `None` for an unknown one.
     pub fn parse(s: &str) -> Option<WakeupAlgo> {
         match s {
             "counter" => Some(WakeupAlgo::Counter),
@@ -244,18 +247,23 @@ impl Sbitmap {
         }
     }
 
+    /// The usable depth now: how many bits may be allocated (at most the
+    /// capacity; see [`Sbitmap::resize`]).
     pub fn depth(&self) -> u32 {
         self.depth.load(Relaxed)
     }
 
+    /// The most bits the bitmap can hold: its depth when it was built.
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
 
+    /// log2 of the bits per word (kernel `sb->shift`).
     pub fn shift(&self) -> u32 {
         self.shift
     }
 
+    /// Words covering the current depth (kernel `sb->map_nr`).
     pub fn map_nr(&self) -> u32 {
         self.map_nr.load(Relaxed)
     }

@@ -120,10 +120,13 @@ pub struct HctxTagState {
 }
 
 impl HctxTagState {
+    /// Tags this hardware queue holds (counted in shared sets only).
     pub fn nr_active(&self) -> u32 {
         self.nr_active.load(Relaxed)
     }
 
+    /// Whether this hardware queue counts as an active user of its shared
+    /// set (kernel `BLK_MQ_S_TAG_ACTIVE`).
     pub fn is_active(&self) -> bool {
         self.active.load(Relaxed)
     }
@@ -136,6 +139,7 @@ pub struct TagsConfig {
     pub depth: u32,
     /// Tags kept for reserved requests (< depth).
     pub reserved: u32,
+    /// The wakeup algorithm of the set's waiters.
     pub wakeup: WakeupAlgo,
     /// What a woken sleeper counts for (see [`WakeWeight`]).
     pub wake_weight: WakeWeight,
@@ -179,15 +183,32 @@ pub struct Tags {
 /// A tag set configuration or depth change out of range.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum TagsError {
+    /// The depth was 0 or above the maximum.
     #[error("tag depth {0} is out of range 1..={MAX_DEPTH}")]
     Depth(u32),
+    /// The reserved tags would leave none for ordinary requests.
     #[error("reserved tags {reserved} must be fewer than the depth {depth}")]
-    Reserved { reserved: u32, depth: u32 },
+    Reserved {
+        /// The reserved tags asked for.
+        reserved: u32,
+        /// The tag set's depth, which they must stay below.
+        depth: u32,
+    },
+    /// [`Tags::resize`] asked for a depth the set cannot take.
     #[error("new depth {depth} must be in {min}..={max}")]
-    Resize { depth: u32, min: u32, max: u32 },
+    Resize {
+        /// The depth asked for.
+        depth: u32,
+        /// The smallest allowed: one more than the reserved tags.
+        min: u32,
+        /// The largest allowed: the capacity the set was built with.
+        max: u32,
+    },
 }
 
 impl Tags {
+    /// A tag set with every tag free (kernel `blk_mq_init_tags`), or why
+    /// `cfg` cannot make one.
     pub fn new(cfg: TagsConfig) -> Result<Tags, TagsError> {
         if cfg.depth == 0 || cfg.depth > MAX_DEPTH {
             return Err(TagsError::Depth(cfg.depth));
@@ -213,14 +234,18 @@ impl Tags {
         })
     }
 
+    /// The options the set was built with.
     pub fn config(&self) -> &TagsConfig {
         &self.cfg
     }
 
+    /// Total tags the set was built with, reserved included.
     pub fn depth(&self) -> u32 {
         self.cfg.depth
     }
 
+    /// Whether several hardware queues allocate from this set (kernel
+    /// `BLK_MQ_F_TAG_HCTX_SHARED`).
     pub fn is_shared(&self) -> bool {
         self.cfg.shared
     }
@@ -231,10 +256,12 @@ impl Tags {
         self.cfg.shared && self.cfg.fair_share
     }
 
+    /// The queue of ordinary tags (kernel `bitmap_tags`).
     pub fn bitmap(&self) -> &SbitmapQueue {
         &self.bitmap_tags
     }
 
+    /// The queue of reserved tags (kernel `breserved_tags`).
     pub fn reserved_bitmap(&self) -> &SbitmapQueue {
         &self.breserved_tags
     }

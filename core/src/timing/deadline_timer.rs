@@ -13,6 +13,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 /// Why a [`DeadlineTimer`] could not be made.
 #[derive(Debug, thiserror::Error)]
 pub enum DeadlineTimerError {
+    /// `timerfd_create` failed (descriptor limit, or no timerfd support).
     #[error("cannot create a CLOCK_MONOTONIC timerfd")]
     Create(#[source] std::io::Error),
 }
@@ -23,6 +24,7 @@ pub struct DeadlineTimer {
 }
 
 impl DeadlineTimer {
+    /// A disarmed timer on its own timerfd.
     pub fn new() -> Result<DeadlineTimer, DeadlineTimerError> {
         // SAFETY: plain syscall; the result is checked.
         let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC) };

@@ -27,6 +27,7 @@ impl Default for Parker {
 }
 
 impl Parker {
+    /// An idle parker: nothing pending, no key set.
     pub fn new() -> Parker {
         Parker {
             word: AtomicU32::new(0),

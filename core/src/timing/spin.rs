@@ -65,6 +65,8 @@ pub struct SpinPolicy {
 }
 
 impl SpinPolicy {
+    /// A policy that polls for up to `budget_ns` per wait before blocking
+    /// (0: never poll).
     pub fn new(budget_ns: u64) -> SpinPolicy {
         SpinPolicy {
             budget_ns,

@@ -41,6 +41,8 @@ use blkstack_core::clock::now_ns;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// The `historical-service-time` selector as multipath's constructor finds
+/// it by name (kernel `dm-ps-historical-service-time.c`'s `hst_ps`).
 pub const TYPE: SelectorType = SelectorType {
     name: "historical-service-time",
     table_args: 1,
@@ -108,6 +110,10 @@ struct PathInfo {
     state: Mutex<PathState>,
 }
 
+/// One multipath priority group's historical-service-time state: per path,
+/// a decaying average of service time and the nanosecond start times of
+/// its in-flight I/O, from which it predicts which path ends a new I/O
+/// first (upstream "dm mpath: use nanosecond start times for HST").
 pub struct HistoricalServiceTime {
     valid: Mutex<ValidList>,
     valid_count: AtomicUsize,

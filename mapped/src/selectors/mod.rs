@@ -25,7 +25,10 @@ use crate::error::TargetError;
 /// arguments for `dmsetup table`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StatusType {
+    /// `dmsetup status`: the live per-path counters (kernel `STATUSTYPE_INFO`).
     Info,
+    /// `dmsetup table`: the per-path constructor arguments (kernel
+    /// `STATUSTYPE_TABLE`).
     Table,
 }
 
@@ -83,11 +86,14 @@ pub type SelectorCtr = fn(&[&str]) -> Result<Box<dyn PathSelector>, TargetError>
 /// A selector type: its table name, how many per-path words its `status`
 /// prints in each view, and its constructor taking the selector args.
 pub struct SelectorType {
+    /// The name a multipath table line gives (kernel `ps_type->name`).
     pub name: &'static str,
     /// Per-path words in `table` output (kernel `table_args`).
     pub table_args: u32,
     /// Per-path words in `status` output (kernel `info_args`).
     pub info_args: u32,
+    /// Builds a selector for one priority group from its arguments (kernel
+    /// `ps_type->create`).
     pub create: SelectorCtr,
 }
 
@@ -99,10 +105,13 @@ pub static TYPES: &[SelectorType] = &[
     historical_service_time::TYPE,
 ];
 
+/// The selector type a multipath table names (kernel `dm_get_path_selector`);
+/// `None` for an unknown name.
 pub fn lookup(name: &str) -> Option<&'static SelectorType> {
     TYPES.iter().find(|t| t.name == name)
 }
 
+/// Every selector name, for help texts and error messages.
 pub fn names() -> Vec<&'static str> {
     TYPES.iter().map(|t| t.name).collect()
 }

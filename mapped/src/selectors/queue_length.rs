@@ -11,6 +11,7 @@ use crate::error::TargetError;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
 
+/// The `queue-length` selector type (kernel `dm-ps-queue-length.c`).
 pub const TYPE: SelectorType = SelectorType {
     name: "queue-length",
     table_args: 1,
@@ -26,6 +27,8 @@ struct PathInfo {
     qlen: AtomicI64,
 }
 
+/// One priority group's queue-length state: the path with the fewest
+/// I/Os in flight gets the next one.
 pub struct QueueLength {
     valid: Mutex<ValidList>,
     paths: Vec<PathInfo>,

@@ -10,6 +10,7 @@ use super::{
 use crate::error::TargetError;
 use parking_lot::Mutex;
 
+/// The `round-robin` selector type (kernel `dm-ps-round-robin.c`).
 pub const TYPE: SelectorType = SelectorType {
     name: "round-robin",
     table_args: 1,
@@ -19,6 +20,8 @@ pub const TYPE: SelectorType = SelectorType {
 
 const NAME: &str = "round-robin";
 
+/// One priority group's round-robin state: paths take turns, each for
+/// its `repeat_count` I/Os.
 pub struct RoundRobin {
     valid: Mutex<ValidList>,
     repeat_count: Vec<u32>,

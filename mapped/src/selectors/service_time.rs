@@ -11,6 +11,7 @@ use crate::error::TargetError;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The `service-time` selector type (kernel `dm-ps-service-time.c`).
 pub const TYPE: SelectorType = SelectorType {
     name: "service-time",
     table_args: 2,
@@ -29,6 +30,8 @@ struct PathInfo {
     in_flight_size: AtomicU64,
 }
 
+/// One priority group's service-time state: the path whose in-flight
+/// bytes divided by its relative throughput is smallest gets the next I/O.
 pub struct ServiceTime {
     valid: Mutex<ValidList>,
     paths: Vec<PathInfo>,

@@ -23,6 +23,7 @@ use std::sync::{Arc, Weak};
 /// which reach the leaf drivers only through this crate.
 pub use blkstack_drivers::memory::{parse_alloc_size, process_budget, AllocBudget};
 
+/// The `memory` target type: a RAM-backed leaf device from `blkstack-drivers`.
 pub const TYPE: TargetType = leaf_type("memory", ctr);
 
 /// One running memory target and its pages.

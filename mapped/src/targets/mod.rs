@@ -2,21 +2,21 @@
 //! one line in [`TYPES`].
 
 pub mod delay;
-pub mod dust;
-pub mod error;
-pub mod file;
-pub mod flakey;
-pub mod leaf;
-pub mod linear;
+pub(crate) mod dust;
+pub(crate) mod error;
+pub(crate) mod file;
+pub(crate) mod flakey;
+pub(crate) mod leaf;
+pub(crate) mod linear;
 pub mod log_writes;
 pub mod memory;
 pub mod multipath;
 pub mod nbd;
-pub mod null;
-pub mod snapshot;
-pub mod striped;
+pub(crate) mod null;
+pub(crate) mod snapshot;
+pub(crate) mod striped;
 pub mod thin;
-pub mod zero;
+pub(crate) mod zero;
 
 use crate::target::TargetType;
 
@@ -40,6 +40,8 @@ pub static TYPES: &[TargetType] = &[
     snapshot::TYPE,
 ];
 
+/// The target type a table line names (kernel `dm_get_target_type`);
+/// `None` for an unknown name.
 pub fn lookup(name: &str) -> Option<&'static TargetType> {
     TYPES.iter().find(|t| t.name == name)
 }
@@ -50,6 +52,7 @@ pub fn is_singleton(name: &str) -> bool {
     name == "multipath"
 }
 
+/// Every target type's name, as `dmsetup targets` lists them.
 pub fn names() -> Vec<&'static str> {
     TYPES.iter().map(|t| t.name).collect()
 }

@@ -16,6 +16,8 @@ use std::sync::Arc;
 /// frontend (which reaches the leaf drivers only through this crate).
 pub use blkstack_drivers::nbd::proto;
 
+/// The `nbd` target type: a leaf device that is an NBD client of a remote
+/// export, from `blkstack-drivers`.
 pub const TYPE: TargetType = leaf_type("nbd", ctr);
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {

@@ -99,6 +99,7 @@ impl SbqWait {
         }
     }
 
+    /// Whether a waker has woken this entry since it was last prepared.
     pub fn is_woken(&self) -> bool {
         self.waiter.is_woken()
     }
@@ -123,6 +124,7 @@ impl Default for SbqWait {
 pub struct WaitIndex(AtomicU32);
 
 impl WaitIndex {
+    /// A choice that starts at wait queue 0.
     pub fn new() -> WaitIndex {
         WaitIndex(AtomicU32::new(0))
     }
@@ -241,22 +243,27 @@ impl SbitmapQueue {
         self
     }
 
+    /// The wakeup algorithm this queue runs.
     pub fn algo(&self) -> WakeupAlgo {
         self.algo
     }
 
+    /// What one woken sleeper counts for against a wake batch.
     pub fn wake_weight(&self) -> WakeWeight {
         self.weight
     }
 
+    /// The bitmap the tags are allocated from.
     pub fn sbitmap(&self) -> &Sbitmap {
         &self.sb
     }
 
+    /// Usable tags now (the bitmap's depth).
     pub fn depth(&self) -> u32 {
         self.sb.depth()
     }
 
+    /// Frees that make one wakeup (kernel `wake_batch`).
     pub fn wake_batch(&self) -> u32 {
         self.wake_batch.load(Relaxed)
     }
@@ -266,10 +273,14 @@ impl SbitmapQueue {
         self.ws_active.load(Relaxed)
     }
 
+    /// `CompletionCnt`: frees counted so far; only grows (the batched
+    /// algorithm's first counter).
     pub fn completion_cnt(&self) -> u32 {
         self.completion_cnt.load(Relaxed)
     }
 
+    /// `WakeupCnt`: wakeups issued so far, in batch units; only grows (the
+    /// batched algorithm's second counter).
     pub fn wakeup_cnt(&self) -> u32 {
         self.wakeup_cnt.load(Relaxed)
     }
@@ -284,6 +295,7 @@ impl SbitmapQueue {
         self.ws[i].nr_waiters.load(Relaxed)
     }
 
+    /// A snapshot of the wait and wake counters.
     pub fn stats(&self) -> SbqStats {
         SbqStats {
             waits: self.stats.waits.load(Relaxed),

@@ -84,6 +84,7 @@ use std::thread::JoinHandle;
 
 pub use self::options::{format_ms, parse_ms, DEFAULT_HZ, DEFAULT_SPIN_US, DEFAULT_WAKE_PCT};
 
+/// The `delay` target type (kernel `dm-delay.c`'s `delay_target`).
 pub const TYPE: TargetType = TargetType {
     name: "delay",
     version: [1, 5, 0],
@@ -118,12 +119,20 @@ fn class_of(bio: &Bio) -> usize {
 /// Which flush mechanism sends held bios on. See the module documentation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
+    /// dm-delay before upstream "dm: delay: use kthread instead of timers and
+    /// wq": an emulated-jiffies timer wakes a worker, so delays round up to
+    /// ticks of `hz`.
     Timer,
+    /// That upstream change: one worker polls the held bios while any is
+    /// held (accurate, but a busy CPU per device) and sleeps otherwise.
     Kthread,
+    /// The default, the maintainer's hybrid: sleep for long delays, then poll
+    /// for the last short stretch, with a worker per submitting CPU.
     Hybrid,
 }
 
 impl Mode {
+    /// The option value naming this mode (`mode=`).
     pub fn name(self) -> &'static str {
         match self {
             Mode::Timer => "timer",
@@ -265,6 +274,8 @@ struct Settings {
     seq: u64,
 }
 
+/// A built `delay` target: its per-class delays and the flush mechanism
+/// holding its bios (kernel `struct delay_c`).
 pub struct DelayTarget {
     shared: Arc<Shared>,
     settings: Mutex<Settings>,

@@ -15,12 +15,17 @@
 pub const LOG_FLUSH_FLAG: u64 = 1 << 0;
 /// A FUA write: on stable storage when it completed.
 pub const LOG_FUA_FLAG: u64 = 1 << 1;
+/// A discard of the entry's range; no data follows the entry.
 pub const LOG_DISCARD_FLAG: u64 = 1 << 2;
 /// A mark from `message ... mark TEXT`; the text follows the entry.
 pub const LOG_MARK_FLAG: u64 = 1 << 3;
+/// Set by filesystems on metadata writes in the kernel (`REQ_META`);
+/// written by nothing here but kept so logs decode alike.
 pub const LOG_METADATA_FLAG: u64 = 1 << 4;
 
+/// The log format version the kernel writes and this reads.
 pub const WRITE_LOG_VERSION: u64 = 1;
+/// The super block's magic, as in dm-log-writes.c.
 pub const WRITE_LOG_MAGIC: u64 = 0x006a_7366_7773_6872;
 
 /// Bytes of an entry header (four little-endian u64).
@@ -35,6 +40,7 @@ pub const MAX_SECTORSIZE: u32 = 64 << 10;
 /// The log's first block (kernel `struct log_write_super`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LogSuper {
+    /// Entries in the log after the super block.
     pub nr_entries: u64,
     /// The data device's logical block size in bytes.
     pub sectorsize: u32,
@@ -45,7 +51,10 @@ pub struct LogSuper {
 pub struct LogEntry {
     /// First logical block written, in `sectorsize` units.
     pub sector: u64,
+    /// Logical blocks the entry covers: written for a write (its data
+    /// follows), discarded for a discard; 0 for a flush or a mark.
     pub nr_sectors: u64,
+    /// The `LOG_*_FLAG` bits saying what the entry is.
     pub flags: u64,
     /// Bytes of inline data after the header: a mark's text length.
     pub data_len: u64,
@@ -54,12 +63,16 @@ pub struct LogEntry {
 /// Why a block is not a log's super block.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FormatError {
+    /// The first block does not start with [`WRITE_LOG_MAGIC`].
     #[error("not a dm-log-writes log: magic {0:#x}, want {WRITE_LOG_MAGIC:#x}")]
     Magic(u64),
+    /// The super block has a version other than [`WRITE_LOG_VERSION`].
     #[error("dm-log-writes log version {0} (this reads version {WRITE_LOG_VERSION})")]
     Version(u64),
+    /// The super block's logical block size is out of range.
     #[error("log block size {0} is not a power of two in 512..=65536")]
     SectorSize(u32),
+    /// The block read was shorter than a super block or entry header.
     #[error("short block: {0} bytes")]
     Short(usize),
 }
@@ -81,6 +94,8 @@ impl LogSuper {
         b
     }
 
+    /// Read the super block from the log's first block, checking magic,
+    /// version and block size.
     pub fn decode(b: &[u8]) -> Result<LogSuper, FormatError> {
         if b.len() < SUPER_LEN {
             return Err(FormatError::Short(b.len()));
@@ -119,6 +134,7 @@ impl LogEntry {
         b
     }
 
+    /// Read an entry header from the start of its block.
     pub fn decode(b: &[u8]) -> Result<LogEntry, FormatError> {
         if b.len() < ENTRY_LEN {
             return Err(FormatError::Short(b.len()));

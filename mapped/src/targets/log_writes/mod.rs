@@ -26,12 +26,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+/// The `log-writes` target type (kernel `dm-log-writes.c`'s `log_writes_target`).
 pub const TYPE: TargetType = TargetType {
     name: "log-writes",
     version: [1, 1, 0],
     ctr,
 };
 
+/// A built `log-writes` target: the data device and the logger thread
+/// writing entries to the log device (kernel `struct log_writes_c`).
 pub struct LogWritesTarget {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,

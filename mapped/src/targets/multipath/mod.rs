@@ -81,6 +81,7 @@ use std::sync::{Arc, Weak};
 
 pub use start_time::StartTime;
 
+/// The `multipath` target type (kernel `dm-mpath.c`'s `multipath_target`).
 pub const TYPE: TargetType = TargetType {
     name: "multipath",
     version: [1, 14, 0],
@@ -171,6 +172,8 @@ pub struct Multipath {
     me: Weak<Multipath>,
 }
 
+/// A built `multipath` target: its priority groups, paths and path
+/// selectors (kernel `struct multipath`).
 pub struct MultipathTarget {
     m: Arc<Multipath>,
 }

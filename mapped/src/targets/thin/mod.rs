@@ -18,7 +18,7 @@ pub mod metadata;
 mod params;
 pub mod pool;
 mod pool_table;
-pub mod pool_target;
-pub mod thin_target;
+pub(crate) mod pool_target;
+pub(crate) mod thin_target;
 
 pub use params::{no_space_timeout_secs, set_no_space_timeout_secs};

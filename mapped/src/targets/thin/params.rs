@@ -18,6 +18,8 @@ pub fn no_space_timeout_secs() -> u64 {
     NO_SPACE_TIMEOUT_SECS.load(Ordering::Relaxed)
 }
 
+/// Set [`no_space_timeout_secs`] for every pool in the process
+/// (dm-thin's `no_space_timeout` module parameter).
 pub fn set_no_space_timeout_secs(secs: u64) {
     NO_SPACE_TIMEOUT_SECS.store(secs, Ordering::Relaxed);
 }

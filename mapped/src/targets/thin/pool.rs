@@ -32,12 +32,20 @@ const INLINE_METADATA_RESERVE: u64 = 64;
 /// `enum pool_mode`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
+    /// Normal operation: bios are mapped and blocks provisioned (`PM_WRITE`).
     Write,
+    /// No free data block: bios needing one are queued until the data
+    /// device grows or the no-space timeout fails them
+    /// (`PM_OUT_OF_DATA_SPACE`).
     OutOfDataSpace,
     /// No metadata space beyond the reserve: nothing new is provisioned
     /// until the metadata device grows (kernel PM_OUT_OF_METADATA_SPACE).
     OutOfMetadataSpace,
+    /// Metadata may not change: mapped reads and writes still go through,
+    /// anything needing a new mapping fails (`PM_READ_ONLY`).
     ReadOnly,
+    /// Every bio fails: the metadata could not be read or committed
+    /// (`PM_FAIL`).
     Fail,
 }
 
@@ -51,10 +59,18 @@ impl Mode {
 /// `struct pool_features`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolFeatures {
+    /// Zero a newly provisioned block before a partial write (off with
+    /// the `skip_block_zeroing` table feature).
     pub zero_new_blocks: bool,
+    /// Discards are handled (off with `ignore_discard`).
     pub discard_enabled: bool,
+    /// Discards freeing whole data blocks are passed down to the data
+    /// device (off with `no_discard_passdown`).
     pub discard_passdown: bool,
+    /// The pool was asked to be read-only (`read_only` feature).
     pub read_only: bool,
+    /// Fail bios at once when out of data space instead of queueing them
+    /// (`error_if_no_space`).
     pub error_if_no_space: bool,
 }
 
@@ -74,6 +90,7 @@ impl Default for PoolFeatures {
 /// when they waited (for a block being provisioned, for space, for a
 /// commit before a PREFLUSH write).
 pub trait ThinDev: Send + Sync {
+    /// The thin device's id in the pool metadata.
     fn dev_id(&self) -> u64;
     /// Map a bio as it came from the device above.
     fn map(self: Arc<Self>, bio: Bio);
@@ -94,10 +111,17 @@ struct Pending {
     generation: u64,
 }
 
+/// The pool's mutable state under one lock (kernel `struct pool`'s
+/// fields that the worker and the map paths share).
 pub struct PoolState {
+    /// The metadata: mappings, device details, space maps.
     pub md: PoolMetadata,
+    /// The current pool mode.
     pub mode: Mode,
+    /// The features in force now (the requested ones, changed by the mode).
     pub pf: PoolFeatures,
+    /// Free data blocks below which the pool raises an event once
+    /// (the table's `low_water_mark`).
     pub low_water_blocks: u64,
     low_water_triggered: bool,
     /// The free metadata blocks were at or under the threshold when last
@@ -183,11 +207,16 @@ struct Jobs {
     stop: bool,
 }
 
+/// What a pool's targets and its worker share (kernel `struct pool`
+/// with its `pool_c` devices).
 pub struct PoolShared {
+    /// The metadata device.
     pub metadata_dev: DevArg,
+    /// The data device.
     pub data_dev: DevArg,
     /// Data block size in sectors.
     pub block_sectors: u64,
+    /// The state the map paths and the worker change, under its lock.
     pub state: Mutex<PoolState>,
     /// Reads and writes in flight to data blocks (`all_io_ds`).
     pub all_io: Arc<DeferredSet>,
@@ -207,16 +236,25 @@ pub enum Prepared {
     Queued,
     /// A new block to write to (after copying `copy_from`, if any).
     Provision {
+        /// The data block allocated for it.
         block: u64,
+        /// The thin device whose mapping it becomes.
         id: u64,
+        /// The shared data block to copy first (breaking sharing after a
+        /// snapshot, or from an external origin), if any.
         copy_from: Option<u64>,
         /// The pool zeroes new blocks (no `skip_block_zeroing`).
         zero: bool,
     },
+    /// The pool cannot map it (failed or read-only pool, out of space with
+    /// `error_if_no_space`): complete it with this status.
     Fail(Status),
 }
 
 impl PoolShared {
+    /// The shared part of a new pool over the opened metadata `md`: in
+    /// [`Mode::Write`], or read-only when `pf` asks or the metadata needs
+    /// a check; no worker yet (see [`Pool::start`]).
     pub fn new(
         metadata_dev: DevArg,
         data_dev: DevArg,
@@ -264,6 +302,7 @@ impl PoolShared {
         })
     }
 
+    /// Data block size in bytes.
     pub fn block_bytes(&self) -> u64 {
         self.block_sectors * SECTOR_SIZE
     }
@@ -302,14 +341,21 @@ impl PoolShared {
         self.cv.notify_one();
     }
 
+    /// Have the worker commit the metadata, then complete `bio`, an empty
+    /// flush, with the commit's status (dm-thin's deferred flush).
     pub fn defer_flush(&self, bio: Bio) {
         self.push(Job::Flush(bio));
     }
 
+    /// Have the worker commit the metadata, then map `bio`, a write with
+    /// PREFLUSH, through `thin` (dm-thin's commit before REQ_PREFLUSH).
     pub fn defer_preflush(&self, bio: Bio, thin: Arc<dyn ThinDev>) {
         self.push(Job::Preflush(bio, thin));
     }
 
+    /// Have the worker map `bio`, a read or write, through `thin` again
+    /// ([`ThinDev::map_io`]), off the submitter's thread (kernel
+    /// `thin_defer_bio`).
     pub fn defer_remap(&self, bio: Bio, thin: Arc<dyn ThinDev>) {
         self.push(Job::Remap(bio, thin));
     }
@@ -613,6 +659,7 @@ impl PoolShared {
             .collect()
     }
 
+    /// Ask the worker to exit after the jobs already queued.
     pub fn stop(&self) {
         self.jobs.lock().stop = true;
         self.cv.notify_one();
@@ -742,11 +789,14 @@ impl EndIo for PoolShared {
 /// The pool object a `thin-pool` target and its `thin` targets share;
 /// the worker stops (after a last commit) when the last of them goes.
 pub struct Pool {
+    /// What the pool's targets and worker share.
     pub shared: Arc<PoolShared>,
     worker: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Pool {
+    /// Start the pool's worker thread, named after `name`, and return the
+    /// pool its targets hold (kernel `pool_create`).
     pub fn start(shared: Arc<PoolShared>, name: &str) -> std::io::Result<Arc<Pool>> {
         let s = shared.clone();
         let worker = std::thread::Builder::new()

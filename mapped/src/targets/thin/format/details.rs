@@ -9,15 +9,23 @@ use super::{le32, le64, put32, put64};
 /// A thin device's record in the device-details tree (24 bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceDetails {
+    /// Blocks mapped by the device (`dmsetup status`'s mapped sectors, in
+    /// pool blocks).
     pub mapped_blocks: u64,
+    /// The pool transaction that last changed the device.
     pub transaction_id: u64,
+    /// The pool time (snapshot count) when the device was created.
     pub creation_time: u32,
+    /// The pool time when a snapshot of it was last taken: mappings older
+    /// than this are shared and must be broken on write.
     pub snapshotted_time: u32,
 }
 
 impl DeviceDetails {
+    /// Bytes of the record on disk.
     pub const SIZE: usize = 24;
 
+    /// The little-endian on-disk record.
     pub fn encode(&self) -> [u8; 24] {
         let mut b = [0u8; 24];
         put64(&mut b, 0, self.mapped_blocks);
@@ -27,6 +35,7 @@ impl DeviceDetails {
         b
     }
 
+    /// Read a record from the first [`DeviceDetails::SIZE`] bytes of `b`.
     pub fn decode(b: &[u8]) -> DeviceDetails {
         DeviceDetails {
             mapped_blocks: le64(b, 0),
@@ -53,7 +62,9 @@ pub fn unpack_block_time(v: u64) -> (u64, u32) {
 /// A space map's root as the superblock holds it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SmRoot {
+    /// Blocks the space map covers.
     pub nr_blocks: u64,
+    /// Blocks with a reference count above zero.
     pub nr_allocated: u64,
     /// The index: a btree (data) or one index block (metadata).
     pub bitmap_root: u64,
@@ -62,6 +73,7 @@ pub struct SmRoot {
 }
 
 impl SmRoot {
+    /// Write the 32-byte on-disk root into the start of `b`.
     pub fn encode(&self, b: &mut [u8]) {
         put64(b, 0, self.nr_blocks);
         put64(b, 8, self.nr_allocated);
@@ -69,6 +81,7 @@ impl SmRoot {
         put64(b, 24, self.ref_count_root);
     }
 
+    /// Read a root from the start of `b`.
     pub fn decode(b: &[u8]) -> SmRoot {
         SmRoot {
             nr_blocks: le64(b, 0),
@@ -82,20 +95,27 @@ impl SmRoot {
 /// Where one bitmap block is, and a summary of it (16 bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexEntry {
+    /// The metadata block holding the bitmap.
     pub blocknr: u64,
+    /// Free entries in that bitmap block.
     pub nr_free: u32,
+    /// Index within the bitmap block below which no entry is free: where a
+    /// search for a free block starts.
     pub none_free_before: u32,
 }
 
 impl IndexEntry {
+    /// Bytes of the entry on disk.
     pub const SIZE: usize = 16;
 
+    /// Write the on-disk entry into the start of `b`.
     pub fn encode(&self, b: &mut [u8]) {
         put64(b, 0, self.blocknr);
         put32(b, 8, self.nr_free);
         put32(b, 12, self.none_free_before);
     }
 
+    /// Read an entry from the start of `b`.
     pub fn decode(b: &[u8]) -> IndexEntry {
         IndexEntry {
             blocknr: le64(b, 0),

@@ -27,23 +27,39 @@ pub const BLOCK_SECTORS: u64 = (BLOCK_SIZE / 512) as u64;
 /// Why a metadata block could not be read as the structure asked for.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum FormatError {
+    /// The block's crc32c does not match its contents (the kernel's
+    /// validators: "checksum failed").
     #[error("{what} at block {block}: checksum {found:#x}, expected {want:#x}")]
     Checksum {
+        /// The structure read (`superblock`, `btree node`, `bitmap`).
         what: &'static str,
+        /// The metadata block it was read from.
         block: u64,
+        /// The checksum stored in the block.
         found: u32,
+        /// The checksum its contents have.
         want: u32,
     },
+    /// The block's own location field names another block: a misdirected
+    /// write or a stale copy (the validators' `blocknr` check).
     #[error("{what} at block {block} says it is block {says}")]
     Location {
+        /// The structure read.
         what: &'static str,
+        /// The metadata block it was read from.
         block: u64,
+        /// The block it says it is.
         says: u64,
     },
+    /// Anything else the structure's checks refuse (magic, version, entry
+    /// counts, key order).
     #[error("{what} at block {block}: {why}")]
     Invalid {
+        /// The structure read.
         what: &'static str,
+        /// The metadata block it was read from.
         block: u64,
+        /// Which check failed.
         why: String,
     },
 }

@@ -18,17 +18,23 @@ pub fn max_entries(value_size: usize) -> usize {
     n / 3 * 3
 }
 
+/// One btree node in memory: its kind, keys and packed values, encoded
+/// to and decoded from one metadata block (kernel `struct btree_node`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Node {
+    /// A leaf (values are the tree's values) or internal (values are child
+    /// block numbers); kernel `LEAF_NODE`/`INTERNAL_NODE`.
     pub leaf: bool,
     /// Bytes per value (8 for internal nodes).
     pub value_size: usize,
+    /// The keys, ascending.
     pub keys: Vec<u64>,
     /// `keys.len() * value_size` bytes.
     pub values: Vec<u8>,
 }
 
 impl Node {
+    /// A leaf with no entries whose values are `value_size` bytes.
     pub fn empty_leaf(value_size: usize) -> Node {
         Node {
             leaf: true,
@@ -38,6 +44,7 @@ impl Node {
         }
     }
 
+    /// An internal node with no entries.
     pub fn internal() -> Node {
         Node {
             leaf: false,
@@ -47,18 +54,23 @@ impl Node {
         }
     }
 
+    /// Entries in the node (kernel `nr_entries`).
     pub fn len(&self) -> usize {
         self.keys.len()
     }
 
+    /// Whether the node has no entries.
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()
     }
 
+    /// The most entries a node of this value size holds (kernel
+    /// `max_entries`).
     pub fn max(&self) -> usize {
         max_entries(self.value_size)
     }
 
+    /// The value of entry `i`.
     pub fn value(&self, i: usize) -> &[u8] {
         &self.values[i * self.value_size..(i + 1) * self.value_size]
     }
@@ -68,11 +80,13 @@ impl Node {
         le64(&self.values, i * self.value_size)
     }
 
+    /// Overwrite the value of entry `i`.
     pub fn set_value(&mut self, i: usize, v: &[u8]) {
         let vs = self.value_size;
         self.values[i * vs..(i + 1) * vs].copy_from_slice(v);
     }
 
+    /// Insert `key` with value `v` as entry `i`, shifting the later ones up.
     pub fn insert_at(&mut self, i: usize, key: u64, v: &[u8]) {
         let vs = self.value_size;
         self.keys.insert(i, key);
@@ -80,6 +94,7 @@ impl Node {
         self.values.splice(at..at, v.iter().copied());
     }
 
+    /// Remove entry `i`, shifting the later ones down.
     pub fn remove_at(&mut self, i: usize) {
         let vs = self.value_size;
         self.keys.remove(i);
@@ -105,6 +120,8 @@ impl Node {
         }
     }
 
+    /// The node as metadata block `blocknr`: header, keys and values, sealed
+    /// with its checksum.
     pub fn encode(&self, blocknr: u64) -> Vec<u8> {
         let mut b = vec![0u8; BLOCK_SIZE];
         let max = self.max();

@@ -19,25 +19,38 @@ pub const LOCATION: u64 = 0;
 const DATA_SM_ROOT: usize = 64;
 const META_SM_ROOT: usize = 192;
 
+/// The superblock's fields (kernel `struct thin_disk_superblock`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Superblock {
+    /// Superblock flags: [`NEEDS_CHECK`] or none.
     pub flags: u32,
     /// The block this copy lives at (0, or a held metadata snapshot's).
     pub blocknr: u64,
+    /// The pool's time: incremented by each snapshot, recorded in mappings
+    /// so a write can tell whether its block is shared.
     pub time: u32,
+    /// The transaction id userspace sets (`set_transaction_id` message).
     pub trans_id: u64,
     /// The metadata snapshot's superblock copy, 0 if none.
     pub held_root: u64,
+    /// The data device's space map.
     pub data_sm: SmRoot,
+    /// The metadata device's own space map.
     pub metadata_sm: SmRoot,
+    /// Root of the two-level mapping tree: device id, then virtual block to
+    /// (data block, time).
     pub data_mapping_root: u64,
+    /// Root of the device-details tree: device id to [`super::details::DeviceDetails`].
     pub device_details_root: u64,
     /// In 512-byte sectors.
     pub data_block_size: u32,
+    /// Blocks on the metadata device.
     pub metadata_nr_blocks: u64,
 }
 
 impl Superblock {
+    /// The superblock as metadata block 0 (or a held copy's block), sealed
+    /// with its checksum.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = vec![0u8; BLOCK_SIZE];
         put32(&mut b, 4, self.flags);

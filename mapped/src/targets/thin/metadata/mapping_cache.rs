@@ -41,8 +41,11 @@ type Page = Box<[u64; PAGE as usize]>;
 /// `None` when the walk ended above the leaves (every key in the range is
 /// unmapped).
 pub struct LeafSpan {
+    /// The leaf the walk ended in, `None` if it ended above the leaves.
     pub leaf: Option<Arc<Node>>,
+    /// First key the leaf answers for.
     pub lo: u64,
+    /// The key after the last the leaf answers for.
     pub hi: u64,
 }
 
@@ -57,6 +60,8 @@ impl LeafSpan {
     }
 }
 
+/// The cache itself: per thin device, pages of mapping values keyed by
+/// (device, page number); see the module documentation.
 #[derive(Default)]
 pub struct MappingCache {
     pages: HashMap<(u64, u64), Page, BuildHasherDefault<BlockHasher>>,
@@ -130,10 +135,12 @@ impl MappingCache {
         self.pages.retain(|&(d, _), _| d != dev);
     }
 
+    /// Pages held now.
     pub fn len(&self) -> usize {
         self.pages.len()
     }
 
+    /// Whether no page is held.
     pub fn is_empty(&self) -> bool {
         self.pages.is_empty()
     }

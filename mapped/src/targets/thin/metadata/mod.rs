@@ -39,24 +39,45 @@ pub fn read_dev_id(s: &str) -> Option<u64> {
     s.parse::<u64>().ok().filter(|&id| id <= MAX_DEV_ID)
 }
 
+/// Why a metadata operation failed; any of them puts the pool in
+/// read-only or fail mode unless the caller can refuse it alone (kernel
+/// `metadata_operation_failed`).
 #[derive(Debug, thiserror::Error)]
 pub enum MetadataError {
+    /// Reading, writing or flushing the metadata device failed.
     #[error("metadata {what} of block {block} failed: {status:?}")]
     Io {
+        /// The operation (`read`, `write`, `flush`).
         what: &'static str,
+        /// The metadata block it was for.
         block: u64,
+        /// How the device completed it.
         status: Status,
     },
+    /// A block read does not decode as the structure expected.
     #[error(transparent)]
     Format(#[from] FormatError),
+    /// A block decodes but its contents contradict the rest of the
+    /// metadata (a tree's shape, a count).
     #[error("metadata block {block} is corrupt: {why}")]
-    Corrupt { block: u64, why: String },
+    Corrupt {
+        /// The metadata block.
+        block: u64,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// No free metadata block for the change (kernel `-ENOSPC` from the
+    /// metadata space map).
     #[error("out of metadata space")]
     NoMetadataSpace,
+    /// `create_thin`/`create_snap` named an id in use (kernel `-EEXIST`).
     #[error("thin device {0} already exists")]
     Exists(u64),
+    /// The thin device id is not in the metadata (kernel `-ENODATA`).
     #[error("thin device {0} does not exist")]
     NoSuchDevice(u64),
+    /// A request the metadata refuses as invalid (kernel `-EINVAL`), with
+    /// the reason.
     #[error("{0}")]
     Refused(String),
     /// Refused because something holds it (the kernel's -EBUSY).
@@ -68,6 +89,7 @@ pub enum MetadataError {
 }
 
 impl MetadataError {
+    /// [`MetadataError::Corrupt`] for `block`, saying `why`.
     pub fn corrupt(block: u64, why: &str) -> MetadataError {
         MetadataError::Corrupt {
             block,
@@ -86,11 +108,14 @@ struct DevState {
 /// Where a virtual block lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lookup {
+    /// The data block it is mapped to.
     pub data_block: u64,
     /// Written before the device's last snapshot: a write must copy it.
     pub shared: bool,
 }
 
+/// A pool's open metadata: the running transaction over the last
+/// committed one (kernel `struct dm_pool_metadata`).
 pub struct PoolMetadata {
     tm: Tm,
     /// Top of the two-level mapping tree.
@@ -122,6 +147,9 @@ impl PoolMetadata {
         commit::open(dev, data_blocks, data_block_size)
     }
 
+    /// Make the running transaction durable (kernel
+    /// `dm_pool_commit_metadata`), in the order the module documentation
+    /// gives; nothing to do when nothing changed.
     pub fn commit(&mut self) -> Result<(), MetadataError> {
         if !self.dirty {
             return Ok(());
@@ -165,18 +193,25 @@ impl PoolMetadata {
         self.dirty
     }
 
+    /// The transaction id userspace set (`set_transaction_id`), as the
+    /// pool's status shows it.
     pub fn transaction_id(&self) -> u64 {
         self.trans_id
     }
 
+    /// The held metadata snapshot's block (`reserve_metadata_snap`), 0 if
+    /// none.
     pub fn held_root(&self) -> u64 {
         self.held_root
     }
 
+    /// Whether the superblock carries `NEEDS_CHECK`: the pool stays
+    /// read-only until `thin_check`/`thin_repair` clear it.
     pub fn needs_check(&self) -> bool {
         self.flags & super::format::superblock::NEEDS_CHECK != 0
     }
 
+    /// Data block size in 512-byte sectors, as the superblock records it.
     pub fn data_block_size(&self) -> u32 {
         self.data_block_size
     }
@@ -202,14 +237,17 @@ impl PoolMetadata {
         self.tm.meta.nr_free()
     }
 
+    /// (used, total) data blocks, as the pool's status shows them.
     pub fn data_blocks(&self) -> (u64, u64) {
         (self.tm.data.nr_allocated(), self.tm.data.nr_blocks())
     }
 
+    /// Free data blocks.
     pub fn data_free(&self) -> u64 {
         self.tm.data.nr_free()
     }
 
+    /// Whether thin device `dev` exists in the running transaction.
     pub fn exists(&self, dev: u64) -> bool {
         self.devices.contains_key(&dev)
     }
@@ -431,10 +469,13 @@ impl PoolMetadata {
         Ok(())
     }
 
+    /// Blocks mapped by thin device `dev`, `None` if it does not exist.
     pub fn mapped_blocks(&self, dev: u64) -> Option<u64> {
         self.devices.get(&dev).map(|d| d.details.mapped_blocks)
     }
 
+    /// The highest virtual block thin device `dev` maps, `None` if it maps
+    /// none (a thin target's status).
     pub fn highest_mapped(&mut self, dev: u64) -> Result<Option<u64>, MetadataError> {
         let sub = self.subtree(dev)?;
         btree::highest_key(&mut self.tm, sub)

@@ -21,6 +21,8 @@ pub enum RefCountError {
     BelowZero(u64),
 }
 
+/// The reference counts of one device's blocks (data or metadata), with
+/// what the next commit must write (kernel `struct dm_space_map`).
 pub struct SpaceMap {
     counts: Vec<u32>,
     /// Blocks whose count fell to 0 in this transaction.
@@ -40,6 +42,8 @@ fn nr_bitmaps(nr_blocks: u64) -> usize {
 }
 
 impl SpaceMap {
+    /// A space map of `nr_blocks` blocks, all free, every bitmap to be
+    /// written (a freshly formatted pool).
     pub fn new(nr_blocks: u64) -> SpaceMap {
         let n = nr_bitmaps(nr_blocks);
         SpaceMap {
@@ -68,22 +72,29 @@ impl SpaceMap {
         }
     }
 
+    /// Blocks the map covers (kernel `sm_get_nr_blocks`).
     pub fn nr_blocks(&self) -> u64 {
         self.counts.len() as u64
     }
 
+    /// Blocks with a count above zero.
     pub fn nr_allocated(&self) -> u64 {
         self.allocated
     }
 
+    /// Blocks with a count of zero (kernel `sm_get_nr_free`); some may not
+    /// be handed out before the commit (see the module documentation).
     pub fn nr_free(&self) -> u64 {
         self.nr_blocks() - self.allocated
     }
 
+    /// Block `b`'s reference count (kernel `sm_get_count`); 0 beyond the
+    /// map.
     pub fn get(&self, b: u64) -> u32 {
         self.counts.get(b as usize).copied().unwrap_or(0)
     }
 
+    /// Every block's count, in block order.
     pub fn counts(&self) -> &[u32] {
         &self.counts
     }
@@ -107,6 +118,7 @@ impl SpaceMap {
         self.dirty[(b / ENTRIES_PER_BITMAP) as usize] = true;
     }
 
+    /// Add one reference to block `b` (kernel `sm_inc_block`).
     pub fn inc(&mut self, b: u64) {
         let c = self.get(b);
         self.set(b, c.saturating_add(1));
@@ -166,6 +178,7 @@ impl SpaceMap {
         &self.counts[start..end]
     }
 
+    /// Bitmap blocks the map needs on disk.
     pub fn nr_bitmaps(&self) -> usize {
         self.bitmap_blocks.len()
     }

@@ -76,9 +76,15 @@ pub enum ValueKind {
     Plain,
 }
 
+/// The transaction manager: the metadata device, both space maps, the
+/// node cache and this transaction's shadows (kernel `struct
+/// dm_transaction_manager`).
 pub struct Tm {
+    /// The metadata device.
     pub dev: DevArg,
+    /// Reference counts of the metadata blocks.
     pub meta: SpaceMap,
+    /// Reference counts of the data device's blocks.
     pub data: SpaceMap,
     cache: BlockMap<Arc<Node>>,
     /// Blocks allocated in this transaction (written at commit).
@@ -88,6 +94,8 @@ pub struct Tm {
 }
 
 impl Tm {
+    /// A transaction manager on `dev` with the given space maps, an empty
+    /// cache and no shadows.
     pub fn new(dev: DevArg, meta: SpaceMap, data: SpaceMap) -> Tm {
         Tm {
             dev,
@@ -99,6 +107,7 @@ impl Tm {
         }
     }
 
+    /// Read metadata block `b` from the device, bypassing the cache.
     pub fn read_block(&self, b: u64) -> Result<Vec<u8>, MetadataError> {
         let mut buf = vec![0u8; BLOCK_SIZE];
         let st = submit_and_wait(
@@ -112,6 +121,7 @@ impl Tm {
         Ok(buf)
     }
 
+    /// Write metadata block `b` (with FUA when `fua`: the superblock).
     pub fn write_block(&self, b: u64, data: &mut [u8], fua: bool) -> Result<(), MetadataError> {
         let flags = if fua { BioFlags::FUA } else { BioFlags::NONE };
         let st = submit_and_wait_flags(
@@ -125,11 +135,15 @@ impl Tm {
         io(st, "write", b)
     }
 
+    /// Flush the metadata device's cache: what a commit does before the
+    /// superblock write.
     pub fn flush(&self) -> Result<(), MetadataError> {
         let st = submit_and_wait(&*self.dev.dev, Op::Flush, 0, 0, &mut []);
         io(st, "flush", 0)
     }
 
+    /// Btree node `b`, from the cache or read and validated (kernel
+    /// `dm_tm_read_lock` with the btree validator).
     pub fn node(&mut self, b: u64) -> Result<Arc<Node>, MetadataError> {
         if let Some(n) = self.cache.get(&b) {
             return Ok(n.clone());
@@ -204,6 +218,9 @@ impl Tm {
         }
     }
 
+    /// Add the reference a copied value of `kind` holds (the
+    /// `dm_btree_value_type` `inc` hook): a data block for a mapping, a
+    /// subtree's root for a subtree.
     pub fn inc_value(&mut self, kind: ValueKind, v: &[u8]) {
         match kind {
             ValueKind::Mapping => self.data.inc(u64_of(v) >> 24),
@@ -212,6 +229,9 @@ impl Tm {
         }
     }
 
+    /// Drop the reference a deleted value of `kind` held (the
+    /// `dm_btree_value_type` `dec` hook): a data block's count, or a
+    /// subtree's, deleting the subtree when that was its last reference.
     pub fn dec_value(&mut self, kind: ValueKind, v: &[u8]) -> Result<(), MetadataError> {
         match kind {
             ValueKind::Mapping => {
@@ -322,6 +342,7 @@ impl Tm {
     }
 }
 
+/// The little-endian u64 at the start of a btree value.
 pub fn u64_of(v: &[u8]) -> u64 {
     super::super::format::le64(v, 0)
 }
