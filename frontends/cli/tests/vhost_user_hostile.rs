@@ -10,7 +10,8 @@
 
 use blkstack_nbd::client::RawClient;
 use blkstack_test_support::*;
-use std::io::{Read, Write};
+use blkstack_vhost_user_blk::fuzzing::send_with_fds;
+use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -184,44 +185,6 @@ impl Vu {
             }
         }
     }
-}
-
-fn send_with_fds(s: &UnixStream, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
-    if fds.is_empty() {
-        return (&*s).write_all(msg);
-    }
-    let mut iov = libc::iovec {
-        iov_base: msg.as_ptr() as *mut libc::c_void,
-        iov_len: msg.len(),
-    };
-    let bytes = std::mem::size_of_val(fds);
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
-    // SAFETY: msghdr is plain data; every pointer set below is valid for
-    // the duration of sendmsg.
-    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-    mh.msg_iov = &mut iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cbuf.as_mut_ptr() as *mut libc::c_void;
-    mh.msg_controllen = space;
-    // SAFETY: the control buffer holds one header with room for `fds`.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&mh);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(bytes as u32) as usize;
-        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c) as *mut RawFd, fds.len());
-    }
-    // SAFETY: mh points at live buffers.
-    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if n as usize != msg.len() {
-        return Err(std::io::ErrorKind::WriteZero.into());
-    }
-    Ok(())
 }
 
 fn memfd() -> OwnedFd {

@@ -252,8 +252,9 @@ fn eventfd() -> Option<OwnedFd> {
 }
 
 /// `sendmsg` of `msg` with `fds` attached (SCM_RIGHTS), as a VMM sends
-/// vhost-user messages; a full socket buffer is waited out briefly.
-fn send_with_fds(s: &UnixStream, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+/// vhost-user messages; a full socket buffer is waited out briefly. The
+/// scripted VMM of the hostile-VMM tests sends with it too.
+pub fn send_with_fds(s: &UnixStream, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
     let mut iov = libc::iovec {
         iov_base: msg.as_ptr() as *mut libc::c_void,
         iov_len: msg.len(),
