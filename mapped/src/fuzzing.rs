@@ -102,6 +102,20 @@ fn check_round_trip(l: &TableLine) {
     );
 }
 
+/// Why [`thin_metadata`] did not take its input through every change.
+#[derive(Debug, thiserror::Error)]
+pub enum ThinFuzzError {
+    /// The memory device for the metadata could not be made or written.
+    #[error("no metadata device")]
+    NoDevice,
+    /// The metadata was refused, or a change to it failed.
+    #[error(transparent)]
+    Metadata(#[from] crate::targets::thin::metadata::MetadataError),
+    /// Checksums kept failing after every block was repaired.
+    #[error("gave up repairing checksums")]
+    GaveUp,
+}
+
 /// Metadata device size for [`thin_metadata`]: 1 MiB, 256 blocks.
 const THIN_META_SECTORS: u64 = 2048;
 /// Data blocks and data block size the fuzzed pool is opened for.
@@ -125,7 +139,7 @@ const THIN_DATA_BLOCK_SIZE: u32 = 128;
 /// replay, so a fuzzer's finding replays there as it failed.
 ///
 /// `Ok` when the metadata opened and took every change; otherwise why not.
-pub fn thin_metadata(input: &[u8]) -> Result<(), String> {
+pub fn thin_metadata(input: &[u8]) -> Result<(), ThinFuzzError> {
     use crate::targets::thin::format::FormatError;
     use crate::targets::thin::metadata::MetadataError;
     const BLOCK: usize = crate::targets::thin::format::BLOCK_SIZE;
@@ -137,7 +151,7 @@ pub fn thin_metadata(input: &[u8]) -> Result<(), String> {
         let reg = Registry::new();
         let Ok(md) = open_thin_metadata(&reg, &image) else {
             reg.remove_all();
-            return Err("no metadata device".into());
+            return Err(ThinFuzzError::NoDevice);
         };
         let result = md.and_then(exercise_thin_metadata);
         reg.remove_all();
@@ -152,14 +166,14 @@ pub fn thin_metadata(input: &[u8]) -> Result<(), String> {
         };
         let start = repair.and_then(|(block, ..)| usize::try_from(block).ok()?.checked_mul(BLOCK));
         let (Some((_, at, value, len)), Some(start)) = (repair, start) else {
-            return result.map_err(|e| e.to_string());
+            return result.map_err(ThinFuzzError::Metadata);
         };
         if start >= image.len() {
-            return result.map_err(|e| e.to_string());
+            return result.map_err(ThinFuzzError::Metadata);
         }
         image[start + at..start + at + len].copy_from_slice(&value.to_le_bytes()[..len]);
     }
-    Err("gave up repairing checksums".into())
+    Err(ThinFuzzError::GaveUp)
 }
 
 /// A metadata device holding `image`, and the pool metadata opened on

@@ -120,12 +120,15 @@ fn thin_metadata_seeds_open_and_corruption_is_refused() {
         "two-level-btrees",
     ] {
         let r = blkstack_mapped::fuzzing::thin_metadata(&corpus_file("thin_metadata", seed));
-        assert_eq!(r, Ok(()), "seed {seed}");
+        assert!(r.is_ok(), "seed {seed}: {r:?}");
     }
     let mut bad = corpus_file("thin_metadata", "two-devices-shared");
     bad[32] ^= 0xff; // the superblock's magic
     let r = blkstack_mapped::fuzzing::thin_metadata(&bad);
-    assert!(r.as_ref().is_err_and(|e| e.contains("magic")), "{r:?}");
+    assert!(
+        r.as_ref().is_err_and(|e| e.to_string().contains("magic")),
+        "{r:?}"
+    );
 }
 
 #[test]

@@ -222,8 +222,6 @@ pub struct PoolShared {
     pub all_io: Arc<DeferredSet>,
     jobs: Mutex<Jobs>,
     cv: Condvar,
-    /// I/O refused because its mapping points past the data device.
-    past_end: std::sync::atomic::AtomicU64,
 }
 
 /// What a bio needs from the pool to be mapped.
@@ -298,42 +296,12 @@ impl PoolShared {
             all_io: Arc::new(DeferredSet::default()),
             jobs: Mutex::new(Jobs::default()),
             cv: Condvar::new(),
-            past_end: Default::default(),
         })
     }
 
     /// Data block size in bytes.
     pub fn block_bytes(&self) -> u64 {
         self.block_sectors * SECTOR_SIZE
-    }
-
-    /// Does data block `b` lie inside the data device? A mapping that
-    /// points past it is corrupt metadata: its I/O fails with EIO, as the
-    /// kernel's remapped bio does in `bio_check_eod` ("attempt to access
-    /// beyond end of device"), logged the first time and then once in a
-    /// thousand, as a rate limit would.
-    pub fn data_block_in_device(&self, dev_id: u64, vblock: u64, b: u64) -> bool {
-        let end = b
-            .checked_add(1)
-            .and_then(|n| n.checked_mul(self.block_bytes()));
-        if end.is_some_and(|end| end <= self.data_dev.dev.size()) {
-            return true;
-        }
-        let n = self
-            .past_end
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if n.is_multiple_of(1000) {
-            tracing::error!(
-                data_dev = %self.data_dev,
-                thin = dev_id,
-                vblock,
-                data_block = b,
-                refused = n + 1,
-                "thin: attempt to access beyond end of device: the mapping points past the data device ({} bytes); failing the I/O (EIO)",
-                self.data_dev.dev.size()
-            );
-        }
-        false
     }
 
     fn push(&self, job: Job) {

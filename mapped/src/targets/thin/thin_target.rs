@@ -31,6 +31,8 @@ pub struct ThinCore {
     /// The pool took discards when this device was made (dm-thin's
     /// `thin_ctr` sets `discards_supported` from the pool's features).
     discards: bool,
+    /// I/O refused because its mapping points past the data device.
+    past_end: std::sync::atomic::AtomicU64,
 }
 
 pub struct ThinTarget {
@@ -86,6 +88,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             ),
             origin,
             discards,
+            past_end: Default::default(),
         }),
         _pool: pool,
         pool_dev,
@@ -93,6 +96,35 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
 }
 
 impl ThinCore {
+    /// Does data block `b` lie inside the data device? A mapping that
+    /// points past it is corrupt metadata: its I/O fails with EIO, as the
+    /// kernel's remapped bio does in `bio_check_eod` ("attempt to access
+    /// beyond end of device"), logged the first time and then once in a
+    /// thousand, as a rate limit would.
+    fn data_block_in_device(&self, vblock: u64, b: u64) -> bool {
+        let end = b
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(self.pool.block_bytes()));
+        if end.is_some_and(|end| end <= self.pool.data_dev.dev.size()) {
+            return true;
+        }
+        let n = self
+            .past_end
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n.is_multiple_of(1000) {
+            tracing::error!(
+                data_dev = %self.pool.data_dev,
+                thin = self.dev_id,
+                vblock,
+                data_block = b,
+                refused = n + 1,
+                "thin: attempt to access beyond end of device: the mapping points past the data device ({} bytes); failing the I/O (EIO)",
+                self.pool.data_dev.dev.size()
+            );
+        }
+        false
+    }
+
     /// A bio from the device above: flushes and PREFLUSH go through a
     /// commit first; a FUA write completes only after one.
     fn map_bio(self: &Arc<Self>, mut bio: Bio) {
@@ -137,7 +169,7 @@ impl ThinCore {
         match prepared {
             Prepared::Queued => debug_assert!(false, "a queued bio came back"),
             Prepared::Fail(st) => bio.complete(st),
-            Prepared::Mapped(b) if !self.pool.data_block_in_device(self.dev_id, vblock, b) => {
+            Prepared::Mapped(b) if !self.data_block_in_device(vblock, b) => {
                 if let Some(e) = epoch {
                     self.pool.all_io.exit(e);
                 }
