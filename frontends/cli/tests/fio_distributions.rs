@@ -149,14 +149,13 @@ fn poisson_rate_iops_achieves_fios_rate() {
     let dir = Scratch::new("fiorate");
     // fio reaches the device through the NBD server, ours in process:
     // at queue depth 1 fio's rate is bound by the socket round trip, and
-    // on a busy host (a CPU hog beside the tests) a round trip over the
-    // 0.5 ms that 2000 IOPS leave per I/O held fio at 807 IOPS. With room
+    // on a busy host a round trip over the 0.5 ms that 2000 IOPS leave
+    // per I/O holds fio below the rate. With room
     // for I/Os in flight, each side issues on the Poisson schedule however
     // long one I/O takes, so the test compares the rate process, not the
-    // transport's latency. Eight were not room enough: at a load of 12
-    // (three sessions building beside the tests) round trips of ~4 ms
-    // capped fio near 8 / 4 ms = 2000 IOPS, and it reached 1858; 32 in
-    // flight leave it four times the rate at that latency.
+    // transport's latency. The depth must cover the rate times the
+    // slowest round trip a busy host gives (the figures that set it to
+    // 32 are in the commit that did).
     let job = [
         "--rw=randread",
         "--size=64m",
