@@ -3,7 +3,6 @@
 //! `__commit_transaction`; the space maps' `sm_ll_commit` and
 //! `sm_metadata`'s self-counting index).
 
-use super::super::format::bitmap::{self, ENTRIES_PER_BITMAP, MAX_METADATA_BITMAPS};
 use super::super::format::details::{DeviceDetails, IndexEntry, SmRoot};
 use super::super::format::superblock::{self, Superblock};
 use super::super::format::{le32, BLOCK_SIZE};
@@ -11,6 +10,7 @@ use super::btree;
 use super::space_map::SpaceMap;
 use super::tm::{Tm, ValueKind};
 use super::{DevState, MetadataError, PoolMetadata};
+use crate::persistent_data::bitmap::{self, ENTRIES_PER_BITMAP, MAX_METADATA_BITMAPS};
 use crate::target::DevArg;
 use std::collections::BTreeMap;
 

@@ -19,8 +19,8 @@
 //! or forgets the device ([`MappingCache::forget`]); an aborted
 //! transaction builds a new `PoolMetadata`, and with it an empty cache.
 
-use super::super::format::node::Node;
 use super::tm::BlockHasher;
+use crate::persistent_data::node::Node;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::sync::Arc;

@@ -12,13 +12,12 @@
 //! FUA. Until the superblock lands the previous transaction is intact on
 //! disk, because no block it uses was changed or handed out again.
 
-pub mod btree;
 mod commit;
 pub use commit::metadata_blocks_of;
 pub mod mapping_cache;
 mod remove_range;
-pub mod space_map;
-pub mod tm;
+
+use crate::persistent_data::{btree, space_map, tm};
 
 use super::format::details::{pack_block_time, unpack_block_time, DeviceDetails};
 use super::format::superblock::Superblock;

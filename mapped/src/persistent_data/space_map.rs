@@ -10,7 +10,7 @@
 //! the last committed metadata may still point at it, and a crash must
 //! find it as it was.
 
-use super::super::format::bitmap::ENTRIES_PER_BITMAP;
+use super::bitmap::ENTRIES_PER_BITMAP;
 use std::collections::HashSet;
 
 /// A reference count change the space map refuses.
@@ -28,11 +28,11 @@ pub struct SpaceMap {
     /// Blocks whose count fell to 0 in this transaction.
     freed: HashSet<u64>,
     /// Per bitmap block: changed since the last commit.
-    pub(super) dirty: Vec<bool>,
+    pub(crate) dirty: Vec<bool>,
     /// Per bitmap block: its location on disk (0 = not written yet).
-    pub(super) bitmap_blocks: Vec<u64>,
+    pub(crate) bitmap_blocks: Vec<u64>,
     /// Per bitmap block: placed at a block allocated in this commit.
-    pub(super) fresh: Vec<bool>,
+    pub(crate) fresh: Vec<bool>,
     allocated: u64,
     cursor: u64,
 }

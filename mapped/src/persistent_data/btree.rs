@@ -5,10 +5,10 @@
 //! are rewritten whole (space map indexes, reference count trees, and
 //! the device trees after a removal).
 
-use super::super::format::node::{max_entries, Node};
-use super::mapping_cache::LeafSpan;
+use super::node::{max_entries, Node};
 use super::tm::{Tm, ValueKind};
-use super::MetadataError;
+use crate::targets::thin::metadata::mapping_cache::LeafSpan;
+use crate::targets::thin::metadata::MetadataError;
 
 /// Deeper than any tree of 2^64 keys can be: a path longer than this is
 /// a cycle in corrupt metadata, refused instead of followed forever.

@@ -5,8 +5,8 @@
 //! (`sm_lookup_bitmap`).
 
 use super::checksum::{check_block, seal, BITMAP_XOR, INDEX_XOR};
-use super::details::IndexEntry;
 use super::{le64, put64, FormatError, BLOCK_SIZE};
+use crate::targets::thin::format::details::IndexEntry;
 
 const HEADER: usize = 16;
 

@@ -6,11 +6,11 @@
 //! before a change (`dm_tm_shadow_block`), so a crash before the next
 //! superblock write finds the old transaction whole.
 
-use super::super::format::node::Node;
-use super::super::format::{FormatError, BLOCK_SIZE};
+use super::node::Node;
 use super::space_map::SpaceMap;
-use super::MetadataError;
+use super::{FormatError, BLOCK_SIZE};
 use crate::target::DevArg;
+use crate::targets::thin::metadata::MetadataError;
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
 use blkstack_core::{Bio, BioFlags, EndIo, IoBuf, Op, Status};
 use parking_lot::{Condvar, Mutex};
@@ -90,7 +90,7 @@ pub struct Tm {
     /// Blocks allocated in this transaction (written at commit).
     shadows: BlockSet,
     /// Other metadata blocks (bitmaps, index) to write at commit.
-    pub(super) raw_dirty: HashMap<u64, Vec<u8>>,
+    pub(crate) raw_dirty: HashMap<u64, Vec<u8>>,
 }
 
 impl Tm {
@@ -344,7 +344,7 @@ impl Tm {
 
 /// The little-endian u64 at the start of a btree value.
 pub fn u64_of(v: &[u8]) -> u64 {
-    super::super::format::le64(v, 0)
+    super::le64(v, 0)
 }
 
 fn io(st: Status, what: &'static str, block: u64) -> Result<(), MetadataError> {
