@@ -1,30 +1,58 @@
 //! Copy-on-write btree operations over the transaction manager
-//! (`persistent-data/dm-btree.c`): lookup, insert with top-down splits
-//! (every node on the path is shadowed first, as `shadow_step` does),
-//! whole-tree deletion, and a bulk builder used for the small trees that
-//! are rewritten whole (space map indexes, reference count trees, and
-//! the device trees after a removal).
+//! (`persistent-data/dm-btree.c`), generic over the tree's value type
+//! (`value_type.rs`): lookup, insert with top-down splits (every node on
+//! the path is shadowed first, as `shadow_step` does), whole-tree
+//! deletion, and a bulk builder used for the small trees that are
+//! rewritten whole (space map indexes, reference count trees, and trees
+//! after a removal).
+//!
+//! A lookup allocates nothing: it walks the transaction manager's
+//! cached nodes (reading a block only on a miss) and returns the value
+//! by copy.
 
 use super::node::{max_entries, Node};
-use super::tm::{Tm, ValueKind};
-use crate::targets::thin::metadata::mapping_cache::LeafSpan;
-use crate::targets::thin::metadata::MetadataError;
+use super::tm::Tm;
+use super::value_type::{ValueType, MAX_VALUE_SIZE};
+use super::PdError;
+use std::sync::Arc;
 
 /// Deeper than any tree of 2^64 keys can be: a path longer than this is
 /// a cycle in corrupt metadata, refused instead of followed forever.
 const MAX_DEPTH: usize = 64;
 
-fn too_deep(b: u64) -> MetadataError {
-    MetadataError::corrupt(b, "btree deeper than 64 levels (a cycle?)")
+fn too_deep(b: u64) -> PdError {
+    PdError::corrupt(b, "btree deeper than 64 levels (a cycle?)")
 }
 
-/// The value stored under `key`, if any.
-pub fn lookup(tm: &mut Tm, root: u64, key: u64) -> Result<Option<Vec<u8>>, MetadataError> {
+/// Refuse a leaf whose values are not `V`'s size: unpacking them would
+/// read past or short of each value.
+fn check_leaf<V: ValueType>(n: &Node, b: u64) -> Result<(), PdError> {
+    if n.value_size != V::SIZE {
+        return Err(PdError::corrupt(
+            b,
+            &format!("leaf of {}-byte values has another size", V::SIZE),
+        ));
+    }
+    Ok(())
+}
+
+/// Entry `i` of leaf `n`, unpacked.
+fn value_of<V: ValueType>(n: &Node, i: usize) -> V::Value {
+    V::unpack(n.value(i))
+}
+
+/// The value stored under `key`, if any (`dm_btree_lookup`), by copy.
+pub fn lookup<V: ValueType>(tm: &mut Tm, root: u64, key: u64) -> Result<Option<V::Value>, PdError> {
     let mut b = root;
     for _ in 0..MAX_DEPTH {
         let n = tm.node(b)?;
         if n.leaf {
-            return Ok(n.keys.binary_search(&key).ok().map(|i| n.value(i).to_vec()));
+            check_leaf::<V>(&n, b)?;
+            return Ok(n
+                .keys
+                .binary_search(&key)
+                .ok()
+                .map(|i| value_of::<V>(&n, i)));
         }
         match n.lower_bound(key) {
             Some(i) => b = n.value_u64(i),
@@ -34,28 +62,41 @@ pub fn lookup(tm: &mut Tm, root: u64, key: u64) -> Result<Option<Vec<u8>>, Metad
     Err(too_deep(root))
 }
 
-/// The 8-byte value stored under `key` (a mapping, a subtree root),
-/// without copying it out.
-pub fn lookup_u64(tm: &mut Tm, root: u64, key: u64) -> Result<Option<u64>, MetadataError> {
-    Ok(leaf_span(tm, root, key)?.value(key))
+/// The leaf a lookup of a key ends in, and the keys `[lo, hi)` whose own
+/// lookup ends there too: the leaf answers for all of them. `leaf` is
+/// `None` when the walk ended above the leaves (every key in the range is
+/// absent).
+pub struct LeafSpan {
+    /// The leaf the walk ended in, `None` if it ended above the leaves.
+    pub leaf: Option<Arc<Node>>,
+    /// First key the leaf answers for.
+    pub lo: u64,
+    /// The key after the last the leaf answers for.
+    pub hi: u64,
 }
 
-/// The leaf a lookup of `key` in a tree of 8-byte values ends in, with
-/// the range of keys whose lookup ends there too (each internal node
-/// sends `[keys[i], keys[i + 1])` to child `i`, and keys below its first
-/// to no child at all).
-pub fn leaf_span(tm: &mut Tm, root: u64, key: u64) -> Result<LeafSpan, MetadataError> {
+impl LeafSpan {
+    /// The value `key` has in this span's leaf (whose values
+    /// [`leaf_span`] checked are `V`'s size).
+    pub fn value<V: ValueType>(&self, key: u64) -> Option<V::Value> {
+        let leaf = self.leaf.as_ref()?;
+        leaf.keys
+            .binary_search(&key)
+            .ok()
+            .map(|i| value_of::<V>(leaf, i))
+    }
+}
+
+/// The leaf a lookup of `key` ends in, with the range of keys whose
+/// lookup ends there too (each internal node sends `[keys[i], keys[i +
+/// 1])` to child `i`, and keys below its first to no child at all).
+pub fn leaf_span<V: ValueType>(tm: &mut Tm, root: u64, key: u64) -> Result<LeafSpan, PdError> {
     let (mut lo, mut hi) = (0u64, u64::MAX);
     let mut b = root;
     for _ in 0..MAX_DEPTH {
         let n = tm.node(b)?;
         if n.leaf {
-            if n.value_size != 8 {
-                return Err(MetadataError::corrupt(
-                    b,
-                    "leaf of 8-byte values has another size",
-                ));
-            }
+            check_leaf::<V>(&n, b)?;
             return Ok(LeafSpan {
                 leaf: Some(n),
                 lo,
@@ -84,15 +125,15 @@ pub fn leaf_span(tm: &mut Tm, root: u64, key: u64) -> Result<LeafSpan, MetadataE
 /// Whether [`insert`] of `key` would find every node on its way down in
 /// memory (it then reads nothing from the metadata device), and the
 /// value `key` has now if so.
-pub fn insert_path_cached(tm: &Tm, root: u64, key: u64) -> Option<Option<u64>> {
+pub fn insert_path_cached<V: ValueType>(tm: &Tm, root: u64, key: u64) -> Option<Option<V::Value>> {
     let mut b = root;
     for _ in 0..MAX_DEPTH {
         let n = tm.cached(b)?;
         if n.leaf {
-            if n.value_size != 8 {
+            if n.value_size != V::SIZE {
                 return None;
             }
-            return Some(n.keys.binary_search(&key).ok().map(|i| n.value_u64(i)));
+            return Some(n.keys.binary_search(&key).ok().map(|i| value_of::<V>(n, i)));
         }
         // As `insert` descends: keys below the first go to child 0.
         b = n.value_u64(n.lower_bound(key).unwrap_or(0));
@@ -101,7 +142,7 @@ pub fn insert_path_cached(tm: &Tm, root: u64, key: u64) -> Option<Option<u64>> {
 }
 
 /// The highest key in the tree (`dm_btree_find_highest_key`).
-pub fn highest_key(tm: &mut Tm, root: u64) -> Result<Option<u64>, MetadataError> {
+pub fn highest_key(tm: &mut Tm, root: u64) -> Result<Option<u64>, PdError> {
     let mut b = root;
     for _ in 0..MAX_DEPTH {
         let n = tm.node(b)?;
@@ -116,62 +157,105 @@ pub fn highest_key(tm: &mut Tm, root: u64) -> Result<Option<u64>, MetadataError>
     Err(too_deep(root))
 }
 
-/// Every (key, value) in key order, from a tree whose values are
-/// `value_size` bytes.
-pub fn walk(
-    tm: &mut Tm,
-    root: u64,
-    value_size: usize,
-) -> Result<Vec<(u64, Vec<u8>)>, MetadataError> {
-    let mut out = Vec::new();
-    walk_into(tm, root, value_size, &mut out, 0)?;
-    Ok(out)
+/// The first key at or after `key` in the tree at `root`
+/// (`dm_btree_lookup_next`'s key).
+pub fn first_key_from(tm: &mut Tm, root: u64, key: u64) -> Result<Option<u64>, PdError> {
+    first_key_at(tm, root, key, 0)
 }
 
-fn walk_into(
-    tm: &mut Tm,
-    b: u64,
-    value_size: usize,
-    out: &mut Vec<(u64, Vec<u8>)>,
-    depth: usize,
-) -> Result<(), MetadataError> {
+fn first_key_at(tm: &mut Tm, b: u64, key: u64, depth: usize) -> Result<Option<u64>, PdError> {
     if depth > MAX_DEPTH {
         return Err(too_deep(b));
     }
     let n = tm.node(b)?;
-    if n.leaf && n.value_size != value_size {
-        return Err(MetadataError::corrupt(
+    if n.leaf {
+        let i = n.keys.partition_point(|&k| k < key);
+        return Ok(n.keys.get(i).copied());
+    }
+    // The child holding `key`, else (all its keys below) the next one's
+    // first, found at once.
+    for i in n.lower_bound(key).unwrap_or(0)..n.len() {
+        if let Some(k) = first_key_at(tm, n.value_u64(i), key, depth + 1)? {
+            return Ok(Some(k));
+        }
+    }
+    Ok(None)
+}
+
+/// Every (key, value) in key order.
+pub fn walk<V: ValueType>(tm: &mut Tm, root: u64) -> Result<Vec<(u64, V::Value)>, PdError> {
+    let mut out = Vec::new();
+    walk_into::<V>(tm, root, &mut out, 0)?;
+    Ok(out)
+}
+
+fn walk_into<V: ValueType>(
+    tm: &mut Tm,
+    b: u64,
+    out: &mut Vec<(u64, V::Value)>,
+    depth: usize,
+) -> Result<(), PdError> {
+    if depth > MAX_DEPTH {
+        return Err(too_deep(b));
+    }
+    let n = tm.node(b)?;
+    if n.leaf && n.value_size != V::SIZE {
+        return Err(PdError::corrupt(
             b,
             &format!(
-                "leaf values of {} bytes, expected {value_size}",
-                n.value_size
+                "leaf values of {} bytes, expected {}",
+                n.value_size,
+                V::SIZE
             ),
         ));
     }
     for i in 0..n.len() {
         if n.leaf {
-            out.push((n.keys[i], n.value(i).to_vec()));
+            out.push((n.keys[i], value_of::<V>(&n, i)));
         } else {
-            walk_into(tm, n.value_u64(i), value_size, out, depth + 1)?;
+            walk_into::<V>(tm, n.value_u64(i), out, depth + 1)?;
         }
     }
     Ok(())
 }
 
-/// The value to store under a key, given the one there now; it may
-/// adjust reference counts (drop the old value's, take the new one's).
-pub type Update<'a> = dyn FnMut(&mut Tm, Option<&[u8]>) -> Result<Vec<u8>, MetadataError> + 'a;
+/// `shadow_step`: shadow `b`, and when it was shared give everything the
+/// copy refers to one more reference (`inc_children`).
+fn shadow<V: ValueType>(tm: &mut Tm, b: u64, vt: &mut V) -> Result<u64, PdError> {
+    let (copy, shared) = tm.shadow(b)?;
+    if shared {
+        let n = tm.node(copy)?;
+        if n.leaf {
+            check_leaf::<V>(&n, copy)?;
+        }
+        for i in 0..n.len() {
+            if n.leaf {
+                vt.inc(tm, &value_of::<V>(&n, i));
+            } else {
+                tm.meta.inc(n.value_u64(i));
+            }
+        }
+    }
+    Ok(copy)
+}
 
-/// Insert or replace `key`; returns the new root. `kind` says what
-/// copies of shared nodes must reference again.
-pub fn insert(
+/// The value to store under a key, given the one there now; it may
+/// adjust reference counts (drop the old value's, take the new one's)
+/// through the value type it is handed.
+pub type Update<'a, V, E> = dyn FnMut(&mut Tm, &mut V, Option<<V as ValueType>::Value>) -> Result<<V as ValueType>::Value, E>
+    + 'a;
+
+/// Insert or replace `key`; returns the new root. `vt` gives what copies
+/// of shared nodes must reference again; `update` the value.
+pub fn insert<V: ValueType, E: From<PdError>>(
     tm: &mut Tm,
     root: u64,
     key: u64,
-    kind: ValueKind,
-    update: &mut Update<'_>,
-) -> Result<u64, MetadataError> {
-    let root = tm.shadow(root, kind)?;
+    vt: &mut V,
+    update: &mut Update<'_, V, E>,
+) -> Result<u64, E> {
+    const { assert!(V::SIZE <= MAX_VALUE_SIZE) };
+    let root = shadow(tm, root, vt)?;
     if tm.node(root)?.len() >= tm.node(root)?.max() {
         split_beneath(tm, root)?;
     }
@@ -179,24 +263,26 @@ pub fn insert(
     for _ in 0..MAX_DEPTH {
         let n = tm.node(cur)?;
         if n.leaf {
+            if n.value_size != V::SIZE {
+                return Err(PdError::corrupt(cur, "leaf values of another size").into());
+            }
             let (i, old) = match n.keys.binary_search(&key) {
-                Ok(i) => (i, Some(n.value(i).to_vec())),
+                Ok(i) => (i, Some(value_of::<V>(&n, i))),
                 Err(i) => (i, None),
             };
-            let v = update(tm, old.as_deref())?;
-            if v.len() != n.value_size {
-                return Err(MetadataError::corrupt(cur, "leaf values of another size"));
-            }
+            let v = update(tm, vt, old)?;
+            let mut packed = [0u8; MAX_VALUE_SIZE];
+            V::pack(&v, &mut packed);
             let node = tm.node_mut(cur);
             if old.is_some() {
-                node.set_value(i, &v);
+                node.set_value(i, &packed[..V::SIZE]);
             } else {
-                node.insert_at(i, key, &v);
+                node.insert_at(i, key, &packed[..V::SIZE]);
             }
             return Ok(root);
         }
         let i = n.lower_bound(key).unwrap_or(0);
-        let child = tm.shadow(n.value_u64(i), kind)?;
+        let child = shadow(tm, n.value_u64(i), vt)?;
         {
             let node = tm.node_mut(cur);
             if key < node.keys[i] {
@@ -215,12 +301,32 @@ pub fn insert(
             cur = child;
         }
     }
-    Err(too_deep(root))
+    Err(too_deep(root).into())
+}
+
+/// `dm_btree_insert`: store `value` under `key`, which takes over the
+/// caller's reference; a value it replaces loses its reference unless
+/// it is equal. Returns the new root.
+pub fn insert_value<V: ValueType>(
+    tm: &mut Tm,
+    root: u64,
+    key: u64,
+    vt: &mut V,
+    value: V::Value,
+) -> Result<u64, PdError> {
+    insert(tm, root, key, vt, &mut |tm, vt, old| {
+        if let Some(old) = old {
+            if !vt.equal(&old, &value) {
+                vt.dec(tm, &old)?;
+            }
+        }
+        Ok::<_, PdError>(value)
+    })
 }
 
 /// `split_one_into_two`: move the upper half of `b` (made in this
 /// transaction) into a new sibling; returns the sibling.
-fn split_one_into_two(tm: &mut Tm, b: u64) -> Result<u64, MetadataError> {
+fn split_one_into_two(tm: &mut Tm, b: u64) -> Result<u64, PdError> {
     let node = tm.node_mut(b);
     let half = node.len() / 2;
     let right = node.split_off(half);
@@ -229,7 +335,7 @@ fn split_one_into_two(tm: &mut Tm, b: u64) -> Result<u64, MetadataError> {
 
 /// `btree_split_beneath`: a full root moves its entries into two new
 /// children and becomes an internal node over them, keeping its block.
-fn split_beneath(tm: &mut Tm, root: u64) -> Result<(), MetadataError> {
+fn split_beneath(tm: &mut Tm, root: u64) -> Result<(), PdError> {
     let mut all = tm.node(root)?.as_ref().clone();
     let half = all.len() / 2;
     let right = all.split_off(half);
@@ -245,20 +351,22 @@ fn split_beneath(tm: &mut Tm, root: u64) -> Result<(), MetadataError> {
 
 /// A new tree holding `entries` (sorted by key), taking a reference to
 /// each value; returns its root.
-pub fn build(
+pub fn build<V: ValueType>(
     tm: &mut Tm,
-    entries: &[(u64, Vec<u8>)],
-    value_size: usize,
-    kind: ValueKind,
-) -> Result<u64, MetadataError> {
+    entries: &[(u64, V::Value)],
+    vt: &mut V,
+) -> Result<u64, PdError> {
+    const { assert!(V::SIZE <= MAX_VALUE_SIZE) };
     for (_, v) in entries {
-        tm.inc_value(kind, v);
+        vt.inc(tm, v);
     }
     let mut level: Vec<(u64, u64)> = Vec::new();
-    for chunk in even_chunks(entries.len(), max_entries(value_size)) {
-        let mut n = Node::empty_leaf(value_size);
+    let mut packed = [0u8; MAX_VALUE_SIZE];
+    for chunk in even_chunks(entries.len(), max_entries(V::SIZE)) {
+        let mut n = Node::empty_leaf(V::SIZE);
         for (k, v) in &entries[chunk] {
-            n.insert_at(n.len(), *k, v);
+            V::pack(v, &mut packed);
+            n.insert_at(n.len(), *k, &packed[..V::SIZE]);
         }
         let first = n.keys.first().copied().unwrap_or(0);
         level.push((first, tm.new_node(n)?));
@@ -287,21 +395,45 @@ fn even_chunks(n: usize, max: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// Remove `key` by rewriting the tree without it (the trees this is used
-/// on hold one entry per thin device); the removed value loses its
-/// reference. Returns the new root.
-pub fn remove(
-    tm: &mut Tm,
-    root: u64,
-    key: u64,
-    value_size: usize,
-    kind: ValueKind,
-) -> Result<u64, MetadataError> {
-    let mut entries = walk(tm, root, value_size)?;
+/// Remove `key` by rewriting the tree without it (for small trees: one
+/// entry per thin device); the removed value loses its reference.
+/// Returns the new root.
+pub fn remove<V: ValueType>(tm: &mut Tm, root: u64, key: u64, vt: &mut V) -> Result<u64, PdError> {
+    let mut entries = walk::<V>(tm, root)?;
     entries.retain(|(k, _)| *k != key);
-    let new = build(tm, &entries, value_size, kind)?;
-    tm.del(root, kind)?;
+    let new = build(tm, &entries, vt)?;
+    del(tm, root, vt)?;
     Ok(new)
+}
+
+/// `dm_btree_del`: drop a reference to the tree at `root`; a node no
+/// longer referred to releases what it refers to.
+pub fn del<V: ValueType>(tm: &mut Tm, root: u64, vt: &mut V) -> Result<(), PdError> {
+    del_at(tm, root, vt, 0)
+}
+
+fn del_at<V: ValueType>(tm: &mut Tm, root: u64, vt: &mut V, depth: usize) -> Result<(), PdError> {
+    if depth > MAX_DEPTH {
+        return Err(too_deep(root));
+    }
+    if tm.meta.get(root) > 1 {
+        tm.meta.dec(root)?;
+        return Ok(());
+    }
+    let n = tm.node(root)?;
+    if n.leaf {
+        check_leaf::<V>(&n, root)?;
+    }
+    for i in 0..n.len() {
+        if n.leaf {
+            vt.dec(tm, &value_of::<V>(&n, i))?;
+        } else {
+            del_at(tm, n.value_u64(i), vt, depth + 1)?;
+        }
+    }
+    tm.meta.dec(root)?;
+    tm.forget(root);
+    Ok(())
 }
 
 #[cfg(test)]

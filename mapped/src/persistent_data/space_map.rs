@@ -1,8 +1,8 @@
-//! A space map's reference counts, held in memory while the pool runs
-//! and written as the kernel's on-disk space map at each commit
-//! (`persistent-data/dm-space-map-disk.c` for data blocks,
-//! `dm-space-map-metadata.c` for metadata blocks; layout in
-//! `format/bitmap.rs`).
+//! A space map's reference counts, held in memory while the metadata is
+//! open and written as the kernel's on-disk space map at each commit
+//! (`persistent-data/dm-space-map-disk.c` for data blocks, `sm_disk.rs`;
+//! `dm-space-map-metadata.c` for metadata blocks, `sm_metadata.rs`;
+//! layout in `bitmap.rs`).
 //!
 //! As in the kernel, a block freed in the running transaction is not
 //! handed out again before the commit (`sm_ll_find_common_free_block`
@@ -28,11 +28,16 @@ pub struct SpaceMap {
     /// Blocks whose count fell to 0 in this transaction.
     freed: HashSet<u64>,
     /// Per bitmap block: changed since the last commit.
-    pub(crate) dirty: Vec<bool>,
+    pub(super) dirty: Vec<bool>,
     /// Per bitmap block: its location on disk (0 = not written yet).
-    pub(crate) bitmap_blocks: Vec<u64>,
+    pub(super) bitmap_blocks: Vec<u64>,
     /// Per bitmap block: placed at a block allocated in this commit.
-    pub(crate) fresh: Vec<bool>,
+    pub(super) fresh: Vec<bool>,
+    /// The last commit's index: a btree's root (disk space map) or the
+    /// index block (metadata space map); 0 before the first commit.
+    pub(super) index_root: u64,
+    /// The last commit's reference count tree, 0 before the first.
+    pub(super) rc_root: u64,
     allocated: u64,
     cursor: u64,
 }
@@ -52,6 +57,8 @@ impl SpaceMap {
             dirty: vec![true; n],
             bitmap_blocks: vec![0; n],
             fresh: vec![false; n],
+            index_root: 0,
+            rc_root: 0,
             allocated: 0,
             cursor: 0,
         }
@@ -67,6 +74,8 @@ impl SpaceMap {
             dirty: vec![false; n],
             bitmap_blocks,
             fresh: vec![false; n],
+            index_root: 0,
+            rc_root: 0,
             allocated,
             cursor: 0,
         }
@@ -101,10 +110,7 @@ impl SpaceMap {
 
     fn set(&mut self, b: u64, c: u32) {
         let Some(slot) = self.counts.get_mut(b as usize) else {
-            tracing::error!(
-                block = b,
-                "thin: reference count of a block beyond the space map"
-            );
+            tracing::error!(block = b, "reference count of a block beyond the space map");
             return;
         };
         let old = *slot;
@@ -132,10 +138,7 @@ impl SpaceMap {
     pub fn dec(&mut self, b: u64) -> Result<u32, RefCountError> {
         let c = self.get(b);
         if c == 0 {
-            tracing::error!(
-                block = b,
-                "thin: space map common: unable to decrement block"
-            );
+            tracing::error!(block = b, "space map common: unable to decrement block");
             return Err(RefCountError::BelowZero(b));
         }
         self.set(b, c - 1);

@@ -1,9 +1,7 @@
-//! dm-thin's on-disk metadata format, one file per structure: the
-//! superblock (`dm-thin-metadata.c`), btree nodes
-//! (`persistent-data/dm-btree-internal.h`), space map bitmaps and index
-//! entries (`persistent-data/dm-space-map-common.h`), device details and
-//! mapping values (`dm-thin-metadata.c`), and the checksums
-//! (`dm_bm_checksum` with each structure's xor salt).
+//! dm-thin's own on-disk records, one file per structure: the superblock
+//! and the device details and mapping values (`dm-thin-metadata.c`).
+//! The blocks, btree nodes, space map bitmaps and checksums they sit in
+//! are persistent-data's (`crate::persistent_data`).
 //!
 //! Hand-written: no crate reads or writes this format (the Rust
 //! thin-provisioning-tools are a program, not a library with a stable
@@ -15,4 +13,4 @@ pub mod details;
 pub mod superblock;
 
 pub(crate) use crate::persistent_data::{le32, le64, put32, put64};
-pub use crate::persistent_data::{FormatError, BLOCK_SECTORS, BLOCK_SIZE};
+pub use crate::persistent_data::{FormatError, BLOCK_SIZE};
