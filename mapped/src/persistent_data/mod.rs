@@ -32,6 +32,9 @@ pub mod space_map;
 pub mod tm;
 pub mod value_type;
 
+#[cfg(test)]
+mod tests;
+
 use blkstack_core::Status;
 
 /// Why a persistent-data operation failed.
