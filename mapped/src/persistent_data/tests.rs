@@ -113,3 +113,33 @@ fn shared_nodes_count_their_values_once_per_copy() {
     );
     assert_eq!(tm.meta.get(root), 0, "the old root is free");
 }
+
+/// The layering the module documentation promises: nothing here uses
+/// the target layer, so cache and era can build on it as thin does.
+#[test]
+fn persistent_data_imports_no_target() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/persistent_data");
+    // Built so this file does not match its own needles.
+    let needles = [
+        ["crate", "::target"].concat(),
+        ["super", "::super"].concat(),
+    ];
+    let mut files = 0;
+    for entry in std::fs::read_dir(&dir).expect("the module's directory") {
+        let path = entry.expect("an entry").path();
+        let text = std::fs::read_to_string(&path).expect("a source file");
+        files += 1;
+        for (i, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("//") {
+                continue;
+            }
+            assert!(
+                !needles.iter().any(|n| line.contains(n.as_str())),
+                "{}:{}: persistent_data must not import the target layer: {line}",
+                path.display(),
+                i + 1
+            );
+        }
+    }
+    assert!(files >= 10, "read {files} files of {}", dir.display());
+}
