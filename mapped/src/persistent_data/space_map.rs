@@ -9,6 +9,17 @@
 //! looks for blocks free in both the committed and the current counts):
 //! the last committed metadata may still point at it, and a crash must
 //! find it as it was.
+//!
+//! Where this differs from the kernel: every count is a `u32` in memory
+//! (4 bytes per block of the device, read whole at open), and a commit
+//! writes each changed bitmap to a new block and rebuilds the index and
+//! reference count trees whole. The kernel keeps only its bitmaps on
+//! disk, read and shadowed through the transaction manager's block
+//! cache as counts change (`sm_ll_mutate`), its index and reference
+//! count trees changed in place; and it hands out blocks in another
+//! order (from block 0 again after each commit, `smm->begin = 0`, among
+//! blocks free in the committed counts). So block numbers differ from
+//! the kernel's for the same steps, though both are valid metadata.
 
 use super::bitmap::ENTRIES_PER_BITMAP;
 use std::collections::HashSet;
