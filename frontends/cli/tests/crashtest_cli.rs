@@ -328,6 +328,7 @@ fn reorder_options_are_checked() {
             "--points flush",
         ),
         (vec!["--reorder", "0", "--torn"], "--torn"),
+        (vec!["--reorder", "70000"], "at most 65536 states"),
         (vec!["--plant-bug", "sometimes"], "sometimes"),
     ] {
         let mut a = vec!["--workload", "journal", "--log", l];

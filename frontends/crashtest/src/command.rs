@@ -121,6 +121,10 @@ fn rule_text(a: &CrashtestArgs) -> String {
     }
 }
 
+/// A bound on `--reorder`: each state is a check, and the queue of a
+/// point's states is held in memory.
+const MAX_REORDER: u64 = 1 << 16;
+
 /// Options that do not go together are refused before anything runs.
 fn refuse_bad_options(a: &CrashtestArgs, is_fs: bool) -> anyhow::Result<()> {
     if a.every == 0 {
@@ -131,6 +135,12 @@ fn refuse_bad_options(a: &CrashtestArgs, is_fs: bool) -> anyhow::Result<()> {
     }
     if a.log.is_some() && a.workload == Workload::Verify {
         bail!("--log with --workload verify: verify checks against its own run's writes; record a new log");
+    }
+    if a.reorder > MAX_REORDER {
+        bail!(
+            "--reorder {}: at most {MAX_REORDER} states per point",
+            a.reorder
+        );
     }
     if a.torn && a.reorder == 0 {
         bail!("--torn adds states to --reorder N: give N > 0");

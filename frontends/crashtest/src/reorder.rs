@@ -95,7 +95,7 @@ pub fn read_epoch(r: &mut LogReader) -> Result<Epoch, EpochError> {
 }
 
 /// Which of an epoch's entries a state keeps, and the torn one.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Selection {
     /// One per epoch entry.
     pub keep: Vec<bool>,

@@ -13,7 +13,8 @@ use crate::walk::{Plan, Point, Replayer, WalkError};
 use blkstack_core::DeviceRef;
 use blkstack_mapped::targets::log_writes::format::{LOG_FLUSH_FLAG, LOG_FUA_FLAG};
 use blkstack_mapped::{DmError, Registry};
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -184,7 +185,9 @@ struct Reordering {
     opts: ReorderOptions,
     log: LogReader,
     epoch: Epoch,
-    pending: VecDeque<(Point, Variant, Selection)>,
+    /// A state's selection is made again when it is applied (`choose` is
+    /// cheap), so the queue holds no per-entry data.
+    pending: VecDeque<(Point, Variant)>,
     sink: Sink,
 }
 
@@ -221,7 +224,8 @@ impl Walker {
     pub fn advance(&mut self) -> Result<Option<State>, WalkError> {
         self.take_cow();
         if let Some(r) = self.reorder.as_mut() {
-            if let Some((point, v, sel)) = r.pending.pop_front() {
+            if let Some((point, v)) = r.pending.pop_front() {
+                let sel = choose(&r.epoch, v.seed, v.torn);
                 let t0 = Instant::now();
                 self.overlay.reset().map_err(dm)?;
                 let t1 = Instant::now();
@@ -317,14 +321,15 @@ impl Reordering {
         if n == 0 {
             return Ok(());
         }
-        // The state keeping only the FUA writes is the in-order state
-        // when there are none.
-        let mut seen: Vec<Selection> = Vec::new();
+        // Selections are remembered by a hash, so memory stays one word
+        // per state whatever the epoch's size. The state keeping only the
+        // FUA writes is the in-order state when there are none.
+        let mut seen: HashSet<u64> = HashSet::new();
         if !self.epoch.entries.iter().any(|e| e.is(LOG_FUA_FLAG)) {
-            seen.push(Selection {
+            seen.insert(digest(&Selection {
                 keep: vec![false; n],
                 torn: None,
-            });
+            }));
         }
         for torn in [false, true] {
             if torn && !self.opts.torn {
@@ -346,14 +351,19 @@ impl Reordering {
                         .torn
                         .map(|(i, k, of)| [self.epoch.entries[i].index, k, of]),
                 };
-                if !seen.contains(&sel) {
-                    seen.push(sel.clone());
-                    self.pending.push_back((p.clone(), v, sel));
+                if seen.insert(digest(&sel)) {
+                    self.pending.push_back((p.clone(), v));
                 }
             }
         }
         Ok(())
     }
+}
+
+fn digest(sel: &Selection) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    sel.hash(&mut h);
+    h.finish()
 }
 
 fn dm(e: DmError) -> WalkError {
