@@ -63,8 +63,8 @@ crashtest:
 	cargo test -p blkstack --test kernel_crashtest -- --ignored --nocapture --test-threads 1
 	cargo run -p blkstack -- crashtest --workload verify --ops 1000
 	cargo run -p blkstack -- crashtest --workload journal --ops 400
-	cargo run -p blkstack -- crashtest --workload verify --ops 200 --reorder 8 --torn
-	cargo run -p blkstack -- crashtest --workload journal --ops 200 --reorder 8 --torn
+	cargo run -p blkstack -- crashtest --workload verify --ops 100 --reorder 8 --torn
+	cargo run -p blkstack -- crashtest --workload journal --ops 100 --reorder 8 --torn
 
 check:
 	cargo fmt --all -- --check

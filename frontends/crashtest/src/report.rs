@@ -29,6 +29,7 @@ pub struct Report {
     /// The rebuild commands name a log that was removed (no --keep-log).
     pub log_removed: bool,
     pub seconds: f64,
+    /// Points and reorder states checked per minute.
     pub points_per_minute: f64,
     pub per_point_ms: PerPoint,
     pub costs: Costs,
