@@ -30,6 +30,28 @@ pub enum Dir {
     Write = 1,
 }
 
+impl Limit {
+    /// Units the bucket holds before I/O waits for the base rate (qemu's
+    /// `bucket_size`): a tenth of a second of it, or the whole burst.
+    fn size(&self) -> f64 {
+        match (self.avg, self.max) {
+            (0, _) => 0.0,
+            (avg, 0) => avg as f64 / 10.0,
+            (_, max) => max as f64 * self.length as f64,
+        }
+    }
+
+    /// Units the burst bucket holds before I/O waits for `max`
+    /// (`burst_bucket_size`); only bursts longer than a second have one.
+    fn burst_size(&self) -> f64 {
+        if self.length > 1 {
+            self.max as f64 / 10.0
+        } else {
+            0.0
+        }
+    }
+}
+
 /// qemu's `LeakyBucket`: a limit and how full its two buckets are.
 #[derive(Clone, Copy, Debug, Default)]
 struct LeakyBucket {
@@ -58,17 +80,12 @@ impl LeakyBucket {
         if l.avg == 0 {
             return 0;
         }
-        let (size, burst_size) = if l.max == 0 {
-            (l.avg as f64 / 10.0, 0.0)
-        } else {
-            (l.max as f64 * l.length as f64, l.max as f64 / 10.0)
-        };
-        let extra = self.level - size;
+        let extra = self.level - l.size();
         if extra > 0.0 {
             return (extra * NS_PER_S / l.avg as f64).ceil() as u64;
         }
         if l.length > 1 {
-            let extra = self.burst_level - burst_size;
+            let extra = self.burst_level - l.burst_size();
             if extra > 0.0 {
                 return (extra * NS_PER_S / l.max as f64).ceil() as u64;
             }
@@ -114,18 +131,28 @@ impl Buckets {
     }
 
     /// Change the limits at `now_ns` (a `set` message). A bucket whose
-    /// limit changes starts empty, as qemu's `throttle_config` starts
-    /// every bucket; the others keep their level, so one `set` does not
-    /// hand out a burst on every limit.
+    /// limit changes keeps how full it is as a share of its size, so a
+    /// `set` neither hands out a burst nor adds a wait: the next request
+    /// goes when it would have gone, and the new rate counts from there.
+    /// (qemu's `throttle_config` empties every bucket instead, which lets
+    /// a tenth of a second of the new rate through at once.)
     pub fn reconfigure(&mut self, cfg: Config, now_ns: u64) {
         self.leak(now_ns);
         for (b, l) in self.buckets.iter_mut().zip(cfg.limits) {
-            if b.limit != l {
-                *b = LeakyBucket {
-                    limit: l,
-                    ..LeakyBucket::default()
-                };
+            if b.limit == l {
+                continue;
             }
+            let (old, new) = (b.limit, l);
+            let scale = |level: f64, from: f64, to: f64| {
+                if from > 0.0 && to > 0.0 {
+                    level * to / from
+                } else {
+                    0.0
+                }
+            };
+            b.level = scale(b.level, old.size(), new.size());
+            b.burst_level = scale(b.burst_level, old.burst_size(), new.burst_size());
+            b.limit = l;
         }
         self.cfg = cfg;
     }
@@ -310,35 +337,59 @@ mod tests {
         assert_eq!(b.wait_ns(Dir::Write), 0);
     }
 
-    #[test]
-    fn a_live_set_changes_the_rate_from_then_on() {
-        let mut b = buckets(&["riops", "100"]);
-        let s = starts(&mut b, Dir::Read, 4096, 2 * S);
-        assert_eq!(count_in(&s, S, 2 * S), 100);
-        let mut cfg = b.config().clone();
-        cfg.set(&["riops", "1000"]).expect("set");
-        b.reconfigure(cfg, 2 * S);
-        // The changed bucket starts empty: the new tenth-second slack,
-        // then the new rate.
-        let mut now = 2 * S;
+    /// The closed loop of [`starts`] from `from_ns` on.
+    fn starts_from(b: &mut Buckets, dir: Dir, from_ns: u64, until_ns: u64) -> Vec<u64> {
+        let mut now = from_ns;
         let mut out = Vec::new();
-        while now < 4 * S {
+        while now < until_ns {
             b.leak(now);
-            match b.wait_ns(Dir::Read) {
+            match b.wait_ns(dir) {
                 0 => {
-                    b.account(Dir::Read, 4096);
+                    b.account(dir, 4096);
                     out.push(now);
                 }
                 w => now += w,
             }
         }
-        assert_eq!(count_in(&out, 3 * S, 4 * S), 1000);
-        // Lifting the limit: no wait at all.
+        out
+    }
+
+    fn set(b: &mut Buckets, words: &[&str], now: u64) {
         let mut cfg = b.config().clone();
-        cfg.set(&["riops", "0"]).expect("lift");
-        b.reconfigure(cfg, 4 * S);
+        cfg.set(words).expect("set");
+        b.reconfigure(cfg, now);
+    }
+
+    #[test]
+    fn a_live_set_changes_the_rate_at_once_without_a_burst() {
+        let mut b = buckets(&["riops", "100"]);
+        let s = starts(&mut b, Dir::Read, 4096, 2 * S);
+        assert_eq!(count_in(&s, S, 2 * S), 100);
+        let last = *s.last().expect("starts");
+        // Raised: the new rate from the set on, no extra slack.
+        set(&mut b, &["riops", "1000"], 2 * S);
+        let s = starts_from(&mut b, Dir::Read, 2 * S, 4 * S);
+        assert!(s[0] - last <= 10 * MS, "the next one is not held back");
+        let n = count_in(&s, 2 * S, 3 * S);
+        assert!((999..=1001).contains(&n), "{n} in the first second");
+        assert_eq!(count_in(&s, 3 * S, 4 * S), 1000);
+        // Lowered: the held head keeps its time, then the new rate.
+        let last = *s.last().expect("starts");
+        set(&mut b, &["riops", "10"], 4 * S);
+        let s = starts_from(&mut b, Dir::Read, 4 * S, 6 * S);
+        assert!(s[0] - last <= MS, "a set adds no wait");
+        assert!(count_in(&s, 4 * S, 5 * S).abs_diff(10) <= 1);
+        assert_eq!(count_in(&s, 5 * S, 6 * S), 10);
+        // Lifted: no wait at all.
+        set(&mut b, &["riops", "0"], 6 * S);
         assert_eq!(b.wait_ns(Dir::Read), 0);
         assert!(!b.limits_anything());
+        // Set from nothing: an empty bucket.
+        set(&mut b, &["riops", "50"], 6 * S);
+        assert_eq!(
+            count_in(&starts_from(&mut b, Dir::Read, 6 * S, 7 * S), 6 * S, 7 * S),
+            55
+        );
     }
 
     #[test]
