@@ -247,3 +247,32 @@ fn a_full_queue_makes_the_submitter_wait_and_never_fails() {
     let order: Vec<u64> = done.iter().map(|c| c.cookie).collect();
     assert_eq!(order, (0..n).collect::<Vec<_>>(), "in order");
 }
+
+/// The fuzz seeds for throttle lines are tables that build (so the
+/// fuzzer starts from the constructor's inside, not its first refusal),
+/// and their `table` text builds the same target again.
+#[test]
+fn the_fuzz_seeds_build_and_round_trip() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/table");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).expect("fuzz/corpus/table") {
+        let p = e.expect("entry").path();
+        if !p
+            .file_name()
+            .is_some_and(|f| f.to_string_lossy().starts_with("throttle"))
+        {
+            continue;
+        }
+        let text = std::fs::read_to_string(&p).expect("seed");
+        let reg = Registry::new();
+        reg.create("base", "0 16384 memory").unwrap();
+        reg.create("slow", "0 8192 zero").unwrap();
+        reg.create("fz", text.trim_end())
+            .unwrap_or_else(|e| panic!("{}: {}", p.display(), e.report()));
+        let printed = reg.table_text("fz").unwrap();
+        reg.create("again", printed.trim_end()).unwrap();
+        assert_eq!(reg.table_text("again").unwrap(), printed);
+        n += 1;
+    }
+    assert!(n >= 3, "{n} throttle seeds");
+}

@@ -24,7 +24,9 @@
 //!
 //! `message 0 set KEY VALUE` (or `set KEY_burst MAX SECONDS`) changes one
 //! limit at once, for held requests too; `set KEY 0` lifts a limit and its
-//! burst. `status`: `<#args> <args>... <held_ios> <held_bytes>
+//! burst. A changed bucket keeps how full it is as a share of its size
+//! ([`bucket::Buckets::reconfigure`]), so a `set` hands out no burst.
+//! `status`: `<#args> <args>... <held_ios> <held_bytes>
 //! <throttled_ios> <throttled_bytes> <throttled_ms>`.
 
 mod bucket;
