@@ -14,13 +14,15 @@
 # Environment: BLKSTACK_BIN (default target/release/blkstack, built if
 # missing), BENCH_RUNTIME seconds per point (default 5; fio's first
 # second is a ramp, not counted, so the bucket's tenth-of-a-second slack
-# is not either), BENCH_QD (default 32).
+# is not either), BENCH_QD (default: one request in flight per 250 a
+# second of the point's request rate, 1 to 32; enough to keep the cap
+# busy, and few, because fio counts the time to drain what is in flight
+# at the end, which at a low cap is that many requests' worth).
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin=${BLKSTACK_BIN:-$top/target/release/blkstack}
 rt=${BENCH_RUNTIME:-5}
-qd=${BENCH_QD:-32}
 command -v fio >/dev/null || { echo "bench-throttle: fio is not installed (make deps)" >&2; exit 2; }
 if [ ! -x "$bin" ]; then
   (cd "$top" && cargo build --release -p blkstack >&2)
@@ -48,12 +50,20 @@ done
 
 msg() { "$bin" message --control "$ctl" t 0 set "$@" >/dev/null; }
 
-# fiorun BS: random reads for $rt s after a 1 s ramp; prints "IOPS KiB/s"
-# (terse v3 fields 8 and 7).
+# qd_for RATE: the queue depth for RATE requests a second.
+qd_for() {
+  local q=$(( $1 / 250 ))
+  [ $q -ge 1 ] || q=1
+  [ $q -le 32 ] || q=32
+  echo "${BENCH_QD:-$q}"
+}
+
+# fiorun BS QD: random reads for $rt s after a 1 s ramp; prints "IOPS
+# KiB/s" (terse v3 fields 8 and 7).
 fiorun() {
   fio --name=b --ioengine=nbd --uri="nbd+unix:///t?socket=$sock" --rw=randread \
-    --bs="$1" --iodepth="$qd" --size=1g --ramp_time=1 --runtime="$rt" --time_based \
-    --output-format=terse --terse-version=3 | awk -F';' '{print $8, $7}'
+    --bs="$1" --iodepth="$2" --size=1g --ramp_time=1 --runtime="$rt" --time_based \
+    --output-format=terse --terse-version=3 | awk -F';' '/^3;/ {print $8, $7}'
 }
 
 # bytes SIZE: a K/M/G suffixed size in bytes.
@@ -74,26 +84,28 @@ bs_for() {
   else echo 1m; fi
 }
 
-read -r ceil_iops _ < <(fiorun 4k)
-read -r _ ceil_kib < <(fiorun 1m)
+read -r ceil_iops _ < <(fiorun 4k 32)
+read -r _ ceil_kib < <(fiorun 1m 32)
 printf 'unthrottled ceiling here: %s IOPS (4k), %s MiB/s (1m), QD %s\n' \
-  "$ceil_iops" "$(awk -v k="$ceil_kib" 'BEGIN{printf "%.0f", k/1024}')" "$qd"
-printf '%-10s %-6s %14s %14s %8s\n' kind bs cap achieved ratio
+  "$ceil_iops" "$(awk -v k="$ceil_kib" 'BEGIN{printf "%.0f", k/1024}')" 32
+printf '%-10s %-6s %4s %14s %14s %8s\n' kind bs qd cap achieved ratio
 for p in "${points[@]}"; do
   kind=${p%%:*}; cap=${p#*:}
   msg riops 0; msg rbps 0
   case $kind in
     iops)
       msg riops "$cap"
-      read -r got _ < <(fiorun 4k)
-      printf '%-10s %-6s %14s %14s %8s\n' IOPS 4k "$cap" "$got" \
+      q=$(qd_for "$cap")
+      read -r got _ < <(fiorun 4k "$q")
+      printf '%-10s %-6s %4s %14s %14s %8s\n' IOPS 4k "$q" "$cap" "$got" \
         "$(awk -v g="$got" -v c="$cap" 'BEGIN{printf "%.3f", g/c}')" ;;
     bps)
       bs=$(bs_for "$cap")
       msg rbps "$cap"
-      read -r _ kib < <(fiorun "$bs")
       capb=$(bytes "$cap")
-      printf '%-10s %-6s %14s %14s %8s\n' "MiB/s" "$bs" \
+      q=$(qd_for $((capb / $(bytes "${bs^^}"))))
+      read -r _ kib < <(fiorun "$bs" "$q")
+      printf '%-10s %-6s %4s %14s %14s %8s\n' "MiB/s" "$bs" "$q" \
         "$(awk -v c="$capb" 'BEGIN{printf "%.1f", c/1048576}')" \
         "$(awk -v k="$kib" 'BEGIN{printf "%.1f", k/1024}')" \
         "$(awk -v k="$kib" -v c="$capb" 'BEGIN{printf "%.3f", k*1024/c}')" ;;
