@@ -120,6 +120,7 @@ fn median_rate(done: &[Done], from_ms: u64, to_ms: u64, k: usize, bytes: bool) -
 }
 
 fn assert_within_5pct(what: &str, got: f64, cap: f64) {
+    println!("{what}: {got:.1}/s, cap {cap}, ratio {:.4}", got / cap);
     assert!(
         got >= cap * 0.95,
         "{what}: {got:.1}/s is below 95 % of the cap {cap}"
