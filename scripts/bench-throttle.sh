@@ -14,7 +14,7 @@
 # Environment: BLKSTACK_BIN (default target/release/blkstack, built if
 # missing), BENCH_RUNTIME seconds per point (default 5; fio's first
 # second is a ramp, not counted, so the bucket's tenth-of-a-second slack
-# is not either), BENCH_QD (default: one request in flight per 250 a
+# is not either), BENCH_QD (default: one request in flight per 100 a
 # second of the point's request rate, 1 to 32; enough to keep the cap
 # busy, and few, because fio counts the time to drain what is in flight
 # at the end, which at a low cap is that many requests' worth).
@@ -52,7 +52,7 @@ msg() { "$bin" message --control "$ctl" t 0 set "$@" >/dev/null; }
 
 # qd_for RATE: the queue depth for RATE requests a second.
 qd_for() {
-  local q=$(( $1 / 250 ))
+  local q=$(( $1 / 100 ))
   [ $q -ge 1 ] || q=1
   [ $q -le 32 ] || q=32
   echo "${BENCH_QD:-$q}"
