@@ -16,6 +16,7 @@ pub(crate) mod null;
 pub(crate) mod snapshot;
 pub(crate) mod striped;
 pub mod thin;
+pub mod verity;
 pub(crate) mod zero;
 
 use crate::target::TargetType;
@@ -38,6 +39,7 @@ pub static TYPES: &[TargetType] = &[
     thin::pool_target::TYPE,
     thin::thin_target::TYPE,
     snapshot::TYPE,
+    verity::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
