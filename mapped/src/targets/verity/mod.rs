@@ -264,8 +264,13 @@ impl Target for VerityTarget {
 impl Drop for VerityTarget {
     fn drop(&mut self) {
         self.queue.shut_down();
+        // The last table reference may go with a bio a worker completes:
+        // that worker is not joined (it exits when it returns here).
+        let me = std::thread::current().id();
         for w in self.workers.drain(..) {
-            let _ = w.join();
+            if w.thread().id() != me {
+                let _ = w.join();
+            }
         }
     }
 }
