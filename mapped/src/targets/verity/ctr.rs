@@ -13,7 +13,7 @@ use super::format::{hex, unhex};
 use super::tree::{BlockCache, Geometry, GeometryError, HashAlg, Hasher};
 use super::verify::WorkQueue;
 use super::{start, Mode, Verity, CACHE_BLOCKS};
-use crate::error::TargetError;
+use crate::error::{Refusal, TargetError};
 use crate::target::{CtrContext, TargetRef};
 use blkstack_core::SECTOR_SIZE;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
@@ -34,6 +34,14 @@ const FEC_OPTS: [&str; 4] = [
 
 fn inval(msg: &str) -> TargetError {
     TargetError::invalid(msg)
+}
+
+/// A refusal the kernel returns with E2BIG.
+fn too_big(msg: &str) -> TargetError {
+    TargetError::Refused {
+        errno: Refusal::TooBig,
+        why: msg.to_string(),
+    }
 }
 
 /// The kernel's `sscanf(s, "%u%c")`/`"%llu%c"`: digits only.
@@ -153,11 +161,12 @@ pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, 
     let hash_start = num::<u64>(args[6])
         .filter(|&n| (n << hshift) >> hshift == n)
         .ok_or_else(|| inval("Invalid hash start"))?;
-    let alg = HashAlg::parse(args[7]).ok_or_else(|| {
-        TargetError::invalid(format!(
+    let alg = HashAlg::parse(args[7]).ok_or_else(|| TargetError::Refused {
+        errno: Refusal::NotFound,
+        why: format!(
             "Cannot initialize hash function '{}' (built: sha1, sha224, sha256, sha384, sha512)",
             args[7]
-        ))
+        ),
     })?;
     let ds = alg.digest_size();
     if (hbs as usize) < ds * 2 {
@@ -175,10 +184,10 @@ pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, 
     let geo =
         Geometry::new(version, dbs, hbs, data_blocks, hash_start, ds).map_err(|e| match e {
             GeometryError::DigestTooBig => inval("Digest size too big"),
-            e => TargetError::invalid(e.to_string()),
+            e => too_big(&e.to_string()),
         })?;
     if hash.dev.size() / u64::from(hbs) < geo.hash_end {
-        return Err(inval("Hash device is too small"));
+        return Err(too_big("Hash device is too small"));
     }
     let hasher = Hasher::new(alg, version, &salt);
     let zero_digest = opts.zeroes.then(|| {
@@ -188,7 +197,7 @@ pub(super) fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, 
     });
     let validated = if opts.at_most_once {
         if data_blocks > i32::MAX as u64 {
-            return Err(inval("device too large to use check_at_most_once"));
+            return Err(too_big("device too large to use check_at_most_once"));
         }
         Some(
             (0..data_blocks.div_ceil(64))

@@ -61,7 +61,15 @@ impl WorkQueue {
 
     /// Queue `bio` for `v`, to be checked from block index `from`.
     pub(super) fn push_for(&self, v: Weak<Verity>, bio: Bio, from: u64) {
-        self.state.lock().items.push_back((v, bio, from));
+        let mut g = self.state.lock();
+        if g.stop {
+            // No worker is left to take it (the target is gone).
+            drop(g);
+            bio.complete(Status::IoError);
+            return;
+        }
+        g.items.push_back((v, bio, from));
+        drop(g);
         self.cv.notify_one();
     }
 
