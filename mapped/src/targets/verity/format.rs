@@ -22,6 +22,9 @@ const SB_SIGNATURE: &[u8; 8] = b"verity\0\0";
 pub const MAX_SALT: usize = 256;
 /// Bytes read from the data or lower level at a time while building.
 const CHUNK: usize = 1 << 20;
+/// The largest byte offset a tree may reach (2^62: room for the tree
+/// after the data without overflow).
+const MAX_OFFSET: u64 = 1 << 62;
 
 /// Reads and writes at byte offsets: a file, a block device, or a
 /// blkstack device in tests.
@@ -124,6 +127,22 @@ impl Params {
             return Err(FormatError::Param(format!(
                 "Salt of {} bytes is longer than {MAX_SALT}",
                 self.salt.len()
+            )));
+        }
+        if self.hash_offset > MAX_OFFSET {
+            return Err(FormatError::Param(format!(
+                "hash offset {} is past {MAX_OFFSET}",
+                self.hash_offset
+            )));
+        }
+        if self
+            .data_blocks
+            .checked_mul(u64::from(self.data_block_size))
+            .is_none_or(|b| b > MAX_OFFSET)
+        {
+            return Err(FormatError::Param(format!(
+                "{} data blocks of {} bytes is past {MAX_OFFSET} bytes",
+                self.data_blocks, self.data_block_size
             )));
         }
         if self.uuid.is_some() && !self.hash_offset.is_multiple_of(512) {
@@ -502,6 +521,20 @@ mod tests {
         assert!(matches!(
             Params::read_superblock(&hash, 0),
             Err(FormatError::NoSuperblock(0))
+        ));
+        // Sizes that would wrap are refused before anything is read.
+        let huge = Params {
+            hash_offset: u64::MAX - 100,
+            ..params(8)
+        };
+        assert!(matches!(huge.check(), Err(FormatError::Param(_))));
+        let huge = Params {
+            data_blocks: u64::MAX / 8,
+            ..params(8)
+        };
+        assert!(matches!(
+            format(&huge, &Mem::default(), &Mem::default()),
+            Err(FormatError::Param(_))
         ));
     }
 }
