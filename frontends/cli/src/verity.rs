@@ -161,7 +161,6 @@ pub fn run(a: VerityArgs) -> Result<()> {
             uuid,
         } => {
             let mut d = open(&data, false)?;
-            let h = open(&hash, true)?;
             let mut params = p.params(&mut d, &data, parse_salt(salt.as_deref())?)?;
             if !p.no_superblock {
                 params.uuid = Some(parse_uuid(uuid.as_deref())?);
@@ -169,6 +168,10 @@ pub fn run(a: VerityArgs) -> Result<()> {
             if params.data_blocks == 0 {
                 bail!("{}: no data blocks to hash", data.display());
             }
+            // Refuse bad parameters before the hash device is created.
+            params.check()?;
+            params.geometry()?;
+            let h = open(&hash, true)?;
             let root = format::format(&params, &d, &h)?;
             h.sync_all()
                 .with_context(|| format!("cannot sync {}", hash.display()))?;

@@ -131,6 +131,57 @@ fn trees_match_veritysetups_and_corruption_is_caught_by_both() {
         &veritysetup(&["verify", &data, &ours, &root]),
         "veritysetup verify (blkstack's tree)",
     );
+    ok(
+        &blkstack(&["verity", "dump", &ours]),
+        "blkstack verity dump",
+    );
+
+    // Bad input is refused by name, and a wrong root is not taken.
+    let wrong = format!("{}0", &root[..63]);
+    for (args, want) in [
+        (
+            vec!["verify", &data, &ours, &wrong],
+            "Verification of root hash failed",
+        ),
+        (
+            vec!["verify", &data, &ours, "xyz"],
+            "invalid root hash 'xyz'",
+        ),
+        (vec!["dump", &data], "no verity superblock"),
+        (
+            vec!["format", &data, &ours, "--hash", "md5"],
+            "hash algorithm 'md5' not supported",
+        ),
+        (
+            vec!["format", &data, &ours, "--salt", "0g"],
+            "invalid salt '0g'",
+        ),
+        (
+            vec!["format", &data, &ours, "--hash-block-size", "1000"],
+            "Invalid block size",
+        ),
+    ] {
+        let out = blkstack(&[&["verity"][..], &args].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(
+        std::fs::read(&ours).unwrap() == std::fs::read(&theirs).unwrap(),
+        "a refused format changed the hash device"
+    );
+    let never = p(dir.path(), "never.hash");
+    assert!(
+        !blkstack(&["verity", "format", &data, &never, "--format", "2"])
+            .status
+            .success()
+    );
+    assert!(
+        !Path::new(&never).exists(),
+        "a refused format made its hash file"
+    );
 
     // A flipped data byte (block 300), then a flipped digest (block 1's,
     // in the first level-0 hash block: hash block 2).
