@@ -229,3 +229,50 @@ fn bad_tables_are_refused_with_the_kernels_words() {
         assert!(reg.device("bad").is_err(), "'{a}' left a device");
     }
 }
+
+#[test]
+fn a_leg_error_fails_the_read_and_restart_on_error_stops_the_target() {
+    let (reg, _, args) = setup();
+    // Data block 5 of the data device fails reads (dust, enabled).
+    reg.create("dd", "0 2048 dust d 0 4096").unwrap();
+    reg.message("dd", 0, &["addbadblock", "5"]).unwrap();
+    reg.message("dd", 0, &["enable"]).unwrap();
+    let args = args.replacen("1 d h", "1 dd h", 1);
+    create(&reg, &args);
+    assert_eq!(read(&reg, "v", 5 * 4096, 4096).0, Status::IoError);
+    assert_eq!(read(&reg, "v", 6 * 4096, 4096).0, Status::Ok);
+    // An I/O error is not corruption.
+    assert_eq!(reg.status_text("v").unwrap(), "0 2048 verity V\n");
+    create(&reg, &format!("{args} 1 restart_on_error"));
+    assert_eq!(read(&reg, "v", 6 * 4096, 4096).0, Status::Ok);
+    assert_eq!(read(&reg, "v", 5 * 4096, 4096).0, Status::IoError);
+    assert_eq!(read(&reg, "v", 6 * 4096, 4096).0, Status::IoError);
+    assert_eq!(reg.status_text("v").unwrap(), "0 2048 verity V\n");
+}
+
+#[test]
+fn concurrent_readers_all_get_verified_data() {
+    let (reg, data, args) = setup();
+    create(&reg, &args);
+    let data = Arc::new(data);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (reg, data) = (&reg, data.clone());
+            s.spawn(move || {
+                let mut x = t + 1;
+                for _ in 0..200 {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let b = (x >> 33) % (BLOCKS - 4);
+                    let n = 1 + (x >> 20) % 4;
+                    let at = (b * 4096) as usize;
+                    let (st, got) = read(reg, "v", b * 4096, (n * 4096) as usize);
+                    assert_eq!(st, Status::Ok, "block {b}+{n}");
+                    assert!(got == data[at..at + got.len()], "block {b}+{n} differs");
+                }
+            });
+        }
+    });
+    assert_eq!(reg.status_text("v").unwrap(), "0 2048 verity V\n");
+}
