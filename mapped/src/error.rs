@@ -498,6 +498,12 @@ pub enum Refusal {
     NoData,
     /// EBUSY: it is in use.
     Busy,
+    /// E2BIG: a size or count past what the target can hold (dm-verity's
+    /// "Hash device is too small").
+    TooBig,
+    /// ENOENT: a named thing that does not exist (dm-verity's unknown
+    /// hash algorithm, from `crypto_alloc_ahash`).
+    NotFound,
 }
 
 impl TargetError {
