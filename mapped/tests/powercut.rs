@@ -404,6 +404,21 @@ fn a_flush_in_flight_at_a_cut_fails_and_never_hangs() {
     assert_eq!(read(&*p, 0).1, vec![7; 4096]);
 }
 
+#[test]
+fn a_reload_or_remove_writes_the_cache_down_first() {
+    let (reg, m, p) = setup("");
+    assert_eq!(write(&*p, 0, 0x31), Status::Ok);
+    reg.reload("p", &format!("0 {SECTORS} powercut m 2 max_dirty 1M"))
+        .unwrap();
+    reg.resume("p").unwrap();
+    assert_eq!(read(&*m, 0).1, vec![0x31; 4096], "an orderly power-off");
+    assert_eq!(stat(&reg, "cached_writes"), 0, "the new table starts empty");
+    assert_eq!(write(&*p, 4096, 0x32), Status::Ok);
+    drop(p);
+    reg.remove("p", false).unwrap();
+    assert_eq!(read(&*m, 4096).1, vec![0x32; 4096]);
+}
+
 // ---- the stress test ----
 
 const THREADS: usize = 4;
