@@ -419,6 +419,19 @@ fn a_reload_or_remove_writes_the_cache_down_first() {
     assert_eq!(read(&*m, 4096).1, vec![0x32; 4096]);
 }
 
+#[test]
+fn the_example_stack_builds_and_caches() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let text = std::fs::read_to_string(dir.join("powercut.stack")).unwrap();
+    let reg = Registry::new();
+    reg.create_stack(&text).unwrap();
+    let (pc, below) = (reg.device("pc").unwrap(), reg.device("cached").unwrap());
+    assert_eq!(write(&*pc, 0, 0x41), Status::Ok);
+    assert_eq!(read(&*below, 0).1, vec![0; 4096]);
+    assert_eq!(flush(&*pc), Status::Ok);
+    assert_eq!(read(&*below, 0).1, vec![0x41; 4096]);
+}
+
 // ---- the stress test ----
 
 const THREADS: usize = 4;
