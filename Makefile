@@ -57,11 +57,14 @@ loom:
 
 # The long crash-consistency runs in the kernel VM: ext4 and xfs, each
 # checked with fsck at 100 or more FLUSH/FUA points (about 5 and 12
-# minutes on 2 vCPUs under TCG), and the block workloads at length.
+# minutes on 2 vCPUs under TCG), the same with reorder and torn states
+# after each flush point, and the block workloads at length.
 crashtest:
 	cargo test -p blkstack --test kernel_crashtest -- --ignored --nocapture --test-threads 1
 	cargo run -p blkstack -- crashtest --workload verify --ops 1000
 	cargo run -p blkstack -- crashtest --workload journal --ops 400
+	cargo run -p blkstack -- crashtest --workload verify --ops 100 --reorder 8 --torn
+	cargo run -p blkstack -- crashtest --workload journal --ops 100 --reorder 8 --torn
 
 check:
 	cargo fmt --all -- --check

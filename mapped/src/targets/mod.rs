@@ -17,6 +17,7 @@ pub(crate) mod powercut;
 pub(crate) mod snapshot;
 pub(crate) mod striped;
 pub mod thin;
+pub mod throttle;
 pub(crate) mod zero;
 
 use crate::target::TargetType;
@@ -40,6 +41,7 @@ pub static TYPES: &[TargetType] = &[
     thin::thin_target::TYPE,
     snapshot::TYPE,
     powercut::TYPE,
+    throttle::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
