@@ -13,6 +13,7 @@ pub mod memory;
 pub mod multipath;
 pub mod nbd;
 pub(crate) mod null;
+pub(crate) mod powercut;
 pub(crate) mod snapshot;
 pub(crate) mod striped;
 pub mod thin;
@@ -40,6 +41,7 @@ pub static TYPES: &[TargetType] = &[
     thin::pool_target::TYPE,
     thin::thin_target::TYPE,
     snapshot::TYPE,
+    powercut::TYPE,
     throttle::TYPE,
     verity::TYPE,
 ];
