@@ -498,6 +498,9 @@ pub enum Refusal {
     NoData,
     /// EBUSY: it is in use.
     Busy,
+    /// ENXIO: the device does not hold what the table says it holds
+    /// (dm-snap-persistent.c's "Invalid or corrupt snapshot").
+    NoAddress,
 }
 
 impl TargetError {

@@ -162,7 +162,8 @@ impl From<DmError> for RpcError {
 /// error other than EINVAL: ENOENT for a device argument naming no
 /// device (`dm_get_device` on a missing path), ENODEV for a hardware
 /// handler (`scsi_dh_attach` on a device that is not SCSI), and a
-/// message's own (dm-thin's EEXIST, ENODATA, EBUSY).
+/// message's own (dm-thin's EEXIST, ENODATA, EBUSY), and ENXIO for a
+/// snapshot's COW device holding no snapshot.
 fn table_errno(e: &DmError) -> Option<i64> {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
@@ -178,6 +179,7 @@ fn table_errno(e: &DmError) -> Option<i64> {
                     Refusal::Exists => EEXIST,
                     Refusal::NoData => ENODATA,
                     Refusal::Busy => EBUSY,
+                    Refusal::NoAddress => ENXIO,
                 })
             }
             _ => {}

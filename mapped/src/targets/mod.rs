@@ -38,6 +38,7 @@ pub static TYPES: &[TargetType] = &[
     thin::pool_target::TYPE,
     thin::thin_target::TYPE,
     snapshot::TYPE,
+    snapshot::origin::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
