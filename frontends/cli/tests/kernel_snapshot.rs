@@ -6,7 +6,15 @@
 //! it, with the same status; the guest then writes through a snapshot of
 //! its own over a zeroed COW, and blkstack loads that COW and reads back
 //! what the guest wrote, again with the same status. The origin image is
-//! unchanged by both. One guest boot, a few seconds of guest work.
+//! unchanged by both.
+//!
+//! Merges cross over too: blkstack starts a `snapshot-merge` of a COW it
+//! wrote into a copy of the origin and stops it (the device removed right
+//! away), and the guest's `snapshot-merge` over the same images finishes
+//! it; the guest starts and stops one of its own, and blkstack finishes
+//! it. Each origin copy ends up holding exactly the snapshot's data, and
+//! each status counts down to the header and one area. One guest boot, a
+//! few seconds of guest work.
 
 mod kernel_vm_support;
 
@@ -55,6 +63,20 @@ fn kernel_writes() -> Vec<Write> {
     v
 }
 
+/// Writes of the COW blkstack merges: single chunks and a 16-chunk run.
+fn blkstack_merge_writes() -> Vec<Write> {
+    let mut v: Vec<Write> = (0..60).map(|k| w(4096, 1, 5 * k + 2)).collect();
+    v.push(w(65536, 1, 30));
+    v
+}
+
+/// Writes of the COW the guest merges.
+fn kernel_merge_writes() -> Vec<Write> {
+    let mut v: Vec<Write> = (0..50).map(|k| w(4096, 1, 4 * k + 3)).collect();
+    v.push(w(512, 7, 7001));
+    v
+}
+
 fn apply(img: &mut [u8], pat: &[u8], writes: &[Write]) {
     for x in writes {
         let len = x.bs * x.n;
@@ -79,17 +101,33 @@ fn dd_lines(dev: &str, writes: &[Write]) -> String {
 }
 
 fn snap_reg(origin: &Path, cow: &Path) -> Arc<Registry> {
+    snap_reg_as(origin, cow, "snapshot")
+}
+
+/// Origin and COW files, and device `s` of `target` over them.
+fn snap_reg_as(origin: &Path, cow: &Path, target: &str) -> Arc<Registry> {
     let reg = Registry::new();
-    reg.create(
-        "o",
-        &format!("0 {ORIGIN_SECTORS} file {}", origin.display()),
-    )
-    .unwrap();
+    let o = format!("0 {ORIGIN_SECTORS} file {}", origin.display());
+    reg.create("o", &o).unwrap();
     reg.create("c", &format!("0 {COW_SECTORS} file {}", cow.display()))
         .unwrap();
-    reg.create("s", &format!("0 {ORIGIN_SECTORS} snapshot o c P 8"))
+    reg.create("s", &format!("0 {ORIGIN_SECTORS} {target} o c P 8"))
         .unwrap();
     reg
+}
+
+/// Poll `s`'s status until the merge is done (allocated = metadata),
+/// bounded so that a merge that never ends fails the test.
+fn merged_status(reg: &Registry) -> String {
+    for _ in 0..3000 {
+        let s = status_args(reg);
+        let alloc = s.split('/').next().unwrap_or_default();
+        if s.rsplit(' ').next() == Some(alloc) {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("the merge never finished: {}", status_args(reg));
 }
 
 fn status_args(reg: &Registry) -> String {
@@ -128,6 +166,17 @@ KWRITES
 echo "BEGIN kstatus"; st ks; echo "END kstatus"
 dmsetup remove ks || fail "remove ks"
 echo "BEGIN omd5"; md5sum < /dev/disk/by-serial/orig; echo "END omd5"
+dmsetup create bm --table "0 ORIGIN snapshot-merge $(dev morig) $(dev mcow) P 8" || fail "merge blkstack's COW"
+for i in $(seq 600); do s=$(st bm); [ "${s%%/*}" = "${s##* }" ] && break; sleep 0.1; done
+echo "BEGIN bmerged"; st bm; echo "END bmerged"
+dmsetup remove bm || fail "remove bm"
+echo "BEGIN bmmd5"; md5sum < /dev/disk/by-serial/morig; echo "END bmmd5"
+dmsetup create ks2 --table "0 ORIGIN snapshot $(dev korig) $(dev kmcow) P 8" || fail "a snapshot to merge"
+KMWRITES
+dmsetup remove ks2 || fail "remove ks2"
+dmsetup create km --table "0 ORIGIN snapshot-merge $(dev korig) $(dev kmcow) P 8" || fail "the guest's merge"
+echo "BEGIN kmstop"; st km; echo "END kmstop"
+dmsetup remove km || fail "remove km"
 echo DONE
 "#;
 
@@ -142,7 +191,9 @@ fn the_kernel_loads_blkstacks_cow_and_blkstack_loads_the_kernels() {
     std::fs::write(p("pattern"), &pat).unwrap();
     let origin = blkstack_test_support::pattern(ORIGIN_BYTES, 3);
     std::fs::write(p("orig"), &origin).unwrap();
-    for name in ["bcow", "kcow"] {
+    std::fs::write(p("morig"), &origin).unwrap();
+    std::fs::write(p("korig"), &origin).unwrap();
+    for name in ["bcow", "kcow", "mcow", "kmcow"] {
         let f = std::fs::File::create(p(name)).unwrap();
         f.set_len(COW_SECTORS * 512).unwrap();
     }
@@ -161,14 +212,34 @@ fn the_kernel_loads_blkstacks_cow_and_blkstack_loads_the_kernels() {
     reg.remove_all();
     std::fs::write(p("expect"), &expect).unwrap();
 
+    // blkstack writes a COW to merge, starts the merge and stops it.
+    let reg = snap_reg(&p("morig"), &p("mcow"));
+    let bmw = blkstack_merge_writes();
+    dev_write(&*reg.device("s").unwrap(), &pat, &bmw);
+    reg.remove_all();
+    let reg = snap_reg_as(&p("morig"), &p("mcow"), "snapshot-merge");
+    println!(
+        "blkstack's merge running at {} when removed",
+        status_args(&reg)
+    );
+    reg.remove_all();
+    let mut bmerged = origin.clone();
+    apply(&mut bmerged, &pat, &bmw);
+    std::fs::write(p("bmerged"), &bmerged).unwrap();
+
     let kw = kernel_writes();
     let script = GUEST
         .replace("ORIGIN", &ORIGIN_SECTORS.to_string())
-        .replace("KWRITES\n", &dd_lines("ks", &kw));
+        .replace("KWRITES\n", &dd_lines("ks", &kw))
+        .replace("KMWRITES\n", &dd_lines("ks2", &kernel_merge_writes()));
     let run = Vm::new()
         .disk("orig", &p("orig").display().to_string())
         .disk("bcow", &p("bcow").display().to_string())
         .disk("kcow", &p("kcow").display().to_string())
+        .disk("morig", &p("morig").display().to_string())
+        .disk("mcow", &p("mcow").display().to_string())
+        .disk("korig", &p("korig").display().to_string())
+        .disk("kmcow", &p("kmcow").display().to_string())
         .file(&p("pattern"), "/test/pattern")
         .timeout(240)
         .run(&script);
@@ -194,6 +265,16 @@ fn the_kernel_loads_blkstacks_cow_and_blkstack_loads_the_kernels() {
         std::fs::read(p("orig")).unwrap() == origin,
         "neither side wrote to the origin"
     );
+    assert_eq!(
+        run.section("bmmd5").unwrap_or_default().trim(),
+        format!("{}  -", md5(&p("bmerged"))),
+        "the kernel finished blkstack's merge: the origin holds the snapshot"
+    );
+    assert_eq!(
+        run.section("bmerged").unwrap_or_default().trim(),
+        "16/4096 16",
+        "the kernel's status after the merge"
+    );
 
     // blkstack loads the kernel's COW and reads what the guest wrote.
     let reg = snap_reg(&p("orig"), &p("kcow"));
@@ -209,4 +290,23 @@ fn the_kernel_loads_blkstacks_cow_and_blkstack_loads_the_kernels() {
         "blkstack's status of the kernel's COW (left) and the kernel's (right)"
     );
     reg.remove_all();
+
+    // blkstack finishes the merge the guest started and stopped.
+    println!(
+        "the kernel's merge stopped at {}",
+        run.section("kmstop").unwrap_or_default().trim()
+    );
+    let reg = snap_reg_as(&p("korig"), &p("kmcow"), "snapshot-merge");
+    assert_eq!(
+        merged_status(&reg),
+        "16/4096 16",
+        "blkstack's status after the merge"
+    );
+    reg.remove_all();
+    let mut kmerged = origin.clone();
+    apply(&mut kmerged, &pat, &kernel_merge_writes());
+    assert!(
+        std::fs::read(p("korig")).unwrap() == kmerged,
+        "blkstack finished the kernel's merge: the origin holds the snapshot"
+    );
 }

@@ -39,6 +39,7 @@ pub static TYPES: &[TargetType] = &[
     thin::thin_target::TYPE,
     snapshot::TYPE,
     snapshot::origin::TYPE,
+    snapshot::merge::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);

@@ -26,9 +26,14 @@
 //! exceptions over (the kernel's `__handover_exceptions`), a reload of a
 //! transient one starts empty (what crashtest wants; a listed difference).
 //! Feature arguments (`discard_zeroes_cow`, `discard_passdown_origin`)
-//! are refused. Writes straight to the origin are not tracked: there is
-//! no `snapshot-origin` target yet.
+//! are checked as the kernel checks them, then refused (not built).
+//! `snapshot-merge` ([`merge`]) shares this constructor and store. Writes to the origin are tracked when they go through
+//! `snapshot-origin` ([`origin`]), which finds the snapshots of its
+//! device in `LIVE`; a snapshot read of a chunk not yet copied out that
+//! races an origin write to it may see the new data (the kernel tracks
+//! such reads and makes the copy wait for them).
 
+pub(crate) mod merge;
 pub(crate) mod origin;
 mod persistent;
 mod transient;
@@ -40,6 +45,7 @@ use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, Features, Op, Status, 
 use parking_lot::Mutex;
 use persistent::Persistent;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use transient::Transient;
 
@@ -65,6 +71,10 @@ struct Snap {
     /// Chunk size in sectors (a power of two).
     chunk_sectors: u64,
     state: Mutex<State>,
+    /// A `snapshot-merge` target runs it: origin writes skip it.
+    merging: AtomicBool,
+    /// Writes to COW chunks in flight through a merging target.
+    inflight: AtomicU64,
 }
 
 struct State {
@@ -74,7 +84,14 @@ struct State {
     valid: bool,
     /// `snapshot_overflowed`: a `PO` store ran out of room.
     overflowed: bool,
+    /// The run of origin chunks being merged (first, count).
+    merging: Option<(u64, u64)>,
+    /// `merge_failed`.
+    merge_failed: bool,
 }
+
+/// Why a merge stopped (the kernel's DMERR text).
+struct NoMerge(&'static str);
 
 /// Why no exception was made.
 enum NoException {
@@ -125,6 +142,14 @@ impl Store {
 /// `snapshot-origin` writes (the kernel's `_origins` hash).
 static LIVE: Mutex<Vec<Weak<Snap>>> = Mutex::new(Vec::new());
 
+/// Add `snap` to [`LIVE`], dropping the entries of snapshots gone (so
+/// that crash replay's thousands of reloads do not grow the list).
+fn register(snap: &Arc<Snap>) {
+    let mut live = LIVE.lock();
+    live.retain(|w| w.strong_count() > 0);
+    live.push(Arc::downgrade(snap));
+}
+
 /// The live snapshots of origin device `origin`.
 fn snapshots_of(origin: &DeviceRef) -> Vec<Arc<Snap>> {
     let mut live = LIVE.lock();
@@ -163,17 +188,55 @@ fn store_kind(word: &str) -> Result<Option<bool>, TargetError> {
 }
 
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
+    let (origin, cow, snap) = build(ctx, args)?;
+    Ok(Arc::new(SnapshotTarget { origin, cow, snap }))
+}
+
+/// `parse_snapshot_features`: the kernel's checks of the optional group;
+/// the features themselves are not built and are refused.
+fn parse_features(args: &[&str]) -> Result<(), TargetError> {
+    let Some(count) = args.first() else {
+        return Ok(());
+    };
+    let n: usize = count
+        .parse()
+        .ok()
+        .filter(|n| *n <= 2)
+        .ok_or_else(|| TargetError::invalid("Invalid number of feature arguments"))?;
+    if n > args.len() - 1 {
+        return Err(TargetError::invalid("Insufficient arguments"));
+    }
+    let (mut zeroes, mut passdown) = (false, false);
+    for w in &args[1..=n] {
+        match w.to_ascii_lowercase().as_str() {
+            "discard_zeroes_cow" => zeroes = true,
+            "discard_passdown_origin" => passdown = true,
+            _ => return Err(TargetError::invalid("Unrecognised feature requested")),
+        }
+    }
+    if passdown && !zeroes {
+        return Err(TargetError::invalid(
+            "discard_passdown_origin feature depends on discard_zeroes_cow",
+        ));
+    }
+    if zeroes || args.len() > n + 1 {
+        return Err(TargetError::invalid(format!(
+            "snapshot feature arguments are not supported: '{}'",
+            args.join(" ")
+        )));
+    }
+    Ok(())
+}
+
+/// `snapshot_ctr`, shared by `snapshot` and `snapshot-merge`.
+fn build(
+    ctx: &mut CtrContext<'_>,
+    args: &[&str],
+) -> Result<(DevArg, DevArg, Arc<Snap>), TargetError> {
     if args.len() < 4 {
         return Err(TargetError::invalid("requires 4 or more arguments"));
     }
-    // Feature arguments (discard_zeroes_cow, discard_passdown_origin) are
-    // not offered: a trailing count other than 0 is refused.
-    if args.len() > 4 && !(args.len() == 5 && args[4] == "0") {
-        return Err(TargetError::invalid(format!(
-            "snapshot feature arguments are not supported: '{}'",
-            args[4..].join(" ")
-        )));
-    }
+    parse_features(&args[4..])?;
     let origin = ctx
         .get_device(args[0], 0, ctx.len)
         .map_err(|e| in_context("Cannot get origin device", e))?;
@@ -200,12 +263,12 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
                 Vec::new(),
                 true,
             ));
-            LIVE.lock().push(Arc::downgrade(&snap));
+            register(&snap);
             snap
         }
         Some(overflow) => persistent_snap(&origin, &cow, &ctx.events, table_chunk, overflow)?,
     };
-    Ok(Arc::new(SnapshotTarget { origin, cow, snap }))
+    Ok((origin, cow, snap))
 }
 
 /// A persistent snapshot: the live one on this COW device if there is
@@ -267,7 +330,11 @@ impl Snap {
                 store,
                 valid,
                 overflowed: false,
+                merging: None,
+                merge_failed: false,
             }),
+            merging: AtomicBool::new(false),
+            inflight: AtomicU64::new(0),
         }
     }
 }
@@ -372,6 +439,9 @@ impl Snap {
     /// kernel's `__origin_write`, which invalidates a full snapshot even
     /// with `PO`, and goes on with the origin write either way).
     fn keep_for_origin(&self, chunk: u64) {
+        if self.merging.load(Ordering::Acquire) {
+            return;
+        }
         let mut st = self.state.lock();
         if !st.valid || st.map.contains_key(&chunk) {
             return;
@@ -466,28 +536,11 @@ impl Target for SnapshotTarget {
     }
 
     fn status(&self) -> String {
-        let st = self.snap.state.lock();
-        if !st.valid {
-            return "Invalid".into();
-        }
-        if st.overflowed {
-            return "Overflow".into();
-        }
-        let (alloc, total, meta) = st.store.usage(self.cow.dev.size());
-        format!("{alloc}/{total} {meta}")
+        status_of(&self.snap, &self.cow)
     }
 
     fn table(&self) -> String {
-        let st = self.snap.state.lock();
-        let kind = match &st.store {
-            Store::Transient(_) => "N",
-            Store::Persistent(p) if p.overflow => "PO",
-            Store::Persistent(_) => "P",
-        };
-        format!(
-            "{} {} {kind} {}",
-            self.origin, self.cow, self.snap.chunk_sectors
-        )
+        table_of(&self.snap, &self.origin, &self.cow)
     }
 
     fn max_io_len(&self, offset: u64) -> u64 {
@@ -506,6 +559,33 @@ impl Target for SnapshotTarget {
             ..cow
         }
     }
+}
+
+/// `snapshot_status` STATUSTYPE_INFO.
+fn status_of(snap: &Snap, cow: &DevArg) -> String {
+    let st = snap.state.lock();
+    if !st.valid {
+        return "Invalid".into();
+    }
+    if st.merge_failed {
+        return "Merge failed".into();
+    }
+    if st.overflowed {
+        return "Overflow".into();
+    }
+    let (alloc, total, meta) = st.store.usage(cow.dev.size());
+    format!("{alloc}/{total} {meta}")
+}
+
+/// `snapshot_status` STATUSTYPE_TABLE.
+fn table_of(snap: &Snap, origin: &DevArg, cow: &DevArg) -> String {
+    let st = snap.state.lock();
+    let kind = match &st.store {
+        Store::Transient(_) => "N",
+        Store::Persistent(p) if p.overflow => "PO",
+        Store::Persistent(_) => "P",
+    };
+    format!("{origin} {cow} {kind} {}", snap.chunk_sectors)
 }
 
 #[cfg(test)]

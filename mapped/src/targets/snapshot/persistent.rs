@@ -305,6 +305,80 @@ impl Persistent {
         self.valid
     }
 
+    /// `persistent_prepare_merge`: the newest exception and how many
+    /// before it in the same area continue it backwards (old and new
+    /// chunks both one less each step), at most `max`; `None` once every
+    /// exception is merged.
+    pub(super) fn prepare_merge(&mut self, max: u64) -> Result<Option<(u64, u64, u64)>, ()> {
+        if self.current_committed == 0 {
+            if self.current_area == 0 {
+                return Ok(None);
+            }
+            self.current_area -= 1;
+            let off = self.area_location(self.current_area) * self.chunk_sectors * SECTOR_SIZE;
+            let cow = self.cow.clone();
+            let flags = BioFlags::NONE;
+            if io(
+                &cow,
+                Op::Read,
+                off,
+                self.area.as_mut_slice(),
+                flags,
+                "reading an area",
+            )
+            .is_err()
+            {
+                return Err(());
+            }
+            self.current_committed = self.per_area;
+        }
+        let (old, new) = self.pair(self.current_committed - 1);
+        let mut n = 1;
+        while n < self.current_committed.min(max) {
+            let (o, w) = self.pair(self.current_committed - 1 - n);
+            if old.checked_sub(n) != Some(o) || new.checked_sub(n) != Some(w) {
+                break;
+            }
+            n += 1;
+        }
+        Ok(Some((old, new, n)))
+    }
+
+    /// `persistent_commit_merge`: drop the newest `n` exceptions from the
+    /// current area on disk. `false` when the write failed.
+    pub(super) fn commit_merge(&mut self, n: u64) -> bool {
+        for i in 0..n.min(self.current_committed) {
+            let at = ((self.current_committed - 1 - i) * EXCEPTION_BYTES) as usize;
+            self.area.as_mut_slice()[at..at + EXCEPTION_BYTES as usize].fill(0);
+        }
+        let off = self.area_location(self.current_area) * self.chunk_sectors * SECTOR_SIZE;
+        let cow = self.cow.clone();
+        let flags = BioFlags::PREFLUSH | BioFlags::FUA;
+        if io(
+            &cow,
+            Op::Write,
+            off,
+            self.area.as_mut_slice(),
+            flags,
+            "writing an area",
+        )
+        .is_err()
+        {
+            return false;
+        }
+        self.current_committed -= n.min(self.current_committed);
+        // As the kernel: only usage() reads next_free after a merge.
+        self.next_free = self.area_location(self.current_area) + self.current_committed + 1;
+        true
+    }
+
+    /// Pair `i` of the current area.
+    fn pair(&self, i: u64) -> (u64, u64) {
+        let a = &self.area.as_slice()[(i * EXCEPTION_BYTES) as usize..][..16];
+        let le = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or_default());
+        (le(&a[..8]), le(&a[8..]))
+    }
+
     /// `persistent_drop_snapshot`: mark the header invalid.
     pub(super) fn drop_snapshot(&mut self) {
         self.valid = false;

@@ -142,6 +142,22 @@ fn bad_tables_are_refused_naming_the_problem() {
             "0 2048 snapshot o c PX 8",
             "Unsupported persistent store option",
         ),
+        (
+            "0 2048 snapshot o c N 8 3 a b c",
+            "Invalid number of feature arguments",
+        ),
+        (
+            "0 2048 snapshot o c N 8 1 bogus",
+            "Unrecognised feature requested",
+        ),
+        (
+            "0 2048 snapshot o c N 8 1 discard_passdown_origin",
+            "depends on discard_zeroes_cow",
+        ),
+        (
+            "0 2048 snapshot o c N 8 1 discard_zeroes_cow",
+            "not supported",
+        ),
         ("0 2048 snapshot o o N 8", "cannot be the same"),
         ("0 4096 snapshot o c N 8", "too small"),
         ("0 2048 snapshot nope c N 8", "Cannot get origin device"),
@@ -372,4 +388,80 @@ fn a_full_snapshot_is_invalidated_by_origin_writes_and_the_write_goes_on() {
         };
         assert!(e.report().contains(want), "{table}: {}", e.report());
     }
+}
+
+/// Status polled until it is `want` (the merge worker runs on its own
+/// thread); bounded so that a merge that never ends fails the test.
+fn wait_status(reg: &Registry, dev: &str, want: &str) {
+    for _ in 0..2000 {
+        if reg.status_text(dev).unwrap() == want {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!(
+        "{dev}: status {} never became {want}",
+        reg.status_text(dev).unwrap()
+    );
+}
+
+/// Writes through a persistent snapshot, then `snapshot-merge` over the
+/// same COW device puts them into the origin (a run of consecutive
+/// chunks and single ones), the merge device reading the snapshot's data
+/// all along, and status counting down to the header and one area.
+#[test]
+fn a_merge_puts_the_snapshot_back_into_the_origin() {
+    let reg = setup_p(1024, "P", 8);
+    write(&reg, "s", 0, b'a', 3 * 4096);
+    write(&reg, "s", 10 * 4096 + 512, b'b', 512);
+    write(&reg, "s", 20 * 4096, b'c', 4096);
+    let want = read(&reg, "s", 0, 1 << 20);
+    assert_eq!(status(&reg), "0 2048 snapshot 56/1024 16\n");
+    reg.remove("s", false).unwrap();
+    let Err(e) = reg.create("m", "0 2048 snapshot-merge o c N 8") else {
+        panic!("a transient merge was taken");
+    };
+    assert!(
+        e.report().contains("does not support snapshot-merge"),
+        "{}",
+        e.report()
+    );
+    reg.create("m", "0 2048 snapshot-merge o c P 8").unwrap();
+    assert!(
+        read(&reg, "m", 0, 1 << 20) == want,
+        "the merge device reads the snapshot"
+    );
+    // Writes during the merge land where the data is.
+    write(&reg, "m", 20 * 4096 + 1024, b'd', 512);
+    write(&reg, "m", 30 * 4096, b'e', 512);
+    let mut want = want;
+    want[20 * 4096 + 1024..20 * 4096 + 1536].fill(b'd');
+    want[30 * 4096..30 * 4096 + 512].fill(b'e');
+    wait_status(&reg, "m", "0 2048 snapshot-merge 16/1024 16\n");
+    assert!(
+        read(&reg, "o", 0, 1 << 20) == want,
+        "the origin holds the merged data"
+    );
+    assert!(read(&reg, "m", 0, 1 << 20) == want);
+    // The store on disk is empty: a new snapshot over it starts clean.
+    reg.remove("m", false).unwrap();
+    reg.create("s", "0 2048 snapshot o c P 8").unwrap();
+    assert_eq!(status(&reg), "0 2048 snapshot 16/1024 16\n");
+}
+
+/// A merge stopped after it began (the device removed) goes on from
+/// what the store on disk holds when a merge is loaded again.
+#[test]
+fn a_stopped_merge_goes_on_where_it_stopped() {
+    let reg = setup_p(2048, "P", 1);
+    for c in 0..100u64 {
+        write(&reg, "s", c * 3 * 512, b'a' + (c % 26) as u8, 512);
+    }
+    let want = read(&reg, "s", 0, 1 << 20);
+    reg.remove("s", false).unwrap();
+    reg.create("m", "0 2048 snapshot-merge o c P 1").unwrap();
+    reg.remove("m", false).unwrap();
+    reg.create("m", "0 2048 snapshot-merge o c P 1").unwrap();
+    wait_status(&reg, "m", "0 2048 snapshot-merge 2/2048 2\n");
+    assert!(read(&reg, "o", 0, 1 << 20) == want);
 }
