@@ -204,7 +204,8 @@ fn parse_features(args: &[&str]) -> Result<(), TargetError> {
         .filter(|n| *n <= 2)
         .ok_or_else(|| TargetError::invalid("Invalid number of feature arguments"))?;
     if n > args.len() - 1 {
-        return Err(TargetError::invalid("Insufficient arguments"));
+        // dm_read_arg_group gives the group's own error for this too.
+        return Err(TargetError::invalid("Invalid number of feature arguments"));
     }
     let (mut zeroes, mut passdown) = (false, false);
     for w in &args[1..=n] {
