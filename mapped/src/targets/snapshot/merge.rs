@@ -167,11 +167,15 @@ impl Snap {
     }
 }
 
-/// A write to a COW chunk during a merge is done (the kernel's
-/// `stop_tracking_chunk`).
+/// A write to a COW chunk during a merge, or a snapshot's read of the
+/// origin, is done (the kernel's `stop_tracking_chunk`).
 impl EndIo for Snap {
-    fn end_io(&self, bio: Bio, status: Status, _private: u64) {
-        self.inflight.fetch_sub(1, Ordering::AcqRel);
+    fn end_io(&self, bio: Bio, status: Status, private: u64) {
+        if private == super::ORIGIN_READ {
+            self.origin_reads.fetch_sub(1, Ordering::AcqRel);
+        } else {
+            self.inflight.fetch_sub(1, Ordering::AcqRel);
+        }
         bio.complete(status);
     }
 }

@@ -27,11 +27,12 @@
 //! transient one starts empty (what crashtest wants; a listed difference).
 //! Feature arguments (`discard_zeroes_cow`, `discard_passdown_origin`)
 //! are checked as the kernel checks them, then refused (not built).
-//! `snapshot-merge` ([`merge`]) shares this constructor and store. Writes to the origin are tracked when they go through
+//! `snapshot-merge` ([`merge`]) shares this constructor and store.
+//! Writes to the origin are tracked when they go through
 //! `snapshot-origin` ([`origin`]), which finds the snapshots of its
-//! device in `LIVE`; a snapshot read of a chunk not yet copied out that
-//! races an origin write to it may see the new data (the kernel tracks
-//! such reads and makes the copy wait for them).
+//! device in `LIVE`; a snapshot's reads in flight to the origin finish
+//! before an origin write that made an exception goes on (the kernel's
+//! tracked chunks).
 
 pub(crate) mod merge;
 pub(crate) mod origin;
@@ -75,7 +76,13 @@ struct Snap {
     merging: AtomicBool,
     /// Writes to COW chunks in flight through a merging target.
     inflight: AtomicU64,
+    /// Snapshot reads in flight to the origin.
+    origin_reads: AtomicU64,
 }
+
+/// The `EndIo` word of a snapshot read sent to the origin (a merge
+/// target's COW write is 0).
+const ORIGIN_READ: u64 = 1;
 
 struct State {
     /// Origin chunk -> COW chunk (the kernel's `complete` table).
@@ -336,6 +343,7 @@ impl Snap {
             }),
             merging: AtomicBool::new(false),
             inflight: AtomicU64::new(0),
+            origin_reads: AtomicU64::new(0),
         }
     }
 }
@@ -449,6 +457,15 @@ impl Snap {
         }
         if self.new_exception(&mut st, chunk, true).is_err() {
             self.invalidate(&mut st, "Unable to allocate exception.");
+            return;
+        }
+        drop(st);
+        // Reads of the origin this snapshot sent before the exception
+        // existed finish before the origin changes (the kernel's
+        // __check_for_conflicting_io over its tracked chunks); later
+        // reads of the chunk go to the COW device.
+        while self.origin_reads.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(200));
         }
     }
 
@@ -517,6 +534,14 @@ impl Target for SnapshotTarget {
                         self.cow.dev.submit(bio);
                     }
                     None => {
+                        // Counted until done, so that an origin write
+                        // making an exception waits for it (only while
+                        // there is a snapshot-origin to write: crash
+                        // replay's overlays read without the frame).
+                        if origin::any_live() {
+                            self.snap.origin_reads.fetch_add(1, Ordering::AcqRel);
+                            bio.push_end(self.snap.clone(), ORIGIN_READ);
+                        }
                         drop(st);
                         self.origin.dev.submit(bio);
                     }

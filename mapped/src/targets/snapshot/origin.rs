@@ -18,6 +18,7 @@ use super::{in_context, snapshots_of};
 use crate::error::TargetError;
 use crate::target::{CtrContext, DevArg, Target, TargetRef, TargetType};
 use blkstack_core::{Bio, Features, Op};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 pub const TYPE: TargetType = TargetType {
@@ -30,6 +31,15 @@ pub struct OriginTarget {
     dev: DevArg,
 }
 
+/// How many `snapshot-origin` targets exist: while none does, snapshot
+/// reads of the origin need not be tracked.
+static LIVE_ORIGINS: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether any `snapshot-origin` target exists.
+pub(super) fn any_live() -> bool {
+    LIVE_ORIGINS.load(Ordering::Acquire) > 0
+}
+
 fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError> {
     if args.len() != 1 {
         return Err(TargetError::invalid(
@@ -39,7 +49,14 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     let dev = ctx
         .get_device(args[0], 0, ctx.len)
         .map_err(|e| in_context("Cannot get target device", e))?;
+    LIVE_ORIGINS.fetch_add(1, Ordering::AcqRel);
     Ok(Arc::new(OriginTarget { dev }))
+}
+
+impl Drop for OriginTarget {
+    fn drop(&mut self) {
+        LIVE_ORIGINS.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Target for OriginTarget {
