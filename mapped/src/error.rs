@@ -504,6 +504,9 @@ pub enum Refusal {
     /// ENOENT: a named thing that does not exist (dm-verity's unknown
     /// hash algorithm, from `crypto_alloc_ahash`).
     NotFound,
+    /// ENXIO: the device does not hold what the table says it holds
+    /// (dm-snap-persistent.c's "Invalid or corrupt snapshot").
+    NoAddress,
 }
 
 impl TargetError {

@@ -165,8 +165,9 @@ impl From<DmError> for RpcError {
 /// error other than EINVAL: ENOENT for a device argument naming no
 /// device (`dm_get_device` on a missing path), ENODEV for a hardware
 /// handler (`scsi_dh_attach` on a device that is not SCSI), a
-/// constructor's own (dm-verity's E2BIG and ENOENT) and a message's own
-/// (dm-thin's EEXIST, ENODATA, EBUSY).
+/// constructor's own (dm-verity's E2BIG and ENOENT), a message's own
+/// (dm-thin's EEXIST, ENODATA, EBUSY), and ENXIO for a snapshot's COW
+/// device holding no snapshot.
 fn table_errno(e: &DmError) -> Option<i64> {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
@@ -184,6 +185,7 @@ fn table_errno(e: &DmError) -> Option<i64> {
                     Refusal::Busy => EBUSY,
                     Refusal::TooBig => E2BIG,
                     Refusal::NotFound => ENOENT,
+                    Refusal::NoAddress => ENXIO,
                 })
             }
             _ => {}

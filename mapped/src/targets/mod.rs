@@ -44,6 +44,8 @@ pub static TYPES: &[TargetType] = &[
     powercut::TYPE,
     throttle::TYPE,
     verity::TYPE,
+    snapshot::origin::TYPE,
+    snapshot::merge::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
