@@ -21,7 +21,9 @@
 //! thin-provisioning-tools are a program, not a library with a stable
 //! API). `thin_check` and the kernel are their judges.
 
+pub mod array;
 pub mod bitmap;
+pub mod bitset;
 pub mod block_manager;
 pub mod btree;
 pub mod checksum;
@@ -32,6 +34,8 @@ pub mod space_map;
 pub mod tm;
 pub mod value_type;
 
+#[cfg(test)]
+mod array_tests;
 #[cfg(test)]
 mod tests;
 
