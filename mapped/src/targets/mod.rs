@@ -3,6 +3,7 @@
 
 pub mod delay;
 pub(crate) mod dust;
+pub mod era;
 pub(crate) mod error;
 pub(crate) mod file;
 pub(crate) mod flakey;
@@ -38,6 +39,7 @@ pub static TYPES: &[TargetType] = &[
     thin::pool_target::TYPE,
     thin::thin_target::TYPE,
     snapshot::TYPE,
+    era::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
