@@ -45,9 +45,12 @@ fn era_msg(reg: &Registry, text: &str) {
 /// `era_invalidate`'s XML as a set of blocks (`<block block=N/>` and
 /// `<range begin=A end=B/>`, end exclusive).
 fn invalidated(xml: &str) -> BTreeSet<u64> {
+    // era_invalidate writes `begin="0" end = "2"`: spaces around `=`.
     let attr = |line: &str, name: &str| -> Option<u64> {
-        let at = line.find(&format!("{name}=\""))? + name.len() + 2;
-        line[at..].split('"').next()?.parse().ok()
+        let at = line.find(&format!(" {name}"))?;
+        let rest = line[at + name.len() + 1..].trim_start_matches([' ', '=', '"']);
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        digits.parse().ok()
     };
     let mut out = BTreeSet::new();
     for line in xml.lines() {

@@ -9,7 +9,9 @@
 //! change (`tm.rs`); and the space maps that count references to
 //! metadata and data blocks (`space_map.rs` in memory, `bitmap.rs` their
 //! on-disk bitmaps and index entries, `sm_disk.rs` and `sm_metadata.rs`
-//! how each kind is read back and committed).
+//! how each kind is read back and committed);
+//! and arrays of packed values under a btree (`array.rs`, the kernel's
+//! `dm-array.c`) with bitsets on them (`bitset.rs`, `dm-bitset.c`).
 //!
 //! Layering: this module knows nothing of any target. A target's
 //! metadata (its superblock, its value types, the order of its commit)
