@@ -7,14 +7,15 @@
 //! blkstack's and the guest's writes by era, and blkstack opens it,
 //! shows the era the kernel would, and drops the kernel's snapshot. The
 //! guest also formats metadata of its own, which blkstack and
-//! `era_check` open afterwards.
+//! `era_check` open afterwards, and activates metadata a `kill -9` of
+//! `blkstack serve` left mid-era, finding every completed write marked.
 
 mod kernel_vm_support;
 
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{Op, Status};
 use blkstack_mapped::Registry;
-use blkstack_test_support::tool;
+use blkstack_test_support::{tool, Serve};
 use kernel_vm_support::*;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -121,6 +122,10 @@ w kera 3 q
 dmsetup message kera 0 checkpoint || fail "kera checkpoint"
 echo "BEGIN kstatus"; st kera; echo "END kstatus"
 dmsetup remove kera || fail "remove kera"
+dmsetup create cera --table "0 DATA era $(dev cmeta) $(dev cdata) 128" || fail "activate what kill -9 left"
+echo "BEGIN cstatus"; st cera; echo "END cstatus"
+dmsetup message cera 0 take_metadata_snap || fail "cera take_metadata_snap"
+dmsetup remove cera || fail "remove cera"
 echo DONE
 "#;
 
@@ -136,6 +141,8 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
         ("bdata", DATA_SECTORS),
         ("kmeta", META_SECTORS),
         ("kdata", DATA_SECTORS),
+        ("cmeta", META_SECTORS),
+        ("cdata", DATA_SECTORS),
     ] {
         let f = std::fs::File::create(p(name)).unwrap();
         f.set_len(sectors * 512).unwrap();
@@ -158,6 +165,7 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
     let ours_on_open = status_args(&reg).join(" ");
     reg.remove_all();
 
+    killed_mid_era(&p("cmeta"), &p("cdata"));
     for fill in ["k", "q"] {
         std::fs::write(p(&format!("fill-{fill}")), fill.repeat(4096)).unwrap();
     }
@@ -169,6 +177,8 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
         .disk("bdata", &p("bdata").display().to_string())
         .disk("kmeta", &p("kmeta").display().to_string())
         .disk("kdata", &p("kdata").display().to_string())
+        .disk("cmeta", &p("cmeta").display().to_string())
+        .disk("cdata", &p("cdata").display().to_string())
         .timeout(300)
         .run(&script);
     println!("{}", run.out);
@@ -251,4 +261,54 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
     reg.remove_all();
     assert_eq!(written_since(&p("kmeta"), 1), BTreeSet::from([3]));
     tool_ok("era_check", &[], &p("kmeta"));
+
+    // What kill -9 left: the kernel archived the crashed era 1.
+    let cs = run.section("cstatus").unwrap_or_default();
+    assert_eq!(cs.split_whitespace().nth(2), Some("2"), "{cs}");
+    tool_ok("era_check", &[], &p("cmeta"));
+    assert_eq!(
+        written_since(&p("cmeta"), 1),
+        BTreeSet::from(KILLED_WRITES),
+        "every write completed before the kill is marked"
+    );
+}
+
+/// Blocks written through NBD before `kill -9` of the server.
+const KILLED_WRITES: [u64; 3] = [2, 9, 77];
+
+/// `blkstack serve` with an era device over `meta` and `data`, written
+/// through its NBD export, then killed with SIGKILL (no suspend, no
+/// archive: the current era's writeset is left as committed).
+fn killed_mid_era(meta: &Path, data: &Path) {
+    let stack = format!(
+        "meta,,,rw,0 {META_SECTORS} file {};data,,,rw,0 {DATA_SECTORS} file {};\
+         era,,,rw,0 {DATA_SECTORS} era meta data 128",
+        meta.display(),
+        data.display()
+    );
+    let srv = Serve::start(&stack, "era");
+    let reg = Registry::new();
+    reg.create(
+        "remote",
+        &format!(
+            "0 {DATA_SECTORS} nbd {} dead_timeout_ms=500",
+            srv.uri("era")
+        ),
+    )
+    .expect("connect to the era export");
+    let dev = reg.device("remote").unwrap();
+    for b in KILLED_WRITES {
+        let mut buf = vec![b as u8; 4096];
+        let st = submit_and_wait(&*dev, Op::Write, b * BLOCK, 4096, &mut buf);
+        assert_eq!(st, Status::Ok);
+    }
+    let killed = Command::new("kill")
+        .args(["-9", &srv.pid().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success(), "kill -9");
+    drop(dev);
+    reg.remove_all();
+    drop(srv);
+    tool_ok("era_check", &[], meta);
 }
