@@ -168,4 +168,17 @@ fn bad_tables_are_refused_with_the_kernels_errors() {
         e.contains("Error reading metadata"),
         "a changed block size: {e}"
     );
+    // A superblock whose checksum fails is refused, and left as it was.
+    reg.remove_all();
+    let mut raw = std::fs::read(&f.meta).unwrap();
+    raw[300] ^= 0xff;
+    std::fs::write(&f.meta, &raw).unwrap();
+    let reg = files_registry(&f, SECTORS);
+    let e = refused(&reg, "era", &format!("0 {SECTORS} era meta data 128"));
+    assert!(
+        e.contains("Error reading metadata"),
+        "a corrupt superblock: {e}"
+    );
+    reg.remove_all();
+    assert_eq!(std::fs::read(&f.meta).unwrap(), raw, "nothing written");
 }
