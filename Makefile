@@ -3,7 +3,7 @@
 
 SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump veritysetup
 
-.PHONY: test deps check lab loom fuzz thin-crash crashtest
+.PHONY: test deps check lab loom fuzz thin-crash era-crash crashtest
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page, and iproute2 for the multi-host
@@ -78,6 +78,12 @@ lab:
 THIN_CRASH_ROUNDS ?= 50
 thin-crash:
 	BLKSTACK_THIN_CRASH_ROUNDS=$(THIN_CRASH_ROUNDS) cargo test -p blkstack --release --test thin_crash -- --nocapture
+
+# ERA_CRASH_ROUNDS restarts of `blkstack serve` over an era device,
+# era_check and era_invalidate after each.
+ERA_CRASH_ROUNDS ?= 50
+era-crash:
+	BLKSTACK_ERA_CRASH_ROUNDS=$(ERA_CRASH_ROUNDS) cargo test -p blkstack --release --test era_crash kill_9 -- --nocapture
 
 # Each cargo-fuzz target (fuzz/fuzz_targets/) for FUZZ_SECS seconds, one
 # after another, on nightly. New inputs go to fuzz/work/TARGET (ignored by

@@ -9,7 +9,9 @@
 //! change (`tm.rs`); and the space maps that count references to
 //! metadata and data blocks (`space_map.rs` in memory, `bitmap.rs` their
 //! on-disk bitmaps and index entries, `sm_disk.rs` and `sm_metadata.rs`
-//! how each kind is read back and committed).
+//! how each kind is read back and committed);
+//! and arrays of packed values under a btree (`array.rs`, the kernel's
+//! `dm-array.c`) with bitsets on them (`bitset.rs`, `dm-bitset.c`).
 //!
 //! Layering: this module knows nothing of any target. A target's
 //! metadata (its superblock, its value types, the order of its commit)
@@ -21,7 +23,9 @@
 //! thin-provisioning-tools are a program, not a library with a stable
 //! API). `thin_check` and the kernel are their judges.
 
+pub mod array;
 pub mod bitmap;
+pub mod bitset;
 pub mod block_manager;
 pub mod btree;
 pub mod checksum;
@@ -32,6 +36,8 @@ pub mod space_map;
 pub mod tm;
 pub mod value_type;
 
+#[cfg(test)]
+mod array_tests;
 #[cfg(test)]
 mod tests;
 

@@ -38,6 +38,10 @@ impl Hasher for BlockHasher {
 type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<BlockHasher>>;
 type BlockSet = HashSet<u64, BuildHasherDefault<BlockHasher>>;
 
+/// A validator for a non-btree block: its contents and where it was
+/// read from (the kernel's `dm_block_validator` `check`).
+pub type BlockCheck = dyn Fn(&[u8], u64) -> Result<(), FormatError>;
+
 /// Clean nodes kept in memory before the cache drops them (dirty ones
 /// stay until the commit writes them).
 const CACHE_CLEAN_LIMIT: usize = 16384;
@@ -101,6 +105,65 @@ impl Tm {
     /// Drop what [`Self::queue_raw`] queued for `b`.
     pub fn unqueue_raw(&mut self, b: u64) {
         self.raw_dirty.remove(&b);
+    }
+
+    /// A block that is not a btree node (an array block, a superblock
+    /// copy) as this transaction sees it: what is queued for the commit,
+    /// else read from the device and checked by `check` (the kernel's
+    /// `dm_tm_read_lock` with that structure's validator).
+    pub fn raw_block(&self, b: u64, check: &BlockCheck) -> Result<Vec<u8>, PdError> {
+        if let Some(q) = self.raw_dirty.get(&b) {
+            return Ok(q.clone());
+        }
+        self.check_in_range(b, "block")?;
+        let raw = self.read_block(b)?;
+        check(&raw, b)?;
+        Ok(raw)
+    }
+
+    /// A queued non-btree block's contents, to change in place (the
+    /// caller seals it again).
+    pub fn raw_mut(&mut self, b: u64) -> Option<&mut Vec<u8>> {
+        self.raw_dirty.get_mut(&b)
+    }
+
+    /// `dm_tm_new_block` for a non-btree block: a new block holding
+    /// `data`, written at commit.
+    pub fn new_raw(&mut self, data: Vec<u8>) -> Result<u64, PdError> {
+        let b = self.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+        self.raw_dirty.insert(b, data);
+        Ok(b)
+    }
+
+    /// `dm_tm_shadow_block` for a non-btree block: `b` itself if this
+    /// transaction made it and nothing else refers to it, else a copy
+    /// (queued, its location still to be sealed in by the caller). The
+    /// flag says the original was shared, as [`Self::shadow`]'s does.
+    pub fn shadow_raw(&mut self, b: u64, check: &BlockCheck) -> Result<(u64, bool), PdError> {
+        let count = self.meta.get(b);
+        if self.raw_dirty.contains_key(&b) && count == 1 {
+            return Ok((b, false));
+        }
+        let data = self.raw_block(b, check)?;
+        let copy = self.new_raw(data)?;
+        if self.meta.dec(b)? == 0 {
+            self.raw_dirty.remove(&b);
+        }
+        Ok((copy, count > 1))
+    }
+
+    fn check_in_range(&self, b: u64, what: &'static str) -> Result<(), PdError> {
+        if b >= self.meta.nr_blocks() {
+            return Err(PdError::Format(FormatError::Invalid {
+                what,
+                block: b,
+                why: format!(
+                    "beyond the metadata device's {} blocks",
+                    self.meta.nr_blocks()
+                ),
+            }));
+        }
+        Ok(())
     }
 
     /// Btree node `b`, from the cache or read and validated (kernel

@@ -3,6 +3,7 @@
 
 pub mod delay;
 pub(crate) mod dust;
+pub mod era;
 pub(crate) mod error;
 pub(crate) mod file;
 pub(crate) mod flakey;
@@ -46,6 +47,7 @@ pub static TYPES: &[TargetType] = &[
     verity::TYPE,
     snapshot::origin::TYPE,
     snapshot::merge::TYPE,
+    era::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
