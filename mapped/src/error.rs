@@ -131,6 +131,16 @@ pub enum DmError {
         #[source]
         source: Box<TargetError>,
     },
+    /// A target refused to resume (kernel `preresume`, dm-crypt without
+    /// a key); the device stays suspended.
+    #[error("{device}: resume refused")]
+    Resume {
+        /// The device resumed.
+        device: String,
+        /// What the target said.
+        #[source]
+        source: Box<TargetError>,
+    },
 }
 
 fn force_hint(verb: &str) -> &'static str {
@@ -498,6 +508,8 @@ pub enum Refusal {
     NoData,
     /// EBUSY: it is in use.
     Busy,
+    /// EAGAIN: not now (dm-crypt's resume without a key).
+    Again,
 }
 
 impl TargetError {

@@ -60,6 +60,12 @@ pub trait Target: Send + Sync {
     /// After in-flight I/O has drained.
     fn postsuspend(&self) {}
 
+    /// Before the device resumes with this target live: an error keeps it
+    /// suspended (kernel `preresume`; dm-crypt refuses without a key).
+    fn preresume(&self) -> Result<(), TargetError> {
+        Ok(())
+    }
+
     /// When the device resumes with this target live.
     fn resume(&self) {}
 

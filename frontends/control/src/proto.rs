@@ -26,6 +26,8 @@ pub const ENODEV: i64 = libc::ENODEV as i64;
 pub const EBUSY: i64 = libc::EBUSY as i64;
 pub const EEXIST: i64 = libc::EEXIST as i64;
 pub const ENODATA: i64 = libc::ENODATA as i64;
+/// dm-crypt's resume without a key (`crypt_preresume`).
+pub const EAGAIN: i64 = libc::EAGAIN as i64;
 pub const EINVAL: i64 = libc::EINVAL as i64;
 pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
 
@@ -113,6 +115,7 @@ impl RpcError {
             EBUSY => "Device or resource busy",
             EEXIST => "File exists",
             ENODATA => "No data available",
+            EAGAIN => "Resource temporarily unavailable",
             EINVAL => "Invalid argument",
             ENOTSUP => "Operation not supported",
             _ => return None,
@@ -128,6 +131,7 @@ fn errno_name(code: i64) -> Option<&'static str> {
         EBUSY => "EBUSY",
         EEXIST => "EEXIST",
         ENODATA => "ENODATA",
+        EAGAIN => "EAGAIN",
         EINVAL => "EINVAL",
         ENOTSUP => "EOPNOTSUPP",
         _ => return None,
@@ -148,6 +152,7 @@ impl From<DmError> for RpcError {
             // A target's message errno (dm-ioctl.c `target_message`
             // returns what the target's message function did).
             DmError::Message { .. } => (table_errno(&e).unwrap_or(EINVAL), "invalid"),
+            DmError::Resume { .. } => (table_errno(&e).unwrap_or(EINVAL), "invalid"),
             _ => (EINVAL, "invalid"),
         };
         let mut r = RpcError::new(code, e.report());
@@ -178,6 +183,7 @@ fn table_errno(e: &DmError) -> Option<i64> {
                     Refusal::Exists => EEXIST,
                     Refusal::NoData => ENODATA,
                     Refusal::Busy => EBUSY,
+                    Refusal::Again => EAGAIN,
                 })
             }
             _ => {}

@@ -1,6 +1,7 @@
 //! The target types a table may name. Adding a target is one file here and
 //! one line in [`TYPES`].
 
+pub mod crypt;
 pub mod delay;
 pub(crate) mod dust;
 pub(crate) mod error;
@@ -38,6 +39,7 @@ pub static TYPES: &[TargetType] = &[
     thin::pool_target::TYPE,
     thin::thin_target::TYPE,
     snapshot::TYPE,
+    crypt::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
