@@ -113,6 +113,7 @@ fn package_of(name: &str) -> &str {
         "mkfs.ext4" | "e2fsck" => "e2fsprogs",
         "mkfs.xfs" | "xfs_repair" => "xfsprogs",
         "ip" => "iproute2",
+        "cryptsetup" => "cryptsetup-bin",
         _ => name,
     }
 }
