@@ -1,7 +1,7 @@
 # The two commands a newcomer needs are in README.md; this file holds the
 # test recipe that `.ci/run` also uses.
 
-SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump
+SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump cryptsetup
 
 .PHONY: test deps check lab loom fuzz thin-crash crashtest
 
@@ -20,7 +20,7 @@ deps:
 	missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system tools (missing:$$missing)"; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl thin-provisioning-tools >/dev/null; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl thin-provisioning-tools cryptsetup-bin >/dev/null; \
 	fi; \
 	missing=""; for t in $(VM_TOOLS); do command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || [ -x /sbin/$$t ] || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \

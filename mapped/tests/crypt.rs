@@ -200,7 +200,7 @@ fn bad_tables_name_the_reason() {
             "Invalid feature arguments",
         ),
         (
-            format!("aes-xts-plain64 {k} 0 m 0 9 a b c d e f g h i"),
+            format!("aes-xts-plain64 {k} 0 m 0 10 a b c d e f g h i j"),
             "Invalid number of feature args",
         ),
         (

@@ -13,7 +13,8 @@
 //! queue's own thread (an NBD connection, a bench job, a ublk queue), so
 //! those threads already spread the work over the CPUs and a pool would
 //! add a hand-off per I/O and nothing else. The workqueue options are
-//! therefore accepted and printed back, and change nothing.
+//! (and `high_priority`) therefore accepted and printed back, and change
+//! nothing.
 //!
 //! A write is never encrypted in the caller's buffer (the page cache of a
 //! kernel caller must not see ciphertext, and an NBD client's buffer may
@@ -68,6 +69,8 @@ pub struct Options {
     pub no_read_workqueue: bool,
     /// `no_write_workqueue`.
     pub no_write_workqueue: bool,
+    /// `high_priority` (6.10's kcryptd at high priority).
+    pub high_priority: bool,
     /// `sector_size:N`: the encryption unit, 512..=4096, a power of two.
     pub sector_size: u32,
     /// `iv_large_sectors`: IVs count `sector_size` units, not 512 bytes.
@@ -83,6 +86,7 @@ impl Options {
             (self.submit_from_crypt_cpus, "submit_from_crypt_cpus"),
             (self.no_read_workqueue, "no_read_workqueue"),
             (self.no_write_workqueue, "no_write_workqueue"),
+            (self.high_priority, "high_priority"),
         ] {
             if on {
                 w.push(name.to_string());
@@ -103,7 +107,7 @@ fn invalid(why: impl Into<String>) -> TargetError {
 }
 
 /// The feature group (kernel `crypt_ctr_optional` with
-/// `dm_read_arg_group`): a count 0..=8 no larger than the words after it,
+/// `dm_read_arg_group`): a count 0..=9 no larger than the words after it,
 /// then that many words; words after the counted ones are ignored, as the
 /// kernel ignores them.
 fn parse_options(args: &[&str], len_sectors: u64) -> Result<Options, TargetError> {
@@ -116,7 +120,7 @@ fn parse_options(args: &[&str], len_sectors: u64) -> Result<Options, TargetError
     };
     let n: usize = parse_sscanf::<u32>("feature count", count)
         .ok()
-        .filter(|&n| n <= 8 && n as usize <= rest.len())
+        .filter(|&n| n <= 9 && n as usize <= rest.len())
         .ok_or_else(|| invalid(format!("Invalid number of feature args: '{count}'")))?
         as usize;
     for word in &rest[..n] {
@@ -127,6 +131,7 @@ fn parse_options(args: &[&str], len_sectors: u64) -> Result<Options, TargetError
             "submit_from_crypt_cpus" => o.submit_from_crypt_cpus = true,
             "no_read_workqueue" => o.no_read_workqueue = true,
             "no_write_workqueue" => o.no_write_workqueue = true,
+            "high_priority" => o.high_priority = true,
             "iv_large_sectors" => o.iv_large_sectors = true,
             _ => {
                 if let Some(v) = word.strip_prefix("integrity:") {
