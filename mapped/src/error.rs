@@ -318,6 +318,10 @@ pub enum LineError {
     /// A stack file in both its forms at once.
     #[error("stack file mixes 'NAME: table line' lines with other text; use one form")]
     MixedStack,
+    /// A `NAME: --luks IMAGE KEY_FILE` stack line whose volume does not
+    /// open (the LUKS error as text).
+    #[error("--luks: {0}")]
+    Luks(String),
     /// A device name in the line dm would not accept.
     #[error(transparent)]
     Name(#[from] NameError),

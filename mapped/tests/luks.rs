@@ -118,6 +118,32 @@ fn check_image(dir: &Path, img: &Path) {
     );
     assert_eq!(back, data);
     reg.remove_all();
+    // The same volume from a stack file line.
+    let key = dir.join("key").display().to_string();
+    let stack = format!("# a LUKS volume\nvol: --luks {} {key}\n", img.display());
+    reg.create_stack(&stack)
+        .unwrap_or_else(|e| panic!("{}", e.report()));
+    let vol = reg.device("vol").unwrap();
+    let mut again = vec![0u8; 65536];
+    assert_eq!(
+        submit_and_wait(&*vol, Op::Read, 1 << 20, 65536, &mut again),
+        Status::Ok
+    );
+    assert_eq!(
+        again, data,
+        "the stack file's --luks line opens the same volume"
+    );
+    reg.remove_all();
+    let bad = format!(
+        "vol: --luks {} {}\n",
+        img.display(),
+        dir.join("nosuch").display()
+    );
+    let e = match reg.create_stack(&bad) {
+        Ok(_) => panic!("a missing key file was accepted"),
+        Err(e) => e.report(),
+    };
+    assert!(e.contains("--luks: key file"), "{e}");
 }
 
 #[test]

@@ -436,6 +436,38 @@ impl Unlocked {
     }
 }
 
+/// The two devices a `NAME: --luks IMAGE KEY_FILE` stack line stands
+/// for: `NAME_raw` (a `file` leaf over the image) and `NAME` (its crypt
+/// table), as (name, table) pairs; the error as text for the stack file.
+pub fn stack_lines(name: &str, args: &str) -> Result<Vec<(String, String)>, String> {
+    let words: Vec<&str> = args.split_whitespace().collect();
+    let [image, key_file] = words[..] else {
+        return Err(format!(
+            "expected 'NAME: --luks IMAGE KEY_FILE', got {} word(s)",
+            words.len()
+        ));
+    };
+    let pass = std::fs::read(key_file)
+        .map(Zeroizing::new)
+        .map_err(|e| format!("key file {key_file}: {e}"))?;
+    let image = Path::new(image);
+    let u = unlock(image, &pass).map_err(|e| format!("{}: {e}", image.display()))?;
+    let size = std::fs::metadata(image)
+        .map_err(|e| format!("{}: {e}", image.display()))?
+        .len();
+    let raw = format!("{name}_raw");
+    Ok(vec![
+        (
+            raw.clone(),
+            format!("0 {} file {}", size / 512, image.display()),
+        ),
+        (
+            name.to_string(),
+            format!("0 {} crypt {}", u.sectors(size), u.crypt_args(&raw)),
+        ),
+    ])
+}
+
 /// Hex bytes, 16 per line, as cryptsetup's luksDump prints them; later
 /// lines start with `indent`.
 fn hex_lines(bytes: &[u8], indent: &str) -> String {
