@@ -514,6 +514,11 @@ pub enum Refusal {
     Busy,
     /// EAGAIN: not now (dm-crypt's resume without a key).
     Again,
+    /// ENOENT: a thing the table names is not there (dm-crypt's crypto
+    /// API name with no algorithm behind it).
+    NotFound,
+    /// ENOKEY: a keyring key that is not there (dm-crypt's `:SIZE:logon:`).
+    NoKey,
 }
 
 impl TargetError {

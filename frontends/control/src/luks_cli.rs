@@ -41,13 +41,14 @@ pub struct OpenArgs {
     /// --key-file); without it, one line from standard input.
     #[arg(long, value_name = "FILE")]
     pub key_file: Option<PathBuf>,
-    #[command(flatten)]
-    pub control: ControlOpt,
 }
 
 /// `blkstack luks`.
 #[derive(clap::Args, Debug)]
 pub struct LuksArgs {
+    /// For `open` (given before it: `blkstack luks --control S open ...`).
+    #[command(flatten)]
+    pub control: ControlOpt,
     #[command(subcommand)]
     pub verb: LuksVerb,
 }
@@ -121,7 +122,7 @@ pub fn run(a: LuksArgs) -> anyhow::Result<()> {
         }
         LuksVerb::Open(o) => {
             let devs = stack(&o.image, &o.name, &o.key_file)?;
-            let mut c = connect(&o.control)?;
+            let mut c = connect(&a.control)?;
             let (raw, vol) = (&devs[0], &devs[1]);
             call(
                 &mut c,

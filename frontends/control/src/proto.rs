@@ -28,6 +28,8 @@ pub const EEXIST: i64 = libc::EEXIST as i64;
 pub const ENODATA: i64 = libc::ENODATA as i64;
 /// dm-crypt's resume without a key (`crypt_preresume`).
 pub const EAGAIN: i64 = libc::EAGAIN as i64;
+/// dm-crypt's keyring key that is not there.
+pub const ENOKEY: i64 = libc::ENOKEY as i64;
 pub const EINVAL: i64 = libc::EINVAL as i64;
 pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
 
@@ -116,6 +118,7 @@ impl RpcError {
             EEXIST => "File exists",
             ENODATA => "No data available",
             EAGAIN => "Resource temporarily unavailable",
+            ENOKEY => "Required key not available",
             EINVAL => "Invalid argument",
             ENOTSUP => "Operation not supported",
             _ => return None,
@@ -132,6 +135,7 @@ fn errno_name(code: i64) -> Option<&'static str> {
         EEXIST => "EEXIST",
         ENODATA => "ENODATA",
         EAGAIN => "EAGAIN",
+        ENOKEY => "ENOKEY",
         EINVAL => "EINVAL",
         ENOTSUP => "EOPNOTSUPP",
         _ => return None,
@@ -184,6 +188,8 @@ fn table_errno(e: &DmError) -> Option<i64> {
                     Refusal::NoData => ENODATA,
                     Refusal::Busy => EBUSY,
                     Refusal::Again => EAGAIN,
+                    Refusal::NotFound => ENOENT,
+                    Refusal::NoKey => ENOKEY,
                 })
             }
             _ => {}

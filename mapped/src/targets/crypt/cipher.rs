@@ -64,11 +64,16 @@ fn invalid(why: &str) -> TargetError {
     TargetError::Invalid(why.to_string())
 }
 
+/// ENOENT, as the kernel's crypto API answers a name it has no
+/// algorithm for.
 fn not_built(api: &str) -> TargetError {
-    TargetError::Invalid(format!(
-        "Error allocating crypto tfm: cipher '{api}' is not built in blkstack \
-         (xts(aes), cbc(aes), essiv(cbc(aes),sha256) and ecb(cipher_null) are)"
-    ))
+    TargetError::Refused {
+        errno: crate::error::Refusal::NotFound,
+        why: format!(
+            "Error allocating crypto tfm: cipher '{api}' is not built in blkstack \
+             (xts(aes), cbc(aes), essiv(cbc(aes),sha256) and ecb(cipher_null) are)"
+        ),
+    }
 }
 
 /// Parse the first table argument (kernel `crypt_ctr_cipher` up to the
@@ -357,7 +362,7 @@ mod tests {
         assert!(err("aes:x-cbc-plain").contains("Bad cipher key count"));
         assert!(err("twofish-xts-plain64").contains("Error allocating crypto tfm"));
         assert!(err("aes-xts-essiv:sha256").contains("Error allocating crypto tfm"));
-        assert!(err("aes-cbc-essiv:sha1").contains("Error creating IV"));
+        assert!(err("aes-cbc-essiv:sha1").contains("Error allocating crypto tfm"));
     }
 
     #[test]

@@ -47,10 +47,14 @@ impl IvMode {
             "essiv" => {
                 let hash = opts.unwrap_or_default();
                 if hash != "sha256" {
-                    return Err(TargetError::Invalid(format!(
-                        "Error creating IV: ESSIV hash '{hash}' is not built in blkstack \
-                         (essiv:sha256 is)"
-                    )));
+                    // ENOENT: the kernel fails to allocate essiv(..,HASH).
+                    return Err(TargetError::Refused {
+                        errno: crate::error::Refusal::NotFound,
+                        why: format!(
+                            "Error allocating crypto tfm: ESSIV hash '{hash}' is not built in \
+                             blkstack (essiv:sha256 is)"
+                        ),
+                    });
                 }
                 IvMode::Essiv(hash.to_string())
             }

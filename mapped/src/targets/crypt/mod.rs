@@ -83,10 +83,10 @@ impl Options {
         for (on, name) in [
             (self.allow_discards, "allow_discards"),
             (self.same_cpu_crypt, "same_cpu_crypt"),
+            (self.high_priority, "high_priority"),
             (self.submit_from_crypt_cpus, "submit_from_crypt_cpus"),
             (self.no_read_workqueue, "no_read_workqueue"),
             (self.no_write_workqueue, "no_write_workqueue"),
-            (self.high_priority, "high_priority"),
         ] {
             if on {
                 w.push(name.to_string());
@@ -189,11 +189,14 @@ fn parse_key(arg: &str) -> Result<Zeroizing<Vec<u8>>, TargetError> {
         if !size_ok {
             return Err(invalid("Cannot parse key size"));
         }
-        return Err(invalid(
-            "Error decoding and setting key: kernel keyring keys (':SIZE:logon:DESC', \
-             ':SIZE:user:DESC') are not supported: blkstack has no kernel keyring; give the \
-             key in hex",
-        ));
+        // ENOKEY, as the kernel's lookup of a key it does not hold.
+        return Err(TargetError::Refused {
+            errno: crate::error::Refusal::NoKey,
+            why: "Error decoding and setting key: kernel keyring keys (':SIZE:logon:DESC', \
+                  ':SIZE:user:DESC') are not supported: blkstack has no kernel keyring; give \
+                  the key in hex"
+                .to_string(),
+        });
     }
     let size = arg.len() / 2;
     if size == 0 {
