@@ -82,6 +82,13 @@ pub trait Target: Send + Sync {
         None
     }
 
+    /// The smallest I/O unit this target accepts, in bytes (the
+    /// `logical_block_size` its `io_hints` sets: dm-crypt's
+    /// `sector_size`); the mapped device offers the largest of its lines'.
+    fn logical_block_size(&self) -> u32 {
+        512
+    }
+
     /// Data/hole map, target-relative, if known.
     fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {
         None

@@ -489,4 +489,9 @@ impl Target for CryptTarget {
     fn max_discard_len(&self, _offset: u64) -> u64 {
         u64::MAX
     }
+
+    /// `sector_size`, as `crypt_io_hints` raises the logical block size.
+    fn logical_block_size(&self) -> u32 {
+        self.0.opts.sector_size
+    }
 }
