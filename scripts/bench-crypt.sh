@@ -3,7 +3,8 @@
 # `memory`, in-process (blkstack bench) and served over NBD, against
 # qemu-nbd serving a LUKS2 image through qemu's luks driver and nbdkit's
 # luks filter on a LUKS1 image (both images on /dev/shm, AES-256-XTS, the
-# same cipher as ours); then the cipher crates' own single-thread
+# same cipher as ours; a qemu whose luks driver cannot open LUKS2, as
+# Debian 12's, serves the LUKS1 image, and the table says so); then the cipher crates' own single-thread
 # throughput (cargo bench -p blkstack-mapped --bench crypt), the limit the
 # in-process 1 MiB rows are set against.
 #
@@ -65,6 +66,14 @@ truncate -s ${IMG_MIB}M "$SHM/luks2.img" "$SHM/luks1.img"
     --key-size 512 --pbkdf pbkdf2 --pbkdf-force-iterations 1000 "$SHM/luks2.img"
 "$CRYPTSETUP" luksFormat --batch-mode --type luks1 --key-file "$WORK/pass" --cipher aes-xts-plain64 \
     --key-size 512 --pbkdf-force-iterations 1000 "$SHM/luks1.img"
+# qemu before 8.x has no LUKS2 in its luks driver ("LUKS version 2 is
+# not supported"): it then serves the LUKS1 image, and the table says so.
+QEMU_LUKS=luks2
+if ! qemu-img info --object "secret,id=sec0,file=$WORK/pass" \
+    --image-opts "driver=luks,key-secret=sec0,file.driver=file,file.filename=$SHM/luks2.img" >/dev/null 2>&1; then
+    echo "NOTE: this qemu's luks driver cannot open LUKS2; qemu-nbd serves the LUKS1 image" >&2
+    QEMU_LUKS=luks1
+fi
 SECTORS=$((SIZE_MIB * 2048))
 printf 'm: 0 %s memory\nc: 0 %s crypt aes-xts-plain64 %s 0 m 0\n' "$SECTORS" "$SECTORS" "$KEY" >"$WORK/crypt.stack"
 
@@ -84,7 +93,7 @@ start_server() {
         --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
     qemu) qemu-nbd -t --shared=8 -x c --socket="$SOCK" --cache=writeback \
         --object "secret,id=sec0,file=$WORK/pass" \
-        --image-opts "driver=luks,key-secret=sec0,file.driver=file,file.filename=$SHM/luks2.img" \
+        --image-opts "driver=luks,key-secret=sec0,file.driver=file,file.filename=$SHM/$QEMU_LUKS.img" \
         >"$WORK/srv.log" 2>&1 & ;;
     nbdkit) nbdkit -f --unix "$SOCK" --exportname c --filter=luks file "$SHM/luks1.img" \
         passphrase=+"$WORK/pass" >"$WORK/srv.log" 2>&1 & ;;
@@ -153,17 +162,17 @@ EOF
     done
 done
 
-python3 - "$RESULTS" "$REPS" "$RUNTIME" "$SIZE_MIB" <<'EOF'
+python3 - "$RESULTS" "$REPS" "$RUNTIME" "$SIZE_MIB" "$QEMU_LUKS" <<'EOF'
 import sys, statistics
 from collections import defaultdict
-path, reps, runtime, size = sys.argv[1:]
+path, reps, runtime, size, qemu_luks = sys.argv[1:]
 iops = defaultdict(list); mbs = defaultdict(list); rows = []
 for line in open(path):
     rep, row, who, i, m = line.rstrip("\n").split("\t")
     iops[row, who].append(float(i)); mbs[row, who].append(float(m))
     if row not in rows: rows.append(row)
 med = lambda v: statistics.median(v) if v else float("nan")
-print(f"\ncrypt aes-xts-plain64 (512-bit key), {size} MiB, medians of {reps} interleaved runs of {runtime} s")
+print(f"\ncrypt aes-xts-plain64 (512-bit key), {size} MiB, medians of {reps} interleaved runs of {runtime} s; qemu-nbd on a {qemu_luks.upper()} image, nbdkit on LUKS1")
 print(f"{'row':<18} {'in-process':>11} {'ours NBD':>9} {'qemu-nbd':>9} {'nbdkit':>9} {'NBD/best':>9} {'inproc/best':>12}   (IOPS; MB/s for 1m rows)")
 for row in rows:
     v = mbs if "1m" in row else iops
