@@ -4,9 +4,10 @@
 # qemu-nbd serving a LUKS2 image through qemu's luks driver and nbdkit's
 # luks filter on a LUKS1 image (both images on /dev/shm, AES-256-XTS, the
 # same cipher as ours; a qemu whose luks driver cannot open LUKS2, as
-# Debian 12's, serves the LUKS1 image, and the table says so); then the cipher crates' own single-thread
-# throughput (cargo bench -p blkstack-mapped --bench crypt), the limit the
-# in-process 1 MiB rows are set against.
+# Debian 12's, serves the LUKS1 image, and the table says so); then the
+# cipher crates' own single-thread throughput (cargo bench -p
+# blkstack-mapped --bench crypt), the limit the in-process 1 MiB rows are
+# set against.
 #
 # Rows (fio options; the NBD ones with fio --ioengine=nbd, libnbd):
 #   randread4k-qd32, randwrite4k-qd32, read1m-qd4, write1m-qd4
