@@ -22,7 +22,7 @@
 //! bio's buffer on the way down and is given back on completion. Bounce
 //! buffers are bounded: a write is at most [`MAX_IO`] (the kernel splits
 //! writes at `BIO_MAX_VECS` pages, the same size), and at most
-//! [`POOL_KEEP`] idle buffers are kept for reuse.
+//! [`POOL_KEEP`] idle buffers, [`POOL_BYTES`] in all, are kept for reuse.
 //!
 //! `key wipe` and `key set` need the device suspended, and a device whose
 //! key was wiped cannot be resumed until a key is set again (the kernel's
@@ -52,8 +52,9 @@ pub const TYPE: TargetType = TargetType {
 /// The largest bio mapped at once (kernel: `BIO_MAX_VECS << PAGE_SHIFT`).
 pub const MAX_IO: u64 = 256 * 4096;
 
-/// Idle bounce buffers kept for reuse.
+/// Idle bounce buffers kept for reuse, and the bytes they may hold.
 const POOL_KEEP: usize = 64;
+const POOL_BYTES: usize = 8 << 20;
 
 /// The feature words (kernel `crypt_ctr_optional`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -316,7 +317,8 @@ impl Crypt {
 
     fn give_back(&self, buf: AlignedBuf) {
         let mut pool = self.pool.lock();
-        if pool.len() < POOL_KEEP {
+        let held: usize = pool.iter().map(AlignedBuf::len).sum();
+        if pool.len() < POOL_KEEP && held + buf.len() <= POOL_BYTES {
             pool.push(buf);
         }
     }
