@@ -287,4 +287,13 @@ fn bad_tables_name_the_reason() {
         Err(e) => e.report(),
     };
     assert!(e.contains("not multiple of sector_size"), "{e}");
+    let line = format!("0 64 crypt aes-xts-plain64 {k} 0 m 1700 1 sector_size:4096");
+    let e = match reg.create("bad", &line) {
+        Ok(_) => panic!("{line}: accepted"),
+        Err(e) => e.report(),
+    };
+    assert!(
+        e.contains("start=1700 not aligned to h/w logical block size 4096"),
+        "{e}"
+    );
 }

@@ -260,6 +260,14 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
         }
     };
     let dev = ctx.get_device(args[3], start, ctx.len)?;
+    // dm-table.c's device_area_is_invalid, with the limits crypt's
+    // io_hints raised: the start must be a whole logical block.
+    if !start.is_multiple_of(unit) {
+        return Err(invalid(format!(
+            "start={start} not aligned to h/w logical block size {} of {}",
+            opts.sector_size, args[3]
+        )));
+    }
     Ok(Arc::new(CryptTarget(Arc::new(Crypt {
         spec,
         dev,
