@@ -1,7 +1,7 @@
 # The two commands a newcomer needs are in README.md; this file holds the
 # test recipe that `.ci/run` also uses.
 
-SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump veritysetup
+SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump veritysetup cryptsetup
 
 .PHONY: test deps check lab loom fuzz thin-crash era-crash crashtest
 

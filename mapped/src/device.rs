@@ -398,7 +398,7 @@ impl Device for MappedDevice {
     }
 
     fn logical_block_size(&self) -> u32 {
-        512
+        self.core.live.load().logical_block_size()
     }
 
     /// The live table's, as the table stood when it was asked: a frontend

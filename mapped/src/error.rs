@@ -131,6 +131,16 @@ pub enum DmError {
         #[source]
         source: Box<TargetError>,
     },
+    /// A target refused to resume (kernel `preresume`, dm-crypt without
+    /// a key); the device stays suspended.
+    #[error("{device}: resume refused")]
+    Resume {
+        /// The device resumed.
+        device: String,
+        /// What the target said.
+        #[source]
+        source: Box<TargetError>,
+    },
 }
 
 fn force_hint(verb: &str) -> &'static str {
@@ -308,6 +318,10 @@ pub enum LineError {
     /// A stack file in both its forms at once.
     #[error("stack file mixes 'NAME: table line' lines with other text; use one form")]
     MixedStack,
+    /// A `NAME: --luks IMAGE KEY_FILE` stack line whose volume does not
+    /// open (the LUKS error as text).
+    #[error("--luks: {0}")]
+    Luks(String),
     /// A device name in the line dm would not accept.
     #[error(transparent)]
     Name(#[from] NameError),
@@ -502,11 +516,16 @@ pub enum Refusal {
     /// "Hash device is too small").
     TooBig,
     /// ENOENT: a named thing that does not exist (dm-verity's unknown
-    /// hash algorithm, from `crypto_alloc_ahash`).
+    /// hash algorithm, from `crypto_alloc_ahash`; dm-crypt's crypto API
+    /// name with no algorithm behind it).
     NotFound,
     /// ENXIO: the device does not hold what the table says it holds
     /// (dm-snap-persistent.c's "Invalid or corrupt snapshot").
     NoAddress,
+    /// EAGAIN: not now (dm-crypt's resume without a key).
+    Again,
+    /// ENOKEY: a keyring key that is not there (dm-crypt's `:SIZE:logon:`).
+    NoKey,
 }
 
 impl TargetError {

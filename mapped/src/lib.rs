@@ -13,6 +13,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod persistent_data;
+pub mod luks;
 pub mod registry;
 pub mod selectors;
 pub(crate) mod split;

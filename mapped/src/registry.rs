@@ -448,6 +448,15 @@ impl Registry {
                 });
             }
         }
+        let next = dev.inactive_table().unwrap_or_else(|| dev.live_table());
+        if dev.is_suspended() || dev.inactive_table().is_some() {
+            for e in &next.entries {
+                e.target.preresume().map_err(|e| DmError::Resume {
+                    device: dev.name.clone(),
+                    source: Box::new(e),
+                })?;
+            }
+        }
         Ok(dev.resume())
     }
 

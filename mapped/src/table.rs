@@ -87,6 +87,16 @@ impl Table {
         })
     }
 
+    /// The largest logical block size of the lines' targets (dm's
+    /// `dm_calculate_queue_limits` stacking each target's `io_hints`).
+    pub fn logical_block_size(&self) -> u32 {
+        self.entries
+            .iter()
+            .map(|e| e.target.logical_block_size())
+            .max()
+            .unwrap_or(512)
+    }
+
     /// `dmsetup table` text with the targets' own argument rendering.
     pub fn table_text(&self) -> String {
         let lines: Vec<TableLine> = self

@@ -405,6 +405,21 @@ pub fn parse_stack(text: &str) -> Result<Vec<DeviceSpec>, DmError> {
         let name = name.trim();
         validate_name(name).map_err(|e| DmError::line(n, e.into()))?;
         let rest = rest.trim();
+        if let Some(args) = rest.strip_prefix("--luks") {
+            let lines = crate::luks::stack_lines(name, args)
+                .map_err(|e| DmError::line(n, LineError::Luks(e)))?;
+            for (dev, table) in lines {
+                devs.push(DeviceSpec {
+                    name: dev,
+                    uuid: None,
+                    minor: None,
+                    read_only: false,
+                    table,
+                    origin_lines: Some(vec![n]),
+                });
+            }
+            continue;
+        }
         // Validate the line syntax now, with its real line number.
         parse_line(rest, n).map_err(|e| e.in_device(name))?;
         match devs.iter_mut().find(|d| d.name == name) {

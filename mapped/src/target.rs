@@ -60,6 +60,12 @@ pub trait Target: Send + Sync {
     /// After in-flight I/O has drained.
     fn postsuspend(&self) {}
 
+    /// Before the device resumes with this target live: an error keeps it
+    /// suspended (kernel `preresume`; dm-crypt refuses without a key).
+    fn preresume(&self) -> Result<(), TargetError> {
+        Ok(())
+    }
+
     /// When the device resumes with this target live.
     fn resume(&self) {}
 
@@ -74,6 +80,13 @@ pub trait Target: Send + Sync {
     /// of the devices they opened.
     fn queue_shape(&self) -> Option<QueueShape> {
         None
+    }
+
+    /// The smallest I/O unit this target accepts, in bytes (the
+    /// `logical_block_size` its `io_hints` sets: dm-crypt's
+    /// `sector_size`); the mapped device offers the largest of its lines'.
+    fn logical_block_size(&self) -> u32 {
+        512
     }
 
     /// Data/hole map, target-relative, if known.

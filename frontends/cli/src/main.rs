@@ -38,6 +38,8 @@ enum Cmd {
     /// dmsetup-style verbs against a running `blkstack serve` (create, remove, suspend, ...).
     #[command(flatten)]
     Control(blkstack_control::Verb),
+    /// LUKS images made by cryptsetup: open one as a crypt device on the running server, print its stack file, or dump its header.
+    Luks(blkstack_control::luks_cli::LuksArgs),
     /// fio-compatible benchmark runner: job files and fio options against blkstack devices.
     Bench(blkstack_bench::BenchArgs),
     /// Replay a dm-log-writes log onto a device or image to any point a crash could expose (xfstests' replay-log).
@@ -77,6 +79,7 @@ fn main() -> ExitCode {
         Cmd::Serve(a) => blkstack_serve::run_cli(a),
         Cmd::Lab(a) => blkstack_lab::run_cli(a),
         Cmd::Control(v) => blkstack_control::run_cli(v),
+        Cmd::Luks(a) => blkstack_control::luks_cli::run(a),
         Cmd::Bench(a) => blkstack_bench::run_cli(a),
         Cmd::ReplayLog(a) => blkstack_crashtest::run_replay_log(a, cli.verbose),
         Cmd::Crashtest(a) => blkstack_crashtest::run_crashtest(a),

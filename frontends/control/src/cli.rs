@@ -221,7 +221,12 @@ fn ioctl_name(method: &str) -> &str {
 }
 
 /// Call `method` and turn a refusal into dmsetup's error line.
-fn call(client: &mut Client, method: &str, subject: &str, params: Value) -> anyhow::Result<Value> {
+pub(crate) fn call(
+    client: &mut Client,
+    method: &str,
+    subject: &str,
+    params: Value,
+) -> anyhow::Result<Value> {
     client.call(method, params).map_err(|e| match e {
         CallError::Io(e) => anyhow!("control socket {}: {e}", client.path().display()),
         CallError::Rpc(e) => match e.strerror() {
@@ -235,7 +240,7 @@ fn call(client: &mut Client, method: &str, subject: &str, params: Value) -> anyh
     })
 }
 
-fn connect(c: &ControlOpt) -> anyhow::Result<Client> {
+pub(crate) fn connect(c: &ControlOpt) -> anyhow::Result<Client> {
     Ok(Client::connect(&c.path())?)
 }
 

@@ -21,6 +21,7 @@ pub mod format;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod luks_cli;
 pub mod methods;
 pub mod proto;
 pub mod server;

@@ -26,6 +26,10 @@ pub const ENODEV: i64 = libc::ENODEV as i64;
 pub const EBUSY: i64 = libc::EBUSY as i64;
 pub const EEXIST: i64 = libc::EEXIST as i64;
 pub const ENODATA: i64 = libc::ENODATA as i64;
+/// dm-crypt's resume without a key (`crypt_preresume`).
+pub const EAGAIN: i64 = libc::EAGAIN as i64;
+/// dm-crypt's keyring key that is not there.
+pub const ENOKEY: i64 = libc::ENOKEY as i64;
 pub const EINVAL: i64 = libc::EINVAL as i64;
 pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
 pub const E2BIG: i64 = libc::E2BIG as i64;
@@ -114,6 +118,8 @@ impl RpcError {
             EBUSY => "Device or resource busy",
             EEXIST => "File exists",
             ENODATA => "No data available",
+            EAGAIN => "Resource temporarily unavailable",
+            ENOKEY => "Required key not available",
             EINVAL => "Invalid argument",
             ENOTSUP => "Operation not supported",
             E2BIG => "Argument list too long",
@@ -130,6 +136,8 @@ fn errno_name(code: i64) -> Option<&'static str> {
         EBUSY => "EBUSY",
         EEXIST => "EEXIST",
         ENODATA => "ENODATA",
+        EAGAIN => "EAGAIN",
+        ENOKEY => "ENOKEY",
         EINVAL => "EINVAL",
         ENOTSUP => "EOPNOTSUPP",
         E2BIG => "E2BIG",
@@ -151,6 +159,7 @@ impl From<DmError> for RpcError {
             // A target's message errno (dm-ioctl.c `target_message`
             // returns what the target's message function did).
             DmError::Message { .. } => (table_errno(&e).unwrap_or(EINVAL), "invalid"),
+            DmError::Resume { .. } => (table_errno(&e).unwrap_or(EINVAL), "invalid"),
             _ => (EINVAL, "invalid"),
         };
         let mut r = RpcError::new(code, e.report());
@@ -186,6 +195,8 @@ fn table_errno(e: &DmError) -> Option<i64> {
                     Refusal::TooBig => E2BIG,
                     Refusal::NotFound => ENOENT,
                     Refusal::NoAddress => ENXIO,
+                    Refusal::Again => EAGAIN,
+                    Refusal::NoKey => ENOKEY,
                 })
             }
             _ => {}

@@ -30,7 +30,7 @@ fn dev_path(p: &str) -> String {
 /// they use the shell's own `read`/`case` rather than sed and grep.
 const PRELUDE: &str = r#"
 prefix() { while IFS= read -r l; do echo "$1: $l"; done; }
-snap() { dmsetup table "$1" | prefix table; dmsetup status "$1" | prefix status; }
+snap() { dmsetup table --showkeys "$1" | prefix table; dmsetup status "$1" | prefix status; }
 stat() { dmsetup status "$1" | prefix status; }
 legs() {
   printf 'legs:'
@@ -63,6 +63,8 @@ for s in LEGS; do
   d=$(readlink /dev/disk/by-serial/$s)
   echo "map $s $(cat /sys/block/${d##*/}/dev)"
 done
+# dm-crypt's ciphers: the crypto API's request_module needs them loaded.
+for m in dm-crypt xts essiv crypto_null; do modprobe $m 2>/dev/null; done
 dmesg -c >/dev/null
 "#;
 
@@ -90,7 +92,7 @@ fn bad(c: &BadCase, s: &mut String) {
         ""
     };
     s.push_str(&format!(
-        "echo {}\nif e=$(printf '%s\\n' {} | dmsetup create{ro} b 2>&1); then echo 'result: accepted'; dmsetup table b | prefix table; dmsetup remove b; else refused \"$e\"; fi\nklog\n",
+        "echo {}\nif e=$(printf '%s\\n' {} | dmsetup create{ro} b 2>&1); then echo 'result: accepted'; dmsetup table --showkeys b | prefix table; dmsetup remove b; else refused \"$e\"; fi\nklog\n",
         q(&format!("== {}", c.id)),
         table_words(&c.lines)
     ));
