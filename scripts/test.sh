@@ -68,7 +68,7 @@ run_binary() {
 
 lane_vm() {
   # Longest first, so the lane's tail is short.
-  local order="kernel_crashtest kernel_ublk kernel_fs kernel_parity kernel_thin kernel_mpath
+  local order="kernel_crashtest kernel_powercut kernel_ublk kernel_fs kernel_parity kernel_thin kernel_mpath
     kernel_vhost_user_blk kernel_nbd kernel_log_writes"
   local n
   for n in $order $(awk '$1 ~ /^kernel_/ {print $1}' "$logs/binaries"); do
