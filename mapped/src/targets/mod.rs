@@ -13,6 +13,7 @@ pub mod memory;
 pub mod multipath;
 pub mod nbd;
 pub(crate) mod null;
+pub(crate) mod powercut;
 pub(crate) mod snapshot;
 pub(crate) mod striped;
 pub mod thin;
@@ -38,6 +39,7 @@ pub static TYPES: &[TargetType] = &[
     thin::pool_target::TYPE,
     thin::thin_target::TYPE,
     snapshot::TYPE,
+    powercut::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);
