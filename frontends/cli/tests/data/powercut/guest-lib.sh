@@ -18,7 +18,11 @@ start_serve() {
 }
 dev_of() { sed -n "s/^serving $1 .* at \(\/dev\/ublkb[0-9]*\)\$/\1/p" $2; }
 # The power fails (`cut MODE...`) and comes back, through the control socket.
-pc_cut() { pn=$1; shift; blkstack message --control $C $pn 0 cut "$@" || fail "cut $pn $*"; }
+# The cut's reply (what it kept of the cache) is left in $CUTMSG.
+pc_cut() {
+  pn=$1; shift
+  CUTMSG=$(blkstack message --control $C $pn 0 cut "$@" 2>&1) || fail "cut $pn $*: $CUTMSG"
+}
 pc_on() { blkstack message --control $C $1 0 power_on || fail "power_on $1"; }
 now() { cut -d' ' -f1 /proc/uptime; }
 # say WHAT: a step's guest time since the round began, when TRACE is set.
@@ -61,25 +65,28 @@ checked_remount() {
   mnt $1 $2
 }
 # files_round FS NAME DEV ROUND MODE...: pcwork writes and fsyncs files
-# until the cut (at least $FILES fsynced ones in the round); every file it
-# logged as fsynced, in this round and the ones before, must be intact
-# after power-on, and fsck clean.
+# ($FILES fsynced ones in the round), then goes on writing files it never
+# flushes; the cut comes while it does, so the cache always holds writes.
+# Every file it logged as fsynced, in this round and the ones before,
+# must be intact after power-on, and fsck clean.
 FILES=4
 files_round() {
   fs=$1 n=$2 d=$3 r=$4; shift 4
   t0=$(now); log=/tmp/$fs.log; touch $log
   mkdir /mnt/r$r || fail "mkdir r$r"
-  before=$(wc -l < $log)
-  pcwork files /mnt/r$r $log $r 0 > /tmp/w.out 2>&1 &
+  pcwork files /mnt/r$r $log $r $FILES > /tmp/w.out 2>&1 &
   w=$!
-  i=0; while [ $(wc -l < $log) -lt $((before + FILES)) ] && kill -0 $w 2>/dev/null && [ $i -lt 1200 ]; do usleep 50000; i=$((i+1)); done
-  [ $(wc -l < $log) -ge $((before + FILES)) ] || { cat /tmp/w.out; fail "$fs round $r: pcwork made no progress"; }
+  i=0; while ! grep -q unflushed /tmp/w.out && kill -0 $w 2>/dev/null && [ $i -lt 1200 ]; do usleep 50000; i=$((i+1)); done
+  grep -q unflushed /tmp/w.out || { cat /tmp/w.out; fail "$fs round $r: pcwork did not reach its unflushed phase"; }
+  usleep 200000
   say "$(wc -l < $log) files fsynced"
   # What the cache holds just before the cut (costs a blkstack run: only
   # when tracing).
   st=; [ -z "$TRACE" ] || st=$(pc_status $n)
   pc_cut $n "$@"
   say cut
+  # Unflushed writes do not fail at once (they end in the page cache).
+  kill -9 $w 2>/dev/null
   waitdead $w "pcwork on $fs"
   say "pcwork ended"
   after_cut $fs $n $d
@@ -88,7 +95,7 @@ files_round() {
   say checked
   checked_remount $fs $d
   say "fsck clean, mounted"
-  echo "CUT fs=$fs mode=$(echo $* | tr " " _) round=$r t=$(echo "$(now) $t0" | awk '{print int($1-$2)}') durable=$(wc -l < $log) $res fsck=clean | before: $st| $(head -n1 /tmp/w.out)"
+  echo "CUT fs=$fs mode=$(echo $* | tr " " _) round=$r t=$(echo "$(now) $t0" | awk '{print int($1-$2)}') durable=$(wc -l < $log) $res fsck=clean | $CUTMSG | before: $st | $(head -n1 /tmp/w.out)"
 }
 # bug_round FS NAME DEV: the planted bug. A file replaced with rename and
 # no fsync, and a new file made so, after the last flush; a file replaced
@@ -106,39 +113,52 @@ bug_round() {
   echo "BUG before the cut: good=$(pcwork verify /mnt/bug/good 2) bad=$(pcwork verify /mnt/bug/bad 2) new=$(pcwork verify /mnt/bug/new 2)"
   pc_cut $n drop
   after_cut $fs $n $d
-  echo "BUG after the cut: good=$(pcwork verify /mnt/bug/good 2) bad=$(pcwork verify /mnt/bug/bad 2) new=$(pcwork verify /mnt/bug/new 2)"
+  echo "BUG after the cut: good=$(pcwork verify /mnt/bug/good 2) bad=$(pcwork verify /mnt/bug/bad 2) new=$(pcwork verify /mnt/bug/new 2) | $CUTMSG"
   checked_remount $fs $d
 }
-# sql_round SYNC ROUND MODE...: sqlite3 commits one row per process (WAL
-# journal, PRAGMA synchronous=SYNC) until the cut (at least $COMMITS
-# commits); the shell records each COMMIT that returned. With OFF the kernel's periodic writeback is off
-# for the round, so that nothing but the cut decides what of the
-# unsynced commits reaches the disk.
-COMMITS=3
+# sql_round SYNC ROUND MODE...: one sqlite3 process commits a row per
+# transaction (WAL journal, PRAGMA synchronous=SYNC), and after each
+# COMMIT returns, records its number in a log database on the tmpfs;
+# the cut comes once $COMMITS are recorded. With FULL every recorded
+# commit must be there after power-on, and integrity_check ok. With OFF
+# the kernel's periodic writeback is off for the round, so that nothing
+# but the cut decides what of the unsynced commits reaches the disk, and
+# the count is taken just before the cut: a commit after it proves
+# nothing. Beside it pcwork writes files it never flushes, so that the
+# cut finds the cache loaded and SQLite's flushes have work to do.
+COMMITS=10
+sqlast() { sqlite3 -cmd ".timeout 5000" /tmp/sq$1.db "SELECT coalesce(max(i), 0) FROM c;" 2>/dev/null || echo 0; }
 sql_round() {
   sync=$1 r=$2 fs=ext4 n=$SQL_NAME d=$SQL_DEV; shift 2
   db=/mnt/sq$r/db
   mkdir /mnt/sq$r || fail "mkdir sq$r"
   t0=$(now)
   sqlite3 $db "PRAGMA journal_mode=WAL; CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT);" > /dev/null || fail "create $db"
+  # The log in WAL mode: the test's readers never block the writer.
+  sqlite3 /tmp/sq$r.db "PRAGMA journal_mode=WAL; CREATE TABLE c(i INTEGER);" > /dev/null || fail "create the commit log"
   sync
   [ $sync = OFF ] && echo 0 > /proc/sys/vm/dirty_writeback_centisecs
-  echo 0 > /tmp/sq.last
-  # The count is replaced by rename, so a reader never sees it half written.
-  ( i=1
-    while sqlite3 $db "PRAGMA synchronous=$sync; INSERT INTO t VALUES($i, 'row-$i-' || hex(zeroblob(1500)));" 2>/tmp/sq.err; do
-      echo $i > /tmp/sq.new && mv /tmp/sq.new /tmp/sq.last; i=$((i+1))
-    done ) &
+  mkdir /mnt/sqbg$r || fail "mkdir sqbg$r"
+  pcwork files /mnt/sqbg$r /tmp/bg.log $r 0 > /tmp/bg.out 2>&1 &
+  bg=$!
+  ( echo "PRAGMA main.synchronous=$sync; ATTACH '/tmp/sq$r.db' AS log; PRAGMA log.synchronous=OFF;"
+    i=1
+    while echo "INSERT INTO t VALUES($i, 'row-$i-' || hex(zeroblob(1500))); INSERT INTO log.c VALUES($i);"; do
+      i=$((i+1))
+    done ) | sqlite3 -bail -cmd ".timeout 5000" $db > /tmp/sq.out 2>&1 &
   w=$!
   say "sqlite3 started"
-  i=0; while [ $(cat /tmp/sq.last) -lt $COMMITS ] && kill -0 $w 2>/dev/null && [ $i -lt 1200 ]; do usleep 50000; i=$((i+1)); done
-  [ $(cat /tmp/sq.last) -ge $COMMITS ] || { cat /tmp/sq.err; fail "sqlite round $r made no progress"; }
+  i=0; while [ $(sqlast $r) -lt $COMMITS ] && [ $i -lt 600 ]; do usleep 100000; i=$((i+1)); done
+  [ $(sqlast $r) -ge $COMMITS ] || { cat /tmp/sq.out; fail "sqlite round $r made no progress"; }
   say "$COMMITS commits"
+  before=$(sqlast $r)
   pc_cut $n "$@"
   say cut
-  waitdead $w "sqlite3"
+  kill -9 $w $bg 2>/dev/null
+  waitdead $w sqlite3
+  waitdead $bg pcwork
   echo 500 > /proc/sys/vm/dirty_writeback_centisecs
-  last=$(cat /tmp/sq.last)
+  if [ $sync = OFF ]; then last=$before; else last=$(sqlast $r); fi
   after_cut $fs $n $d
   say "mounted after power-on"
   present=$(sqlite3 $db "SELECT count(*) FROM t WHERE id <= $last AND v = 'row-' || id || '-' || hex(zeroblob(1500));" 2>&1 | tr '\n' ' ')
@@ -146,5 +166,5 @@ sql_round() {
   say checked
   checked_remount $fs $d
   say "fsck clean, mounted"
-  echo "SQL sync=$sync mode=$(echo $* | tr " " _) round=$r t=$(echo "$(now) $t0" | awk '{print int($1-$2)}') committed=$last present=$present integrity=$ic fsck=clean"
+  echo "SQL sync=$sync mode=$(echo $* | tr " " _) round=$r t=$(echo "$(now) $t0" | awk '{print int($1-$2)}') committed=$last present=$present integrity=$ic fsck=clean | $CUTMSG"
 }

@@ -7,14 +7,17 @@
  * Written for these tests (no existing tool logs its own fsyncs); built
  * on the host with the system C compiler and copied into the guest.
  *
- *   pcwork files DIR LOG SEED COUNT
- *       writes DIR/f0, f1, ... (COUNT of them, 0 for until an error) of
- *       1 to 17 blocks plus an odd tail each, content from (SEED, index).
- *       Three files in four are fsynced, then DIR is fsynced, then a line
- *       "PATH SEED INDEX" goes to LOG: that file must survive any cut.
- *       The fourth is only pushed to the device (sync_file_range, no
- *       flush) so that a cut finds unflushed data in the cache. Ends at
- *       the first error (the cut), exit 1, saying where.
+ *   pcwork files DIR LOG SEED DURABLE
+ *       writes DIR/f0, f1, ... of 1 to 17 blocks plus an odd tail each,
+ *       content from (SEED, index). Three files in four are fsynced, then
+ *       DIR is fsynced, then a line "PATH SEED INDEX" goes to LOG: that
+ *       file must survive any cut. The fourth is only pushed to the
+ *       device (sync_file_range, no flush). Once DURABLE files are
+ *       logged it prints "unflushed" and goes on writing files (DIR/uN,
+ *       renamed to DIR/vN, removed 16 files later so the phase can last)
+ *       that are pushed down but never flushed, so that a cut always
+ *       finds writes in the cache, until an error or a signal ends it
+ *       (exit 1, saying where).
  *   pcwork check LOG
  *       reads every file LOG names and compares it with its content;
  *       prints "checked N" and exits 0, or names each bad file, exit 1.
@@ -79,11 +82,12 @@ static int write_all(int fd, const unsigned char *buf, size_t len)
 	return 0;
 }
 
-static int cmd_files(const char *dir, const char *log, uint64_t seed, uint64_t count)
+static int cmd_files(const char *dir, const char *log, uint64_t seed, uint64_t durable_want)
 {
 	static unsigned char buf[MAX_LEN];
 	char path[4096];
-	uint64_t i;
+	uint64_t i, durable_done = 0;
+	int said = 0;
 	int dfd = open(dir, O_RDONLY | O_DIRECTORY);
 	int lfd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
 
@@ -91,13 +95,20 @@ static int cmd_files(const char *dir, const char *log, uint64_t seed, uint64_t c
 		fprintf(stderr, "pcwork files: open %s or %s: %s\n", dir, log, strerror(errno));
 		return 2;
 	}
-	for (i = 0; count == 0 || i < count; i++) {
+	for (i = 0;; i++) {
 		size_t len = content(seed, i, buf);
-		int durable = i % 4 != 3;
+		int flushing = durable_done < durable_want;
+		int durable = flushing && i % 4 != 3;
 		const char *step = "create";
 		int fd;
 
-		snprintf(path, sizeof path, "%s/f%llu", dir, (unsigned long long)i);
+		if (!flushing && !said) {
+			printf("unflushed\n");
+			fflush(stdout);
+			said = 1;
+		}
+		snprintf(path, sizeof path, flushing ? "%s/f%llu" : "%s/u%llu", dir,
+			 (unsigned long long)i);
 		fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
 		if (fd < 0)
 			goto fail;
@@ -110,6 +121,18 @@ static int cmd_files(const char *dir, const char *log, uint64_t seed, uint64_t c
 		step = "close";
 		if (close(fd))
 			goto fail;
+		if (!flushing) {
+			char to[4096];
+
+			step = "rename";
+			snprintf(to, sizeof to, "%s/v%llu", dir, (unsigned long long)i);
+			if (rename(path, to))
+				goto fail;
+			step = "unlink";
+			snprintf(to, sizeof to, "%s/v%llu", dir, (unsigned long long)(i - 16));
+			if (i >= 16 && unlink(to) && errno != ENOENT)
+				goto fail;
+		}
 		if (durable) {
 			char line[4200];
 			int n;
@@ -123,6 +146,7 @@ static int cmd_files(const char *dir, const char *log, uint64_t seed, uint64_t c
 				fprintf(stderr, "pcwork files: the log %s: %s\n", log, strerror(errno));
 				return 2;
 			}
+			durable_done++;
 		}
 		continue;
 fail_fd:
@@ -132,8 +156,6 @@ fail:
 		       (unsigned long long)i, strerror(errno));
 		return 1;
 	}
-	printf("pcwork files: wrote %llu files\n", (unsigned long long)i);
-	return 0;
 }
 
 /* 0 when PATH holds exactly version (seed, index); what it holds otherwise. */
