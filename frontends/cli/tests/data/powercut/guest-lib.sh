@@ -77,7 +77,11 @@ files_round() {
   pcwork files /mnt/r$r $log $r $FILES > /tmp/w.out 2>&1 &
   w=$!
   i=0; while ! grep -q unflushed /tmp/w.out && kill -0 $w 2>/dev/null && [ $i -lt 1200 ]; do usleep 50000; i=$((i+1)); done
-  grep -q unflushed /tmp/w.out || { cat /tmp/w.out; fail "$fs round $r: pcwork did not reach its unflushed phase"; }
+  grep -q unflushed /tmp/w.out || {
+    kill -0 $w 2>/dev/null || { wait $w; echo "pcwork exited $?"; }
+    cat /tmp/w.out; ls -l /mnt/r$r | tail -n 3; dmesg | tail -n 5
+    fail "$fs round $r: pcwork did not reach its unflushed phase"
+  }
   usleep 200000
   say "$(wc -l < $log) files fsynced"
   # What the cache holds just before the cut (costs a blkstack run: only
@@ -126,7 +130,7 @@ bug_round() {
 # the count is taken just before the cut: a commit after it proves
 # nothing. Beside it pcwork writes files it never flushes, so that the
 # cut finds the cache loaded and SQLite's flushes have work to do.
-COMMITS=10
+COMMITS=6
 sqlast() { sqlite3 -cmd ".timeout 5000" /tmp/sq$1.db "SELECT coalesce(max(i), 0) FROM c;" 2>/dev/null || echo 0; }
 sql_round() {
   sync=$1 r=$2 fs=ext4 n=$SQL_NAME d=$SQL_DEV; shift 2
@@ -148,7 +152,8 @@ sql_round() {
     done ) | sqlite3 -bail -cmd ".timeout 5000" $db > /tmp/sq.out 2>&1 &
   w=$!
   say "sqlite3 started"
-  i=0; while [ $(sqlast $r) -lt $COMMITS ] && [ $i -lt 600 ]; do usleep 100000; i=$((i+1)); done
+  # Each look is a sqlite3 run: not too often, it takes the writer's CPU.
+  i=0; while [ $(sqlast $r) -lt $COMMITS ] && [ $i -lt 200 ]; do usleep 300000; i=$((i+1)); done
   [ $(sqlast $r) -ge $COMMITS ] || { cat /tmp/sq.out; fail "sqlite round $r made no progress"; }
   say "$COMMITS commits"
   before=$(sqlast $r)
