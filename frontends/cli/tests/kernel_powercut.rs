@@ -143,10 +143,10 @@ fn pcwork() -> Option<PathBuf> {
                 String::from_utf8_lossy(&out.stderr).trim()
             ));
         }
-        // The guest's name for it is the file's name.
-        let named = dir.join(format!("{}/pcwork", std::process::id()));
-        std::fs::create_dir_all(named.parent().expect("parent")).map_err(|e| e.to_string())?;
-        std::fs::rename(&bin, &named).map_err(|e| e.to_string())?;
+        // Renamed into place (the guest's name for it is the file's), so
+        // no test run copies a half-written one.
+        let named = dir.join("pcwork");
+        std::fs::rename(&bin, &named).map_err(|e| format!("{}: {e}", named.display()))?;
         Ok(named)
     });
     match built {

@@ -74,7 +74,10 @@ files_round() {
   fs=$1 n=$2 d=$3 r=$4; shift 4
   t0=$(now); log=/tmp/$fs.log; touch $log
   mkdir /mnt/r$r || fail "mkdir r$r"
-  pcwork files /mnt/r$r $log $r $FILES > /tmp/w.out 2>&1 &
+  # Emptied here, not by the background job's redirection: the loop below
+  # must never read the last round's "unflushed".
+  : > /tmp/w.out
+  pcwork files /mnt/r$r $log $r $FILES >> /tmp/w.out 2>&1 &
   w=$!
   i=0; while ! grep -q unflushed /tmp/w.out && kill -0 $w 2>/dev/null && [ $i -lt 1200 ]; do usleep 50000; i=$((i+1)); done
   grep -q unflushed /tmp/w.out || {
