@@ -1,18 +1,19 @@
 # The two commands a newcomer needs are in README.md; this file holds the
 # test recipe that `.ci/run` also uses.
 
-SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump
+SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump veritysetup
 
-.PHONY: test deps check lab loom fuzz thin-crash crashtest
+.PHONY: test deps check lab loom fuzz thin-crash era-crash crashtest
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page, and iproute2 for the multi-host
 # tests' network namespaces, and thin_check/thin_dump that judge the
 # thin-pool's metadata), if any is missing; then the kernel VM's parts
 # (scripts/kernel-vm.sh): qemu-system-x86 and what the guest's initramfs
-# carries (sqlite3 for the powercut tests' guests). On Debian 12 the machine's qemu-utils comes from
-# bookworm-backports, and Debian 12's own qemu-system-x86 breaks it, so
-# qemu-system-x86 comes from the same backports suite.
+# carries (sqlite3 for the powercut tests' guests). On Debian 12 the
+# machine's qemu-utils comes from bookworm-backports, and Debian 12's own
+# qemu-system-x86 breaks it, so qemu-system-x86 comes from the same
+# backports suite.
 VM_TOOLS := qemu-system-x86_64 busybox dmsetup mkfs.ext4 mkfs.xfs nbd-client depmod cpio xz socat sqlite3
 VM_PACKAGES := busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio xz-utils socat sqlite3
 deps:
@@ -20,7 +21,7 @@ deps:
 	missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system tools (missing:$$missing)"; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl thin-provisioning-tools >/dev/null; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq fio nbdkit libnbd-bin qemu-utils chromium iproute2 openssl thin-provisioning-tools cryptsetup-bin >/dev/null; \
 	fi; \
 	missing=""; for t in $(VM_TOOLS); do command -v $$t >/dev/null 2>&1 || [ -x /usr/sbin/$$t ] || [ -x /sbin/$$t ] || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
@@ -57,14 +58,17 @@ loom:
 
 # The long crash-consistency runs in the kernel VM: ext4 and xfs, each
 # checked with fsck at 100 or more FLUSH/FUA points (about 5 and 12
-# minutes on 2 vCPUs under TCG), ext4, xfs and SQLite on the `powercut`
-# target cut POWERCUT_CUTS times per mode (default 20), and the block
-# workloads at length.
+# minutes on 2 vCPUs under TCG), the same with reorder and torn states
+# after each flush point, ext4, xfs and SQLite on the `powercut` target
+# cut POWERCUT_CUTS times per mode (default 20), and the block workloads
+# at length.
 crashtest:
 	cargo test -p blkstack --test kernel_crashtest -- --ignored --nocapture --test-threads 1
 	cargo test -p blkstack --test kernel_powercut -- --ignored --nocapture --test-threads 1
 	cargo run -p blkstack -- crashtest --workload verify --ops 1000
 	cargo run -p blkstack -- crashtest --workload journal --ops 400
+	cargo run -p blkstack -- crashtest --workload verify --ops 100 --reorder 8 --torn
+	cargo run -p blkstack -- crashtest --workload journal --ops 100 --reorder 8 --torn
 
 check:
 	cargo fmt --all -- --check
@@ -78,6 +82,12 @@ lab:
 THIN_CRASH_ROUNDS ?= 50
 thin-crash:
 	BLKSTACK_THIN_CRASH_ROUNDS=$(THIN_CRASH_ROUNDS) cargo test -p blkstack --release --test thin_crash -- --nocapture
+
+# ERA_CRASH_ROUNDS restarts of `blkstack serve` over an era device,
+# era_check and era_invalidate after each.
+ERA_CRASH_ROUNDS ?= 50
+era-crash:
+	BLKSTACK_ERA_CRASH_ROUNDS=$(ERA_CRASH_ROUNDS) cargo test -p blkstack --release --test era_crash kill_9 -- --nocapture
 
 # Each cargo-fuzz target (fuzz/fuzz_targets/) for FUZZ_SECS seconds, one
 # after another, on nightly. New inputs go to fuzz/work/TARGET (ignored by

@@ -7,7 +7,9 @@
 #   vm    the kernel VM tests (kernel_*.rs): TCG guests that spend most of
 #         their time waiting on one emulated vCPU, longest first;
 #   rest  every other test binary, then the doc tests, then the loom
-#         models (their own `--cfg loom` build under target/loom).
+#         models (their own `--cfg loom` build under target/loom), then
+#         the kernel VM tests the vm lane has not reached, shortest
+#         first (two guests at once from there on).
 # Each binary runs as `cargo test` would run it (from its package's
 # directory), bounded by TEST_BINARY_TIMEOUT seconds, its output kept in
 # target/test-logs/NAME.log and printed whole at the end when it failed
@@ -66,18 +68,35 @@ run_binary() {
   fi
 }
 
-lane_vm() {
-  # Longest first, so the lane's tail is short.
+# The kernel VM tests in the order the vm lane takes them, longest first
+# (so its tail is short); the rest lane, once its own work is done, takes
+# them from the other end. A test is claimed with an atomic mkdir, so
+# each runs once whichever lane reaches it first.
+vm_queue() {
   local order="kernel_crashtest kernel_powercut kernel_ublk kernel_fs kernel_parity kernel_thin kernel_mpath
     kernel_vhost_user_blk kernel_nbd kernel_log_writes"
   local n
   for n in $order $(awk '$1 ~ /^kernel_/ {print $1}' "$logs/binaries"); do
-    grep -q "^$n " "$logs/vm-done" 2>/dev/null && continue
     grep -q "^$n " "$logs/binaries" || continue
-    echo "$n " >>"$logs/vm-done"
     [[ $n =~ $filter ]] || continue
+    grep -qx "$n" "$logs/vm-queue" 2>/dev/null || echo "$n" >>"$logs/vm-queue"
+  done
+  touch "$logs/vm-queue"
+}
+
+# run_vm_tests ORDER: run every unclaimed kernel VM test, ORDER `first`
+# (longest first) or `last` (shortest first).
+run_vm_tests() {
+  local n list
+  if [ "$1" = first ]; then list=$(cat "$logs/vm-queue"); else list=$(tac "$logs/vm-queue"); fi
+  for n in $list; do
+    mkdir "$logs/claims/$n" 2>/dev/null || continue
     run_binary $(grep "^$n " "$logs/binaries")
   done
+}
+
+lane_vm() {
+  run_vm_tests first
 }
 
 lane_rest() {
@@ -87,19 +106,23 @@ lane_rest() {
     [[ $name =~ $filter ]] || continue
     run_binary "$name" "$exe" "$dir"
   done <"$logs/binaries"
-  [ "$filter" = . ] || return 0
-  local t s=0
-  t=$(date +%s)
-  cargo test --workspace --doc >"$logs/doctests.log" 2>&1 || s=$?
-  record_cargo doctests "$s" "$t"
-  t=$(date +%s); s=0
-  # Both models built in one go, then each run (the first filtered to
-  # its smallest model; `make loom` runs them all).
-  ( export RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom
-    cargo test -p blkstack-mq --profile loom --test loom_sbitmap --test loom_runstate --no-run &&
-    cargo test -p blkstack-mq --profile loom --test loom_sbitmap -- counter_two_threads_depth1 &&
-    cargo test -p blkstack-mq --profile loom --test loom_runstate ) >"$logs/loom.log" 2>&1 || s=$?
-  record_cargo loom "$s" "$t"
+  if [ "$filter" = . ]; then
+    local t s=0
+    t=$(date +%s)
+    cargo test --workspace --doc >"$logs/doctests.log" 2>&1 || s=$?
+    record_cargo doctests "$s" "$t"
+    t=$(date +%s); s=0
+    # Both models built in one go, then each run (the first filtered to
+    # its smallest model; `make loom` runs them all).
+    ( export RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom
+      cargo test -p blkstack-mq --profile loom --test loom_sbitmap --test loom_runstate --no-run &&
+      cargo test -p blkstack-mq --profile loom --test loom_sbitmap -- counter_two_threads_depth1 &&
+      cargo test -p blkstack-mq --profile loom --test loom_runstate ) >"$logs/loom.log" 2>&1 || s=$?
+    record_cargo loom "$s" "$t"
+  fi
+  # The guests left: two at once from here on, the rest lane's CPU being
+  # free.
+  run_vm_tests last
 }
 
 # record_cargo NAME STATUS START: the result of a whole `cargo test` run.
@@ -117,6 +140,8 @@ record_cargo() {
 }
 
 t0=$(date +%s)
+mkdir -p "$logs/claims"
+vm_queue
 if [ "${TEST_LANES:-2}" = 1 ]; then
   lane_vm
   lane_rest

@@ -498,6 +498,15 @@ pub enum Refusal {
     NoData,
     /// EBUSY: it is in use.
     Busy,
+    /// E2BIG: a size or count past what the target can hold (dm-verity's
+    /// "Hash device is too small").
+    TooBig,
+    /// ENOENT: a named thing that does not exist (dm-verity's unknown
+    /// hash algorithm, from `crypto_alloc_ahash`).
+    NotFound,
+    /// ENXIO: the device does not hold what the table says it holds
+    /// (dm-snap-persistent.c's "Invalid or corrupt snapshot").
+    NoAddress,
 }
 
 impl TargetError {

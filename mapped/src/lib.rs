@@ -12,6 +12,7 @@ pub mod error;
 /// Entry points of the cargo-fuzz targets in fuzz/ (and their corpus replay tests).
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod persistent_data;
 pub mod registry;
 pub mod selectors;
 pub(crate) mod split;

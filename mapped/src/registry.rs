@@ -226,6 +226,7 @@ impl Registry {
                 .with_target_lookup(&target_lookup);
             ctx.live_target = live.and_then(|t| t.target_at(line.start, &line.target));
             ctx.events = events.clone();
+            ctx.reloading = live.is_some();
             let args: Vec<&str> = line.args.iter().map(String::as_str).collect();
             let target = (tt.ctr)(&mut ctx, &args).map_err(|source| {
                 let target = line.target.clone();

@@ -175,6 +175,11 @@ pub struct CtrContext<'a> {
     pub live_target: Option<TargetRef>,
     /// The events of the device the table is for, for a target to raise.
     pub events: Events,
+    /// Whether the table replaces a live one (a reload, made live by a
+    /// later resume) rather than making a new device (dm's create, whose
+    /// load and resume are one step here, so a target's work that starts
+    /// at resume starts when its constructor returns).
+    pub reloading: bool,
     lookup: DeviceLookup<'a>,
     target_lookup: Option<TargetLookup<'a>>,
     used: Vec<String>,
@@ -194,6 +199,7 @@ impl<'a> CtrContext<'a> {
             device_name,
             live_target: None,
             events: Events::default(),
+            reloading: false,
             lookup,
             target_lookup: None,
             used: Vec::new(),

@@ -378,30 +378,60 @@ fn bad_messages_change_nothing() {
 
 #[test]
 fn a_flush_in_flight_at_a_cut_fails_and_never_hangs() {
-    let reg = Registry::new();
-    reg.create("m", "0 2048 memory").unwrap();
-    // Reads pass at once; writes and flushes take 2 s on their way down.
-    reg.create("d", "0 2048 delay m 0 0 m 0 2000").unwrap();
-    reg.create("p", "0 2048 powercut d").unwrap();
-    let p = reg.device("p").unwrap();
+    let (reg, m, p) = setup("");
     assert_eq!(write(&*p, 0, 7), Status::Ok);
+    // The device below is suspended: the flush's writeback is held there.
+    reg.suspend("m").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
     let p2 = p.clone();
-    let flusher = std::thread::spawn(move || {
-        let t0 = Instant::now();
-        (flush(&*p2), t0.elapsed())
-    });
+    std::thread::spawn(move || tx.send(flush(&*p2)));
     let t0 = Instant::now();
     while !status(&reg).contains(" writeback=1 ") {
         assert!(t0.elapsed() < Duration::from_secs(30), "{}", status(&reg));
         std::thread::sleep(Duration::from_millis(5));
     }
-    message(&reg, &["cut", "reorder", "3"]).unwrap();
-    let (s, _) = flusher.join().unwrap();
-    assert_eq!(s, Status::IoError, "the flush in flight ends with EIO");
+    std::thread::scope(|s| {
+        let cut = s.spawn(|| message(&reg, &["cut", "reorder", "3"]));
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(30)),
+            Ok(Status::IoError),
+            "the flush in flight ends with EIO at the cut, before the device answers"
+        );
+        reg.resume("m").unwrap();
+        cut.join().unwrap().unwrap();
+    });
     message(&reg, &["power_on"]).unwrap();
     // The write the cache was writing down when the power failed reached
     // the device, as on a disk already writing it.
-    assert_eq!(read(&*p, 0).1, vec![7; 4096]);
+    assert_eq!(read(&*m, 0).1, vec![7; 4096]);
+}
+
+#[test]
+fn a_reload_or_remove_writes_the_cache_down_first() {
+    let (reg, m, p) = setup("");
+    assert_eq!(write(&*p, 0, 0x31), Status::Ok);
+    reg.reload("p", &format!("0 {SECTORS} powercut m 2 max_dirty 1M"))
+        .unwrap();
+    reg.resume("p").unwrap();
+    assert_eq!(read(&*m, 0).1, vec![0x31; 4096], "an orderly power-off");
+    assert_eq!(stat(&reg, "cached_writes"), 0, "the new table starts empty");
+    assert_eq!(write(&*p, 4096, 0x32), Status::Ok);
+    drop(p);
+    reg.remove("p", false).unwrap();
+    assert_eq!(read(&*m, 4096).1, vec![0x32; 4096]);
+}
+
+#[test]
+fn the_example_stack_builds_and_caches() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let text = std::fs::read_to_string(dir.join("powercut.stack")).unwrap();
+    let reg = Registry::new();
+    reg.create_stack(&text).unwrap();
+    let (pc, below) = (reg.device("pc").unwrap(), reg.device("cached").unwrap());
+    assert_eq!(write(&*pc, 0, 0x41), Status::Ok);
+    assert_eq!(read(&*below, 0).1, vec![0; 4096]);
+    assert_eq!(flush(&*pc), Status::Ok);
+    assert_eq!(read(&*below, 0).1, vec![0x41; 4096]);
 }
 
 // ---- the stress test ----

@@ -107,12 +107,12 @@ fn package_of(name: &str) -> &str {
     match name {
         "nbdinfo" | "nbdcopy" | "nbdsh" => "libnbd-bin",
         "qemu-img" | "qemu-io" | "qemu-nbd" | "qemu-storage-daemon" => "qemu-utils",
-        "thin_check" | "thin_dump" | "thin_restore" | "cache_check" | "era_check" => {
-            "thin-provisioning-tools"
-        }
+        "thin_check" | "thin_dump" | "thin_restore" | "cache_check" | "era_check" | "era_dump"
+        | "era_invalidate" => "thin-provisioning-tools",
         "mkfs.ext4" | "e2fsck" => "e2fsprogs",
         "mkfs.xfs" | "xfs_repair" => "xfsprogs",
         "ip" => "iproute2",
+        "veritysetup" | "cryptsetup" => "cryptsetup-bin",
         _ => name,
     }
 }

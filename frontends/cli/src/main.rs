@@ -1,8 +1,11 @@
 //! `blkstack`: the command-line front door. Each subcommand lives in its
 //! frontend crate (serve, bench, lab, crashtest) or in control (the
 //! dmsetup-style verbs); this file only dispatches, so that each frontend stays testable
-//! as a library. It also installs the `tracing` subscriber the libraries
+//! as a library (verity.rs holds `blkstack verity`'s command line over the
+//! mapped crate's tree builder). It also installs the `tracing` subscriber the libraries
 //! log through (warnings such as a driver's fallback go to stderr).
+
+mod verity;
 
 use clap::{Parser, Subcommand};
 use std::io::IsTerminal;
@@ -41,6 +44,8 @@ enum Cmd {
     ReplayLog(blkstack_crashtest::ReplayLogArgs),
     /// Record a workload through log-writes, replay to every crash point through a CoW overlay and check each (fsck in the kernel VM for ext4/xfs).
     Crashtest(blkstack_crashtest::CrashtestArgs),
+    /// Build, check and dump dm-verity hash trees (veritysetup format/verify/dump) for `verity` tables.
+    Verity(verity::VerityArgs),
 }
 
 /// Log to stderr at the level `-v` asks for, with RUST_LOG's directives
@@ -75,6 +80,7 @@ fn main() -> ExitCode {
         Cmd::Bench(a) => blkstack_bench::run_cli(a),
         Cmd::ReplayLog(a) => blkstack_crashtest::run_replay_log(a, cli.verbose),
         Cmd::Crashtest(a) => blkstack_crashtest::run_crashtest(a),
+        Cmd::Verity(a) => verity::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,9 +2,12 @@
 //! xfs made and used by the guest's kernel on our log-writes device, then
 //! every FLUSH/FUA point replayed into the snapshot overlay, mounted
 //! (journal recovery by the kernel) and checked with `e2fsck -fn` /
-//! `xfs_repair -n` in the guest. Short runs here; `make crashtest` runs
-//! the long ones (at least 100 points each, `--ignored`). A state from
-//! before mkfs ended must fail, so the check is shown to bite.
+//! `xfs_repair -n` in the guest. With `--reorder N --torn`, the host also
+//! hands the guest crash states of each flush epoch (a subset of its
+//! writes, one torn), checked the same way. Short runs here; `make
+//! crashtest` runs the long ones (at least 100 points each, and reorder
+//! runs, `--ignored`). A state from before mkfs ended must fail, so the
+//! check is shown to bite.
 
 mod kernel_vm_support;
 
@@ -42,26 +45,37 @@ fn crashtest(args: &[&str]) -> (Output, serde_json::Value) {
     (o, j)
 }
 
-fn passes(fs: &str, ops: &str, min_points: u64) {
+/// `reorder`: the `--reorder` count (with `--torn`) and how many such
+/// states the run must check at least.
+fn passes(fs: &str, ops: &str, min_points: u64, reorder: Option<(&str, u64)>) {
     if !vm_available() {
         return;
     }
-    let (o, j) = crashtest(&["--workload", fs, "--ops", ops, "--vm-timeout", "3000"]);
+    let mut args = vec!["--workload", fs, "--ops", ops, "--vm-timeout", "3000"];
+    if let Some((n, _)) = reorder {
+        args.extend(["--reorder", n, "--torn"]);
+    }
+    let (o, j) = crashtest(&args);
     assert!(o.status.success(), "{fs}: crashtest failed");
     let checked = j["points_checked"].as_u64().unwrap_or(0);
     assert!(checked >= min_points, "{fs}: only {checked} points");
     assert_eq!(j["points_planned"].as_u64(), Some(checked));
     assert_eq!(j["failures"].as_array().map(Vec::len), Some(0));
+    let states = j["states_checked"].as_u64().unwrap_or(0);
+    match reorder {
+        Some((_, min)) => assert!(states >= min, "{fs}: only {states} reorder states"),
+        None => assert_eq!(states, 0),
+    }
 }
 
 #[test]
-fn ext4_is_clean_at_every_flush_point() {
-    passes("ext4", "2", 6);
+fn ext4_is_clean_at_every_flush_point_and_reorder_state() {
+    passes("ext4", "2", 6, Some(("1", 3)));
 }
 
 #[test]
 fn xfs_is_clean_at_every_flush_point() {
-    passes("xfs", "1", 4);
+    passes("xfs", "1", 4, None);
 }
 
 #[test]
@@ -94,12 +108,28 @@ fn a_state_before_mkfs_ended_fails_its_check() {
 #[test]
 #[ignore]
 fn ext4_long() {
-    passes("ext4", "45", 100);
+    passes("ext4", "45", 100, None);
 }
 
 /// `make crashtest`: at least 100 flush points of xfs.
 #[test]
 #[ignore]
 fn xfs_long() {
-    passes("xfs", "50", 100);
+    passes("xfs", "50", 100, None);
+}
+
+/// `make crashtest`: ext4 with reorder and torn states at every flush
+/// point.
+#[test]
+#[ignore]
+fn ext4_reorder_long() {
+    passes("ext4", "20", 40, Some(("3", 40)));
+}
+
+/// `make crashtest`: xfs with reorder and torn states at every flush
+/// point.
+#[test]
+#[ignore]
+fn xfs_reorder_long() {
+    passes("xfs", "10", 20, Some(("2", 20)));
 }

@@ -1,7 +1,8 @@
 //! The kernel parity suite: blkstack's targets beside Linux 6.12's own
 //! device-mapper (dm-linear.c, dm-stripe.c, dm-zero.c, dm-target.c,
-//! dm-delay.c, dm-flakey.c, dm-mpath.c and dm-ps-*.c, dm-snap.c and
-//! dm-exception-store.c (transient store), dm-table.c), case by
+//! dm-delay.c, dm-flakey.c, dm-mpath.c and dm-ps-*.c, dm-snap.c
+//! (snapshot, snapshot-origin), dm-exception-store.c and
+//! dm-snap-persistent.c (refusals), dm-verity-target.c, dm-table.c), case by
 //! case: the same tables refused, the same `table`/`status` text after
 //! messages and I/O, the same data on the legs.
 //!

@@ -10,7 +10,8 @@
 //!   (read-only, block size, max I/O, cache, FUA, discard and
 //!   write-zeroes, a discard reaching the stack); a table reload under a
 //!   verified writer; `export --ublk` / `unexport` / `remove [-f]` at run
-//!   time; SIGTERM leaving no device behind.
+//!   time; SIGTERM leaving no device behind; a `throttle` write cap met
+//!   by a guest `dd` (O_DIRECT through ublk) within 5 %.
 //! - recovery (`UBLK_F_USER_RECOVERY`): serve killed with SIGKILL under an
 //!   fsyncing ext4 writer and restarted with the same table, three times,
 //!   takes the same /dev/ublkbN over each time within a bound, the writer
@@ -58,6 +59,8 @@ delay: 0 $S delay dmem 0 1
 fmem: 0 $S memory
 flakey: 0 $S flakey fmem 0 3600 0
 spare: 0 $S memory submit_queues=2 hw_queue_depth=48
+tmem: 0 $S memory
+thr: 0 $S throttle tmem 2 wbps 2M
 EOT
 fs_cycle() {
   dev=$1
@@ -74,7 +77,7 @@ fs_cycle() {
   umount /mnt || return 1
   e2fsck -fn $dev > /tmp/fsck.out 2>&1 || { cat /tmp/fsck.out; return 1; }
 }
-start_serve /tmp/s1.out --stack /tmp/stack.txt --ublk mem,striped,delay,flakey,spare:ro --control $C
+start_serve /tmp/s1.out --stack /tmp/stack.txt --ublk mem,striped,delay,flakey,spare:ro,thr --control $C
 cat /tmp/s1.out
 for k in mem striped delay flakey; do
   d=$(dev_of $k /tmp/s1.out); [ -b "$d" ] || fail "no block device for $k"
@@ -104,6 +107,14 @@ ls /sys/block/${d#/dev/}/mq | wc -l
 cat /sys/block/${d#/dev/}/mq/0/nr_tags /sys/block/${d#/dev/}/mq/1/nr_tags
 echo "END limits"
 dd if=/dev/zero of=$d bs=4k count=1 oflag=direct 2>/dev/null && fail "a write to a read-only ublk device succeeded"
+# throttle: O_DIRECT writes at a 2 MiB/s cap. A first megabyte uses up
+# the bucket's slack, then 8 MiB are timed on the guest's clock.
+d=$(dev_of thr /tmp/s1.out); [ -b "$d" ] || fail "no block device for thr"
+dd if=/dev/zero of=$d bs=64k count=16 oflag=direct 2>/dev/null || fail "throttle warm-up"
+t0=$(cut -d' ' -f1 /proc/uptime)
+dd if=/dev/zero of=$d bs=64k count=128 seek=16 oflag=direct 2>/dev/null || fail "throttled dd"
+t1=$(cut -d' ' -f1 /proc/uptime)
+echo "BEGIN throttle"; echo "$t0 $t1"; echo "END throttle"
 # A reload under I/O: delay's table changes (1 ms -> 3 ms) while a writer runs.
 d=$(dev_of delay /tmp/s1.out)
 ( verify_pass $d 60 && echo writer-ok > /tmp/w.out || echo writer-failed > /tmp/w.out ) &
@@ -301,6 +312,19 @@ fn ext4_and_verified_io_on_four_stacks_over_ublk() {
         limits,
         ["1", "512", "512", "write back", "1", "2", "48", "48"],
         "{}",
+        run.out
+    );
+    // 8 MiB at 2 MiB/s, timed in the guest: within 5 % of four seconds.
+    let t: Vec<f64> = run
+        .section("throttle")
+        .expect("throttle section")
+        .split_whitespace()
+        .map(|x| x.parse().expect("uptime seconds"))
+        .collect();
+    let rate = 8.0 / (t[1] - t[0]);
+    assert!(
+        (1.9..=2.1).contains(&rate),
+        "throttle wbps 2M: a guest dd wrote {rate:.3} MiB/s\n{}",
         run.out
     );
     assert!(

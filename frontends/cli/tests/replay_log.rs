@@ -1,8 +1,9 @@
 //! `blkstack replay-log` as xfstests' scripts run replay-log: a log made
 //! by our log-writes target (in process, its log in an image file) is
 //! replayed to a mark, found, counted and checked with a checker at every
-//! flush; bad logs and options are refused with a clear error and change
-//! nothing.
+//! flush; `--reorder-seed` (and `--torn`) applies exactly the crash state
+//! its `-v` lines describe, the same for the same seed; bad logs and
+//! options are refused with a clear error and change nothing.
 
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{Op, Status};
@@ -270,4 +271,105 @@ fn hostile_logs_are_refused_before_anything_lands() {
     let o = replay_log(&["--log", "/no/such/log", "--num-entries"]);
     let t = text(&o);
     assert_eq!(t.matches("No such file or directory").count(), 1, "{t}");
+}
+
+/// What `-v` says became of one epoch entry, and the block it wrote.
+fn fate(out: &str, entry: u64) -> String {
+    let head = format!("reorder {entry}@");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(&head))
+        .unwrap_or_else(|| panic!("no line for entry {entry}: {out}"));
+    line.split_once("): ").unwrap().1.to_string()
+}
+
+/// How much of `b` (from the start) holds `byte`, the rest holding `old`.
+fn prefix_of(b: &[u8], byte: u8, old: u8) -> usize {
+    let n = b.iter().take_while(|&&x| x == byte).count();
+    assert!(b[n..].iter().all(|&x| x == old), "a mix beyond a prefix");
+    n
+}
+
+#[test]
+fn reorder_seed_applies_the_state_it_prints() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = make_log(dir.path());
+    let log_s = log.to_str().unwrap();
+    let img = dir.path().join("replay.img");
+    let img_s = img.to_str().unwrap();
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..16u64 {
+        for torn in [false, true] {
+            std::fs::write(&img, vec![0u8; 4096 * 512]).unwrap();
+            let s = seed.to_string();
+            // Entry 1 is the first flush: its epoch is B (entry 3) and C
+            // (entry 4); the flush at entry 5 ends it.
+            let mut args = vec![
+                "--log",
+                log_s,
+                "--replay",
+                img_s,
+                "--limit",
+                "2",
+                "--reorder-seed",
+                &s,
+                "-v",
+            ];
+            if torn {
+                args.push("--torn");
+            }
+            let o = replay_log(&args);
+            assert!(o.status.success(), "{}", text(&o));
+            let out = String::from_utf8_lossy(&o.stdout).into_owned();
+            assert!(
+                !out.contains("reorder 5@"),
+                "the next flush is no member: {out}"
+            );
+            let b = std::fs::read(&img).unwrap();
+            let (fb, fc) = (fate(&out, 3), fate(&out, 4));
+            for (f, block, byte, old) in [
+                (&fb, &b[..4096], b'B', b'A'),
+                (&fc, &b[4096..8192], b'C', 0),
+            ] {
+                let n = prefix_of(block, byte, old);
+                match f.as_str() {
+                    "kept" => assert_eq!(n, 4096, "{out}"),
+                    "dropped" => assert_eq!(n, 0, "{out}"),
+                    t => {
+                        assert!(torn, "{out}");
+                        let k: usize = t
+                            .strip_prefix("torn: ")
+                            .and_then(|r| r.strip_suffix(" of 8 blocks"))
+                            .and_then(|k| k.parse().ok())
+                            .unwrap_or_else(|| panic!("'{t}'"));
+                        assert!((1..8).contains(&k) && n == k * 512, "{out}");
+                    }
+                }
+            }
+            if torn {
+                assert!(fb.starts_with("torn") || fc.starts_with("torn"), "{out}");
+            }
+            seen.insert((torn, fb.clone(), fc.clone()));
+            // The same seed again: the same image.
+            let again = dir.path().join("again.img");
+            std::fs::write(&again, vec![0u8; 4096 * 512]).unwrap();
+            args[3] = again.to_str().unwrap();
+            assert!(replay_log(&args).status.success());
+            assert!(
+                std::fs::read(&again).unwrap() == b,
+                "seed {seed}: two images"
+            );
+        }
+    }
+    for pair in [
+        ("kept", "kept"),
+        ("kept", "dropped"),
+        ("dropped", "kept"),
+        ("dropped", "dropped"),
+    ] {
+        assert!(
+            seen.contains(&(false, pair.0.to_string(), pair.1.to_string())),
+            "16 seeds never made {pair:?}: {seen:?}"
+        );
+    }
 }

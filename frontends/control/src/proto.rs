@@ -28,6 +28,7 @@ pub const EEXIST: i64 = libc::EEXIST as i64;
 pub const ENODATA: i64 = libc::ENODATA as i64;
 pub const EINVAL: i64 = libc::EINVAL as i64;
 pub const ENOTSUP: i64 = libc::EOPNOTSUPP as i64;
+pub const E2BIG: i64 = libc::E2BIG as i64;
 
 /// Longest request line the server reads (1 MiB). The largest real
 /// request is a `create`/`reload` of a table of many lines: a dm table
@@ -115,6 +116,7 @@ impl RpcError {
             ENODATA => "No data available",
             EINVAL => "Invalid argument",
             ENOTSUP => "Operation not supported",
+            E2BIG => "Argument list too long",
             _ => return None,
         })
     }
@@ -130,6 +132,7 @@ fn errno_name(code: i64) -> Option<&'static str> {
         ENODATA => "ENODATA",
         EINVAL => "EINVAL",
         ENOTSUP => "EOPNOTSUPP",
+        E2BIG => "E2BIG",
         _ => return None,
     })
 }
@@ -161,8 +164,10 @@ impl From<DmError> for RpcError {
 /// The errno the kernel's table load or message returns for a target
 /// error other than EINVAL: ENOENT for a device argument naming no
 /// device (`dm_get_device` on a missing path), ENODEV for a hardware
-/// handler (`scsi_dh_attach` on a device that is not SCSI), and a
-/// message's own (dm-thin's EEXIST, ENODATA, EBUSY).
+/// handler (`scsi_dh_attach` on a device that is not SCSI), a
+/// constructor's own (dm-verity's E2BIG and ENOENT), a message's own
+/// (dm-thin's EEXIST, ENODATA, EBUSY), and ENXIO for a snapshot's COW
+/// device holding no snapshot.
 fn table_errno(e: &DmError) -> Option<i64> {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
@@ -178,6 +183,9 @@ fn table_errno(e: &DmError) -> Option<i64> {
                     Refusal::Exists => EEXIST,
                     Refusal::NoData => ENODATA,
                     Refusal::Busy => EBUSY,
+                    Refusal::TooBig => E2BIG,
+                    Refusal::NotFound => ENOENT,
+                    Refusal::NoAddress => ENXIO,
                 })
             }
             _ => {}

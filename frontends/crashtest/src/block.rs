@@ -10,9 +10,17 @@
 //!   data blocks, FLUSHes, then writes a commit record (with the data
 //!   blocks' hashes) with FUA, as jbd2 and the XFS log order a commit. At
 //!   every point, a transaction whose commit record is present must have
-//!   all its data. `plant` leaves out the flush before the commit — the
-//!   ordering bug crash testing exists to find: the FUA commit is durable
-//!   (logged) at once, its data only at a later flush.
+//!   all its data. Two ordering bugs can be planted, the kind crash
+//!   testing exists to find. `no-flush` leaves out the flush before the
+//!   commit: the FUA commit is durable (logged) at once, its data only at
+//!   a later flush, so an in-order point shows it. `same-epoch` writes the
+//!   commit as a plain write right after its data and flushes after both:
+//!   every in-order point has both, and only a crash state that keeps the
+//!   commit but not all its data (`--reorder`) shows it.
+//!
+//! In a torn state (`--torn`) a verify block may also be a mix, block by
+//! block of the log, of its stamp before the epoch and the one the epoch
+//! wrote: that is what tearing makes, and it is still no lost write.
 
 use blkstack_core::sync::submit_and_wait_flags;
 use blkstack_core::{BioFlags, DeviceRef, Op, Status};
@@ -183,6 +191,13 @@ pub fn run_verify(
 impl VerifyModel {
     /// Check the device at a point after `flushes` completed flushes.
     pub fn check(&self, dev: &DeviceRef, flushes: u64) -> (bool, String) {
+        self.check_state(dev, flushes, false)
+    }
+
+    /// The check of a point, or of a crash state of the epoch after it;
+    /// `torn`: a block may be a sector-wise mix of its stamp at the point
+    /// and the one the epoch wrote.
+    pub fn check_state(&self, dev: &DeviceRef, flushes: u64, torn: bool) -> (bool, String) {
         let zero = vec![0u64; self.blocks as usize];
         let want = match flushes {
             0 => &zero,
@@ -208,7 +223,7 @@ impl VerifyModel {
             let ok = match got {
                 Some(g) => g >= need,
                 None => need == 0 && buf.iter().all(|&x| x == 0),
-            };
+            } || (torn && self.is_torn(b, need, flushes, &buf));
             if !ok {
                 bad.push(format!(
                     "block {b}: holds {}, a write of generation {need} was acknowledged before the flush",
@@ -226,6 +241,31 @@ impl VerifyModel {
     }
 }
 
+impl VerifyModel {
+    /// Is `data` a sector-wise mix of block `b`'s stamp of generation
+    /// `old` (zeroes for 0) and the one the epoch after flush `flushes`
+    /// wrote? (Each round writes a block at most once.)
+    fn is_torn(&self, b: u64, old: u64, flushes: u64, data: &[u8]) -> bool {
+        let Some(new) = self
+            .after_flush
+            .get(flushes as usize)
+            .map(|w| w[b as usize])
+            .filter(|&g| g != old)
+        else {
+            return false;
+        };
+        let before = if old == 0 {
+            vec![0u8; BLOCK]
+        } else {
+            stamp(b, old)
+        };
+        let after = stamp(b, new);
+        data.chunks(512)
+            .zip(before.chunks(512).zip(after.chunks(512)))
+            .all(|(d, (x, y))| d == x || d == y)
+    }
+}
+
 fn summarize(bad: Vec<String>, good: String) -> (bool, String) {
     if bad.is_empty() {
         return (true, good);
@@ -236,6 +276,24 @@ fn summarize(bad: Vec<String>, good: String) -> (bool, String) {
         s.push(format!("... and {} more", n - 8));
     }
     (false, s.join("\n"))
+}
+
+/// An ordering bug to plant in the journal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bug {
+    /// The FUA commit record without the flush before it.
+    NoFlush,
+    /// A plain commit write in its data's flush epoch, one flush after.
+    SameEpoch,
+}
+
+impl Bug {
+    pub fn name(self) -> &'static str {
+        match self {
+            Bug::NoFlush => "no-flush",
+            Bug::SameEpoch => "same-epoch",
+        }
+    }
 }
 
 /// The journal's geometry: `txns` commit blocks, then each transaction's
@@ -263,9 +321,9 @@ impl Journal {
         self.txns + t * self.per_txn + i
     }
 
-    /// Run every transaction; `plant` leaves out the flush before each
-    /// commit. A last FLUSH makes the tail durable either way.
-    pub fn run(&self, dev: &DeviceRef, plant: bool) -> anyhow::Result<()> {
+    /// Run every transaction, with the planted bug if any. A last FLUSH
+    /// makes the tail durable either way.
+    pub fn run(&self, dev: &DeviceRef, plant: Option<Bug>) -> anyhow::Result<()> {
         for t in 0..self.txns {
             let writes: Vec<(u64, Vec<u8>)> = (0..self.per_txn)
                 .map(|i| {
@@ -274,7 +332,7 @@ impl Journal {
                 })
                 .collect();
             write_all(dev, &writes)?;
-            if !plant {
+            if plant.is_none() {
                 flush(dev)?;
             }
             let mut rec = vec![0u8; BLOCK];
@@ -286,10 +344,14 @@ impl Journal {
                 rec[at..at + 8].copy_from_slice(&b.to_le_bytes());
                 rec[at + 8..at + 16].copy_from_slice(&hash(d).to_le_bytes());
             }
-            must(
-                io(dev, Op::Write, BioFlags::FUA, t, &mut rec),
-                "a commit write",
-            )?;
+            let how = match plant {
+                Some(Bug::SameEpoch) => BioFlags::NONE,
+                _ => BioFlags::FUA,
+            };
+            must(io(dev, Op::Write, how, t, &mut rec), "a commit write")?;
+            if plant == Some(Bug::SameEpoch) {
+                flush(dev)?;
+            }
         }
         flush(dev)
     }
@@ -366,7 +428,7 @@ mod tests {
             txns: 4,
             per_txn: 4,
         };
-        j.run(&dev, false).unwrap();
+        j.run(&dev, None).unwrap();
         assert!(j.check(&dev).0);
         let mut z = vec![0u8; BLOCK];
         assert!(io(&dev, Op::Write, BioFlags::NONE, j.data_block(2, 1), &mut z).is_ok());

@@ -1,15 +1,17 @@
 //! `blkstack crashtest`: record a workload through a `log-writes` stack,
 //! then replay the log to every crash point through the overlay and check
 //! each: a block workload in this process (`verify`, `journal`), or ext4 /
-//! xfs in the kernel VM's guest (see `guest.rs`). Prints the points
-//! checked and each failure with its entry and the checker's output, and
+//! xfs in the kernel VM's guest (see `guest.rs`); with `--reorder N`, also
+//! N states of the epoch after each FLUSH point (`reorder.rs`). Prints the
+//! points checked and each failure with its entry, its state's seed, the
+//! `replay-log` command that rebuilds it and the checker's output, and
 //! writes a JSON report. A bad log, a truncated one or a missing mark is
 //! refused before anything is replayed.
 
-use crate::block::{run_verify, Journal, Recorder, BLOCK};
+use crate::block::{run_verify, Bug, Journal, Recorder, BLOCK};
 use crate::guest::{self, Fs, FsOptions, MKFS_MARK};
 use crate::report::Report;
-use crate::runner::{Overlay, Walker};
+use crate::runner::{Overlay, ReorderOptions, State, Walker};
 use crate::walk::{plan, PlanOptions, PointRule};
 use anyhow::{bail, Context};
 use blkstack_mapped::Registry;
@@ -34,10 +36,12 @@ pub enum Workload {
 pub struct CrashtestArgs {
     #[arg(long, value_enum)]
     workload: Workload,
-    /// Plant the ordering bug (journal: the commit record without the
-    /// flush that must precede it).
-    #[arg(long)]
-    plant_bug: bool,
+    /// Plant an ordering bug in the journal: no-flush (the default: the
+    /// FUA commit record without the flush that must precede it) or
+    /// same-epoch (a plain commit write in its data's flush epoch, one
+    /// FLUSH after both: only --reorder finds it).
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "no-flush", value_name = "BUG")]
+    plant_bug: Option<Bug>,
     /// Crash points: flush,fua (every FLUSH or FUA entry), flush, fua,
     /// marks, or every:N entries.
     #[arg(long, default_value = "flush,fua", value_name = "RULE")]
@@ -77,6 +81,23 @@ pub struct CrashtestArgs {
     /// Stop at the first failing point.
     #[arg(long)]
     stop_at_failure: bool,
+    /// After each FLUSH point, check N more states: the point plus a
+    /// seeded random subset of the writes of the epoch after it (FUA
+    /// writes always kept), as CrashMonkey does.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    reorder: u64,
+    /// With --reorder: N more states per point, each with a multi-block
+    /// write torn at the log's block size.
+    #[arg(long, requires = "reorder")]
+    torn: bool,
+    /// With --reorder: the states' seeds are derived from this one.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    seed: u64,
+    /// Write each failing state's device image, as it was checked, to
+    /// DIR/state-LABEL.img (block workloads; at most 8 each of in-order,
+    /// reorder and torn states).
+    #[arg(long, value_name = "DIR")]
+    save_failing: Option<PathBuf>,
     /// The kernel VM script (filesystem workloads).
     #[arg(long, value_name = "PATH", default_value_os_t = guest::default_vm_script())]
     vm_script: PathBuf,
@@ -100,26 +121,56 @@ fn rule_text(a: &CrashtestArgs) -> String {
     }
 }
 
-pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
+/// A bound on `--reorder`: each state is a check, and the queue of a
+/// point's states is held in memory.
+const MAX_REORDER: u64 = 1 << 16;
+
+/// Options that do not go together are refused before anything runs.
+fn refuse_bad_options(a: &CrashtestArgs, is_fs: bool) -> anyhow::Result<()> {
     if a.every == 0 {
         bail!("--every 0: give a positive N");
     }
-    if a.plant_bug && a.workload != Workload::Journal {
+    if a.plant_bug.is_some() && a.workload != Workload::Journal {
         bail!("--plant-bug: only the journal workload has a bug to plant");
     }
     if a.log.is_some() && a.workload == Workload::Verify {
         bail!("--log with --workload verify: verify checks against its own run's writes; record a new log");
     }
-    let scratch = tempfile::tempdir()?;
-    let log_path = a
-        .keep_log
-        .clone()
-        .unwrap_or_else(|| scratch.path().join("crashtest.log"));
+    if a.reorder > MAX_REORDER {
+        bail!(
+            "--reorder {}: at most {MAX_REORDER} states per point",
+            a.reorder
+        );
+    }
+    if a.torn && a.reorder == 0 {
+        bail!("--torn adds states to --reorder N: give N > 0");
+    }
+    if a.reorder > 0 && !matches!(a.points, PointRule::Durable | PointRule::Flush) {
+        bail!("--reorder: states are made after FLUSH points; use --points flush or flush,fua");
+    }
+    if a.save_failing.is_some() && is_fs {
+        bail!("--save-failing: the guest's check mounts the state and changes it; only the block workloads keep it as checked");
+    }
+    Ok(())
+}
+
+pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
     let fs = match a.workload {
         Workload::Ext4 => Some(Fs::Ext4),
         Workload::Xfs => Some(Fs::Xfs),
         _ => None,
     };
+    refuse_bad_options(&a, fs.is_some())?;
+    let reorder = (a.reorder > 0).then_some(ReorderOptions {
+        states: a.reorder,
+        torn: a.torn,
+        base_seed: a.seed,
+    });
+    let scratch = tempfile::tempdir()?;
+    let log_path = a
+        .keep_log
+        .clone()
+        .unwrap_or_else(|| scratch.path().join("crashtest.log"));
     let plan_opts = PlanOptions {
         rule: a.points,
         start_mark: match (&a.start_mark, a.from_start) {
@@ -146,16 +197,24 @@ pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
                 vm_script: a.vm_script.clone(),
                 vm_timeout_s: a.vm_timeout,
                 stop_at_failure: a.stop_at_failure,
+                reorder,
             })?
         }
-        None => run_block(&a, &log_path, &plan_opts)?,
+        None => run_block(&a, &log_path, &plan_opts, reorder)?,
     };
     let shown_log = match (&a.log, &a.keep_log) {
         (Some(l), _) | (None, Some(l)) => l.display().to_string(),
         (None, None) => "(a temporary file, removed; --keep-log keeps it)".to_string(),
     };
     let wl = format!("{:?}", a.workload).to_lowercase();
-    let report = Report::new(&wl, a.plant_bug, &shown_log, &rule_text(&a), &walker);
+    let log_used = a.log.clone().unwrap_or(log_path);
+    let rebuild = crate::report::Rebuild {
+        log: log_used.display().to_string(),
+        temporary: a.log.is_none() && a.keep_log.is_none(),
+        bytes: walker.overlay.sectors() * 512,
+    };
+    let bug = a.plant_bug.map(|b| b.name());
+    let report = Report::new(&wl, bug, &shown_log, &rule_text(&a), &walker, &rebuild);
     report.print(&mut std::io::stdout().lock())?;
     if let Some(p) = &a.report {
         std::fs::write(p, serde_json::to_string_pretty(&report)? + "\n")
@@ -163,9 +222,9 @@ pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
     }
     if !report.failures.is_empty() {
         bail!(
-            "{} of {} crash points failed; the first at log entry {}",
+            "{} of {} crash points and states failed; the first at log entry {}",
             report.failures.len(),
-            report.points_checked,
+            report.points_checked + report.states_checked,
             report.first_failure_entry.unwrap_or_default()
         );
     }
@@ -173,7 +232,12 @@ pub fn run(a: CrashtestArgs) -> anyhow::Result<()> {
 }
 
 /// Record (unless given a log) and check a block workload in process.
-fn run_block(a: &CrashtestArgs, log_path: &Path, o: &PlanOptions) -> anyhow::Result<Walker> {
+fn run_block(
+    a: &CrashtestArgs,
+    log_path: &Path,
+    o: &PlanOptions,
+    reorder: Option<ReorderOptions>,
+) -> anyhow::Result<Walker> {
     let mib = a.size_mib.unwrap_or(16);
     let sectors = mib << 11;
     let blocks = sectors * 512 / BLOCK as u64;
@@ -210,9 +274,79 @@ fn run_block(a: &CrashtestArgs, log_path: &Path, o: &PlanOptions) -> anyhow::Res
     let reg = Registry::new();
     let overlay = Overlay::create(reg, sectors)?;
     let mut w = Walker::new(&log, p, overlay)?;
-    match &model {
-        Some(m) => w.run(a.stop_at_failure, &mut |p, dev| m.check(dev, p.flushes))?,
-        None => w.run(a.stop_at_failure, &mut |_, dev| journal.check(dev))?,
+    if let Some(r) = reorder {
+        w = w.with_reorder(&log, r)?;
     }
+    let mut saver = a
+        .save_failing
+        .as_deref()
+        .map(FailingSaver::new)
+        .transpose()?;
+    let mut check = |s: &State, dev: &blkstack_core::DeviceRef| {
+        let torn = s.variant.as_ref().is_some_and(|v| v.torn);
+        let (ok, out) = match &model {
+            Some(m) => m.check_state(dev, s.point.flushes, torn),
+            None => journal.check(dev),
+        };
+        if let (false, Some(sv)) = (ok, saver.as_mut()) {
+            if let Err(e) = sv.save(s, dev) {
+                return (false, format!("{out}\n(saving its image failed: {e:#})"));
+            }
+        }
+        (ok, out)
+    };
+    w.run(a.stop_at_failure, &mut check)?;
     Ok(w)
+}
+
+/// `--save-failing`: failing states' images, as checked (the block
+/// checks only read), at most `MAX_SAVED` of each kind (in order,
+/// reorder, torn).
+struct FailingSaver {
+    dir: PathBuf,
+    saved: [usize; 3],
+}
+
+const MAX_SAVED: usize = 8;
+
+impl FailingSaver {
+    fn new(dir: &Path) -> anyhow::Result<FailingSaver> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(FailingSaver {
+            dir: dir.to_path_buf(),
+            saved: [0; 3],
+        })
+    }
+
+    fn save(&mut self, s: &State, dev: &blkstack_core::DeviceRef) -> anyhow::Result<()> {
+        let kind = match &s.variant {
+            None => 0,
+            Some(v) if !v.torn => 1,
+            Some(_) => 2,
+        };
+        if self.saved[kind] == MAX_SAVED {
+            return Ok(());
+        }
+        self.saved[kind] += 1;
+        let path = self.dir.join(format!("state-{}.img", s.label()));
+        let f = std::fs::File::create(&path)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut at = 0;
+        while at < dev.size() {
+            let n = (dev.size() - at).min(buf.len() as u64) as usize;
+            let st = blkstack_core::submit_and_wait(
+                &**dev,
+                blkstack_core::Op::Read,
+                at,
+                n as u64,
+                &mut buf[..n],
+            );
+            if !st.is_ok() {
+                bail!("reading the state at byte {at}: {st:?}");
+            }
+            std::os::unix::fs::FileExt::write_all_at(&f, &buf[..n], at)?;
+            at += n as u64;
+        }
+        Ok(())
+    }
 }

@@ -54,6 +54,17 @@ pub fn log(input: &[u8]) -> Result<Vec<u8>, String> {
     let replayed = replay::run(&whole, &mut sink).map_err(|e| e.to_string());
     let mut head = vec![0u8; 64 << 10];
     let read = submit_and_wait(&*dev, Op::Read, 0, head.len() as u64, &mut head);
+    // A crash state of the first epoch, torn: a log's lies must end in
+    // an error there too, never in a panic or a huge allocation.
+    let state = ReplayOptions {
+        log: path.clone(),
+        replay: whole.replay.clone(),
+        limit: 1,
+        reorder_seed: Some(input.len() as u64),
+        torn: true,
+        ..Default::default()
+    };
+    let _ = replay::run(&state, &mut sink);
     let plan_options = PlanOptions {
         rule: PointRule::Durable,
         start_mark: None,

@@ -7,13 +7,17 @@
 //! hook) to move the replay origin to the next point and drop the
 //! overlay; it mounts the overlay (the kernel replays the journal), unmounts
 //! it and runs `e2fsck -fn` / `xfs_repair -n`, as xfstests' generic/455
-//! does after each replay. The guest prints each point's exit status and,
-//! for a failure, the checker's output; the host reads them when the
-//! guest powers off.
+//! does after each replay. With `--reorder`, the host hands out the
+//! crash states of each FLUSH point's epoch the same way: `next` answers
+//! with a label (`3.r1`, `3.t2`) in place of the point's number, and the
+//! host has written the state into the emptied overlay before it answers,
+//! so the guest's loop is the same for both. The guest prints each
+//! state's exit status and, for a failure, the checker's output; the host
+//! reads them when the guest powers off.
 
 use crate::block::{Recorder, LOG_WRITES};
-use crate::runner::{Outcome, Overlay, Walker, OVERLAY};
-use crate::walk::{plan, PlanOptions, Point};
+use crate::runner::{Outcome, Overlay, ReorderOptions, State, Walker, OVERLAY};
+use crate::walk::{plan, PlanOptions};
 use anyhow::{bail, Context};
 use blkstack_mapped::Registry;
 use blkstack_nbd::{Export, ListenUri, Server};
@@ -128,6 +132,7 @@ pub struct FsOptions {
     pub vm_script: PathBuf,
     pub vm_timeout_s: u64,
     pub stop_at_failure: bool,
+    pub reorder: Option<ReorderOptions>,
 }
 
 /// What the hooks share with the run.
@@ -137,10 +142,11 @@ struct HookState {
     plan: PlanOptions,
     sectors: u64,
     walker: Option<Walker>,
-    /// When each point was handed to the guest.
-    handed: Vec<(Point, Instant)>,
+    /// When each point or state was handed to the guest.
+    handed: Vec<(State, Instant)>,
     error: Option<String>,
     stop_at_failure: bool,
+    reorder: Option<ReorderOptions>,
 }
 
 impl HookState {
@@ -200,16 +206,20 @@ impl HookState {
         let n = p.points.len();
         // Created before the boot, as it is exported.
         let overlay = Overlay::existing(self.reg.clone(), self.sectors);
-        self.walker = Some(Walker::new(&self.log, p, overlay)?);
+        let mut w = Walker::new(&self.log, p, overlay)?;
+        if let Some(r) = self.reorder {
+            w = w.with_reorder(&self.log, r)?;
+        }
+        self.walker = Some(w);
         Ok(format!("ok {n}"))
     }
 
-    /// Point `k` (from 1) for the guest; `last_rc` is point k-1's result
-    /// (`-` for none). Asking for the point already handed answers the
-    /// same again, so the guest may retry a lost answer.
+    /// The `k`th (from 1) point or state for the guest; `last_rc` is the
+    /// previous one's result (`-` for none). Asking for the one already
+    /// handed answers the same again, so the guest may retry a lost answer.
     fn next(&mut self, k: usize, last_rc: &str) -> anyhow::Result<String> {
-        if let Some((p, _)) = self.handed.get(k.wrapping_sub(1)) {
-            return Ok(format!("ok {} {}", p.n, p.entry));
+        if let Some((s, _)) = self.handed.get(k.wrapping_sub(1)) {
+            return Ok(format!("ok {} {}", s.label(), s.point.entry));
         }
         if k != self.handed.len() + 1 {
             bail!("next {k}: {} points handed so far", self.handed.len());
@@ -220,11 +230,12 @@ impl HookState {
         }
         let w = self.walker.as_mut().context("next before plan")?;
         match w.advance()? {
-            Some(p) => {
-                tracing::info!(point = p.n, entry = p.entry, "crashtest: guest checks");
-                let s = format!("ok {} {}", p.n, p.entry);
-                self.handed.push((p, Instant::now()));
-                Ok(s)
+            Some(s) => {
+                let label = s.label();
+                tracing::info!(state = %label, entry = s.point.entry, "crashtest: guest checks");
+                let answer = format!("ok {label} {}", s.point.entry);
+                self.handed.push((s, Instant::now()));
+                Ok(answer)
             }
             None => Ok("done".into()),
         }
@@ -338,6 +349,7 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
         handed: Vec::new(),
         error: None,
         stop_at_failure: o.stop_at_failure,
+        reorder: o.reorder,
     }));
     let (hook_port, hook_stop, hook_thread) = start_hooks(state.clone())?;
     let script = guest_script(o, recorder.is_some());
@@ -373,7 +385,7 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
     };
     drop(st);
     collect(&mut walker, &handed, &text, ended)?;
-    walker.costs.cow_sectors += walker.overlay.cow_sectors();
+    walker.take_cow();
     if !text.contains("CRASHTEST-DONE") {
         bail!(
             "the guest stopped after {} of {} points (exit {:?}):\n{text}\n{}",
@@ -387,47 +399,59 @@ pub fn run(o: &FsOptions) -> anyhow::Result<Walker> {
     Ok(walker)
 }
 
-/// The guest's `POINT n entry rc` lines (and failures' output) as outcomes.
+/// The guest's `POINT label entry rc` lines (and failures' output) as
+/// outcomes.
 fn collect(
     w: &mut Walker,
-    handed: &[(Point, Instant)],
+    handed: &[(State, Instant)],
     text: &str,
     ended: Instant,
 ) -> anyhow::Result<()> {
-    let mut rc: HashMap<usize, String> = HashMap::new();
+    for (o, took) in outcomes(handed, text, ended) {
+        w.record(o, took);
+    }
+    Ok(())
+}
+
+/// Each handed point or state the guest reported, with its result and
+/// how long it took (until the guest asked for the next one, or for the
+/// last, until it powered off).
+fn outcomes(handed: &[(State, Instant)], text: &str, ended: Instant) -> Vec<(Outcome, Duration)> {
+    let mut out = Vec::new();
+    let mut rc: HashMap<&str, &str> = HashMap::new();
     for l in text.lines() {
         let f: Vec<&str> = l.split_whitespace().collect();
         if let ["POINT", n, _entry, code] = f.as_slice() {
-            if let Ok(n) = n.parse::<usize>() {
-                rc.insert(n, code.to_string());
-            }
+            rc.insert(n, code);
         }
     }
-    for (i, (p, at)) in handed.iter().enumerate() {
-        let Some(code) = rc.get(&p.n) else { continue };
-        // Until the guest asked for the next point (or, for the last,
-        // until it powered off).
+    for (i, (s, at)) in handed.iter().enumerate() {
+        let label = s.label();
+        let Some(code) = rc.get(label.as_str()) else {
+            continue;
+        };
         let took = handed
             .get(i + 1)
             .map_or(ended, |(_, next)| *next)
             .duration_since(*at);
-        let ok = code == "0";
+        let ok = *code == "0";
         let output = if ok {
             String::new()
         } else {
-            let body = section(text, &format!("point-{}", p.n));
+            let body = section(text, &format!("point-{label}"));
             format!("exit {code}\n{body}")
         };
-        w.record(
+        out.push((
             Outcome {
-                point: p.clone(),
+                point: s.point.clone(),
+                variant: s.variant.clone(),
                 ok,
                 output,
             },
             took,
-        );
+        ));
     }
-    Ok(())
+    out
 }
 
 fn section(text: &str, name: &str) -> String {
@@ -444,4 +468,57 @@ fn section(text: &str, name: &str) -> String {
 /// Where the repository's VM script is when run from its top directory.
 pub fn default_vm_script() -> PathBuf {
     Path::new("scripts/kernel-vm.sh").to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runner::Variant;
+    use crate::walk::Point;
+
+    #[test]
+    fn reorder_states_come_back_by_their_labels() {
+        let point = Point {
+            n: 3,
+            entry: 40,
+            flags: blkstack_mapped::targets::log_writes::format::LOG_FLUSH_FLAG,
+            flushes: 2,
+            mark: String::new(),
+        };
+        let state = |j, torn| State {
+            point: point.clone(),
+            variant: Some(Variant {
+                j,
+                seed: 99 + j,
+                torn,
+                kept: 1,
+                epoch_entries: 4,
+                torn_entry: None,
+            }),
+        };
+        let t0 = Instant::now();
+        let handed = vec![
+            (
+                State {
+                    point: point.clone(),
+                    variant: None,
+                },
+                t0,
+            ),
+            (state(1, false), t0),
+            (state(1, true), t0),
+        ];
+        assert_eq!(handed[1].0.label(), "3.r1");
+        assert_eq!(handed[2].0.label(), "3.t1");
+        let text = "POINT 3 40 0\nPOINT 3.r1 40 0\nPOINT 3.t1 40 4\n\
+                    BEGIN point-3.t1\nbad inode\nEND point-3.t1\n";
+        let got = outcomes(&handed, text, Instant::now());
+        assert_eq!(got.len(), 3);
+        assert!(got[0].0.ok && got[0].0.variant.is_none());
+        assert!(got[1].0.ok && got[1].0.variant.as_ref().is_some_and(|v| !v.torn));
+        let (bad, _) = &got[2];
+        assert!(!bad.ok);
+        assert_eq!(bad.variant.as_ref().map(|v| v.seed), Some(100));
+        assert_eq!(bad.output, "exit 4\nbad inode");
+    }
 }

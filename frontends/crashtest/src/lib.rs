@@ -6,13 +6,17 @@
 //! what it prints, so its scripts work unchanged; it reads logs the
 //! kernel's dm-log-writes wrote as well as ours. `blkstack crashtest`
 //! does the whole method: record a workload, then replay to every crash
-//! point through a copy-on-write overlay and check each.
+//! point through a copy-on-write overlay and check each, and with
+//! `--reorder N [--torn]` states a crash inside a flush epoch could leave
+//! (CrashMonkey's method, `reorder.rs`), each rebuilt by `replay-log
+//! --reorder-seed`.
 
 pub mod block;
 pub mod command;
 pub mod fuzzing;
 pub mod guest;
 pub mod log;
+pub mod reorder;
 pub mod replay;
 pub mod report;
 pub mod runner;
@@ -85,6 +89,15 @@ pub struct ReplayLogArgs {
     /// Replay only entries that start at or before this sector.
     #[arg(long, value_name = "SECTOR")]
     end_sector: Option<u64>,
+    /// After the replay stops (at a FLUSH entry, e.g. --limit K+1), add the
+    /// crash state this seed makes of the flush epoch after it: a subset
+    /// of its writes and discards, its FUA writes always (crashtest prints
+    /// the seed of each state that failed).
+    #[arg(long, value_name = "SEED")]
+    reorder_seed: Option<u64>,
+    /// With --reorder-seed: the state with a torn multi-block write.
+    #[arg(long, requires = "reorder_seed")]
+    torn: bool,
 }
 
 /// Run `replay-log`; `verbose` is the global `-v` count (1: print the
@@ -114,6 +127,8 @@ pub fn run_replay_log(a: ReplayLogArgs, verbose: u8) -> anyhow::Result<()> {
         check: a.check,
         start_sector: a.start_sector,
         end_sector: a.end_sector,
+        reorder_seed: a.reorder_seed,
+        torn: a.torn,
         verbose,
     };
     let stdout = std::io::stdout();

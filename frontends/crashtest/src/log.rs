@@ -181,6 +181,11 @@ impl LogReader {
         Ok(Some(e))
     }
 
+    /// The number of the entry `next_entry` reads next.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+
     /// Read `len` bytes of an entry's data starting `skip` bytes into it.
     pub fn read_data(&self, e: &Entry, skip: u64, buf: &mut [u8]) -> Result<(), LogError> {
         read_exact_at(&self.file, buf, e.data_at + skip, self.size, e.index)

@@ -67,6 +67,11 @@ pub struct ReplayOptions {
     pub check: Option<Check>,
     pub start_sector: u64,
     pub end_sector: Option<u64>,
+    /// After the replay stops, add the crash state this seed makes of the
+    /// flush epoch that follows (see `reorder.rs`).
+    pub reorder_seed: Option<u64>,
+    /// With `reorder_seed`: the state with a torn write.
+    pub torn: bool,
     /// 1: print replayed entries; 2: skipped ones too.
     pub verbose: u8,
 }
@@ -91,6 +96,12 @@ pub enum ReplayError {
     Fsck(u64),
     #[error("running the fsck command: {0}")]
     FsckSpawn(std::io::Error),
+    #[error("--reorder-seed rebuilds a whole crash state: it does not go with {0}")]
+    ReorderWith(&'static str),
+    #[error("--torn goes with --reorder-seed")]
+    TornWithoutSeed,
+    #[error(transparent)]
+    Epoch(#[from] crate::reorder::EpochError),
 }
 
 /// The entry's flags as replay-log prints them.
@@ -134,6 +145,7 @@ pub fn run(o: &ReplayOptions, out: &mut dyn Write) -> Result<(), ReplayError> {
     if o.fsck.is_some() != o.check.is_some() {
         return Err(ReplayError::FsckWithoutCheck);
     }
+    check_reorder(o)?;
     let mut log = LogReader::open(&o.log)?;
     let nr = log.sup.nr_entries;
     if let Some(mark) = &o.start_mark {
@@ -200,6 +212,60 @@ pub fn run(o: &ReplayOptions, out: &mut dyn Write) -> Result<(), ReplayError> {
     result
 }
 
+/// `--reorder-seed` rebuilds what crashtest checked: every entry up to
+/// the stop, then the epoch's state. Options that replay part of the
+/// entries, or check or find instead of replaying, would not.
+fn check_reorder(o: &ReplayOptions) -> Result<(), ReplayError> {
+    if o.reorder_seed.is_none() {
+        return if o.torn {
+            Err(ReplayError::TornWithoutSeed)
+        } else {
+            Ok(())
+        };
+    }
+    let clash = [
+        (o.start_sector != 0, "--start-sector"),
+        (o.end_sector.is_some(), "--end-sector"),
+        (o.fsck.is_some(), "--fsck"),
+        (o.find, "--find"),
+        (o.num_entries, "--num-entries"),
+    ];
+    match clash.iter().find(|(on, _)| *on) {
+        Some((_, name)) => Err(ReplayError::ReorderWith(name)),
+        None => Ok(()),
+    }
+}
+
+/// The crash state `seed` makes of the epoch after where the replay
+/// stopped, onto the target.
+fn replay_state(
+    o: &ReplayOptions,
+    seed: u64,
+    log: &mut LogReader,
+    target: &mut Sink,
+    out: &mut dyn Write,
+) -> Result<(), ReplayError> {
+    let ep = crate::reorder::read_epoch(log)?;
+    let sel = crate::reorder::choose(&ep, seed, o.torn);
+    if o.verbose > 0 {
+        for (i, e) in ep.entries.iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "reorder {}@{}: sector {}, size {}, flags {:#x}({}): {}",
+                e.index,
+                e.block + 1,
+                e.header.sector,
+                e.dev_len,
+                e.header.flags,
+                flags_text(e.header.flags),
+                crate::reorder::describe(&ep, &sel, i)
+            );
+        }
+    }
+    crate::reorder::apply(log, &ep, &sel, target, o.no_discard)?;
+    Ok(())
+}
+
 fn replay_entries(
     o: &ReplayOptions,
     log: &mut LogReader,
@@ -248,7 +314,10 @@ fn replay_entries(
             break;
         }
     }
-    Ok(())
+    match o.reorder_seed {
+        Some(seed) => replay_state(o, seed, log, target, out),
+        None => Ok(()),
+    }
 }
 
 /// An entry's data onto the target, a bounded buffer at a time.
@@ -258,10 +327,22 @@ pub(crate) fn copy_data(
     target: &Sink,
     at: u64,
 ) -> Result<(), ReplayError> {
-    let mut buf = vec![0u8; (e.data_len as usize).min(4 << 20)];
+    copy_data_len(log, e, target, at, e.data_len)
+}
+
+/// The first `len` bytes (at most all) of an entry's data onto the target.
+pub(crate) fn copy_data_len(
+    log: &LogReader,
+    e: &Entry,
+    target: &Sink,
+    at: u64,
+    len: u64,
+) -> Result<(), ReplayError> {
+    let len = len.min(e.data_len);
+    let mut buf = vec![0u8; (len as usize).min(4 << 20)];
     let mut done = 0;
-    while done < e.data_len {
-        let k = (e.data_len - done).min(buf.len() as u64) as usize;
+    while done < len {
+        let k = (len - done).min(buf.len() as u64) as usize;
         log.read_data(e, done, &mut buf[..k])?;
         target.write(at + done, &buf[..k])?;
         done += k as u64;

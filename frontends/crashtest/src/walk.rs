@@ -69,6 +69,8 @@ pub enum WalkError {
     Log(#[from] LogError),
     #[error(transparent)]
     Replay(#[from] ReplayError),
+    #[error(transparent)]
+    Epoch(#[from] crate::reorder::EpochError),
     #[error("the log has no mark '{0}'")]
     NoMark(String),
     #[error("the log has no crash point ({0:?}) after its start")]

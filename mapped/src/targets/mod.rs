@@ -3,6 +3,7 @@
 
 pub mod delay;
 pub(crate) mod dust;
+pub mod era;
 pub(crate) mod error;
 pub(crate) mod file;
 pub(crate) mod flakey;
@@ -17,6 +18,8 @@ pub(crate) mod powercut;
 pub(crate) mod snapshot;
 pub(crate) mod striped;
 pub mod thin;
+pub mod throttle;
+pub mod verity;
 pub(crate) mod zero;
 
 use crate::target::TargetType;
@@ -40,6 +43,11 @@ pub static TYPES: &[TargetType] = &[
     thin::thin_target::TYPE,
     snapshot::TYPE,
     powercut::TYPE,
+    throttle::TYPE,
+    verity::TYPE,
+    snapshot::origin::TYPE,
+    snapshot::merge::TYPE,
+    era::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);

@@ -1,6 +1,7 @@
 //! The kernel half of the kernel parity suite: one guest shell script
 //! that runs every corpus case through Linux 6.12's device-mapper with
-//! `dmsetup` (create, table, status, message as dm-ioctl.c answers them)
+//! `dmsetup` (create, table, status, message as dm-ioctl.c answers them;
+//! `create -r` for verity tables, which dm-verity requires)
 //! and busybox `dd` with O_DIRECT over the legs attached as virtio disks,
 //! and the parser that turns what it printed into a transcript. All cases
 //! share one boot: a TCG boot costs about ten seconds.
@@ -40,12 +41,14 @@ legs() {
   echo
 }
 mkdev() { n=$1; shift; printf '%s\n' "$@" | dmsetup create "$n" 2>/dev/null; }
+mkro() { n=$1; shift; printf '%s\n' "$@" | dmsetup create -r "$n" 2>/dev/null; }
 mapdev() { echo "map $1 $(dmsetup info -c --noheadings -o major,minor "$1")"; }
 klog() {
   dmesg -c > /tmp/klog
   while IFS= read -r l; do
     case $l in
       *'error adding target to table'*|*'unable to determine table type'*|*' loaded'*) ;;
+      *'verity: '*' using '*) ;;
       *device-mapper:*) echo "log: device-mapper:${l#*device-mapper:}"; break ;;
     esac
   done < /tmp/klog
@@ -71,9 +74,23 @@ fn table_words(lines: &[String]) -> String {
         .join(" ")
 }
 
+/// Whether a table must be loaded read-only: dm-verity refuses any
+/// other ("Device must be readonly"), which case `verity-rw` shows.
+fn read_only(id: &str, lines: &[String]) -> bool {
+    id != "verity-rw"
+        && lines
+            .iter()
+            .any(|l| l.split_whitespace().nth(2) == Some("verity"))
+}
+
 fn bad(c: &BadCase, s: &mut String) {
+    let ro = if read_only(&c.id, &c.lines) {
+        " -r"
+    } else {
+        ""
+    };
     s.push_str(&format!(
-        "echo {}\nif e=$(printf '%s\\n' {} | dmsetup create b 2>&1); then echo 'result: accepted'; dmsetup table b | prefix table; dmsetup remove b; else refused \"$e\"; fi\nklog\n",
+        "echo {}\nif e=$(printf '%s\\n' {} | dmsetup create{ro} b 2>&1); then echo 'result: accepted'; dmsetup table b | prefix table; dmsetup remove b; else refused \"$e\"; fi\nklog\n",
         q(&format!("== {}", c.id)),
         table_words(&c.lines)
     ));
@@ -163,8 +180,13 @@ fn good(c: &GoodCase, writes: &mut u64, s: &mut String) {
             q(&subst(table, &dev_path))
         ));
     }
+    let mk = if read_only(&c.id, &c.lines) {
+        "mkro"
+    } else {
+        "mkdev"
+    };
     s.push_str(&format!(
-        "if mkdev t {}; then echo 'create: ok'; snap t\n",
+        "if {mk} t {}; then echo 'create: ok'; snap t\n",
         table_words(&c.lines)
     ));
     let legs = c.legs_used().join(" ");

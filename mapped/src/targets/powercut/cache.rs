@@ -16,11 +16,14 @@
 //!
 //! Accounting: `bytes` counts cached data sectors (what a cut can lose),
 //! `mem` the buffers still referenced by a piece (what `max_dirty`
-//! bounds: a partly overwritten write keeps its whole buffer).
+//! bounds: a partly overwritten write keeps its whole buffer). Freed
+//! buffers of the common sizes go to a bounded [`BufPool`] for the next
+//! writes.
 
 use blkstack_core::SECTOR_SHIFT;
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// What one write carries.
@@ -46,6 +49,72 @@ pub(super) struct Write {
     /// Pieces of the cache that refer to it (changed under the cache's
     /// lock only; atomic because the `Write` is shared with writebacks).
     pieces: AtomicU32,
+    /// Where its buffer goes when the last reference drops.
+    pool: Arc<BufPool>,
+}
+
+impl Drop for Write {
+    fn drop(&mut self) {
+        if let Payload::Data(d) = std::mem::replace(&mut self.payload, Payload::Discard) {
+            self.pool.give(d);
+        }
+    }
+}
+
+/// Buffer sizes kept for reuse: powers of two from 4 KiB to 128 KiB.
+const POOL_SHIFTS: std::ops::RangeInclusive<u32> = 12..=17;
+
+/// Data buffers of freed writes, kept for the next writes of the same
+/// size: every cached write is a copy, and handing freed copies back to
+/// the allocator only for it to fault fresh pages in for the next batch
+/// costs more than the copy. Bounded in bytes.
+pub(super) struct BufPool {
+    classes: Mutex<[Vec<Box<[u8]>>; 6]>,
+    /// Bytes it may keep.
+    cap: u64,
+    held: AtomicU64,
+}
+
+impl BufPool {
+    /// A pool keeping at most `cap` bytes.
+    pub fn new(cap: u64) -> Arc<BufPool> {
+        Arc::new(BufPool {
+            classes: Mutex::new(Default::default()),
+            cap,
+            held: AtomicU64::new(0),
+        })
+    }
+
+    fn class(len: usize) -> Option<usize> {
+        let shift = len.trailing_zeros();
+        (len.is_power_of_two() && POOL_SHIFTS.contains(&shift))
+            .then(|| (shift - POOL_SHIFTS.start()) as usize)
+    }
+
+    /// A copy of `data`, in a kept buffer when one of its size is there.
+    pub fn copy(&self, data: &[u8]) -> Box<[u8]> {
+        if let Some(c) = Self::class(data.len()) {
+            let kept = self.classes.lock()[c].pop();
+            if let Some(mut b) = kept {
+                self.held.fetch_sub(b.len() as u64, Ordering::Relaxed);
+                b.copy_from_slice(data);
+                return b;
+            }
+        }
+        data.into()
+    }
+
+    fn give(&self, b: Box<[u8]>) {
+        let len = b.len() as u64;
+        let Some(c) = Self::class(b.len()) else {
+            return;
+        };
+        if self.held.load(Ordering::Relaxed) + len > self.cap {
+            return;
+        }
+        self.held.fetch_add(len, Ordering::Relaxed);
+        self.classes.lock()[c].push(b);
+    }
 }
 
 impl Write {
@@ -104,9 +173,9 @@ pub(super) enum Coverage {
 }
 
 /// The cache itself; the caller holds it under its state lock.
-#[derive(Default)]
 pub(super) struct Cache {
     map: BTreeMap<u64, Piece>,
+    pool: Arc<BufPool>,
     next_seq: u64,
     /// Data bytes of the pieces (what a cut can lose).
     pub bytes: u64,
@@ -116,7 +185,26 @@ pub(super) struct Cache {
     pub writes: u64,
 }
 
+impl Default for Cache {
+    /// A cache whose freed buffers go back to the allocator.
+    fn default() -> Cache {
+        Cache::new(BufPool::new(0))
+    }
+}
+
 impl Cache {
+    /// An empty cache whose freed buffers go to `pool`.
+    pub fn new(pool: Arc<BufPool>) -> Cache {
+        Cache {
+            map: BTreeMap::new(),
+            pool,
+            next_seq: 0,
+            bytes: 0,
+            mem: 0,
+            writes: 0,
+        }
+    }
+
     /// Pieces in the cache.
     pub fn pieces(&self) -> usize {
         self.map.len()
@@ -143,6 +231,7 @@ impl Cache {
             len,
             payload,
             pieces: AtomicU32::new(0),
+            pool: self.pool.clone(),
         });
         self.punch(start, start + len);
         self.attach(
@@ -466,6 +555,32 @@ mod tests {
         c.take_oldest(1024, 0, &mut out);
         let starts: Vec<u64> = out.iter().map(|e| e.start).collect();
         assert_eq!(starts, vec![100, 0]);
+    }
+
+    #[test]
+    fn freed_buffers_are_reused_within_the_pool_bound() {
+        let pool = BufPool::new(8192);
+        let mut c = Cache::new(pool.clone());
+        c.insert(0, 8, Payload::Data(pool.copy(&[1; 4096])));
+        c.insert(0, 8, Payload::Data(pool.copy(&[2; 4096])));
+        assert_eq!(
+            pool.held.load(Ordering::Relaxed),
+            4096,
+            "the replaced write's buffer"
+        );
+        let b = pool.copy(&[3; 4096]);
+        assert_eq!(pool.held.load(Ordering::Relaxed), 0);
+        assert!(b.iter().all(|&x| x == 3));
+        for _ in 0..4 {
+            pool.give(vec![0; 4096].into());
+        }
+        assert_eq!(pool.held.load(Ordering::Relaxed), 8192, "bounded");
+        pool.give(vec![0; 1000].into());
+        assert_eq!(
+            pool.held.load(Ordering::Relaxed),
+            8192,
+            "only the size classes"
+        );
     }
 
     #[test]

@@ -33,7 +33,7 @@ mod cut;
 mod worker;
 mod writeback;
 
-use self::cache::{Cache, Coverage, Payload, Write};
+use self::cache::{BufPool, Cache, Coverage, Payload, Write};
 use self::cut::CutMode;
 use self::writeback::WritebackError;
 use crate::error::TargetError;
@@ -61,6 +61,10 @@ const DEFAULT_MAX_DIRTY: u64 = 64 << 20;
 
 /// The bounds of `max_dirty`: a sector, and 1 TiB.
 const MAX_DIRTY_RANGE: (u64, u64) = (512, 1 << 40);
+
+/// The most freed buffers a target keeps for reuse, in bytes (and at
+/// most a quarter of `max_dirty`).
+const POOL_MAX: u64 = 16 << 20;
 
 /// How long a cut waits for the device (the writeback in flight, then
 /// the survivors) before it gives up and says so.
@@ -115,6 +119,8 @@ impl State {
 
 struct Shared {
     dev: DevArg,
+    /// Freed write buffers, for the next writes.
+    pool: Arc<BufPool>,
     max_dirty: u64,
     /// Pieces the cache may hold (zero-length ranges cost no bytes but a
     /// map entry): one per sector of `max_dirty`.
@@ -149,14 +155,16 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
     };
     let (max_dirty, features) = parse_features(&args[1..])?;
     let dev = ctx.get_device(dev_arg, 0, ctx.len)?;
+    let pool = BufPool::new((max_dirty / 4).min(POOL_MAX));
     let shared = Arc::new(Shared {
         dev,
+        pool: pool.clone(),
         max_dirty,
         max_pieces: usize::try_from(max_dirty >> SECTOR_SHIFT)
             .unwrap_or(usize::MAX)
             .max(16),
         state: Mutex::new(State {
-            cache: Cache::default(),
+            cache: Cache::new(pool),
             off: false,
             pending_flush: Vec::new(),
             pending_fua: Vec::new(),
@@ -255,9 +263,9 @@ fn cost(bio: &Bio) -> u64 {
 }
 
 /// The copy a cached write keeps of its bio.
-fn payload(bio: &Bio) -> Payload {
+fn payload(pool: &BufPool, bio: &Bio) -> Payload {
     match bio.op {
-        Op::Write => Payload::Data(bio.data().into()),
+        Op::Write => Payload::Data(pool.copy(bio.data())),
         Op::WriteZeroes => Payload::Zeroes {
             nounmap: bio.flags.contains(BioFlags::NOUNMAP),
         },
@@ -312,7 +320,7 @@ impl Shared {
                 return bio.complete(Status::NotSupported);
             }
         }
-        let data = payload(&bio);
+        let data = payload(&self.pool, &bio);
         let mut st = self.state.lock();
         if st.off {
             drop(st);
@@ -360,7 +368,7 @@ impl Shared {
             let Some(b) = st.stalled.pop_front() else {
                 break;
             };
-            let data = payload(&b);
+            let data = payload(&self.pool, &b);
             done.extend(self.admit(st, b, data));
         }
         if !st.pending_fua.is_empty() || !st.stalled.is_empty() {

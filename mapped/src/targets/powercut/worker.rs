@@ -208,7 +208,15 @@ fn finish(sh: &Arc<Shared>, batch: Batch, result: Result<(), WritebackError>) {
     }
     FINISHING.set(was);
     // Whatever came in meanwhile is the worker's to start.
-    sh.work.notify_one();
+    let st = sh.state.lock();
+    let due = !st.off
+        && (!st.pending_flush.is_empty()
+            || !st.pending_fua.is_empty()
+            || eviction_target(sh, &st).is_some());
+    drop(st);
+    if due {
+        sh.work.notify_one();
+    }
 }
 
 /// Wait until no batch is in flight, at most until `deadline`.

@@ -1,9 +1,10 @@
 //! Thin provisioning and snapshots (kernel `drivers/md/dm-thin.c` and
 //! `dm-thin-metadata.c`): the `thin-pool` target (`pool_target.rs`), the
 //! `thin` target (`thin_target.rs`), the running pool they share
-//! (`pool.rs`), and the kernel's on-disk metadata (`format/`, one file per
-//! structure, and `metadata/`, the copy-on-write btrees, space maps and
-//! commits over it).
+//! (`pool.rs`), and the kernel's on-disk metadata: thin's own records
+//! (`format/`) and trees (`metadata/`), built on the copy-on-write
+//! btrees, transaction manager and space maps of
+//! [`crate::persistent_data`], thin's first user.
 //!
 //! The metadata format is hand-written because no crate implements it;
 //! Debian's `thin_check`/`thin_dump` and the kernel's own dm-thin-pool

@@ -1,8 +1,7 @@
 //! Small fixed records of dm-thin's metadata: a thin device's details
-//! (`dm-thin-metadata.c` `struct disk_device_details`), a mapping tree
-//! value (`pack_block_time`: data block << 24 | time), a space map's root
-//! (`dm-space-map-common.h` `struct disk_sm_root`) and a bitmap index
-//! entry (`struct disk_index_entry`).
+//! (`dm-thin-metadata.c` `struct disk_device_details`) and a mapping tree
+//! value (`pack_block_time`: data block << 24 | time). The space maps'
+//! records are persistent-data's (`persistent_data/bitmap.rs`).
 
 use super::{le32, le64, put32, put64};
 
@@ -59,72 +58,6 @@ pub fn unpack_block_time(v: u64) -> (u64, u32) {
     (v >> 24, (v & TIME_MASK) as u32)
 }
 
-/// A space map's root as the superblock holds it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SmRoot {
-    /// Blocks the space map covers.
-    pub nr_blocks: u64,
-    /// Blocks with a reference count above zero.
-    pub nr_allocated: u64,
-    /// The index: a btree (data) or one index block (metadata).
-    pub bitmap_root: u64,
-    /// The btree of reference counts above 2.
-    pub ref_count_root: u64,
-}
-
-impl SmRoot {
-    /// Write the 32-byte on-disk root into the start of `b`.
-    pub fn encode(&self, b: &mut [u8]) {
-        put64(b, 0, self.nr_blocks);
-        put64(b, 8, self.nr_allocated);
-        put64(b, 16, self.bitmap_root);
-        put64(b, 24, self.ref_count_root);
-    }
-
-    /// Read a root from the start of `b`.
-    pub fn decode(b: &[u8]) -> SmRoot {
-        SmRoot {
-            nr_blocks: le64(b, 0),
-            nr_allocated: le64(b, 8),
-            bitmap_root: le64(b, 16),
-            ref_count_root: le64(b, 24),
-        }
-    }
-}
-
-/// Where one bitmap block is, and a summary of it (16 bytes).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct IndexEntry {
-    /// The metadata block holding the bitmap.
-    pub blocknr: u64,
-    /// Free entries in that bitmap block.
-    pub nr_free: u32,
-    /// Index within the bitmap block below which no entry is free: where a
-    /// search for a free block starts.
-    pub none_free_before: u32,
-}
-
-impl IndexEntry {
-    /// Bytes of the entry on disk.
-    pub const SIZE: usize = 16;
-
-    /// Write the on-disk entry into the start of `b`.
-    pub fn encode(&self, b: &mut [u8]) {
-        put64(b, 0, self.blocknr);
-        put32(b, 8, self.nr_free);
-        put32(b, 12, self.none_free_before);
-    }
-
-    /// Read an entry from the start of `b`.
-    pub fn decode(b: &[u8]) -> IndexEntry {
-        IndexEntry {
-            blocknr: le64(b, 0),
-            nr_free: le32(b, 8),
-            none_free_before: le32(b, 12),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,13 +72,5 @@ mod tests {
         };
         assert_eq!(DeviceDetails::decode(&d.encode()), d);
         assert_eq!(unpack_block_time(pack_block_time(12345, 77)), (12345, 77));
-        let mut b = [0u8; 16];
-        let e = IndexEntry {
-            blocknr: 9,
-            nr_free: 10,
-            none_free_before: 11,
-        };
-        e.encode(&mut b);
-        assert_eq!(IndexEntry::decode(&b), e);
     }
 }

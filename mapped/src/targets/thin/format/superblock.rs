@@ -3,10 +3,12 @@
 //! last committed transaction start. Writing it is the commit; everything
 //! it points to was written and flushed before.
 
-use super::checksum::{check_block, seal, SUPERBLOCK_XOR};
-use super::details::SmRoot;
 use super::{le32, le64, put32, put64, FormatError, BLOCK_SIZE};
+use crate::persistent_data::bitmap::SmRoot;
+use crate::persistent_data::checksum::{check_block, seal};
 
+/// `dm-thin-metadata.c` SUPERBLOCK_CSUM_XOR.
+pub const SUPERBLOCK_XOR: u32 = 160774;
 /// `THIN_SUPERBLOCK_MAGIC`.
 pub const MAGIC: u64 = 27022010;
 /// `THIN_VERSION`.

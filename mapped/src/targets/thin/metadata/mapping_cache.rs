@@ -19,11 +19,10 @@
 //! or forgets the device ([`MappingCache::forget`]); an aborted
 //! transaction builds a new `PoolMetadata`, and with it an empty cache.
 
-use super::super::format::node::Node;
-use super::tm::BlockHasher;
+pub use crate::persistent_data::btree::LeafSpan;
+use crate::persistent_data::tm::BlockHasher;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
-use std::sync::Arc;
 
 /// Virtual blocks per page: a page is 4 KiB of entries.
 pub const PAGE: u64 = 512;
@@ -35,30 +34,6 @@ const UNKNOWN: u64 = u64::MAX;
 const UNMAPPED: u64 = u64::MAX - 1;
 
 type Page = Box<[u64; PAGE as usize]>;
-
-/// The leaf a lookup of a key ends in, and the keys `[lo, hi)` whose own
-/// lookup ends there too: the leaf answers for all of them. `leaf` is
-/// `None` when the walk ended above the leaves (every key in the range is
-/// unmapped).
-pub struct LeafSpan {
-    /// The leaf the walk ended in, `None` if it ended above the leaves.
-    pub leaf: Option<Arc<Node>>,
-    /// First key the leaf answers for.
-    pub lo: u64,
-    /// The key after the last the leaf answers for.
-    pub hi: u64,
-}
-
-impl LeafSpan {
-    /// The 8-byte value `key` has in this span's leaf.
-    pub fn value(&self, key: u64) -> Option<u64> {
-        let leaf = self.leaf.as_ref()?;
-        leaf.keys
-            .binary_search(&key)
-            .ok()
-            .map(|i| leaf.value_u64(i))
-    }
-}
 
 /// The cache itself: per thin device, pages of mapping values keyed by
 /// (device, page number); see the module documentation.
@@ -168,6 +143,8 @@ fn storable(v: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::persistent_data::node::Node;
+    use std::sync::Arc;
 
     fn leaf(pairs: &[(u64, u64)]) -> Arc<Node> {
         let mut n = Node::empty_leaf(8);

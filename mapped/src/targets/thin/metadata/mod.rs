@@ -12,21 +12,23 @@
 //! FUA. Until the superblock lands the previous transaction is intact on
 //! disk, because no block it uses was changed or handed out again.
 
-pub mod btree;
 mod commit;
 pub use commit::metadata_blocks_of;
 pub mod mapping_cache;
 mod remove_range;
-pub mod space_map;
-pub mod tm;
+mod values;
 
 use super::format::details::{pack_block_time, unpack_block_time, DeviceDetails};
 use super::format::superblock::Superblock;
 use super::format::FormatError;
+use crate::persistent_data::space_map::{self, SpaceMap};
+use crate::persistent_data::tm::Tm;
+use crate::persistent_data::value_type::{Le64, ValueType};
+use crate::persistent_data::{btree, PdError};
 use blkstack_core::Status;
 use mapping_cache::MappingCache;
 use std::collections::BTreeMap;
-use tm::{Tm, ValueKind};
+use values::{device_trees, BlockTimes, Details};
 
 /// The largest thin device id (`MAX_DEV_ID`, 24 bits).
 pub const MAX_DEV_ID: u64 = (1 << 24) - 1;
@@ -88,6 +90,26 @@ pub enum MetadataError {
     RefCount(#[from] space_map::RefCountError),
 }
 
+impl From<PdError> for MetadataError {
+    fn from(e: PdError) -> MetadataError {
+        match e {
+            PdError::Io {
+                what,
+                block,
+                status,
+            } => MetadataError::Io {
+                what,
+                block,
+                status,
+            },
+            PdError::Format(e) => MetadataError::Format(e),
+            PdError::Corrupt { block, why } => MetadataError::Corrupt { block, why },
+            PdError::NoMetadataSpace => MetadataError::NoMetadataSpace,
+            PdError::RefCount(e) => MetadataError::RefCount(e),
+        }
+    }
+}
+
 impl MetadataError {
     /// [`MetadataError::Corrupt`] for `block`, saying `why`.
     pub fn corrupt(block: u64, why: &str) -> MetadataError {
@@ -117,7 +139,10 @@ pub struct Lookup {
 /// A pool's open metadata: the running transaction over the last
 /// committed one (kernel `struct dm_pool_metadata`).
 pub struct PoolMetadata {
+    /// The transaction manager, with the metadata space map.
     tm: Tm,
+    /// Reference counts of the data device's blocks.
+    data: SpaceMap,
     /// Top of the two-level mapping tree.
     root: u64,
     details_root: u64,
@@ -127,8 +152,6 @@ pub struct PoolMetadata {
     flags: u32,
     data_block_size: u32,
     devices: BTreeMap<u64, DevState>,
-    /// On-disk space map structures of the last commit.
-    sm: commit::SmPlaces,
     /// What the mapping trees said, kept coherent by every change here.
     cache: MappingCache,
     /// Something changed since the last commit.
@@ -165,14 +188,14 @@ impl PoolMetadata {
             return Ok(());
         }
         for (i, &b) in in_flight.iter().enumerate() {
-            if let Err(e) = self.tm.data.dec(b) {
-                in_flight[..i].iter().for_each(|&b| self.tm.data.inc(b));
+            if let Err(e) = self.data.dec(b) {
+                in_flight[..i].iter().for_each(|&b| self.data.inc(b));
                 return Err(e.into());
             }
         }
         let r = commit::commit(self);
         for &b in in_flight {
-            self.tm.data.inc(b);
+            self.data.inc(b);
         }
         r
     }
@@ -185,7 +208,7 @@ impl PoolMetadata {
         let mut sb = Superblock::decode(&self.tm.read_block(loc)?, loc)?;
         sb.flags = self.flags;
         self.tm.write_block(loc, &mut sb.encode(), true)?;
-        self.tm.flush()
+        Ok(self.tm.flush()?)
     }
 
     /// Whether there is anything to commit.
@@ -239,12 +262,12 @@ impl PoolMetadata {
 
     /// (used, total) data blocks, as the pool's status shows them.
     pub fn data_blocks(&self) -> (u64, u64) {
-        (self.tm.data.nr_allocated(), self.tm.data.nr_blocks())
+        (self.data.nr_allocated(), self.data.nr_blocks())
     }
 
     /// Free data blocks.
     pub fn data_free(&self) -> u64 {
-        self.tm.data.nr_free()
+        self.data.nr_free()
     }
 
     /// Whether thin device `dev` exists in the running transaction.
@@ -254,7 +277,7 @@ impl PoolMetadata {
 
     /// The data space map's reference count of a data block.
     pub fn data_ref_count(&self, b: u64) -> u32 {
-        self.tm.data.get(b)
+        self.data.get(b)
     }
 
     fn check_id(dev: u64) -> Result<(), MetadataError> {
@@ -286,13 +309,19 @@ impl PoolMetadata {
         }
         self.dirty = true;
         self.cache.forget(dev);
-        let sub = btree::build(&mut self.tm, &[], 8, ValueKind::Mapping)?;
+        let sub = btree::build(
+            &mut self.tm,
+            &[],
+            &mut BlockTimes {
+                data: &mut self.data,
+            },
+        )?;
         self.root = btree::insert(
             &mut self.tm,
             self.root,
             dev,
-            ValueKind::Subtree,
-            &mut |_, _| Ok(sub.to_le_bytes().to_vec()),
+            &mut device_trees(&mut self.data),
+            &mut |_, _, _| Ok::<_, MetadataError>(sub),
         )?;
         let st = self.new_details();
         self.devices.insert(dev, st);
@@ -315,8 +344,8 @@ impl PoolMetadata {
             &mut self.tm,
             self.root,
             dev,
-            ValueKind::Subtree,
-            &mut |_, _| Ok(origin_root.to_le_bytes().to_vec()),
+            &mut device_trees(&mut self.data),
+            &mut |_, _, _| Ok::<_, MetadataError>(origin_root),
         )?;
         self.time = self.time.wrapping_add(1);
         let time = self.time;
@@ -340,15 +369,10 @@ impl PoolMetadata {
             return Err(MetadataError::NoSuchDevice(dev));
         }
         self.dirty = true;
-        self.details_root = btree::remove(
-            &mut self.tm,
-            self.details_root,
-            dev,
-            DeviceDetails::SIZE,
-            ValueKind::Plain,
-        )?;
+        self.details_root = btree::remove(&mut self.tm, self.details_root, dev, &mut Details)?;
         self.cache.forget(dev);
-        self.root = btree::remove(&mut self.tm, self.root, dev, 8, ValueKind::Subtree)?;
+        let trees = &mut device_trees(&mut self.data);
+        self.root = btree::remove(&mut self.tm, self.root, dev, trees)?;
         self.devices.remove(&dev);
         Ok(())
     }
@@ -367,7 +391,7 @@ impl PoolMetadata {
     }
 
     fn subtree(&mut self, dev: u64) -> Result<u64, MetadataError> {
-        btree::lookup_u64(&mut self.tm, self.root, dev)?.ok_or(MetadataError::NoSuchDevice(dev))
+        btree::lookup::<Le64>(&mut self.tm, self.root, dev)?.ok_or(MetadataError::NoSuchDevice(dev))
     }
 
     /// `dm_thin_find_block`.
@@ -382,9 +406,9 @@ impl PoolMetadata {
             Some(known) => known,
             None => {
                 let sub = self.subtree(dev)?;
-                let span = btree::leaf_span(&mut self.tm, sub, vblock)?;
+                let span = btree::leaf_span::<Le64>(&mut self.tm, sub, vblock)?;
                 self.cache.fill(dev, vblock, &span);
-                span.value(vblock)
+                span.value::<Le64>(vblock)
             }
         };
         Ok(packed.map(|v| {
@@ -398,7 +422,7 @@ impl PoolMetadata {
 
     /// A free data block, referenced once (`dm_pool_alloc_data_block`).
     pub fn alloc_data_block(&mut self) -> Option<u64> {
-        let b = self.tm.data.alloc()?;
+        let b = self.data.alloc()?;
         self.dirty = true;
         Some(b)
     }
@@ -406,15 +430,15 @@ impl PoolMetadata {
     /// Give back a block from [`Self::alloc_data_block`] that was never
     /// mapped (a write that failed).
     pub fn free_data_block(&mut self, b: u64) -> Result<(), MetadataError> {
-        self.tm.data.dec(b)?;
+        self.data.dec(b)?;
         Ok(())
     }
 
     /// Whether [`Self::insert_block`] of `vblock` would read nothing from
     /// the metadata device: every node on both trees' paths is in memory.
     pub fn insert_is_cached(&self, dev: u64, vblock: u64) -> bool {
-        match btree::insert_path_cached(&self.tm, self.root, dev) {
-            Some(Some(sub)) => btree::insert_path_cached(&self.tm, sub, vblock).is_some(),
+        match btree::insert_path_cached::<Le64>(&self.tm, self.root, dev) {
+            Some(Some(sub)) => btree::insert_path_cached::<Le64>(&self.tm, sub, vblock).is_some(),
             _ => false,
         }
     }
@@ -432,24 +456,24 @@ impl PoolMetadata {
         }
         self.dirty = true;
         let packed = pack_block_time(data_block, self.time);
-        let value = packed.to_le_bytes().to_vec();
         let mut inserted = false;
         let root = self.root;
         let r = btree::insert(
             &mut self.tm,
             root,
             dev,
-            ValueKind::Subtree,
-            &mut |tm, old| {
-                let sub = tm::u64_of(old.ok_or(MetadataError::NoSuchDevice(dev))?);
-                let sub = btree::insert(tm, sub, vblock, ValueKind::Mapping, &mut |tm, old| {
+            &mut device_trees(&mut self.data),
+            &mut |tm, trees, old| {
+                let sub = old.ok_or(MetadataError::NoSuchDevice(dev))?;
+                btree::insert(tm, sub, vblock, &mut trees.0, &mut |tm, blocks, old| {
+                    // The old block loses its reference even when it is
+                    // the new one too: the caller's reference replaces it.
                     match old {
-                        Some(o) => tm.dec_value(ValueKind::Mapping, o)?,
+                        Some(o) => blocks.dec(tm, &o)?,
                         None => inserted = true,
                     }
-                    Ok(value.clone())
-                })?;
-                Ok(sub.to_le_bytes().to_vec())
+                    Ok::<_, MetadataError>(packed)
+                })
             },
         );
         self.root = match r {
@@ -478,19 +502,19 @@ impl PoolMetadata {
     /// none (a thin target's status).
     pub fn highest_mapped(&mut self, dev: u64) -> Result<Option<u64>, MetadataError> {
         let sub = self.subtree(dev)?;
-        btree::highest_key(&mut self.tm, sub)
+        Ok(btree::highest_key(&mut self.tm, sub)?)
     }
 
     /// Grow the data space map (a pool reloaded over a larger device).
     pub fn resize_data(&mut self, nr_blocks: u64) -> Result<(), MetadataError> {
-        let have = self.tm.data.nr_blocks();
+        let have = self.data.nr_blocks();
         if nr_blocks < have {
             return Err(MetadataError::Refused(format!(
                 "pool target ({nr_blocks} blocks) too small: expected {have}"
             )));
         }
         if nr_blocks > have {
-            self.tm.data.extend(nr_blocks);
+            self.data.extend(nr_blocks);
             self.dirty = true;
         }
         Ok(())
@@ -501,7 +525,7 @@ impl PoolMetadata {
     /// returns whether it grew. A smaller device is refused.
     pub fn resize_metadata(&mut self) -> Result<bool, MetadataError> {
         let have = self.tm.meta.nr_blocks();
-        let now = commit::metadata_blocks_of(self.tm.dev.dev.size());
+        let now = commit::metadata_blocks_of(self.tm.bm.size_bytes());
         if now < have {
             return Err(MetadataError::Refused(format!(
                 "metadata device ({now} blocks) too small: expected {have}"
@@ -539,7 +563,7 @@ impl PoolMetadata {
             data_block_size: self.data_block_size,
             metadata_nr_blocks: self.tm.meta.nr_blocks(),
         };
-        self.tm.raw_dirty.insert(copy, sb.encode());
+        self.tm.queue_raw(copy, sb.encode());
         self.tm.meta.inc(self.root);
         self.tm.meta.inc(self.details_root);
         self.held_root = copy;
@@ -556,13 +580,14 @@ impl PoolMetadata {
                     .into(),
             ));
         }
-        let sb = match self.tm.raw_dirty.get(&held) {
+        let sb = match self.tm.queued_raw(held) {
             Some(raw) => Superblock::decode(raw, held)?,
             None => Superblock::decode(&self.tm.read_block(held)?, held)?,
         };
-        self.tm.raw_dirty.remove(&held);
-        self.tm.del(sb.data_mapping_root, ValueKind::Subtree)?;
-        self.tm.del(sb.device_details_root, ValueKind::Plain)?;
+        self.tm.unqueue_raw(held);
+        let trees = &mut device_trees(&mut self.data);
+        btree::del(&mut self.tm, sb.data_mapping_root, trees)?;
+        btree::del(&mut self.tm, sb.device_details_root, &mut Details)?;
         self.tm.meta.dec(held)?;
         self.held_root = 0;
         self.dirty = true;

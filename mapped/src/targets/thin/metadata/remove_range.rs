@@ -12,9 +12,10 @@
 //! `BIO_PRISON_MAX_RANGE`), so a large one costs a walk per 1024 blocks.
 
 use super::super::format::details::unpack_block_time;
-use super::btree;
-use super::tm::{self, Tm, ValueKind};
+use super::values::{device_trees, BlockTimes};
 use super::{MetadataError, PoolMetadata};
+use crate::persistent_data::btree;
+use crate::persistent_data::value_type::{Le64, ValueType};
 
 impl PoolMetadata {
     /// Unmap `begin..end` of `dev`; returns the data blocks the removed
@@ -30,10 +31,10 @@ impl PoolMetadata {
             return Err(MetadataError::NoSuchDevice(dev));
         }
         let sub = self.subtree(dev)?;
-        if first_key_from(&mut self.tm, sub, begin, 0)?.is_none_or(|k| k >= end) {
+        if btree::first_key_from(&mut self.tm, sub, begin)?.is_none_or(|k| k >= end) {
             return Ok(Vec::new());
         }
-        let entries = btree::walk(&mut self.tm, sub, 8)?;
+        let entries = btree::walk::<Le64>(&mut self.tm, sub)?;
         let (gone, kept): (Vec<_>, Vec<_>) = entries
             .into_iter()
             .partition(|(k, _)| (begin..end).contains(k));
@@ -43,65 +44,37 @@ impl PoolMetadata {
         self.dirty = true;
         // Whatever happens below, the cache must not keep what was here.
         self.cache.forget_range(dev, begin, end);
-        let new_sub = btree::build(&mut self.tm, &kept, 8, ValueKind::Mapping)?;
+        let new_sub = btree::build(
+            &mut self.tm,
+            &kept,
+            &mut BlockTimes {
+                data: &mut self.data,
+            },
+        )?;
         let root = self.root;
         self.root = btree::insert(
             &mut self.tm,
             root,
             dev,
-            ValueKind::Subtree,
-            &mut |tm, old| {
+            &mut device_trees(&mut self.data),
+            &mut |tm, trees, old| {
                 // The old tree goes (with the last reference to it, its
                 // nodes and their blocks' references).
-                tm.dec_value(
-                    ValueKind::Subtree,
-                    old.ok_or(MetadataError::NoSuchDevice(dev))?,
-                )?;
-                Ok(new_sub.to_le_bytes().to_vec())
+                trees.dec(tm, &old.ok_or(MetadataError::NoSuchDevice(dev))?)?;
+                Ok::<_, MetadataError>(new_sub)
             },
         )?;
         if let Some(st) = self.devices.get_mut(&dev) {
             st.details.mapped_blocks = st.details.mapped_blocks.saturating_sub(gone.len() as u64);
             st.changed = true;
         }
-        Ok(gone
-            .iter()
-            .map(|(_, v)| unpack_block_time(tm::u64_of(v)).0)
-            .collect())
+        Ok(gone.iter().map(|&(_, v)| unpack_block_time(v).0).collect())
     }
 
     /// Take a reference to data block `b` (which a discard unmapped), so
     /// it is not handed out again while I/O to it may be in flight.
     pub fn hold_data_block(&mut self, b: u64) {
-        self.tm.data.inc(b);
+        self.data.inc(b);
         self.dirty = true;
     }
-}
-
-/// The first key at or after `key` in the tree at `b`.
-fn first_key_from(
-    tm: &mut Tm,
-    b: u64,
-    key: u64,
-    depth: usize,
-) -> Result<Option<u64>, MetadataError> {
-    if depth > 64 {
-        return Err(MetadataError::corrupt(
-            b,
-            "btree deeper than 64 levels (a cycle?)",
-        ));
-    }
-    let n = tm.node(b)?;
-    if n.leaf {
-        let i = n.keys.partition_point(|&k| k < key);
-        return Ok(n.keys.get(i).copied());
-    }
-    // The child holding `key`, else (all its keys below) the next one's
-    // first, found at once.
-    for i in n.lower_bound(key).unwrap_or(0)..n.len() {
-        if let Some(k) = first_key_from(tm, n.value_u64(i), key, depth + 1)? {
-            return Ok(Some(k));
-        }
-    }
-    Ok(None)
 }

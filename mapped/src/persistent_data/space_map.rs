@@ -1,16 +1,27 @@
-//! A space map's reference counts, held in memory while the pool runs
-//! and written as the kernel's on-disk space map at each commit
-//! (`persistent-data/dm-space-map-disk.c` for data blocks,
-//! `dm-space-map-metadata.c` for metadata blocks; layout in
-//! `format/bitmap.rs`).
+//! A space map's reference counts, held in memory while the metadata is
+//! open and written as the kernel's on-disk space map at each commit
+//! (`persistent-data/dm-space-map-disk.c` for data blocks, `sm_disk.rs`;
+//! `dm-space-map-metadata.c` for metadata blocks, `sm_metadata.rs`;
+//! layout in `bitmap.rs`).
 //!
 //! As in the kernel, a block freed in the running transaction is not
 //! handed out again before the commit (`sm_ll_find_common_free_block`
 //! looks for blocks free in both the committed and the current counts):
 //! the last committed metadata may still point at it, and a crash must
 //! find it as it was.
+//!
+//! Where this differs from the kernel: every count is a `u32` in memory
+//! (4 bytes per block of the device, read whole at open), and a commit
+//! writes each changed bitmap to a new block and rebuilds the index and
+//! reference count trees whole. The kernel keeps only its bitmaps on
+//! disk, read and shadowed through the transaction manager's block
+//! cache as counts change (`sm_ll_mutate`), its index and reference
+//! count trees changed in place; and it hands out blocks in another
+//! order (from block 0 again after each commit, `smm->begin = 0`, among
+//! blocks free in the committed counts). So block numbers differ from
+//! the kernel's for the same steps, though both are valid metadata.
 
-use super::super::format::bitmap::ENTRIES_PER_BITMAP;
+use super::bitmap::ENTRIES_PER_BITMAP;
 use std::collections::HashSet;
 
 /// A reference count change the space map refuses.
@@ -33,6 +44,11 @@ pub struct SpaceMap {
     pub(super) bitmap_blocks: Vec<u64>,
     /// Per bitmap block: placed at a block allocated in this commit.
     pub(super) fresh: Vec<bool>,
+    /// The last commit's index: a btree's root (disk space map) or the
+    /// index block (metadata space map); 0 before the first commit.
+    pub(super) index_root: u64,
+    /// The last commit's reference count tree, 0 before the first.
+    pub(super) rc_root: u64,
     allocated: u64,
     cursor: u64,
 }
@@ -52,6 +68,8 @@ impl SpaceMap {
             dirty: vec![true; n],
             bitmap_blocks: vec![0; n],
             fresh: vec![false; n],
+            index_root: 0,
+            rc_root: 0,
             allocated: 0,
             cursor: 0,
         }
@@ -67,6 +85,8 @@ impl SpaceMap {
             dirty: vec![false; n],
             bitmap_blocks,
             fresh: vec![false; n],
+            index_root: 0,
+            rc_root: 0,
             allocated,
             cursor: 0,
         }
@@ -101,10 +121,7 @@ impl SpaceMap {
 
     fn set(&mut self, b: u64, c: u32) {
         let Some(slot) = self.counts.get_mut(b as usize) else {
-            tracing::error!(
-                block = b,
-                "thin: reference count of a block beyond the space map"
-            );
+            tracing::error!(block = b, "reference count of a block beyond the space map");
             return;
         };
         let old = *slot;
@@ -132,10 +149,7 @@ impl SpaceMap {
     pub fn dec(&mut self, b: u64) -> Result<u32, RefCountError> {
         let c = self.get(b);
         if c == 0 {
-            tracing::error!(
-                block = b,
-                "thin: space map common: unable to decrement block"
-            );
+            tracing::error!(block = b, "space map common: unable to decrement block");
             return Err(RefCountError::BelowZero(b));
         }
         self.set(b, c - 1);

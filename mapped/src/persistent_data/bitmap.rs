@@ -1,12 +1,14 @@
-//! Space map bitmap blocks and the metadata space map's index block
-//! (`persistent-data/dm-space-map-common.c`): two bits per block (0, 1,
-//! 2, or 3 meaning "see the reference count tree"), in 64-bit
-//! little-endian words, the high bit of each pair first
-//! (`sm_lookup_bitmap`).
+//! The space maps' on-disk records (`persistent-data/dm-space-map-common.h`
+//! and `.c`): bitmap blocks, two bits per block (0, 1, 2, or 3 meaning
+//! "see the reference count tree"), in 64-bit little-endian words, the
+//! high bit of each pair first (`sm_lookup_bitmap`); the index entries
+//! that say where each bitmap is (`struct disk_index_entry`), in a btree
+//! for a disk space map or in one index block for the metadata space
+//! map (`struct disk_metadata_index`); and a space map's root as a
+//! superblock holds it (`struct disk_sm_root`).
 
 use super::checksum::{check_block, seal, BITMAP_XOR, INDEX_XOR};
-use super::details::IndexEntry;
-use super::{le64, put64, FormatError, BLOCK_SIZE};
+use super::{le32, le64, put32, put64, FormatError, BLOCK_SIZE};
 
 const HEADER: usize = 16;
 
@@ -79,6 +81,72 @@ pub fn decode_index(b: &[u8], at: u64, n: usize) -> Result<Vec<IndexEntry>, Form
         .collect())
 }
 
+/// A space map's root as the superblock holds it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SmRoot {
+    /// Blocks the space map covers.
+    pub nr_blocks: u64,
+    /// Blocks with a reference count above zero.
+    pub nr_allocated: u64,
+    /// The index: a btree (data) or one index block (metadata).
+    pub bitmap_root: u64,
+    /// The btree of reference counts above 2.
+    pub ref_count_root: u64,
+}
+
+impl SmRoot {
+    /// Write the 32-byte on-disk root into the start of `b`.
+    pub fn encode(&self, b: &mut [u8]) {
+        put64(b, 0, self.nr_blocks);
+        put64(b, 8, self.nr_allocated);
+        put64(b, 16, self.bitmap_root);
+        put64(b, 24, self.ref_count_root);
+    }
+
+    /// Read a root from the start of `b`.
+    pub fn decode(b: &[u8]) -> SmRoot {
+        SmRoot {
+            nr_blocks: le64(b, 0),
+            nr_allocated: le64(b, 8),
+            bitmap_root: le64(b, 16),
+            ref_count_root: le64(b, 24),
+        }
+    }
+}
+
+/// Where one bitmap block is, and a summary of it (16 bytes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexEntry {
+    /// The metadata block holding the bitmap.
+    pub blocknr: u64,
+    /// Free entries in that bitmap block.
+    pub nr_free: u32,
+    /// Index within the bitmap block below which no entry is free: where a
+    /// search for a free block starts.
+    pub none_free_before: u32,
+}
+
+impl IndexEntry {
+    /// Bytes of the entry on disk.
+    pub const SIZE: usize = 16;
+
+    /// Write the on-disk entry into the start of `b`.
+    pub fn encode(&self, b: &mut [u8]) {
+        put64(b, 0, self.blocknr);
+        put32(b, 8, self.nr_free);
+        put32(b, 12, self.none_free_before);
+    }
+
+    /// Read an entry from the start of `b`.
+    pub fn decode(b: &[u8]) -> IndexEntry {
+        IndexEntry {
+            blocknr: le64(b, 0),
+            nr_free: le32(b, 8),
+            none_free_before: le32(b, 12),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,5 +165,17 @@ mod tests {
         assert_eq!(le64(&b, HEADER), 2);
         let b = encode(&[2], 0);
         assert_eq!(le64(&b, HEADER), 1);
+    }
+
+    #[test]
+    fn index_entries_round_trip() {
+        let mut b = [0u8; 16];
+        let e = IndexEntry {
+            blocknr: 9,
+            nr_free: 10,
+            none_free_before: 11,
+        };
+        e.encode(&mut b);
+        assert_eq!(IndexEntry::decode(&b), e);
     }
 }

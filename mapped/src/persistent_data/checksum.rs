@@ -1,12 +1,10 @@
 //! Block checksums as persistent-data computes them
 //! (`dm-block-manager.c` `dm_bm_checksum`): the kernel's `crc32c(~0, ..)`
 //! (no final inversion) over the block after its checksum field, xored
-//! with a salt per structure.
+//! with a salt per structure (a target's superblock brings its own).
 
 use super::{le32, put32, FormatError, BLOCK_SIZE};
 
-/// `dm-thin-metadata.c` SUPERBLOCK_CSUM_XOR.
-pub const SUPERBLOCK_XOR: u32 = 160774;
 /// `dm-btree-spine.c` BTREE_CSUM_XOR.
 pub const BTREE_XOR: u32 = 121107;
 /// `dm-space-map-common.c` BITMAP_CSUM_XOR.
