@@ -10,11 +10,12 @@ SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip
 # tests' network namespaces, and thin_check/thin_dump that judge the
 # thin-pool's metadata), if any is missing; then the kernel VM's parts
 # (scripts/kernel-vm.sh): qemu-system-x86 and what the guest's initramfs
-# carries. On Debian 12 the machine's qemu-utils comes from
-# bookworm-backports, and Debian 12's own qemu-system-x86 breaks it, so
-# qemu-system-x86 comes from the same backports suite.
-VM_TOOLS := qemu-system-x86_64 busybox dmsetup mkfs.ext4 mkfs.xfs nbd-client depmod cpio xz socat
-VM_PACKAGES := busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio xz-utils socat
+# carries (sqlite3 for the powercut tests' guests). On Debian 12 the
+# machine's qemu-utils comes from bookworm-backports, and Debian 12's own
+# qemu-system-x86 breaks it, so qemu-system-x86 comes from the same
+# backports suite.
+VM_TOOLS := qemu-system-x86_64 busybox dmsetup mkfs.ext4 mkfs.xfs nbd-client depmod cpio xz socat sqlite3
+VM_PACKAGES := busybox-static dmsetup e2fsprogs xfsprogs nbd-client kmod cpio xz-utils socat sqlite3
 deps:
 	@SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; export DEBIAN_FRONTEND=noninteractive; \
 	missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
@@ -58,9 +59,12 @@ loom:
 # The long crash-consistency runs in the kernel VM: ext4 and xfs, each
 # checked with fsck at 100 or more FLUSH/FUA points (about 5 and 12
 # minutes on 2 vCPUs under TCG), the same with reorder and torn states
-# after each flush point, and the block workloads at length.
+# after each flush point, ext4, xfs and SQLite on the `powercut` target
+# cut POWERCUT_CUTS times per mode (default 20), and the block workloads
+# at length.
 crashtest:
 	cargo test -p blkstack --test kernel_crashtest -- --ignored --nocapture --test-threads 1
+	cargo test -p blkstack --test kernel_powercut -- --ignored --nocapture --test-threads 1
 	cargo run -p blkstack -- crashtest --workload verify --ops 1000
 	cargo run -p blkstack -- crashtest --workload journal --ops 400
 	cargo run -p blkstack -- crashtest --workload verify --ops 100 --reorder 8 --torn

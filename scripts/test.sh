@@ -73,7 +73,7 @@ run_binary() {
 # them from the other end. A test is claimed with an atomic mkdir, so
 # each runs once whichever lane reaches it first.
 vm_queue() {
-  local order="kernel_crashtest kernel_ublk kernel_fs kernel_parity kernel_thin kernel_mpath
+  local order="kernel_crashtest kernel_powercut kernel_ublk kernel_fs kernel_parity kernel_thin kernel_mpath
     kernel_vhost_user_blk kernel_nbd kernel_log_writes"
   local n
   for n in $order $(awk '$1 ~ /^kernel_/ {print $1}' "$logs/binaries"); do
