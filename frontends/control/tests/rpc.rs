@@ -328,7 +328,14 @@ fn closing_error(s: UnixStream) -> Value {
     r.read_line(&mut line).expect("error line");
     let v: Value = serde_json::from_str(&line).expect("json");
     line.clear();
-    assert_eq!(r.read_line(&mut line).expect("eof"), 0, "not closed");
+    // Closed: EOF, or ECONNRESET when the client was still sending (a
+    // Unix socket closed with unread input resets its peer; the error
+    // line queued before it is still read first, as above).
+    match r.read_line(&mut line) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("not closed: {other:?} {line:?}"),
+    }
     v
 }
 
