@@ -362,23 +362,35 @@ fn chunk_size(arg: &str, origin: &DevArg, cow: &DevArg) -> Result<u64, TargetErr
     if c == 0 {
         return Ok(0);
     }
-    check_chunk(c as u64, origin, cow).map_err(|why| store(&why))?;
+    check_chunk(c as u64, origin, cow).map_err(|why| store(&why.to_string()))?;
     Ok(c as u64)
 }
 
+/// Why `dm_exception_store_set_chunk_size` refuses a chunk size, in its
+/// words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub(super) enum ChunkSizeError {
+    #[error("Chunk size is not a power of 2")]
+    NotPowerOfTwo,
+    #[error("Chunk size is not a multiple of device blocksize")]
+    NotBlockMultiple,
+    #[error("Chunk size is too high")]
+    TooHigh,
+}
+
 /// `dm_exception_store_set_chunk_size`'s checks of a chunk size.
-fn check_chunk(c: u64, origin: &DevArg, cow: &DevArg) -> Result<(), String> {
+fn check_chunk(c: u64, origin: &DevArg, cow: &DevArg) -> Result<(), ChunkSizeError> {
     if !c.is_power_of_two() {
-        return Err("Chunk size is not a power of 2".into());
+        return Err(ChunkSizeError::NotPowerOfTwo);
     }
     for d in [cow, origin] {
         let lbs = (d.dev.logical_block_size() as u64 / SECTOR_SIZE).max(1);
         if !c.is_multiple_of(lbs) {
-            return Err("Chunk size is not a multiple of device blocksize".into());
+            return Err(ChunkSizeError::NotBlockMultiple);
         }
     }
     if c > (i32::MAX as u64) >> 9 {
-        return Err("Chunk size is too high".into());
+        return Err(ChunkSizeError::TooHigh);
     }
     Ok(())
 }

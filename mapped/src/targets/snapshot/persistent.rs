@@ -48,7 +48,10 @@ pub(super) enum OpenError {
     Version(u32),
     /// The header's chunk size is not one the table could have given.
     #[error("invalid on-disk chunk size {size}: {why}")]
-    ChunkSize { size: u32, why: String },
+    ChunkSize {
+        size: u32,
+        why: super::ChunkSizeError,
+    },
     /// Reading or writing the COW device failed (-EIO).
     #[error("{what} failed on the COW device ({status:?})")]
     Io { what: &'static str, status: Status },
@@ -108,7 +111,7 @@ impl Persistent {
         cow: DeviceRef,
         table_chunk: u64,
         overflow: bool,
-        check_chunk: &dyn Fn(u64) -> Result<(), String>,
+        check_chunk: &dyn Fn(u64) -> Result<(), super::ChunkSizeError>,
     ) -> Result<Opened, OpenError> {
         let lbs = (cow.logical_block_size() as u64 / SECTOR_SIZE).max(1);
         let mut chunk = if table_chunk == 0 {
