@@ -11,6 +11,7 @@
 //! images), and tables longer than [`MAX_SECTORS`] are only parsed, so no
 //! input makes the fuzzer allocate much or touch the filesystem.
 
+use crate::persistent_data::PdError;
 use crate::registry::Registry;
 use crate::table_text::{parse_line, parse_stack, parse_table, TableLine};
 use blkstack_core::Device;
@@ -162,10 +163,10 @@ pub fn thin_metadata(input: &[u8]) -> Result<(), ThinFuzzError> {
         let result = md.and_then(exercise_thin_metadata);
         reg.remove_all();
         let repair = match &result {
-            Err(MetadataError::Format(FormatError::Checksum { block, want, .. })) => {
-                Some((*block, 0, u64::from(*want), 4))
-            }
-            Err(MetadataError::Format(FormatError::Location { block, .. })) => {
+            Err(MetadataError::Pd(PdError::Format(FormatError::Checksum {
+                block, want, ..
+            }))) => Some((*block, 0, u64::from(*want), 4)),
+            Err(MetadataError::Pd(PdError::Format(FormatError::Location { block, .. }))) => {
                 Some((*block, 8, *block, 8))
             }
             _ => None,

@@ -25,7 +25,6 @@ use crate::persistent_data::space_map::{self, SpaceMap};
 use crate::persistent_data::tm::Tm;
 use crate::persistent_data::value_type::{Le64, ValueType};
 use crate::persistent_data::{btree, PdError};
-use blkstack_core::Status;
 use mapping_cache::MappingCache;
 use std::collections::BTreeMap;
 use values::{device_trees, BlockTimes, Details};
@@ -46,32 +45,11 @@ pub fn read_dev_id(s: &str) -> Option<u64> {
 /// `metadata_operation_failed`).
 #[derive(Debug, thiserror::Error)]
 pub enum MetadataError {
-    /// Reading, writing or flushing the metadata device failed.
-    #[error("metadata {what} of block {block} failed: {status:?}")]
-    Io {
-        /// The operation (`read`, `write`, `flush`).
-        what: &'static str,
-        /// The metadata block it was for.
-        block: u64,
-        /// How the device completed it.
-        status: Status,
-    },
-    /// A block read does not decode as the structure expected.
+    /// The persistent-data layer failed: I/O, a block that does not
+    /// decode, corrupt contents, no metadata space, or a reference count
+    /// going below zero.
     #[error(transparent)]
-    Format(#[from] FormatError),
-    /// A block decodes but its contents contradict the rest of the
-    /// metadata (a tree's shape, a count).
-    #[error("metadata block {block} is corrupt: {why}")]
-    Corrupt {
-        /// The metadata block.
-        block: u64,
-        /// What is wrong with it.
-        why: String,
-    },
-    /// No free metadata block for the change (kernel `-ENOSPC` from the
-    /// metadata space map).
-    #[error("out of metadata space")]
-    NoMetadataSpace,
+    Pd(#[from] PdError),
     /// `create_thin`/`create_snap` named an id in use (kernel `-EEXIST`).
     #[error("thin device {0} already exists")]
     Exists(u64),
@@ -85,38 +63,27 @@ pub enum MetadataError {
     /// Refused because something holds it (the kernel's -EBUSY).
     #[error("{0}")]
     Busy(String),
-    /// A reference count would go below zero: the metadata is corrupt.
-    #[error(transparent)]
-    RefCount(#[from] space_map::RefCountError),
 }
 
-impl From<PdError> for MetadataError {
-    fn from(e: PdError) -> MetadataError {
-        match e {
-            PdError::Io {
-                what,
-                block,
-                status,
-            } => MetadataError::Io {
-                what,
-                block,
-                status,
-            },
-            PdError::Format(e) => MetadataError::Format(e),
-            PdError::Corrupt { block, why } => MetadataError::Corrupt { block, why },
-            PdError::NoMetadataSpace => MetadataError::NoMetadataSpace,
-            PdError::RefCount(e) => MetadataError::RefCount(e),
-        }
+impl From<FormatError> for MetadataError {
+    fn from(e: FormatError) -> MetadataError {
+        MetadataError::Pd(PdError::Format(e))
+    }
+}
+
+impl From<space_map::RefCountError> for MetadataError {
+    fn from(e: space_map::RefCountError) -> MetadataError {
+        MetadataError::Pd(PdError::RefCount(e))
     }
 }
 
 impl MetadataError {
-    /// [`MetadataError::Corrupt`] for `block`, saying `why`.
+    /// [`PdError::Corrupt`] for `block`, saying `why`.
     pub fn corrupt(block: u64, why: &str) -> MetadataError {
-        MetadataError::Corrupt {
+        MetadataError::Pd(PdError::Corrupt {
             block,
             why: why.to_string(),
-        }
+        })
     }
 }
 
@@ -549,7 +516,11 @@ impl PoolMetadata {
         }
         self.dirty = true;
         self.commit()?;
-        let copy = self.tm.meta.alloc().ok_or(MetadataError::NoMetadataSpace)?;
+        let copy = self
+            .tm
+            .meta
+            .alloc()
+            .ok_or(MetadataError::Pd(PdError::NoMetadataSpace))?;
         let sb = Superblock {
             flags: self.flags,
             blocknr: copy,
