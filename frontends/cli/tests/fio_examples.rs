@@ -1,7 +1,8 @@
 //! fio's own example job files run unmodified through `blkstack bench`:
 //! the block-device subset of fio's `examples/` (test data, with fio's
 //! licence beside them), each against a stack of sparse memory devices
-//! named after the files' `filename`s, for about a second. docs/FIO.md
+//! named after the files' `filename`s, for a fifth of a second per job
+//! (enough to show each job starts, runs and reports). docs/FIO.md
 //! says which run and which are refused (naming the option); this test
 //! checks every row of that table against what the binary does, and that
 //! at least 90 % run.
@@ -103,11 +104,11 @@ fn fio_example_job_files_run_or_are_refused_as_documented() {
             .arg(&path);
         if file == "surface-scan.fio" {
             // Its read phase verifies what the write phase wrote: both
-            // cover 4 MiB instead of a second of a whole device.
+            // cover 4 MiB instead of a time slice of a whole device.
             cmd.arg("--size=4m");
         } else {
             cmd.args([
-                "--runtime=1",
+                "--runtime=200ms",
                 "--time_based",
                 "--startdelay=0",
                 "--ramp_time=0",

@@ -15,7 +15,6 @@ use std::io::Read;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 const STACK: &str = "mem,,,rw,0 2048 memory";
@@ -50,22 +49,20 @@ const HDR: u64 = 0x1000;
 const STATUS: u64 = 0x1100;
 const DATA: u64 = 0xE000;
 
-static SEQ: AtomicU64 = AtomicU64::new(0);
-
-fn serve() -> (Serve, PathBuf) {
-    let dir = std::env::temp_dir().join(format!(
-        "blkstack-vu-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    ));
-    std::fs::create_dir_all(&dir).expect("socket dir");
-    let sock = dir.join("vhost.sock");
+/// The serve under test and its socket, in a directory removed when the
+/// test ends.
+fn serve() -> (Serve, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::Builder::new()
+        .prefix("blkstack-vu-")
+        .tempdir()
+        .expect("socket dir");
+    let sock = dir.path().join("vhost.sock");
     let arg = format!("{}:mem", sock.display());
     let srv = Serve::options()
         .args(&["--concise", STACK, "--export", "mem"])
         .args(&["--vhost-user-blk", &arg])
         .start();
-    (srv, sock)
+    (srv, sock, dir)
 }
 
 /// serve is alive and its other frontends answer.
@@ -256,7 +253,7 @@ fn kick(fd: &OwnedFd) {
 /// A region declared `size` bytes over a 64 KiB memfd, then a request
 /// whose data lies past the file's end.
 fn oversized_region(size: u64) {
-    let (mut srv, sock) = serve();
+    let (mut srv, sock, _dir) = serve();
     let mem = memfd();
     let (k, c) = (eventfd(), eventfd());
     let mut vu = Vu::connect(&sock);
@@ -287,7 +284,7 @@ fn a_region_of_2_pow_46_bytes_is_refused() {
 
 #[test]
 fn a_memfd_shrunk_under_a_live_queue_fails_that_connection_only() {
-    let (mut srv, sock) = serve();
+    let (mut srv, sock, _dir) = serve();
     let mem = memfd();
     let (k, c) = (eventfd(), eventfd());
     let mut vu = Vu::connect(&sock);
@@ -312,7 +309,7 @@ fn a_memfd_shrunk_under_a_live_queue_fails_that_connection_only() {
 
 #[test]
 fn a_silent_connection_is_dropped_and_blocks_no_other_vmm() {
-    let (mut srv, sock) = serve();
+    let (mut srv, sock, _dir) = serve();
     let mut silent = Vu::connect(&sock);
     std::thread::sleep(Duration::from_millis(200));
     // Another VMM sets up at once, while the silent one still holds on.
@@ -334,7 +331,7 @@ fn a_silent_connection_is_dropped_and_blocks_no_other_vmm() {
 
 #[test]
 fn connections_beyond_the_cap_are_closed_at_once() {
-    let (mut srv, sock) = serve();
+    let (mut srv, sock, _dir) = serve();
     let mut held = Vec::new();
     for _ in 0..4 {
         let mut v = Vu::connect(&sock);
@@ -374,7 +371,7 @@ fn connections_beyond_the_cap_are_closed_at_once() {
 /// out and its acceptors hung.
 #[test]
 fn reconnecting_vmms_leave_no_descriptors_behind() {
-    let (srv, sock) = serve();
+    let (srv, sock, _dir) = serve();
     let fds = || {
         std::fs::read_dir(format!("/proc/{}/fd", srv.pid()))
             .expect("serve's fds")

@@ -42,10 +42,14 @@ impl Fs {
             Fs::Xfs => "xfs",
         }
     }
+    /// mkfs.xfs refuses a filesystem under 300 MB and a log under 64 MB
+    /// unless it runs under fstests (all three of its variables set), as
+    /// xfstests' crash tests do: a small device and log keep every
+    /// replayed point cheap, and the kernel mounts them.
     fn mkfs(self) -> &'static str {
         match self {
             Fs::Ext4 => "mkfs.ext4 -q -F",
-            Fs::Xfs => "mkfs.xfs -q -f",
+            Fs::Xfs => "TEST_DIR=/tmp TEST_DEV=/dev/nbd0 QA_CHECK_FS=1 mkfs.xfs -q -f",
         }
     }
     fn fsck(self) -> &'static str {
@@ -57,8 +61,7 @@ impl Fs {
     /// The smallest device its mkfs takes, with room to work.
     pub fn min_mib(self) -> u64 {
         match self {
-            Fs::Ext4 => 64,
-            Fs::Xfs => 320,
+            Fs::Ext4 | Fs::Xfs => 64,
         }
     }
 }
@@ -302,15 +305,20 @@ fn prepare(vm_script: &Path) -> anyhow::Result<()> {
 /// The guest script for this filesystem (with the workload, or only the
 /// checks of an existing log).
 fn guest_script(o: &FsOptions, workload: bool) -> String {
+    // The placeholders holding `FS` are set aside first, so that `FS`
+    // (the type) is replaced alone and not inside what they expand to.
     GUEST
         .replace("WORKLOAD", if workload { "1" } else { "0" })
         .replace("LOGWRITES", LOG_WRITES)
         .replace("OVERLAY", OVERLAY)
-        .replace("MKFSMARK", MKFS_MARK)
-        .replace("MKFS", o.fs.mkfs())
-        .replace("FSCK", o.fs.fsck())
         .replace("STEPS", &o.steps.to_string())
+        .replace("MKFSMARK", "\u{1}")
+        .replace("MKFS", "\u{2}")
+        .replace("FSCK", "\u{3}")
         .replace("FS", o.fs.name())
+        .replace('\u{1}', MKFS_MARK)
+        .replace('\u{2}', o.fs.mkfs())
+        .replace('\u{3}', o.fs.fsck())
 }
 
 /// Run the filesystem crash test; returns the walker with every outcome.
@@ -520,5 +528,38 @@ mod tests {
         assert!(!bad.ok);
         assert_eq!(bad.variant.as_ref().map(|v| v.seed), Some(100));
         assert_eq!(bad.output, "exit 4\nbad inode");
+    }
+
+    #[test]
+    fn each_filesystem_gets_its_own_commands() {
+        let opts = |fs| FsOptions {
+            fs,
+            sectors: fs.min_mib() << 11,
+            steps: 1,
+            existing_log: None,
+            log_path: PathBuf::from("log"),
+            plan: PlanOptions {
+                rule: crate::walk::PointRule::Durable,
+                start_mark: Some(MKFS_MARK.into()),
+                every_nth: 1,
+                max_points: None,
+            },
+            vm_script: PathBuf::from("vm.sh"),
+            vm_timeout_s: 1,
+            stop_at_failure: false,
+            reorder: None,
+        };
+        let xfs = guest_script(&opts(Fs::Xfs), true);
+        assert!(xfs.contains(
+            "TEST_DIR=/tmp TEST_DEV=/dev/nbd0 QA_CHECK_FS=1 mkfs.xfs -q -f /dev/nbd0 || fail"
+        ));
+        assert!(xfs.contains("hook mark crashtest-mkfs"));
+        assert!(xfs.contains("mount -t xfs /dev/nbd1 /mnt"));
+        assert!(xfs.contains("xfs_repair -n /dev/nbd1"));
+        let ext4 = guest_script(&opts(Fs::Ext4), false);
+        assert!(ext4.contains("mkfs.ext4 -q -F /dev/nbd0"));
+        assert!(ext4.contains("e2fsck -fn /dev/nbd1"));
+        assert!(ext4.contains("if [ 0 = 1 ]"));
+        assert!(!ext4.contains('\u{1}') && !ext4.contains("FS"));
     }
 }
