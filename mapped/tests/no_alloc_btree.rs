@@ -4,7 +4,10 @@
 //! counting global allocator (this test binary only) watches lookups of
 //! present and absent keys in a three-level tree read back from its
 //! device, and thin's `find_block` (the mapping cache, and the btrees
-//! behind it) after a warm-up pass.
+//! behind it) after a warm-up pass. Removal in place
+//! (`persistent_data/btree_remove.rs`) allocates nothing once the nodes
+//! it changes were shadowed, and a long range removal allocates per node
+//! it first changes, not per key.
 //!
 //! It has its own `main` (`harness = false`), as `mq/tests/no_alloc.rs`:
 //! the counter is process-wide, and libtest's runner thread allocates
@@ -13,6 +16,7 @@
 use blkstack_core::testing::CountingAlloc;
 use blkstack_mapped::persistent_data::block_manager::BlockManager;
 use blkstack_mapped::persistent_data::btree;
+use blkstack_mapped::persistent_data::btree_remove;
 use blkstack_mapped::persistent_data::space_map::SpaceMap;
 use blkstack_mapped::persistent_data::tm::Tm;
 use blkstack_mapped::persistent_data::value_type::Le64;
@@ -85,6 +89,52 @@ fn btree_lookups(reg: &Registry) {
     println!("btree lookup allocates nothing ... ok");
 }
 
+/// The tree of [`btree_lookups`], committed; then removals. The first
+/// shadows the path to its leaf and that leaf's and its parent's
+/// siblings; more keys from the middle of the same leaf move entries
+/// among those nodes only. A range of half the keys then shadows each
+/// leaf it empties once.
+fn btree_removals(reg: &Registry) {
+    let arg = metadata_dev(reg, "removal");
+    let mut tm = Tm::new(BlockManager::new(arg.dev), SpaceMap::new(META_SECTORS / 8));
+    let mut root = btree::build(&mut tm, &[], &mut Le64).expect("empty tree");
+    for k in 0..KEYS {
+        root = btree::insert_value(&mut tm, root, k * 2, &mut Le64, k * 6).expect("insert");
+    }
+    tm.write_shadows().expect("write the nodes");
+    tm.committed();
+    // Ascending inserts leave leaves of 126 keys: this is the middle of
+    // the 41st.
+    let middle = 252 * 40 + 126;
+    let (r, v) = btree_remove::remove(&mut tm, root, middle, &mut Le64).expect("remove");
+    assert_eq!(v, Some(middle * 3));
+    root = r;
+    let n = allocations(|| {
+        for k in 1..=20 {
+            let key = middle + 2 * k;
+            let (r, v) = btree_remove::remove(&mut tm, root, key, &mut Le64).expect("remove");
+            assert_eq!(v, Some(key * 3));
+            root = r;
+        }
+    });
+    assert_eq!(n, 0, "removals from shadowed nodes");
+    println!("btree removal from shadowed nodes allocates nothing ... ok");
+    let (begin, end) = (KEYS / 5, KEYS * 6 / 5);
+    // Counted without backtraces: some allocations are expected here.
+    let before = CountingAlloc::count();
+    let done = btree_remove::remove_range(&mut tm, root, begin, end, &mut Le64, &mut |_, _| {})
+        .expect("remove range");
+    let n = CountingAlloc::count() - before;
+    let (removed, root) = (done.count, done.root);
+    assert_eq!(removed, (end - begin) / 2);
+    assert!(n * 10 < removed, "{n} allocations to remove {removed} keys");
+    assert_eq!(
+        btree::first_key_from(&mut tm, root, begin).expect("next"),
+        Some(end)
+    );
+    println!("btree range removal allocates per node, not per key ({n} for {removed}) ... ok");
+}
+
 /// A thin device with `KEYS / 4` mapped blocks and a snapshot of it:
 /// `find_block` on both, mapped and unmapped blocks, after a warm pass.
 fn thin_find_block(reg: &Registry) {
@@ -118,6 +168,7 @@ fn thin_find_block(reg: &Registry) {
 fn main() {
     let reg = Registry::new();
     btree_lookups(&reg);
+    btree_removals(&reg);
     thin_find_block(&reg);
     reg.remove_all();
 }

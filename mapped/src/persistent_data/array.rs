@@ -18,6 +18,7 @@
 //! called where dm-array calls them, but no user here relies on them.
 
 use super::btree;
+use super::btree_remove;
 use super::checksum::{seal, verify};
 use super::tm::Tm;
 use super::value_type::{ValueType, MAX_VALUE_SIZE};
@@ -209,15 +210,20 @@ pub fn resize<V: ValueType>(
         // The kernel's `shrink` drops blocks only when the full ones
         // shrink, leaving a partial tail block behind when an array
         // shrinks to whole blocks (or to nothing); here every block past
-        // the new end goes.
+        // the new end goes, removed in place as the kernel removes them
+        // (`dm_btree_remove_leaves`), each losing its reference.
         let keep = blocks(new_full, new_last);
-        if keep < blocks(old_full, old_last) {
-            let mut entries = btree::walk::<Blocks<V>>(tm, root)?;
-            entries.retain(|(k, _)| *k < keep);
-            // The rebuilt tree takes its own reference to each block kept.
-            let new = btree::build(tm, &entries, &mut Blocks(vt))?;
-            btree::del(tm, root, &mut Blocks(vt))?;
-            root = new;
+        let old = blocks(old_full, old_last);
+        if keep < old {
+            root = btree_remove::remove_range(
+                tm,
+                root,
+                keep,
+                u64::MAX,
+                &mut Blocks(vt),
+                &mut |_, _| {},
+            )?
+            .root;
         }
         if new_last > 0 {
             let (r, b) = shadow_ablock(tm, root, new_full as u64, vt)?;

@@ -3,8 +3,8 @@
 //! (`value_type.rs`): lookup, insert with top-down splits (every node on
 //! the path is shadowed first, as `shadow_step` does), whole-tree
 //! deletion, and a bulk builder used for the small trees that are
-//! rewritten whole (space map indexes, reference count trees, and trees
-//! after a removal).
+//! rewritten whole (space map indexes, reference count trees). Removal
+//! in place, with the kernel's rebalancing, is `btree_remove.rs`.
 //!
 //! A lookup allocates nothing: it walks the transaction manager's
 //! cached nodes (reading a block only on a miss) and returns the value
@@ -18,15 +18,15 @@ use std::sync::Arc;
 
 /// Deeper than any tree of 2^64 keys can be: a path longer than this is
 /// a cycle in corrupt metadata, refused instead of followed forever.
-const MAX_DEPTH: usize = 64;
+pub(super) const MAX_DEPTH: usize = 64;
 
-fn too_deep(b: u64) -> PdError {
+pub(super) fn too_deep(b: u64) -> PdError {
     PdError::corrupt(b, "btree deeper than 64 levels (a cycle?)")
 }
 
 /// Refuse a leaf whose values are not `V`'s size: unpacking them would
 /// read past or short of each value.
-fn check_leaf<V: ValueType>(n: &Node, b: u64) -> Result<(), PdError> {
+pub(super) fn check_leaf<V: ValueType>(n: &Node, b: u64) -> Result<(), PdError> {
     if n.value_size != V::SIZE {
         return Err(PdError::corrupt(
             b,
@@ -37,7 +37,7 @@ fn check_leaf<V: ValueType>(n: &Node, b: u64) -> Result<(), PdError> {
 }
 
 /// Entry `i` of leaf `n`, unpacked.
-fn value_of<V: ValueType>(n: &Node, i: usize) -> V::Value {
+pub(super) fn value_of<V: ValueType>(n: &Node, i: usize) -> V::Value {
     V::unpack(n.value(i))
 }
 
@@ -221,22 +221,34 @@ fn walk_into<V: ValueType>(
 
 /// `shadow_step`: shadow `b`, and when it was shared give everything the
 /// copy refers to one more reference (`inc_children`).
-fn shadow<V: ValueType>(tm: &mut Tm, b: u64, vt: &mut V) -> Result<u64, PdError> {
+pub(super) fn shadow<V: ValueType>(tm: &mut Tm, b: u64, vt: &mut V) -> Result<u64, PdError> {
     let (copy, shared) = tm.shadow(b)?;
     if shared {
         let n = tm.node(copy)?;
-        if n.leaf {
-            check_leaf::<V>(&n, copy)?;
-        }
-        for i in 0..n.len() {
-            if n.leaf {
-                vt.inc(tm, &value_of::<V>(&n, i));
-            } else {
-                tm.meta.inc(n.value_u64(i));
-            }
-        }
+        inc_children(tm, &n, copy, vt)?;
     }
     Ok(copy)
+}
+
+/// `inc_children`: one more node (block `b`, now `n`'s copy) refers to
+/// everything `n` refers to: its children, or a leaf's values.
+pub(super) fn inc_children<V: ValueType>(
+    tm: &mut Tm,
+    n: &Node,
+    b: u64,
+    vt: &mut V,
+) -> Result<(), PdError> {
+    if n.leaf {
+        check_leaf::<V>(n, b)?;
+    }
+    for i in 0..n.len() {
+        if n.leaf {
+            vt.inc(tm, &value_of::<V>(n, i));
+        } else {
+            tm.meta.inc(n.value_u64(i));
+        }
+    }
+    Ok(())
 }
 
 /// The value to store under a key, given the one there now; it may
@@ -395,15 +407,12 @@ fn even_chunks(n: usize, max: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// Remove `key` by rewriting the tree without it (for small trees: one
-/// entry per thin device); the removed value loses its reference.
-/// Returns the new root.
+/// `dm_btree_remove`: remove `key` in place, rebalancing on the way
+/// down (`btree_remove.rs`); the removed value loses its reference. A
+/// key that is not there changes nothing the tree holds. Returns the
+/// new root.
 pub fn remove<V: ValueType>(tm: &mut Tm, root: u64, key: u64, vt: &mut V) -> Result<u64, PdError> {
-    let mut entries = walk::<V>(tm, root)?;
-    entries.retain(|(k, _)| *k != key);
-    let new = build(tm, &entries, vt)?;
-    del(tm, root, vt)?;
-    Ok(new)
+    Ok(super::btree_remove::remove(tm, root, key, vt)?.0)
 }
 
 /// `dm_btree_del`: drop a reference to the tree at `root`; a node no

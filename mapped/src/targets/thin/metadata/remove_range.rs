@@ -2,20 +2,24 @@
 //! (`dm-thin-metadata.c` `__remove_range`, `dm_pool_inc_data_range` /
 //! `dm_pool_dec_data_range`).
 //!
-//! The kernel removes the range's leaves in place and rebalances
-//! (`dm_btree_remove_leaves`, dm-btree-remove.c); blkstack rewrites the
-//! device's mapping tree without the range, as `btree::remove` does for
-//! the small trees, so every node is as full as `thin_check` wants
-//! (a third at least). That costs a walk of the device's mappings per
-//! discard that finds something to unmap (one that finds nothing costs
-//! a descent); a discard is split at 1024 pool blocks (the kernel's
-//! `BIO_PRISON_MAX_RANGE`), so a large one costs a walk per 1024 blocks.
+//! As the kernel: the device's mapping tree is taken out of the
+//! top-level tree (holding a reference to it meanwhile), the range's
+//! entries are removed from it in place, run by run
+//! (`btree_remove::remove_range`, the kernel's `dm_btree_remove_leaves`
+//! and `dm-btree-remove.c`'s rebalancing, which keeps every node the
+//! third full `thin_check` wants), and the tree goes back in. That costs
+//! a descent per block unmapped, not a walk of the device's mappings; a
+//! discard that finds nothing to unmap costs one descent and changes
+//! nothing.
 
 use super::super::format::details::unpack_block_time;
 use super::values::{device_trees, BlockTimes};
 use super::{MetadataError, PoolMetadata};
-use crate::persistent_data::btree;
-use crate::persistent_data::value_type::{Le64, ValueType};
+use crate::persistent_data::{btree, btree_remove};
+
+/// Most blocks one unmapping reports up front room for (a discard is
+/// split at `discard::MAX_RANGE_BLOCKS`, the same number).
+const REPORT_ROOM: u64 = 1024;
 
 impl PoolMetadata {
     /// Unmap `begin..end` of `dev`; returns the data blocks the removed
@@ -34,41 +38,38 @@ impl PoolMetadata {
         if btree::first_key_from(&mut self.tm, sub, begin)?.is_none_or(|k| k >= end) {
             return Ok(Vec::new());
         }
-        let entries = btree::walk::<Le64>(&mut self.tm, sub)?;
-        let (gone, kept): (Vec<_>, Vec<_>) = entries
-            .into_iter()
-            .partition(|(k, _)| (begin..end).contains(k));
-        if gone.is_empty() {
-            return Ok(Vec::new());
-        }
         self.dirty = true;
         // Whatever happens below, the cache must not keep what was here.
         self.cache.forget_range(dev, begin, end);
-        let new_sub = btree::build(
+        // The top-level tree lets go of the mapping tree, whose root
+        // this reference keeps alive until it goes back in.
+        self.tm.meta.inc(sub);
+        let root = self.root;
+        self.root = btree::remove(&mut self.tm, root, dev, &mut device_trees(&mut self.data))?;
+        let mut gone = Vec::with_capacity(end.saturating_sub(begin).min(REPORT_ROOM) as usize);
+        let done = btree_remove::remove_range(
             &mut self.tm,
-            &kept,
+            sub,
+            begin,
+            end,
             &mut BlockTimes {
                 data: &mut self.data,
             },
+            &mut |_, v| gone.push(unpack_block_time(v).0),
         )?;
         let root = self.root;
-        self.root = btree::insert(
+        self.root = btree::insert_value(
             &mut self.tm,
             root,
             dev,
             &mut device_trees(&mut self.data),
-            &mut |tm, trees, old| {
-                // The old tree goes (with the last reference to it, its
-                // nodes and their blocks' references).
-                trees.dec(tm, &old.ok_or(MetadataError::NoSuchDevice(dev))?)?;
-                Ok::<_, MetadataError>(new_sub)
-            },
+            done.root,
         )?;
         if let Some(st) = self.devices.get_mut(&dev) {
-            st.details.mapped_blocks = st.details.mapped_blocks.saturating_sub(gone.len() as u64);
+            st.details.mapped_blocks = st.details.mapped_blocks.saturating_sub(done.count);
             st.changed = true;
         }
-        Ok(gone.iter().map(|&(_, v)| unpack_block_time(v).0).collect())
+        Ok(gone)
     }
 
     /// Take a reference to data block `b` (which a discard unmapped), so
