@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# bench-ublk-peers.sh: blkstack's ublk server against the kernel's own null
+# devices, in the kernel VM (issue 40): the same 4 KiB random reads and
+# writes at QD1 and QD32 on
+#   null_blk  the kernel's null_blk (drivers/block/null_blk/: irqmode=0,
+#             queue_mode=2, one submit queue of 64 tags), no server at all
+#   blkstack  blkstack serve's `null` (zero_reads=0: read buffers left
+#             untouched, as null_blk and kublk's null leave them; one
+#             hardware queue of 64) as /dev/ublkbN through ublk_drv
+#   kublk     the kernel selftest's ublk server (tools/testing/selftests/
+#             ublk/kublk, `add -t null -q 1 -d 64`), when one is given
+#
+#   scripts/bench-ublk-peers.sh
+#
+# fio is copied into the guest with its libraries (libaio, O_DIRECT); each
+# repetition runs every device for each (rw, QD) before the next, REPS
+# times. Prints `RESULT <dev> <rw> <qd> <iops>` per point, then the medians
+# and `RATIO` lines: blkstack's IOPS over null_blk's and over kublk's.
+# These are TCG figures: only the ratios within one run say anything.
+#
+# kublk is not in the 6.12 tree (it arrived with the ublk selftests in
+# 6.15) and it needs liburing: build it statically from a kernel tree of
+# 6.15 or later against the tree's own uapi headers, e.g.
+#   make -C linux headers_install INSTALL_HDR_PATH=$PWD/hdr
+#   gcc -static -O2 -I hdr/include -o kublk \
+#     linux/tools/testing/selftests/ublk/{kublk,null,common}.c -luring -lpthread
+# (the .c files the tree's Makefile builds into kublk, less the targets a
+# null run does not need if they do not build) and pass KUBLK=PATH. Without
+# KUBLK the kublk column is left out and said so.
+#
+# Environment: BLKSTACK_BIN (default target/release/blkstack, built if
+# missing), KUBLK (a static kublk), BENCH_RUNTIME seconds per point
+# (default 10), REPS (default 3), KERNEL_VM_MEM.
+set -euo pipefail
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+bin=${BLKSTACK_BIN:-$top/target/release/blkstack}
+fio_bin=$(command -v fio || true)
+rt=${BENCH_RUNTIME:-10}
+reps=${REPS:-3}
+kublk=${KUBLK:-}
+
+die() { echo "bench-ublk-peers: $*" >&2; exit 2; }
+[ -n "$fio_bin" ] || die "fio is not installed (make deps)"
+case $rt$reps in *[!0-9]*) die "BENCH_RUNTIME and REPS want whole numbers" ;; esac
+if [ -n "$kublk" ]; then
+  [ -x "$kublk" ] || die "KUBLK=$kublk is not an executable"
+  ldd "$kublk" 2>&1 | grep -q "not a dynamic" || die "KUBLK=$kublk must be linked statically (the guest has no liburing)"
+else
+  echo "bench-ublk-peers: no KUBLK given: comparing with null_blk only (see the script's head for building kublk)" >&2
+fi
+if [ ! -x "$bin" ]; then
+  (cd "$top" && cargo build --release -p blkstack >&2)
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/bench-ublk-peers.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+kublk_args=()
+[ -z "$kublk" ] || kublk_args=(--file "$kublk:/bin/kublk")
+
+cat > "$work/guest.sh" <<EOS
+set -e
+fiorun() { fio --name=b --filename=\$1 --rw=\$2 --bs=4k --direct=1 --ioengine=libaio \
+  --iodepth=\$3 --runtime=$rt --time_based --thread --output-format=terse --terse-version=3 \
+  | awk -F';' -v rw=\$2 '{ print rw == "randread" ? \$8 : \$49 }'; }
+modprobe null_blk nr_devices=1 gb=1 irqmode=0 queue_mode=2 hw_queue_depth=64 submit_queues=1
+modprobe ublk_drv
+devs="null_blk:/dev/nullb0"
+blkstack serve --concise 'nul,,,rw,0 2097152 null zero_reads=0 hw_queue_depth=64' --ublk nul \
+  --control /tmp/bench-ublk.sock > /tmp/serve.out 2>&1 &
+S=\$!
+i=0; while ! grep -q '^ready' /tmp/serve.out; do
+  kill -0 \$S 2>/dev/null || { cat /tmp/serve.out; exit 1; }
+  [ \$i -lt 600 ] || { echo "blkstack serve not ready"; exit 1; }; sleep 0.1; i=\$((i+1)); done
+U=\$(sed -n 's/^serving nul .* at \(\/dev\/ublkb[0-9]*\)\$/\1/p' /tmp/serve.out)
+[ -b "\$U" ] || { echo "no ublk device: \$(cat /tmp/serve.out)"; exit 1; }
+devs="\$devs blkstack:\$U"
+if [ -x /bin/kublk ]; then
+  before=\$(ls /dev/ublkb* | sort)
+  kublk add -t null -q 1 -d 64 > /tmp/kublk.out 2>&1 || { cat /tmp/kublk.out; exit 1; }
+  i=0; K=""
+  while [ -z "\$K" ] && [ \$i -lt 100 ]; do
+    K=\$(ls /dev/ublkb* | sort | grep -vxF "\$before" | head -n1 || true)
+    sleep 0.1; i=\$((i+1))
+  done
+  [ -b "\$K" ] || { echo "kublk made no device: \$(cat /tmp/kublk.out)"; exit 1; }
+  devs="\$devs kublk:\$K"
+fi
+for rep in \$(seq $reps); do
+  for rw in randread randwrite; do
+    for qd in 1 32; do
+      for nd in \$devs; do
+        echo "RESULT \${nd%%:*} \$rw \$qd \$(fiorun \${nd#*:} \$rw \$qd)"
+      done
+    done
+  done
+done
+[ -x /bin/kublk ] && kublk del -a >/dev/null 2>&1 || true
+kill \$S; wait \$S || true
+EOS
+
+KERNEL_VM_MEM=${KERNEL_VM_MEM:-1024} "$top/scripts/kernel-vm.sh" run --bin "$bin" --bin "$fio_bin" \
+  "${kublk_args[@]+"${kublk_args[@]}"}" --timeout $((reps * 12 * (rt + 10) + 300)) \
+  "$work/guest.sh" > "$work/guest.out" || { cat "$work/guest.out" >&2; die "the guest failed"; }
+grep '^RESULT' "$work/guest.out" | tee "$work/results"
+
+awk '
+  function median(s,   a, n, i, j, t) {
+    n = split(s, a, " ")
+    for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] + 0 > a[j] + 0; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
+    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+  }
+  { k = $2" "$3" "$4; iops[k] = iops[k]" "$5; seen[$3" "$4] = 1 }
+  END {
+    for (p in seen) {
+      split(p, pq, " "); b = median(iops["blkstack "p])
+      line = sprintf("MEDIAN %s qd%s: blkstack %.0f", pq[1], pq[2], b)
+      for (m = 1; m <= 2; m++) {
+        peer = m == 1 ? "null_blk" : "kublk"
+        if (!((peer" "p) in iops)) continue
+        v = median(iops[peer" "p]); line = line sprintf(", %s %.0f", peer, v)
+        ratio[m] = sprintf("RATIO %s qd%s blkstack/%s %.2f", pq[1], pq[2], peer, v > 0 ? b / v : 0)
+      }
+      print line
+      for (m = 1; m <= 2; m++) if (m in ratio) { print ratio[m]; delete ratio[m] }
+    }
+  }' "$work/results" | sort

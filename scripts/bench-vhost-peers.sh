@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# bench-vhost-peers.sh: blkstack's vhost-user-blk server against the one a
+# user would run instead, qemu-storage-daemon's vhost-user-blk export
+# (qemu's block/export/vhost-user-blk-server.c), serving the same devices
+# to the same TCG guest (issue 40).
+#
+#   scripts/bench-vhost-peers.sh
+#
+# Four vhost-user-blk disks in one guest (scripts/kernel-vm.sh, the guest's
+# RAM a shared memfd as vhost-user needs), in this order:
+#   /dev/vda  qsd-null  qemu-storage-daemon, null-co (read-zeroes=on), 1 GiB
+#   /dev/vdb  bs-null   blkstack serve, `null` (zeroed reads), 1 GiB
+#   /dev/vdc  qsd-file  qemu-storage-daemon, a raw file, O_DIRECT, io_uring
+#   /dev/vdd  bs-file   blkstack serve, `file PATH direct` (io_uring), a
+#                       second file of the same size, filled the same way
+# One virtqueue each, one server process per program. In the guest, fio
+# (copied in with its libraries: libaio, O_DIRECT) runs 4 KiB random reads
+# and writes at QD1 and QD32 on each disk in turn, interleaved (for each
+# rw and QD, every disk), REPS times. Around each point the guest sends a
+# mark over the guest's forwarded port to a listener here, which reads
+# the server processes' utime+stime from /proc/PID/stat: a server's CPU
+# over that window divided by the I/Os fio completed is its CPU per I/O
+# (both servers are idle outside their own disk's points, so the window's
+# CPU is that disk's). The host runs the servers at full speed whatever
+# the emulated guest does: the guest's IOPS are bounded by TCG, the CPU
+# per I/O is the server's own cost.
+#
+# Prints `RESULT <leg> <rw> <qd> <iops> <ios> <cpu_us_per_io>` per point,
+# then per (rw, qd, medium) the medians and `RATIO` lines: blkstack's IOPS
+# over qsd's (goal >= 1.0) and its CPU per I/O over qsd's (goal <= 0.7).
+#
+# Environment: BLKSTACK_BIN (default target/release/blkstack, built if
+# missing), QSD_BIN (qemu-storage-daemon), BENCH_RUNTIME seconds per point
+# (default 10), REPS (default 3), FILE_MB (default 256), KERNEL_VM_MEM.
+set -euo pipefail
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+bin=${BLKSTACK_BIN:-$top/target/release/blkstack}
+qsd=${QSD_BIN:-$(command -v qemu-storage-daemon || true)}
+fio_bin=$(command -v fio || true)
+rt=${BENCH_RUNTIME:-10}
+reps=${REPS:-3}
+file_mb=${FILE_MB:-256}
+
+die() { echo "bench-vhost-peers: $*" >&2; exit 2; }
+[ -n "$fio_bin" ] || die "fio is not installed (make deps)"
+[ -n "$qsd" ] && [ -x "$qsd" ] || die "qemu-storage-daemon is not installed (qemu-utils)"
+command -v socat >/dev/null || die "socat is not installed (make deps)"
+case $rt$reps$file_mb in *[!0-9]*) die "BENCH_RUNTIME, REPS, FILE_MB want whole numbers" ;; esac
+if [ ! -x "$bin" ]; then
+  (cd "$top" && cargo build --release -p blkstack >&2)
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/bench-vhost-peers.XXXXXX")
+pids=()
+cleanup() {
+  local p
+  for p in "${pids[@]+"${pids[@]}"}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]+"${pids[@]}"}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# The same bytes in both files, on the same filesystem, written through
+# (not sparse: a hole would read without touching the disk).
+for f in qsd bs; do
+  dd if=/dev/zero of="$work/$f.img" bs=1M count="$file_mb" conv=fsync status=none
+done
+
+"$qsd" \
+  --blockdev "driver=null-co,node-name=qn,size=1073741824,read-zeroes=on" \
+  --blockdev "driver=file,node-name=qf,filename=$work/qsd.img,cache.direct=on,aio=io_uring" \
+  --export "type=vhost-user-blk,id=eqn,node-name=qn,addr.type=unix,addr.path=$work/qsd-null.sock,writable=on,num-queues=1" \
+  --export "type=vhost-user-blk,id=eqf,node-name=qf,addr.type=unix,addr.path=$work/qsd-file.sock,writable=on,num-queues=1" \
+  > "$work/qsd.out" 2>&1 &
+qsd_pid=$!; pids+=("$qsd_pid")
+sectors=$((file_mb * 2048))
+"$bin" serve --concise "nul,,,rw,0 2097152 null;fil,,,rw,0 $sectors file $work/bs.img direct" \
+  --vhost-user-blk "$work/bs-null.sock:nul" --vhost-user-blk "$work/bs-file.sock:fil" \
+  --control "$work/control.sock" > "$work/serve.out" 2>&1 &
+bs_pid=$!; pids+=("$bs_pid")
+for _ in $(seq 600); do
+  [ -S "$work/qsd-null.sock" ] && [ -S "$work/qsd-file.sock" ] && grep -q '^ready' "$work/serve.out" && break
+  kill -0 "$qsd_pid" 2>/dev/null || { cat "$work/qsd.out" >&2; die "qemu-storage-daemon did not start"; }
+  kill -0 "$bs_pid" 2>/dev/null || { cat "$work/serve.out" >&2; die "blkstack serve did not start"; }
+  sleep 0.1
+done
+grep -q '^ready' "$work/serve.out" || die "blkstack serve is not ready after 60 s"
+
+# The mark listener: one line per connection, "begin|end LEG RW QD REP",
+# recorded with both servers' CPU ticks (utime + stime, fields 14 and 15
+# of /proc/PID/stat; the name in field 2 has no spaces here).
+cat > "$work/mark.sh" <<EOF
+#!/bin/sh
+read -r line || exit 0
+q=\$(awk '{print \$14 + \$15}' /proc/$qsd_pid/stat)
+b=\$(awk '{print \$14 + \$15}' /proc/$bs_pid/stat)
+echo "\$line \$q \$b" >> "$work/marks"
+EOF
+chmod +x "$work/mark.sh"
+: > "$work/marks"
+socat -u TCP-LISTEN:0,bind=127.0.0.1,reuseaddr,fork SYSTEM:"$work/mark.sh" > "$work/socat.out" 2>&1 &
+pids+=("$!")
+port=""
+for _ in $(seq 100); do
+  port=$(ss -ltnpH 2>/dev/null | awk -v p="pid=${pids[-1]}," '$0 ~ p { n = split($4, a, ":"); print a[n]; exit }')
+  [ -n "$port" ] && break
+  sleep 0.1
+done
+[ -n "$port" ] || die "the mark listener did not start"
+
+cat > "$work/guest.sh" <<EOS
+set -e
+mark() { echo "\$*" | nc 10.0.2.100 7000; }
+fiorun() { fio --name=b --filename=\$1 --rw=\$2 --bs=4k --direct=1 --ioengine=libaio \
+  --iodepth=\$3 --runtime=$rt --time_based --thread --output-format=terse --terse-version=3 \
+  | awk -F';' -v rw=\$2 '{ if (rw == "randread") print \$8, int(\$6 / 4); else print \$49, int(\$47 / 4) }'; }
+for rep in \$(seq $reps); do
+  for rw in randread randwrite; do
+    for qd in 1 32; do
+      for ld in qsd-null:vda bs-null:vdb qsd-file:vdc bs-file:vdd; do
+        leg=\${ld%:*}; dev=/dev/\${ld#*:}
+        mark begin \$leg \$rw \$qd \$rep
+        r=\$(fiorun \$dev \$rw \$qd)
+        mark end \$leg \$rw \$qd \$rep
+        echo "POINT \$leg \$rw \$qd \$rep \$r"
+      done
+    done
+  done
+done
+EOS
+
+KERNEL_VM_MEM=${KERNEL_VM_MEM:-1024} "$top/scripts/kernel-vm.sh" run \
+  --vhost-user-blk "$work/qsd-null.sock" --vhost-user-blk "$work/bs-null.sock" \
+  --vhost-user-blk "$work/qsd-file.sock" --vhost-user-blk "$work/bs-file.sock" \
+  --fwd "7000=$port" --bin "$fio_bin" --timeout $((reps * 16 * (rt + 15) + 300)) \
+  "$work/guest.sh" > "$work/guest.out" || { cat "$work/guest.out" >&2; die "the guest failed"; }
+
+tck=$(getconf CLK_TCK)
+# Join the guest's points with the host's marks: CPU µs per I/O of the
+# leg's own server over its window.
+awk -v tck="$tck" '
+  FNR == NR { key = $2" "$3" "$4" "$5; if ($1 == "begin") { q0[key] = $6; b0[key] = $7 } else { q1[key] = $6; b1[key] = $7 }; next }
+  $1 == "POINT" {
+    key = $2" "$3" "$4" "$5; iops = $6; ios = $7
+    ticks = ($2 ~ /^qsd/) ? q1[key] - q0[key] : b1[key] - b0[key]
+    us = (ios > 0 && key in q1) ? ticks * 1e6 / tck / ios : -1
+    printf "RESULT %s %s %s %.0f %d %.2f\n", $2, $3, $4, iops, ios, us
+  }' "$work/marks" "$work/guest.out" | tee "$work/results"
+
+# Medians over the repetitions, then blkstack against qsd per medium.
+awk '
+  function median(s,   a, n, i, j, t) {
+    n = split(s, a, " ")
+    for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] + 0 > a[j] + 0; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
+    return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+  }
+  { k = $2" "$3" "$4; iops[k] = iops[k]" "$5; cpu[k] = cpu[k]" "$7; seen[$3" "$4] = 1 }
+  END {
+    for (p in seen) for (m = 1; m <= 2; m++) {
+      med = m == 1 ? "null" : "file"
+      split(p, pq, " "); q = "qsd-"med" "p; b = "bs-"med" "p
+      if (!(q in iops) || !(b in iops)) continue
+      qi = median(iops[q]); bi = median(iops[b]); qc = median(cpu[q]); bc = median(cpu[b])
+      printf "MEDIAN %s %s qd%s: qsd %.0f IOPS %.2f us/IO, blkstack %.0f IOPS %.2f us/IO\n", med, pq[1], pq[2], qi, qc, bi, bc
+      printf "RATIO %s %s qd%s iops %.2f cpu_per_io %.2f\n", med, pq[1], pq[2], (qi > 0 ? bi / qi : 0), (qc > 0 ? bc / qc : 0)
+    }
+  }' "$work/results" | sort
