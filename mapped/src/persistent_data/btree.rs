@@ -395,10 +395,25 @@ fn even_chunks(n: usize, max: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// Remove `key` by rewriting the tree without it (for small trees: one
-/// entry per thin device); the removed value loses its reference.
-/// Returns the new root.
+/// Remove `key`; the removed value loses its reference. Returns the new
+/// root. A tree that is one leaf is changed as `dm_btree_remove` does
+/// (the leaf shadowed, the value let go, the entry removed); a deeper
+/// one (its rebalancing not followed here) is rewritten without the key,
+/// which is for small trees only (one entry per thin device) and takes
+/// other blocks than the kernel's.
 pub fn remove<V: ValueType>(tm: &mut Tm, root: u64, key: u64, vt: &mut V) -> Result<u64, PdError> {
+    let n = tm.node(root)?;
+    if n.leaf {
+        check_leaf::<V>(&n, root)?;
+        let Ok(i) = n.keys.binary_search(&key) else {
+            return Ok(root);
+        };
+        let root = shadow(tm, root, vt)?;
+        let v = value_of::<V>(&*tm.node(root)?, i);
+        vt.dec(tm, &v)?;
+        tm.node_mut(root).remove_at(i);
+        return Ok(root);
+    }
     let mut entries = walk::<V>(tm, root)?;
     entries.retain(|(k, _)| *k != key);
     let new = build(tm, &entries, vt)?;
