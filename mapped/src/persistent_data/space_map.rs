@@ -72,6 +72,11 @@ pub struct SpaceMap {
     /// The reference count tree's root; 0 before it is made.
     pub(super) rc_root: u64,
     allocated: u64,
+    /// `allocated` at the last commit (the kernel's `old_ll.nr_allocated`).
+    allocated_at_commit: u64,
+    /// Blocks handed out since the last commit (the metadata space map's
+    /// `allocated_this_transaction`).
+    new_this_transaction: u64,
     /// Where the next search for a free block starts.
     begin: u64,
     /// The map counts the blocks it is stored in (the metadata space
@@ -104,6 +109,8 @@ impl SpaceMap {
             index_fresh: false,
             rc_root: 0,
             allocated: 0,
+            allocated_at_commit: 0,
+            new_this_transaction: 0,
             begin: 0,
             self_counting: false,
             pending: VecDeque::new(),
@@ -128,6 +135,8 @@ impl SpaceMap {
             index_fresh: false,
             rc_root: 0,
             allocated,
+            allocated_at_commit: allocated,
+            new_this_transaction: 0,
             begin: 0,
             self_counting,
             pending: VecDeque::new(),
@@ -176,10 +185,20 @@ impl SpaceMap {
         self.allocated
     }
 
-    /// Blocks with a count of zero (kernel `sm_get_nr_free`); some may not
-    /// be handed out before the commit (see the module documentation).
+    /// Free blocks as the kernel counts them (`sm_get_nr_free`): for a
+    /// disk space map, blocks with a count of zero (some may not be
+    /// handed out before the commit); for the metadata space map, the
+    /// blocks free at the last commit less those handed out since
+    /// (`sm_metadata_get_nr_free`: blocks freed in the transaction are
+    /// not free before the commit), which the pool's and era's status
+    /// show.
     pub fn nr_free(&self) -> u64 {
-        self.nr_blocks() - self.allocated
+        if self.self_counting {
+            self.nr_blocks()
+                .saturating_sub(self.allocated_at_commit + self.new_this_transaction)
+        } else {
+            self.nr_blocks() - self.allocated
+        }
     }
 
     /// Block `b`'s reference count (kernel `sm_get_count`); 0 beyond the
@@ -270,6 +289,7 @@ impl SpaceMap {
             return;
         };
         self.begin = new + 1;
+        self.new_this_transaction += 1;
         self.pending.push_back((new, true));
         let old = std::mem::replace(&mut self.bitmap_blocks[i], new);
         if old != 0 {
@@ -295,6 +315,7 @@ impl SpaceMap {
     pub fn alloc(&mut self) -> Option<u64> {
         let b = self.find_common_free()?;
         self.begin = b + 1;
+        self.new_this_transaction += 1;
         self.inc(b);
         Some(b)
     }
@@ -396,6 +417,8 @@ impl SpaceMap {
     /// [`SpaceMap::committed`].
     pub fn sm_committed(&mut self) {
         self.before.clear();
+        self.allocated_at_commit = self.allocated;
+        self.new_this_transaction = 0;
         self.index_changed = false;
         self.overflow_changed = false;
     }

@@ -280,7 +280,7 @@ impl EraMetadata {
     /// `metadata_get_stats`.
     pub fn stats(&self) -> Stats {
         Stats {
-            used: self.tm.meta.nr_allocated(),
+            used: self.tm.meta.nr_blocks() - self.tm.meta.nr_free(),
             total: self.tm.meta.nr_blocks(),
             era: self.current_era,
             snap: self.metadata_snap,
