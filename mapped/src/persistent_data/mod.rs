@@ -47,6 +47,8 @@ pub mod value_type;
 #[cfg(test)]
 mod array_tests;
 #[cfg(test)]
+mod order_tests;
+#[cfg(test)]
 mod tests;
 
 use blkstack_core::{DeviceRef, Status};
