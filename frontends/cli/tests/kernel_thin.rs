@@ -766,6 +766,7 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
     println!("{}", run.out);
     run.assert_ok("the kernel's dm-thin-pool through issue 39's steps");
     assert!(run.out.contains("DONE"), "{}", run.out);
+    // Both sides' metadata, kept to compare block by block when they differ.
     if let Ok(dir) = std::env::var("KERNEL_THIN_ORDER_KEEP") {
         for n in ["ometa", "ometa-b", "hmeta", "hmeta-b"] {
             std::fs::copy(p(n), Path::new(&dir).join(n)).unwrap();
