@@ -1,7 +1,9 @@
 //! dm-era metadata both ways, judged by the kernel in one VM boot: the
 //! guest's dm-era activates metadata blkstack wrote (eras, a
 //! checkpoint, an archived writeset), shows the era and metadata size
-//! blkstack shows for the same metadata, reads the origin as blkstack
+//! blkstack shows for the same metadata, and once the digest of the
+//! archived writesets is done and committed the same status, used
+//! metadata blocks included (both allocate in the kernel's order), reads the origin as blkstack
 //! wrote it, writes more, checkpoints and takes a metadata snapshot;
 //! `era_check` passes on what the kernel left, `era_invalidate` lists
 //! blkstack's and the guest's writes by era, and blkstack opens it,
