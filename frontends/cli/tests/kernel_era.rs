@@ -1,7 +1,9 @@
 //! dm-era metadata both ways, judged by the kernel in one VM boot: the
 //! guest's dm-era activates metadata blkstack wrote (eras, a
 //! checkpoint, an archived writeset), shows the era and metadata size
-//! blkstack shows for the same metadata, reads the origin as blkstack
+//! blkstack shows for the same metadata, and once the digest of the
+//! archived writesets is done and committed the same status, used
+//! metadata blocks included (both allocate in the kernel's order), reads the origin as blkstack
 //! wrote it, writes more, checkpoints and takes a metadata snapshot;
 //! `era_check` passes on what the kernel left, `era_invalidate` lists
 //! blkstack's and the guest's writes by era, and blkstack opens it,
@@ -110,6 +112,7 @@ r() { dd if=/dev/mapper/$1 bs=4096 count=1 skip=$(($2 * 16)) iflag=direct 2>/dev
 modprobe dm-era || fail "modprobe dm-era"
 dmsetup create bera --table "0 DATA era $(dev bmeta) $(dev bdata) 128" || fail "activate blkstack's era"
 echo "BEGIN bstatus"; st bera; echo "END bstatus"
+echo "BEGIN settled"; sleep 2; st bera; sleep 1; st bera; echo "END settled"
 echo "BEGIN bread"; r bera 1; r bera 7; echo "END bread"
 w bera 20 k
 dmsetup message bera 0 checkpoint || fail checkpoint
@@ -163,6 +166,15 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
     std::fs::copy(p("bdata"), p("bdata-copy")).unwrap();
     let reg = era_reg(&p("bmeta-copy"), &p("bdata-copy"));
     let ours_on_open = status_args(&reg).join(" ");
+    let mut ours_settled = ours_on_open.clone();
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let now = status_args(&reg).join(" ");
+        if now == ours_settled {
+            break;
+        }
+        ours_settled = now;
+    }
     reg.remove_all();
 
     killed_mid_era(&p("cmeta"), &p("cdata"));
@@ -203,7 +215,24 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
     );
     let total = |s: &str| s.split('/').nth(1).unwrap_or("").to_string();
     assert_eq!(total(k[1]), total(o[1]), "metadata blocks in all");
-    println!("used metadata blocks: kernel {} blkstack {}", k[1], o[1]);
+    // The first status counts the blocks the worker's digest took since
+    // the last commit, as far as it got (timing); once the digest is done
+    // and a status has committed, the count is settled on both sides.
+    println!(
+        "used metadata blocks at open: kernel {} blkstack {}",
+        k[1], o[1]
+    );
+    let ksettled = run.section("settled").unwrap_or_default();
+    let ksettled = ksettled
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    assert_eq!(
+        ours_settled, ksettled,
+        "era status once the digest is done and committed (used metadata blocks included): blkstack's (left), the kernel's (right)"
+    );
     let md5 = |fill: u8| {
         let mut c = Command::new("md5sum")
             .stdin(std::process::Stdio::piped())

@@ -20,6 +20,14 @@
 //! point only that way: nothing here may use `crate::targets` or
 //! `crate::target`. The block manager takes a bare `DeviceRef`.
 //!
+//! A target's metadata starts from [`format`] (a fresh device: the
+//! metadata space map bootstrapped around the superblock at block 0) or
+//! [`open`] (the space map root its superblock holds), changes blocks
+//! through the [`tm::Tm`] it gets, and makes each transaction durable
+//! with [`commit`] (space map, new blocks, flush, superblock with FUA).
+//! Blocks are handed out in the kernel's order (`space_map.rs`), so the
+//! same steps use the same blocks as the kernel.
+//!
 //! Hand-written: no crate reads or writes these formats (the Rust
 //! thin-provisioning-tools are a program, not a library with a stable
 //! API). `thin_check` and the kernel are their judges.
@@ -43,9 +51,12 @@ mod array_tests;
 #[cfg(test)]
 mod btree_remove_tests;
 #[cfg(test)]
+mod order_tests;
+#[cfg(test)]
 mod tests;
 
-use blkstack_core::Status;
+use blkstack_core::{DeviceRef, Status};
+use tm::Tm;
 
 /// Why a persistent-data operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +148,62 @@ pub enum FormatError {
         why: String,
     },
 }
+
+/// The metadata blocks a device of `bytes` holds, capped at what the
+/// metadata space map's one index block counts
+/// (`DM_SM_METADATA_MAX_BLOCKS`).
+pub fn metadata_blocks_of(bytes: u64) -> u64 {
+    (bytes / BLOCK_SIZE as u64)
+        .min(bitmap::MAX_METADATA_BITMAPS as u64 * bitmap::ENTRIES_PER_BITMAP)
+}
+
+/// Start metadata on a fresh device of `nr_blocks` blocks
+/// (`dm_tm_create_with_sm` + `dm_sm_metadata_create`): block 0 is the
+/// superblock, blocks 1 and 2 the metadata space map's index and
+/// reference count tree, then its bitmaps, all counted once and made in
+/// this transaction. The caller builds its structures through the
+/// returned transaction manager and writes its superblock with
+/// [`commit`].
+pub fn format(dev: DeviceRef, nr_blocks: u64) -> Tm {
+    let (meta, _, rc_root) = space_map::SpaceMap::bootstrap(nr_blocks, SUPERBLOCK);
+    let mut tm = Tm::new(block_manager::BlockManager::new(dev), meta);
+    // The reference count tree's root: an empty leaf (`dm_btree_empty`).
+    tm.adopt_node(rc_root, node::Node::empty_leaf(4));
+    tm
+}
+
+/// Open the metadata whose superblock holds the metadata space map root
+/// `root` (`dm_tm_open_with_sm`).
+pub fn open(dev: DeviceRef, root: bitmap::SmRoot) -> Result<Tm, PdError> {
+    let mut tm = Tm::new(
+        block_manager::BlockManager::new(dev),
+        space_map::SpaceMap::new(root.nr_blocks),
+    );
+    tm.meta = sm_metadata::open(&mut tm, root)?;
+    Ok(tm)
+}
+
+/// Make the transaction durable (`dm_tm_pre_commit` + `dm_tm_commit`):
+/// commit the metadata space map (any other space map is committed by
+/// the caller first), write every block made in the transaction, flush,
+/// then write `superblock(the metadata space map's root)` at
+/// [`SUPERBLOCK`] with FUA, and flush.
+pub fn commit(
+    tm: &mut Tm,
+    superblock: impl FnOnce(bitmap::SmRoot) -> Vec<u8>,
+) -> Result<(), PdError> {
+    let root = sm_metadata::commit(tm)?;
+    tm.write_shadows()?;
+    tm.flush()?;
+    tm.write_block(SUPERBLOCK, &mut superblock(root), true)?;
+    tm.flush()?;
+    tm.committed();
+    Ok(())
+}
+
+/// Where every target's superblock is (`THIN_SUPERBLOCK_LOCATION`,
+/// dm-era's and dm-cache's `SUPERBLOCK_LOCATION`).
+pub const SUPERBLOCK: u64 = 0;
 
 pub(crate) fn le32(b: &[u8], at: usize) -> u32 {
     let mut w = [0u8; 4];

@@ -38,12 +38,17 @@ pub fn open(tm: &mut Tm, root: SmRoot) -> Result<SpaceMap, PdError> {
             "data space map index has the wrong number of bitmaps",
         ));
     }
-    load(tm, root, &index)
+    load(tm, root, &index, false)
 }
 
 /// A space map's counts from the bitmaps `index` names and its reference
 /// count tree; it remembers where its index and tree were.
-pub(super) fn load(tm: &mut Tm, root: SmRoot, index: &[IndexEntry]) -> Result<SpaceMap, PdError> {
+pub(super) fn load(
+    tm: &mut Tm,
+    root: SmRoot,
+    index: &[IndexEntry],
+    self_counting: bool,
+) -> Result<SpaceMap, PdError> {
     let mut counts = vec![0u32; root.nr_blocks as usize];
     let mut blocks = Vec::with_capacity(index.len());
     for (i, ie) in index.iter().enumerate() {
@@ -67,7 +72,7 @@ pub(super) fn load(tm: &mut Tm, root: SmRoot, index: &[IndexEntry]) -> Result<Sp
             }
         }
     }
-    let mut sm = SpaceMap::loaded(counts, blocks);
+    let mut sm = SpaceMap::loaded(counts, blocks, self_counting);
     sm.index_root = root.bitmap_root;
     sm.rc_root = root.ref_count_root;
     Ok(sm)
@@ -95,32 +100,62 @@ pub(super) fn sm_root(sm: &SpaceMap, bitmap_root: u64, ref_count_root: u64) -> S
     }
 }
 
-/// Commit `sm` (`sm_disk_commit`): its changed bitmaps to new metadata
-/// blocks, a new index tree and reference count tree; the old ones are
-/// dropped. Returns the root the superblock records.
-pub fn commit(tm: &mut Tm, sm: &mut SpaceMap) -> Result<SmRoot, PdError> {
-    for i in 0..sm.nr_bitmaps() {
-        if sm.dirty[i] || sm.bitmap_blocks[i] == 0 {
-            let new = tm.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
-            let old = std::mem::replace(&mut sm.bitmap_blocks[i], new);
-            if old != 0 {
-                tm.meta.dec(old)?;
+/// `dm_sm_disk_create`: a disk space map of `nr_blocks` blocks, its
+/// empty index and reference count trees made now (in that order), its
+/// bitmaps at the next [`shadow_bitmaps`].
+pub fn create(tm: &mut Tm, nr_blocks: u64) -> Result<SpaceMap, PdError> {
+    let mut sm = SpaceMap::new(nr_blocks);
+    sm.index_root = btree::build(tm, &[], &mut IndexEntries)?;
+    sm.rc_root = btree::build(tm, &[], &mut Le32)?;
+    Ok(sm)
+}
+
+/// Give each bitmap of `sm` first changed in this transaction its new
+/// metadata block, the old one let go (`dm_tm_shadow_block` in
+/// `sm_ll_inc`/`sm_ll_dec`; `dm_tm_new_block` in `sm_ll_extend`). Called
+/// right after each change to `sm`, so the blocks are taken in the
+/// kernel's order; a failure leaves the rest for the next call (the
+/// commit calls it last).
+pub fn shadow_bitmaps(tm: &mut Tm, sm: &mut SpaceMap) -> Result<(), PdError> {
+    let todo = sm.take_unshadowed();
+    for (k, &i) in todo.iter().enumerate() {
+        let Some(new) = tm.meta.alloc() else {
+            for &j in &todo[k..] {
+                sm.requeue_unshadowed(j);
             }
-            tm.queue_raw(new, bitmap::encode(sm.bitmap_counts(i), new));
+            return Err(PdError::NoMetadataSpace);
+        };
+        let old = sm.set_bitmap_block(i, new);
+        if old != 0 {
+            tm.meta.dec(old)?;
         }
     }
-    let index: Vec<(u64, IndexEntry)> = (0..sm.nr_bitmaps())
-        .map(|i| (i as u64, index_entry(sm, i)))
-        .collect();
-    let index_root = btree::build(tm, &index, &mut IndexEntries)?;
-    let rc_root = btree::build(tm, &sm.overflow(), &mut Le32)?;
-    if sm.index_root != 0 {
-        btree::del(tm, sm.index_root, &mut IndexEntries)?;
+    Ok(())
+}
+
+/// Commit `sm` (`sm_disk_commit`, `disk_ll_commit`): when a count
+/// changed, each changed bitmap's index entry goes into the index tree
+/// (its path copied once per transaction) and the bitmap is written.
+/// Returns the root the superblock records.
+pub fn commit(tm: &mut Tm, sm: &mut SpaceMap) -> Result<SmRoot, PdError> {
+    shadow_bitmaps(tm, sm)?;
+    let rc_root = super::sm_metadata::rewrite_overflow(tm, Some(sm))?;
+    if sm.index_changed {
+        for i in 0..sm.nr_bitmaps() {
+            if !sm.fresh[i] {
+                continue;
+            }
+            let b = sm.bitmap_blocks[i];
+            tm.queue_raw(b, bitmap::encode(sm.bitmap_counts(i), b));
+            sm.index_root = btree::insert_value(
+                tm,
+                sm.index_root,
+                i as u64,
+                &mut IndexEntries,
+                index_entry(sm, i),
+            )?;
+        }
     }
-    if sm.rc_root != 0 {
-        btree::del(tm, sm.rc_root, &mut Le32)?;
-    }
-    sm.index_root = index_root;
-    sm.rc_root = rc_root;
-    Ok(sm_root(sm, index_root, rc_root))
+    sm.sm_committed();
+    Ok(sm_root(sm, sm.index_root, rc_root))
 }

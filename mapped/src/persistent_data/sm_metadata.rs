@@ -3,7 +3,8 @@
 //! counts the metadata device's blocks, its own blocks among them. Its
 //! bitmaps are indexed by one index block (`struct
 //! disk_metadata_index`), not a btree, so committing it changes no
-//! btree but its reference count tree.
+//! btree but its reference count tree. Its blocks are handed out in the
+//! kernel's order (`space_map.rs`).
 
 use super::bitmap::{self, SmRoot, ENTRIES_PER_BITMAP};
 use super::btree;
@@ -20,42 +21,51 @@ pub fn open(tm: &mut Tm, root: SmRoot) -> Result<SpaceMap, PdError> {
     let n = root.nr_blocks.div_ceil(ENTRIES_PER_BITMAP) as usize;
     let raw = tm.read_block(root.bitmap_root)?;
     let index = bitmap::decode_index(&raw, root.bitmap_root, n)?;
-    load(tm, root, &index)
+    load(tm, root, &index, true)
 }
 
-/// Commit `tm.meta`: it counts the blocks that hold it, so new blocks
-/// for its changed bitmaps are taken until taking them changes no bitmap
-/// that has not got one yet. Returns the root the superblock records.
-pub fn commit(tm: &mut Tm) -> Result<SmRoot, PdError> {
-    if tm.meta.rc_root != 0 {
-        let old = tm.meta.rc_root;
+/// The reference count tree anew when a count above 2 changed in this
+/// transaction (the kernel changes it entry by entry as counts change).
+pub(super) fn rewrite_overflow(tm: &mut Tm, sm: Option<&mut SpaceMap>) -> Result<u64, PdError> {
+    let (changed, old, overflow) = match &sm {
+        Some(sm) => (sm.overflow_changed, sm.rc_root, sm.overflow()),
+        None => (
+            tm.meta.overflow_changed,
+            tm.meta.rc_root,
+            tm.meta.overflow(),
+        ),
+    };
+    if !changed && old != 0 {
+        return Ok(old);
+    }
+    let new = btree::build(tm, &overflow, &mut Le32)?;
+    if old != 0 {
         btree::del(tm, old, &mut Le32)?;
     }
-    if tm.meta.index_root != 0 {
-        let old = tm.meta.index_root;
-        tm.meta.dec(old)?;
+    match sm {
+        Some(sm) => sm.rc_root = new,
+        None => tm.meta.rc_root = new,
     }
-    let overflow = tm.meta.overflow();
-    let rc_root = btree::build(tm, &overflow, &mut Le32)?;
-    let index_block = tm.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+    Ok(new)
+}
+
+/// Commit `tm.meta` (`sm_metadata_commit`, `metadata_ll_commit`): when a
+/// count changed in this transaction the index block is copied (unless
+/// it was made in it), and the bitmaps changed in it are written with
+/// the index. Returns the root the superblock records.
+pub fn commit(tm: &mut Tm) -> Result<SmRoot, PdError> {
+    let rc_root = rewrite_overflow(tm, None)?;
     let meta = &mut tm.meta;
-    loop {
-        let mut changed = false;
-        for i in 0..meta.nr_bitmaps() {
-            if (meta.dirty[i] || meta.bitmap_blocks[i] == 0) && !meta.fresh[i] {
-                let new = meta.alloc().ok_or(PdError::NoMetadataSpace)?;
-                let old = std::mem::replace(&mut meta.bitmap_blocks[i], new);
-                if old != 0 {
-                    meta.dec(old)?;
-                }
-                meta.fresh[i] = true;
-                changed = true;
-            }
-        }
-        if !changed {
-            break;
-        }
+    if !meta.index_changed && !meta.index_fresh {
+        return Ok(sm_root(meta, meta.index_root, rc_root));
     }
+    if !meta.index_fresh {
+        let new = meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+        let old = std::mem::replace(&mut meta.index_root, new);
+        meta.dec(old)?;
+        meta.index_fresh = true;
+    }
+    let index_block = tm.meta.index_root;
     let mut index = Vec::with_capacity(tm.meta.nr_bitmaps());
     for i in 0..tm.meta.nr_bitmaps() {
         if tm.meta.fresh[i] {
@@ -66,7 +76,6 @@ pub fn commit(tm: &mut Tm) -> Result<SmRoot, PdError> {
         index.push(index_entry(&tm.meta, i));
     }
     tm.queue_raw(index_block, bitmap::encode_index(&index, index_block));
-    tm.meta.index_root = index_block;
-    tm.meta.rc_root = rc_root;
+    tm.meta.sm_committed();
     Ok(sm_root(&tm.meta, index_block, rc_root))
 }

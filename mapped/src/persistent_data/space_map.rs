@@ -2,27 +2,38 @@
 //! open and written as the kernel's on-disk space map at each commit
 //! (`persistent-data/dm-space-map-disk.c` for data blocks, `sm_disk.rs`;
 //! `dm-space-map-metadata.c` for metadata blocks, `sm_metadata.rs`;
-//! layout in `bitmap.rs`).
+//! layout in `bitmap.rs`), handing out blocks in the kernel's order so
+//! the same steps leave the same blocks in use.
 //!
-//! As in the kernel, a block freed in the running transaction is not
-//! handed out again before the commit (`sm_ll_find_common_free_block`
-//! looks for blocks free in both the committed and the current counts):
-//! the last committed metadata may still point at it, and a crash must
-//! find it as it was.
+//! Allocation follows `sm_ll_find_common_free_block`: the first block
+//! at or after `begin` (the block after the last one handed out,
+//! wrapping to 0) that is free both now and at the last commit -- a
+//! block freed in the running transaction waits for the commit, since
+//! the last committed metadata may still point at it, but one made and
+//! freed again in it may be reused at once. The search goes on from
+//! `begin` across commits: kernels before 5.15 started the metadata
+//! space map from block 0 again at each commit (`smm->begin = 0`), the
+//! ones since ("dm space maps: don't reset space map allocation cursor
+//! when committing") do not, and 6.12 is the judge here.
+//!
+//! Bitmaps are copied on write as the kernel's are: the first change to
+//! a bitmap in a transaction moves it to a new block
+//! (`dm_tm_shadow_block` in `sm_ll_inc`/`sm_ll_dec`), which the metadata
+//! space map takes from itself at once, in the order of the kernel's
+//! recursion (the block asked for first, then the bitmap's new block,
+//! their counts applied afterwards as `apply_bops` does); a disk space
+//! map's new bitmap blocks are metadata blocks its owner allocates
+//! ([`SpaceMap::take_unshadowed`], `sm_disk::shadow_bitmaps`).
 //!
 //! Where this differs from the kernel: every count is a `u32` in memory
-//! (4 bytes per block of the device, read whole at open), and a commit
-//! writes each changed bitmap to a new block and rebuilds the index and
-//! reference count trees whole. The kernel keeps only its bitmaps on
-//! disk, read and shadowed through the transaction manager's block
-//! cache as counts change (`sm_ll_mutate`), its index and reference
-//! count trees changed in place; and it hands out blocks in another
-//! order (from block 0 again after each commit, `smm->begin = 0`, among
-//! blocks free in the committed counts). So block numbers differ from
-//! the kernel's for the same steps, though both are valid metadata.
+//! (4 bytes per block of the device, read whole at open); the counts
+//! above 2 are kept here and their btree is rewritten at a commit when
+//! they changed (the kernel inserts and removes them one by one as they
+//! change), so metadata whose blocks are referred to three times or more
+//! may use other blocks than the kernel's.
 
 use super::bitmap::ENTRIES_PER_BITMAP;
-use std::collections::HashSet;
+use std::collections::{HashMap, VecDeque};
 
 /// A reference count change the space map refuses.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -36,21 +47,44 @@ pub enum RefCountError {
 /// what the next commit must write (kernel `struct dm_space_map`).
 pub struct SpaceMap {
     counts: Vec<u32>,
-    /// Blocks whose count fell to 0 in this transaction.
-    freed: HashSet<u64>,
-    /// Per bitmap block: changed since the last commit.
-    pub(super) dirty: Vec<bool>,
-    /// Per bitmap block: its location on disk (0 = not written yet).
+    /// The count at the last commit of every block changed since (the
+    /// kernel's `old_ll`, kept as the difference).
+    before: HashMap<u64, u32>,
+    /// Per bitmap block: its location on disk (0 = not made yet).
     pub(super) bitmap_blocks: Vec<u64>,
-    /// Per bitmap block: placed at a block allocated in this commit.
+    /// Per bitmap block: changed in this transaction, so at a block made
+    /// in it (or waiting for one: [`SpaceMap::take_unshadowed`]) and
+    /// written at the commit.
     pub(super) fresh: Vec<bool>,
-    /// The last commit's index: a btree's root (disk space map) or the
-    /// index block (metadata space map); 0 before the first commit.
+    /// Bitmaps of a disk space map changed first in this transaction,
+    /// whose new block the owner has still to allocate.
+    unshadowed: Vec<usize>,
+    /// Some count changed since the last commit
+    /// (`ll->bitmap_index_changed`).
+    pub(super) index_changed: bool,
+    /// Some count above 2 changed since the last commit.
+    pub(super) overflow_changed: bool,
+    /// The index (a btree's root for a disk space map, the index block
+    /// for the metadata one); 0 before it is made.
     pub(super) index_root: u64,
-    /// The last commit's reference count tree, 0 before the first.
+    /// The index block was made in this transaction (metadata space map).
+    pub(super) index_fresh: bool,
+    /// The reference count tree's root; 0 before it is made.
     pub(super) rc_root: u64,
     allocated: u64,
-    cursor: u64,
+    /// `allocated` at the last commit (the kernel's `old_ll.nr_allocated`).
+    allocated_at_commit: u64,
+    /// Blocks handed out since the last commit (the metadata space map's
+    /// `allocated_this_transaction`).
+    new_this_transaction: u64,
+    /// Where the next search for a free block starts.
+    begin: u64,
+    /// The map counts the blocks it is stored in (the metadata space
+    /// map): its bitmaps' new blocks are its own.
+    self_counting: bool,
+    /// Count changes made while one is being applied (`uncommitted`).
+    pending: VecDeque<(u64, bool)>,
+    applying: bool,
 }
 
 fn nr_bitmaps(nr_blocks: u64) -> usize {
@@ -58,38 +92,87 @@ fn nr_bitmaps(nr_blocks: u64) -> usize {
 }
 
 impl SpaceMap {
-    /// A space map of `nr_blocks` blocks, all free, every bitmap to be
-    /// written (a freshly formatted pool).
+    /// A disk space map of `nr_blocks` blocks, all free, none of its
+    /// bitmaps made yet (each is the first time it changes, or at the
+    /// commit).
     pub fn new(nr_blocks: u64) -> SpaceMap {
         let n = nr_bitmaps(nr_blocks);
         SpaceMap {
             counts: vec![0; nr_blocks as usize],
-            freed: HashSet::new(),
-            dirty: vec![true; n],
+            before: HashMap::new(),
             bitmap_blocks: vec![0; n],
-            fresh: vec![false; n],
+            fresh: vec![true; n],
+            unshadowed: (0..n).collect(),
+            index_changed: true,
+            overflow_changed: false,
             index_root: 0,
+            index_fresh: false,
             rc_root: 0,
             allocated: 0,
-            cursor: 0,
+            allocated_at_commit: 0,
+            new_this_transaction: 0,
+            begin: 0,
+            self_counting: false,
+            pending: VecDeque::new(),
+            applying: false,
         }
     }
 
-    /// A space map read back from disk: its counts and bitmap locations.
-    pub fn loaded(counts: Vec<u32>, bitmap_blocks: Vec<u64>) -> SpaceMap {
+    /// A space map read back from disk: its counts and bitmap locations;
+    /// `self_counting` for the metadata space map.
+    pub fn loaded(counts: Vec<u32>, bitmap_blocks: Vec<u64>, self_counting: bool) -> SpaceMap {
         let n = bitmap_blocks.len();
         let allocated = counts.iter().filter(|&&c| c > 0).count() as u64;
         SpaceMap {
             counts,
-            freed: HashSet::new(),
-            dirty: vec![false; n],
+            before: HashMap::new(),
             bitmap_blocks,
             fresh: vec![false; n],
+            unshadowed: Vec::new(),
+            index_changed: false,
+            overflow_changed: false,
             index_root: 0,
+            index_fresh: false,
             rc_root: 0,
             allocated,
-            cursor: 0,
+            allocated_at_commit: allocated,
+            new_this_transaction: 0,
+            begin: 0,
+            self_counting,
+            pending: VecDeque::new(),
+            applying: false,
         }
+    }
+
+    /// The metadata space map of a fresh device of `nr_blocks` blocks as
+    /// `dm_sm_metadata_create`'s bootstrap leaves it: `superblock` and
+    /// the blocks the bootstrap allocator handed out after it in order
+    /// (the index block, the reference count tree's root, then one block
+    /// per bitmap) counted once, all of them made in this transaction.
+    /// Returns the map and its index block and reference count root.
+    pub(super) fn bootstrap(nr_blocks: u64, superblock: u64) -> (SpaceMap, u64, u64) {
+        let mut sm = SpaceMap::new(nr_blocks);
+        sm.self_counting = true;
+        sm.unshadowed.clear();
+        let index = superblock + 1;
+        let rc_root = index + 1;
+        let n = sm.nr_bitmaps() as u64;
+        for i in 0..n {
+            sm.bitmap_blocks[i as usize] = rc_root + 1 + i;
+            sm.fresh[i as usize] = true;
+        }
+        for b in superblock..rc_root + 1 + n {
+            sm.inc(b);
+        }
+        sm.index_root = index;
+        sm.index_fresh = true;
+        sm.rc_root = rc_root;
+        sm.begin = rc_root + 1 + n;
+        // `dm_sm_metadata_create` ends with a commit of the space map
+        // alone: these counts are the committed ones, and the blocks stay
+        // this transaction's.
+        sm.sm_committed();
+        (sm, index, rc_root)
     }
 
     /// Blocks the map covers (kernel `sm_get_nr_blocks`).
@@ -102,10 +185,20 @@ impl SpaceMap {
         self.allocated
     }
 
-    /// Blocks with a count of zero (kernel `sm_get_nr_free`); some may not
-    /// be handed out before the commit (see the module documentation).
+    /// Free blocks as the kernel counts them (`sm_get_nr_free`): for a
+    /// disk space map, blocks with a count of zero (some may not be
+    /// handed out before the commit); for the metadata space map, the
+    /// blocks free at the last commit less those handed out since
+    /// (`sm_metadata_get_nr_free`: blocks freed in the transaction are
+    /// not free before the commit), which the pool's and era's status
+    /// show.
     pub fn nr_free(&self) -> u64 {
-        self.nr_blocks() - self.allocated
+        if self.self_counting {
+            self.nr_blocks()
+                .saturating_sub(self.allocated_at_commit + self.new_this_transaction)
+        } else {
+            self.nr_blocks() - self.allocated
+        }
     }
 
     /// Block `b`'s reference count (kernel `sm_get_count`); 0 beyond the
@@ -119,26 +212,9 @@ impl SpaceMap {
         &self.counts
     }
 
-    fn set(&mut self, b: u64, c: u32) {
-        let Some(slot) = self.counts.get_mut(b as usize) else {
-            tracing::error!(block = b, "reference count of a block beyond the space map");
-            return;
-        };
-        let old = *slot;
-        *slot = c;
-        if old == 0 && c > 0 {
-            self.allocated += 1;
-        } else if old > 0 && c == 0 {
-            self.allocated -= 1;
-            self.freed.insert(b);
-        }
-        self.dirty[(b / ENTRIES_PER_BITMAP) as usize] = true;
-    }
-
     /// Add one reference to block `b` (kernel `sm_inc_block`).
     pub fn inc(&mut self, b: u64) {
-        let c = self.get(b);
-        self.set(b, c.saturating_add(1));
+        self.change(b, true);
     }
 
     /// Drop one reference; returns the count left. A block already free
@@ -152,37 +228,164 @@ impl SpaceMap {
             tracing::error!(block = b, "space map common: unable to decrement block");
             return Err(RefCountError::BelowZero(b));
         }
-        self.set(b, c - 1);
+        self.change(b, false);
         Ok(c - 1)
     }
 
-    /// A block free now and at the last commit, with its count set to 1.
-    pub fn alloc(&mut self) -> Option<u64> {
-        let n = self.nr_blocks();
-        for i in 0..n {
-            let b = (self.cursor + i) % n;
-            if self.counts[b as usize] == 0 && !self.freed.contains(&b) {
-                self.cursor = (b + 1) % n;
-                self.set(b, 1);
-                return Some(b);
-            }
+    /// `sm_metadata_inc_block`/`dec_block`: a change made while another
+    /// is applied waits in `pending` and is applied after it, in order.
+    fn change(&mut self, b: u64, inc: bool) {
+        if self.applying {
+            self.pending.push_back((b, inc));
+            return;
         }
-        None
+        self.applying = true;
+        self.apply(b, inc);
+        while let Some((b, inc)) = self.pending.pop_front() {
+            self.apply(b, inc);
+        }
+        self.applying = false;
     }
 
-    /// Grow to `nr_blocks` (a resized data device).
+    fn apply(&mut self, b: u64, inc: bool) {
+        let Some(&old) = self.counts.get(b as usize) else {
+            tracing::error!(block = b, "reference count of a block beyond the space map");
+            return;
+        };
+        let i = (b / ENTRIES_PER_BITMAP) as usize;
+        if !self.fresh[i] {
+            self.shadow_bitmap(i);
+        }
+        let new = if inc {
+            old.saturating_add(1)
+        } else {
+            old.saturating_sub(1)
+        };
+        self.before.entry(b).or_insert(old);
+        self.counts[b as usize] = new;
+        if old == 0 && new > 0 {
+            self.allocated += 1;
+        } else if old > 0 && new == 0 {
+            self.allocated -= 1;
+        }
+        if old > 2 || new > 2 {
+            self.overflow_changed = true;
+        }
+        self.index_changed = true;
+    }
+
+    /// The first change to bitmap `i` in this transaction: it moves to a
+    /// new block. The metadata space map takes it from itself now (its
+    /// count and the old block's drop wait in `pending`); a disk space
+    /// map's owner allocates it.
+    fn shadow_bitmap(&mut self, i: usize) {
+        self.fresh[i] = true;
+        if !self.self_counting {
+            self.unshadowed.push(i);
+            return;
+        }
+        let Some(new) = self.find_common_free() else {
+            tracing::error!("no free metadata block for a space map bitmap");
+            return;
+        };
+        self.begin = new + 1;
+        self.new_this_transaction += 1;
+        self.pending.push_back((new, true));
+        let old = std::mem::replace(&mut self.bitmap_blocks[i], new);
+        if old != 0 {
+            self.pending.push_back((old, false));
+        }
+    }
+
+    /// Whether `b` is free now and was at the last commit.
+    fn free_in_both(&self, b: u64) -> bool {
+        self.counts[b as usize] == 0 && self.before.get(&b).is_none_or(|&c| c == 0)
+    }
+
+    /// `sm_ll_find_common_free_block` from `begin` to the end, then from
+    /// 0 to `begin`.
+    fn find_common_free(&self) -> Option<u64> {
+        let n = self.nr_blocks();
+        let begin = self.begin.min(n);
+        (begin..n).chain(0..begin).find(|&b| self.free_in_both(b))
+    }
+
+    /// A block free now and at the last commit, with its count set to 1
+    /// (`sm_metadata_new_block`, `sm_disk_new_block`).
+    pub fn alloc(&mut self) -> Option<u64> {
+        let b = self.find_common_free()?;
+        self.begin = b + 1;
+        self.new_this_transaction += 1;
+        self.inc(b);
+        Some(b)
+    }
+
+    /// Bitmaps of a disk space map first changed in this transaction
+    /// whose new block is still to be allocated (in the order they
+    /// changed); the owner gives each one ([`SpaceMap::set_bitmap_block`]).
+    pub fn take_unshadowed(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.unshadowed)
+    }
+
+    /// Put bitmap `i` back among those still to be given a block.
+    pub fn requeue_unshadowed(&mut self, i: usize) {
+        self.unshadowed.push(i);
+    }
+
+    /// Bitmap `i` is now at block `b`; returns where it was (0: nowhere).
+    pub fn set_bitmap_block(&mut self, i: usize, b: u64) -> u64 {
+        std::mem::replace(&mut self.bitmap_blocks[i], b)
+    }
+
+    /// Grow to `nr_blocks` (a resized data device): the new bitmaps are
+    /// made at the owner's next [`SpaceMap::take_unshadowed`]
+    /// (`sm_ll_extend`).
     pub fn extend(&mut self, nr_blocks: u64) {
         if nr_blocks <= self.nr_blocks() {
             return;
         }
+        let old = self.nr_bitmaps();
         self.counts.resize(nr_blocks as usize, 0);
         let n = nr_bitmaps(nr_blocks);
-        if let Some(last) = self.dirty.last_mut() {
-            *last = true;
-        }
-        self.dirty.resize(n, true);
         self.bitmap_blocks.resize(n, 0);
         self.fresh.resize(n, false);
+        self.index_changed = true;
+        if let Some(last) = old.checked_sub(1) {
+            // The last bitmap counts more blocks: its index entry changes.
+            if !self.fresh[last] {
+                self.fresh[last] = true;
+                self.unshadowed.push(last);
+            }
+        }
+        for i in old..n {
+            self.fresh[i] = true;
+            self.unshadowed.push(i);
+        }
+    }
+
+    /// Grow the metadata space map to `nr_blocks` (`sm_metadata_extend`):
+    /// the new bitmaps go at the first new blocks, counted once.
+    pub fn extend_metadata(&mut self, nr_blocks: u64) {
+        let old_len = self.nr_blocks();
+        if nr_blocks <= old_len {
+            return;
+        }
+        let old = self.nr_bitmaps();
+        self.counts.resize(nr_blocks as usize, 0);
+        let n = nr_bitmaps(nr_blocks);
+        self.bitmap_blocks.resize(n, 0);
+        self.fresh.resize(n, false);
+        self.index_changed = true;
+        let mut next = old_len;
+        for i in old..n {
+            self.bitmap_blocks[i] = next;
+            self.fresh[i] = true;
+            next += 1;
+        }
+        for b in old_len..next {
+            self.inc(b);
+        }
+        self.begin = next;
     }
 
     /// The counts bitmap `i` covers.
@@ -208,12 +411,24 @@ impl SpaceMap {
             .collect()
     }
 
-    /// The transaction is on disk: freed blocks may be reused, bitmaps
-    /// are clean.
+    /// The space map's own commit (`sm_metadata_commit`,
+    /// `sm_disk_commit`): the counts now are the committed ones. Its
+    /// blocks stay made in this transaction until
+    /// [`SpaceMap::committed`].
+    pub fn sm_committed(&mut self) {
+        self.before.clear();
+        self.allocated_at_commit = self.allocated;
+        self.new_this_transaction = 0;
+        self.index_changed = false;
+        self.overflow_changed = false;
+    }
+
+    /// The transaction is on disk (`dm_tm_commit`): every block is the
+    /// last commit's, changed again only through a copy.
     pub fn committed(&mut self) {
-        self.freed.clear();
-        self.dirty.iter_mut().for_each(|d| *d = false);
+        self.sm_committed();
         self.fresh.iter_mut().for_each(|f| *f = false);
+        self.index_fresh = false;
     }
 }
 

@@ -207,6 +207,13 @@ impl Tm {
         )
     }
 
+    /// Block `b`, already counted and made in this transaction (the
+    /// bootstrap's), holds `n`.
+    pub fn adopt_node(&mut self, b: u64, n: Node) {
+        self.shadows.insert(b);
+        self.cache.insert(b, Arc::new(n));
+    }
+
     /// A new block holding `n`.
     pub fn new_node(&mut self, n: Node) -> Result<u64, PdError> {
         let b = self.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
@@ -229,6 +236,18 @@ impl Tm {
         let copy = self.new_node((*n).clone())?;
         self.meta.dec(b)?;
         Ok((copy, count > 1))
+    }
+
+    /// `dm_tm_shadow_block` of a superblock at `at` held once more (a
+    /// metadata snapshot, `__reserve_metadata_snap`,
+    /// `metadata_take_snap`): the reference taken first, then the copy's
+    /// block, then the reference dropped, as the kernel does. Returns the
+    /// copy's block; the caller queues its contents.
+    pub fn copy_superblock(&mut self, at: u64) -> Result<u64, PdError> {
+        self.meta.inc(at);
+        let copy = self.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+        self.meta.dec(at)?;
+        Ok(copy)
     }
 
     /// Block `b` was freed: forget its node.

@@ -6,14 +6,13 @@
 //! on [`crate::persistent_data`]. Committed copy-on-write as
 //! `metadata_commit` does: space map, new blocks, flush, superblock.
 
-use crate::persistent_data::bitmap::{SmRoot, ENTRIES_PER_BITMAP, MAX_METADATA_BITMAPS};
+use crate::persistent_data::bitmap::SmRoot;
 use crate::persistent_data::block_manager::BlockManager;
 use crate::persistent_data::checksum::{seal, verify};
-use crate::persistent_data::space_map::SpaceMap;
 use crate::persistent_data::tm::Tm;
 use crate::persistent_data::value_type::{Le32, ValueType};
 use crate::persistent_data::{
-    array, bitset, btree, le32, le64, put32, put64, sm_metadata, FormatError, PdError, BLOCK_SIZE,
+    self, array, bitset, btree, le32, le64, put32, put64, FormatError, PdError, BLOCK_SIZE,
 };
 use blkstack_core::DeviceRef;
 
@@ -200,7 +199,7 @@ pub struct EraMetadata {
 /// Metadata blocks a device of `bytes` holds, capped at what the
 /// metadata space map counts (`DM_SM_METADATA_MAX_BLOCKS`).
 pub fn metadata_blocks_of(bytes: u64) -> u64 {
-    (bytes / BLOCK_SIZE as u64).min(MAX_METADATA_BITMAPS as u64 * ENTRIES_PER_BITMAP)
+    persistent_data::metadata_blocks_of(bytes)
 }
 
 impl EraMetadata {
@@ -214,10 +213,11 @@ impl EraMetadata {
                 dev.size()
             )));
         }
-        let mut tm = Tm::new(BlockManager::new(dev), SpaceMap::new(nr_meta));
-        let first = tm.read_block(LOCATION)?;
+        let probe = BlockManager::new(dev.clone());
+        let first = probe.read_block(LOCATION)?;
         if first.iter().all(|&x| x == 0) {
-            tm.meta.inc(LOCATION);
+            // `create_fresh_metadata`.
+            let mut tm = persistent_data::format(dev, nr_meta);
             let writeset_tree_root = btree::build(&mut tm, &[], &mut Writesets)?;
             let era_array_root = array::empty(&mut tm, &mut Le32)?;
             let mut md = EraMetadata::new(tm, block_size);
@@ -240,8 +240,7 @@ impl EraMetadata {
                 ms.nr_blocks
             )));
         }
-        tm.meta = SpaceMap::new(ms.nr_blocks);
-        tm.meta = sm_metadata::open(&mut tm, ms)?;
+        let tm = persistent_data::open(dev, ms)?;
         let mut md = EraMetadata::new(tm, block_size);
         md.nr_blocks = sb.nr_blocks;
         md.current_era = sb.current_era;
@@ -281,7 +280,7 @@ impl EraMetadata {
     /// `metadata_get_stats`.
     pub fn stats(&self) -> Stats {
         Stats {
-            used: self.tm.meta.nr_allocated(),
+            used: self.tm.meta.nr_blocks() - self.tm.meta.nr_free(),
             total: self.tm.meta.nr_blocks(),
             era: self.current_era,
             snap: self.metadata_snap,
@@ -355,11 +354,8 @@ impl EraMetadata {
 
     /// `metadata_commit`.
     pub fn commit(&mut self) -> Result<(), EraError> {
-        let metadata_sm = sm_metadata::commit(&mut self.tm)?;
-        self.tm.write_shadows()?;
-        self.tm.flush()?;
         let sb = Superblock {
-            metadata_sm,
+            metadata_sm: SmRoot::default(),
             data_block_size: self.block_size,
             nr_blocks: self.nr_blocks,
             current_era: self.current_era,
@@ -368,10 +364,9 @@ impl EraMetadata {
             era_array_root: self.era_array_root,
             metadata_snap: self.metadata_snap,
         };
-        self.tm
-            .write_block(LOCATION, &mut sb.encode(LOCATION), true)?;
-        self.tm.flush()?;
-        self.tm.committed();
+        persistent_data::commit(&mut self.tm, |metadata_sm| {
+            Superblock { metadata_sm, ..sb }.encode(LOCATION)
+        })?;
         Ok(())
     }
 
@@ -386,7 +381,7 @@ impl EraMetadata {
         self.rollover()?;
         self.commit()?;
         let mut raw = self.tm.read_block(LOCATION)?;
-        let clone = self.tm.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+        let clone = self.tm.copy_superblock(LOCATION)?;
         put64(&mut raw, 8, clone);
         seal(&mut raw, SB_CSUM_XOR);
         self.tm.queue_raw(clone, raw);

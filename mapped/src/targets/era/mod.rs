@@ -256,8 +256,20 @@ impl Target for EraTarget {
         self.shared.origin.submit(bio);
     }
 
+    /// `era_status`: the statistics through the worker, which commits
+    /// after them as `process_rpc_calls` does (so the count shows the
+    /// running transaction's new blocks, and the next one what the commit
+    /// left); "Error" when the commit fails.
     fn status(&self) -> String {
-        let s = self.shared.md.lock().stats();
+        let s = {
+            let mut md = self.shared.md.lock();
+            let s = md.stats();
+            if let Err(e) = md.commit() {
+                tracing::error!(error = %e, "era: commit after the status failed");
+                return "Error".to_string();
+            }
+            s
+        };
         let snap = if s.snap == LOCATION {
             "-".to_string()
         } else {

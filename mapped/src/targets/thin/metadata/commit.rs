@@ -5,22 +5,20 @@
 
 use super::super::format::details::DeviceDetails;
 use super::super::format::superblock::{self, Superblock};
-use super::super::format::BLOCK_SIZE;
 use super::values::Details;
 use super::{DevState, MetadataError, PoolMetadata};
-use crate::persistent_data::bitmap::{ENTRIES_PER_BITMAP, MAX_METADATA_BITMAPS};
 use crate::persistent_data::block_manager::BlockManager;
 use crate::persistent_data::space_map::SpaceMap;
 use crate::persistent_data::tm::Tm;
 use crate::persistent_data::value_type::Le64;
-use crate::persistent_data::{btree, sm_disk, sm_metadata};
+use crate::persistent_data::{self, btree, sm_disk, sm_metadata};
 use crate::target::DevArg;
 use std::collections::BTreeMap;
 
 /// The metadata blocks a device of `bytes` has room for
 /// (`THIN_METADATA_MAX_SECTORS` caps it at what 255 bitmaps count).
 pub fn metadata_blocks_of(bytes: u64) -> u64 {
-    (bytes / BLOCK_SIZE as u64).min(MAX_METADATA_BITMAPS as u64 * ENTRIES_PER_BITMAP)
+    crate::persistent_data::metadata_blocks_of(bytes)
 }
 
 pub(super) fn open(
@@ -35,10 +33,11 @@ pub(super) fn open(
             dev.dev.size()
         )));
     }
-    let tm = Tm::new(BlockManager::new(dev.dev), SpaceMap::new(nr_meta));
+    let tm = Tm::new(BlockManager::new(dev.dev.clone()), SpaceMap::new(nr_meta));
     let first = tm.read_block(superblock::LOCATION)?;
     if Superblock::is_blank(&first) {
-        return format(tm, SpaceMap::new(data_blocks), data_block_size);
+        let tm = persistent_data::format(dev.dev, nr_meta);
+        return format(tm, data_blocks, data_block_size);
     }
     let sb = Superblock::decode(&first, superblock::LOCATION)?;
     if sb.data_block_size != data_block_size {
@@ -50,8 +49,17 @@ pub(super) fn open(
     load(tm, sb, data_blocks)
 }
 
-fn format(mut tm: Tm, data: SpaceMap, data_block_size: u32) -> Result<PoolMetadata, MetadataError> {
-    tm.meta.inc(superblock::LOCATION);
+/// `__format_metadata` and the first `pool_preresume`: the data space
+/// map made empty (`dm_sm_disk_create(tm, 0)`), the mapping and details
+/// trees, a commit; then the data space map grown to the data device
+/// (`dm_pool_resize_data_dev`) and committed again, so the blocks in use
+/// are the kernel's after `dmsetup create` of a fresh pool.
+fn format(
+    mut tm: Tm,
+    data_blocks: u64,
+    data_block_size: u32,
+) -> Result<PoolMetadata, MetadataError> {
+    let data = sm_disk::create(&mut tm, 0)?;
     let root = btree::build(&mut tm, &[], &mut Le64)?;
     let details_root = btree::build(&mut tm, &[], &mut Details)?;
     let mut pmd = PoolMetadata {
@@ -68,6 +76,9 @@ fn format(mut tm: Tm, data: SpaceMap, data_block_size: u32) -> Result<PoolMetada
         cache: Default::default(),
         dirty: true,
     };
+    commit(&mut pmd)?;
+    pmd.data.extend(data_blocks);
+    sm_disk::shadow_bitmaps(&mut pmd.tm, &mut pmd.data)?;
     commit(&mut pmd)?;
     Ok(pmd)
 }
@@ -127,10 +138,6 @@ fn load(mut tm: Tm, sb: Superblock, data_blocks: u64) -> Result<PoolMetadata, Me
 pub(super) fn commit(pmd: &mut PoolMetadata) -> Result<(), MetadataError> {
     write_changed_details(pmd)?;
     let data_sm = sm_disk::commit(&mut pmd.tm, &mut pmd.data)?;
-    let metadata_sm = sm_metadata::commit(&mut pmd.tm)?;
-    let tm = &mut pmd.tm;
-    tm.write_shadows()?;
-    tm.flush()?;
     let sb = Superblock {
         flags: pmd.flags,
         blocknr: superblock::LOCATION,
@@ -138,15 +145,15 @@ pub(super) fn commit(pmd: &mut PoolMetadata) -> Result<(), MetadataError> {
         trans_id: pmd.trans_id,
         held_root: pmd.held_root,
         data_sm,
-        metadata_sm,
+        metadata_sm: Default::default(),
         data_mapping_root: pmd.root,
         device_details_root: pmd.details_root,
         data_block_size: pmd.data_block_size,
-        metadata_nr_blocks: tm.meta.nr_blocks(),
+        metadata_nr_blocks: pmd.tm.meta.nr_blocks(),
     };
-    tm.write_block(superblock::LOCATION, &mut sb.encode(), true)?;
-    tm.flush()?;
-    tm.committed();
+    persistent_data::commit(&mut pmd.tm, |metadata_sm| {
+        Superblock { metadata_sm, ..sb }.encode()
+    })?;
     pmd.data.committed();
     pmd.dirty = false;
     Ok(())

@@ -24,7 +24,7 @@ use super::format::FormatError;
 use crate::persistent_data::space_map::{self, SpaceMap};
 use crate::persistent_data::tm::Tm;
 use crate::persistent_data::value_type::{Le64, ValueType};
-use crate::persistent_data::{btree, PdError};
+use crate::persistent_data::{btree, sm_disk, PdError};
 use mapping_cache::MappingCache;
 use std::collections::BTreeMap;
 use values::{device_trees, BlockTimes, Details};
@@ -164,6 +164,9 @@ impl PoolMetadata {
         for &b in in_flight {
             self.data.inc(b);
         }
+        // Their bitmap's new block; left for the next change or commit
+        // (which report a failure) if there is no metadata space.
+        let _ = sm_disk::shadow_bitmaps(&mut self.tm, &mut self.data);
         r
     }
 
@@ -391,6 +394,10 @@ impl PoolMetadata {
     pub fn alloc_data_block(&mut self) -> Option<u64> {
         let b = self.data.alloc()?;
         self.dirty = true;
+        if sm_disk::shadow_bitmaps(&mut self.tm, &mut self.data).is_err() {
+            // No metadata block for the data bitmap: the commit fails.
+            tracing::warn!("no metadata space for a data space map bitmap");
+        }
         Some(b)
     }
 
@@ -398,7 +405,7 @@ impl PoolMetadata {
     /// mapped (a write that failed).
     pub fn free_data_block(&mut self, b: u64) -> Result<(), MetadataError> {
         self.data.dec(b)?;
-        Ok(())
+        Ok(sm_disk::shadow_bitmaps(&mut self.tm, &mut self.data)?)
     }
 
     /// Whether [`Self::insert_block`] of `vblock` would read nothing from
@@ -482,6 +489,7 @@ impl PoolMetadata {
         }
         if nr_blocks > have {
             self.data.extend(nr_blocks);
+            sm_disk::shadow_bitmaps(&mut self.tm, &mut self.data)?;
             self.dirty = true;
         }
         Ok(())
@@ -501,7 +509,7 @@ impl PoolMetadata {
         if now == have {
             return Ok(false);
         }
-        self.tm.meta.extend(now);
+        self.tm.meta.extend_metadata(now);
         self.dirty = true;
         Ok(true)
     }
@@ -518,9 +526,7 @@ impl PoolMetadata {
         self.commit()?;
         let copy = self
             .tm
-            .meta
-            .alloc()
-            .ok_or(MetadataError::Pd(PdError::NoMetadataSpace))?;
+            .copy_superblock(super::format::superblock::LOCATION)?;
         let sb = Superblock {
             flags: self.flags,
             blocknr: copy,

@@ -6,6 +6,7 @@
 //! and the device details, which refer to nothing.
 
 use super::super::format::details::DeviceDetails;
+use crate::persistent_data::sm_disk;
 use crate::persistent_data::space_map::SpaceMap;
 use crate::persistent_data::tm::Tm;
 use crate::persistent_data::value_type::{Subtrees, ValueType};
@@ -27,12 +28,15 @@ impl ValueType for BlockTimes<'_> {
     fn pack(v: &u64, out: &mut [u8]) {
         out[..8].copy_from_slice(&v.to_le_bytes());
     }
-    fn inc(&mut self, _tm: &mut Tm, v: &u64) {
+    fn inc(&mut self, tm: &mut Tm, v: &u64) {
         self.data.inc(v >> 24);
+        // A bitmap left without its block (no metadata space) gets it at
+        // the next change or the commit, which report the failure.
+        let _ = sm_disk::shadow_bitmaps(tm, self.data);
     }
-    fn dec(&mut self, _tm: &mut Tm, v: &u64) -> Result<(), PdError> {
+    fn dec(&mut self, tm: &mut Tm, v: &u64) -> Result<(), PdError> {
         self.data.dec(v >> 24)?;
-        Ok(())
+        sm_disk::shadow_bitmaps(tm, self.data)
     }
     /// `data_block_equal`: the same data block, whatever the time.
     fn equal(&self, a: &u64, b: &u64) -> bool {
