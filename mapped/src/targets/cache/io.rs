@@ -17,8 +17,9 @@
 //!
 //! Differences: migrations run one at a time on the worker with
 //! synchronous copies (the kernel's are asynchronous through kcopyd,
-//! bounded by `migration_threshold`, which here only gates them); a full
-//! block write miss is not promoted by overwrite (`optimisable_bio`).
+//! bounded by `migration_threshold`, which here only gates them); a whole
+//! block write miss promoted at once (`optimisable_bio`) goes to the
+//! origin and is then copied, rather than written to the cache directly.
 
 use super::metadata::{CacheMdError, CacheMetadata, Stats};
 use super::smq::{Smq, Work, WorkOp};
@@ -228,7 +229,12 @@ impl Shared {
             return;
         }
         let had_work = core.policy.has_work();
-        let hit = core.policy.lookup(ob, write, false);
+        // `optimisable_bio`: a whole-block write may be promoted at once
+        // while the cache has free blocks.
+        let whole = write && bio.offset % self.block_bytes == 0 && bio.len == self.block_bytes;
+        let hit = core
+            .policy
+            .lookup(ob, write, whole && self.mode != IoMode::Passthrough);
         if !had_work && core.policy.has_work() {
             self.cv.notify_all();
         }
