@@ -231,7 +231,8 @@ impl Shared {
         let had_work = core.policy.has_work();
         // `optimisable_bio`: a whole-block write may be promoted at once
         // while the cache has free blocks.
-        let whole = write && bio.offset % self.block_bytes == 0 && bio.len == self.block_bytes;
+        let whole =
+            write && bio.offset.is_multiple_of(self.block_bytes) && bio.len == self.block_bytes;
         let hit = core
             .policy
             .lookup(ob, write, whole && self.mode != IoMode::Passthrough);
