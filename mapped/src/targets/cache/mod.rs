@@ -183,7 +183,16 @@ fn ctr(ctx: &mut CtrContext<'_>, argv: &[&str]) -> Result<TargetRef, TargetError
     })?;
     let d_sectors = discard_block_sectors(block, ctx.len);
     let nr_dblocks = ctx.len.div_ceil(d_sectors);
-    let core = preresume(&mut md, policy, nr_cblocks, d_sectors, nr_dblocks).map_err(|e| {
+    let passthrough = features.mode == IoMode::Passthrough;
+    let core = preresume(
+        &mut md,
+        policy,
+        nr_cblocks,
+        d_sectors,
+        nr_dblocks,
+        passthrough,
+    )
+    .map_err(|e| {
         tracing::error!(error = %e, "cache: preresume failed");
         TargetError::Invalid(format!("Error preparing metadata: {e}"))
     })?;
@@ -256,6 +265,7 @@ fn preresume(
     nr_cblocks: u32,
     d_sectors: u64,
     nr_dblocks: u64,
+    passthrough: bool,
 ) -> Result<Core, metadata::CacheMdError> {
     if md.cache_blocks() != nr_cblocks {
         md.resize(nr_cblocks)?;
@@ -265,6 +275,11 @@ fn preresume(
     let mut dirty = vec![false; nr_cblocks as usize];
     let mut nr_dirty = 0;
     for m in &mappings {
+        if m.dirty && passthrough {
+            return Err(metadata::CacheMdError::Refused(
+                "cannot enter passthrough mode unless all blocks are clean".into(),
+            ));
+        }
         policy.load_mapping(m.oblock, m.cblock, m.dirty, m.hint);
         if m.dirty {
             dirty[m.cblock as usize] = true;
