@@ -123,7 +123,8 @@ pub struct Shared {
     pub migration_threshold: AtomicU64,
     /// Hit/miss/migration counters.
     pub counters: Counters,
-    last_io: Mutex<Instant>,
+    /// When the last bio arrived, in `clock::now_ns` nanoseconds.
+    last_io: AtomicU64,
 }
 
 impl Shared {
@@ -157,7 +158,7 @@ impl Shared {
             discard_passdown,
             migration_threshold: AtomicU64::new(2048),
             counters: Counters::default(),
-            last_io: Mutex::new(Instant::now()),
+            last_io: AtomicU64::new(blkstack_core::clock::now_ns()),
         }
     }
 }
@@ -202,7 +203,8 @@ fn needs_worker(bio: &Bio) -> bool {
 impl Shared {
     /// `cache_map`.
     pub fn map(self: &Arc<Self>, bio: Bio) {
-        *self.last_io.lock() = Instant::now();
+        self.last_io
+            .store(blkstack_core::clock::now_ns(), Ordering::Relaxed);
         if needs_worker(&bio) {
             return self.defer(bio);
         }
@@ -493,7 +495,8 @@ impl Shared {
     }
 
     fn idle(&self) -> bool {
-        self.last_io.lock().elapsed() >= IDLE_AFTER
+        let last = self.last_io.load(Ordering::Relaxed);
+        blkstack_core::clock::now_ns().saturating_sub(last) >= IDLE_AFTER.as_nanos() as u64
     }
 
     /// The worker (`do_worker` + `check_migrations` + `do_waker`).
