@@ -107,21 +107,23 @@ fn discard_block_sectors(block: u64, origin: u64) -> u64 {
     d
 }
 
+/// `dm_get_device`'s own error (ENOENT for no such device) is what the
+/// kernel returns, under the `ti->error`.
 fn ctr(ctx: &mut CtrContext<'_>, argv: &[&str]) -> Result<TargetRef, TargetError> {
     let mut args = argv;
     let md_arg = shift(&mut args)?;
     let metadata = ctx
         .get_device(md_arg, 0, 0)
-        .map_err(|_| invalid("Error opening metadata device"))?;
+        .map_err(|e| e.within("Error opening metadata device"))?;
     let cache_arg = shift(&mut args)?;
     let cache = ctx
         .get_device(cache_arg, 0, 0)
-        .map_err(|_| invalid("Error opening cache device"))?;
+        .map_err(|e| e.within("Error opening cache device"))?;
     let cache_sectors = cache.dev.size() / SECTOR_SIZE;
     let origin_arg = shift(&mut args)?;
     let origin = ctx
         .get_device(origin_arg, 0, 0)
-        .map_err(|_| invalid("Error opening origin device"))?;
+        .map_err(|e| e.within("Error opening origin device"))?;
     if ctx.len > origin.dev.size() / SECTOR_SIZE {
         return Err(invalid("Device size larger than cached device"));
     }
