@@ -3,7 +3,7 @@
 
 SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump veritysetup cryptsetup
 
-.PHONY: test deps check lab loom fuzz thin-crash era-crash crashtest
+.PHONY: test deps check lab loom fuzz thin-crash era-crash cache-crash crashtest
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page, and iproute2 for the multi-host
@@ -88,6 +88,12 @@ thin-crash:
 ERA_CRASH_ROUNDS ?= 50
 era-crash:
 	BLKSTACK_ERA_CRASH_ROUNDS=$(ERA_CRASH_ROUNDS) cargo test -p blkstack --release --test era_crash kill_9 -- --nocapture
+
+# CACHE_CRASH_ROUNDS kill -9s of `blkstack serve` over a cache device,
+# cache_check and a read-back of every flushed write after each.
+CACHE_CRASH_ROUNDS ?= 50
+cache-crash:
+	BLKSTACK_CACHE_CRASH_ROUNDS=$(CACHE_CRASH_ROUNDS) cargo test -p blkstack --release --test cache_crash -- --nocapture
 
 # Each cargo-fuzz target (fuzz/fuzz_targets/) for FUZZ_SECS seconds, one
 # after another, on nightly. New inputs go to fuzz/work/TARGET (ignored by

@@ -53,12 +53,12 @@ smp=${KERNEL_VM_SMP:-2}
 mem=${KERNEL_VM_MEM:-1024}
 # Bumped whenever what goes into the base initramfs changes, so a cached
 # one from an older script is rebuilt.
-layout=10
+layout=11
 
 # Modules loaded at boot (the rest are in the initramfs for `modprobe`).
 PRELOAD="virtio_blk virtio_net dm-mod"
 MODULES="$PRELOAD dm-zero dm-delay dm-flakey dm-multipath dm-round-robin
-  dm-queue-length dm-service-time dm-log-writes dm-thin-pool dm-snapshot dm-era
+  dm-queue-length dm-service-time dm-log-writes dm-thin-pool dm-snapshot dm-era dm-cache dm-cache-smq
   dm-crypt xts essiv crypto_null dm-verity nbd null_blk ublk_drv ext4 xfs loop"
 TOOLS="dmsetup mkfs.ext4 mke2fs e2fsck mkfs.xfs xfs_repair xfs_db nbd-client
   blockdev"

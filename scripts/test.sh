@@ -74,7 +74,7 @@ run_binary() {
 # each runs once whichever lane reaches it first.
 vm_queue() {
   local order="kernel_crashtest kernel_ublk kernel_fs kernel_parity kernel_powercut kernel_thin
-    kernel_verity kernel_snapshot kernel_mpath kernel_vhost_user_blk kernel_crypt kernel_nbd kernel_era
+    kernel_verity kernel_snapshot kernel_mpath kernel_vhost_user_blk kernel_crypt kernel_nbd kernel_era kernel_cache
     kernel_log_writes"
   local n
   for n in $order $(awk '$1 ~ /^kernel_/ {print $1}' "$logs/binaries"); do

@@ -1,6 +1,7 @@
 //! The target types a table may name. Adding a target is one file here and
 //! one line in [`TYPES`].
 
+pub mod cache;
 pub mod crypt;
 pub mod delay;
 pub(crate) mod dust;
@@ -50,6 +51,7 @@ pub static TYPES: &[TargetType] = &[
     snapshot::merge::TYPE,
     era::TYPE,
     crypt::TYPE,
+    cache::TYPE,
 ];
 
 /// The target type a table line names (kernel `dm_get_target_type`);

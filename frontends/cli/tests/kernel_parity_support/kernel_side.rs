@@ -63,8 +63,9 @@ for s in LEGS; do
   d=$(readlink /dev/disk/by-serial/$s)
   echo "map $s $(cat /sys/block/${d##*/}/dev)"
 done
-# dm-crypt's ciphers: the crypto API's request_module needs them loaded.
-for m in dm-crypt xts essiv crypto_null; do modprobe $m 2>/dev/null; done
+# dm-crypt's ciphers: the crypto API's request_module needs them loaded;
+# dm-cache's policies likewise.
+for m in dm-crypt xts essiv crypto_null dm-cache dm-cache-smq; do modprobe $m 2>/dev/null; done
 dmesg -c >/dev/null
 "#;
 

@@ -1,0 +1,287 @@
+//! dm-cache metadata both ways, judged by the kernel in one VM boot: the
+//! guest's dm-cache activates caches blkstack wrote (formats 1 and 2,
+//! dirty blocks included, after a clean shutdown), shows the status
+//! blkstack shows for the same metadata and reads the data blkstack
+//! wrote; the kernel's cleaner policy then writes blkstack's dirty blocks
+//! back to the origin. The reverse: the guest formats a cache of its own
+//! and leaves dirty blocks, which `cache_check` passes and blkstack
+//! opens with the kernel's status, reads and cleans.
+
+mod kernel_vm_support;
+
+use blkstack_core::sync::submit_and_wait;
+use blkstack_core::{Op, Status};
+use blkstack_mapped::Registry;
+use blkstack_test_support::tool;
+use kernel_vm_support::*;
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const META_SECTORS: u64 = 8192;
+const CACHE_SECTORS: u64 = 2048;
+const ORIGIN_SECTORS: u64 = 32768;
+const BLOCK: u64 = 65536;
+/// Blocks blkstack caches; the first four are written again (dirty).
+const HOT: [u64; 6] = [3, 9, 40, 41, 100, 200];
+
+fn cache_reg(dir: &Path, set: &str, features: &str, policy: &str) -> Arc<Registry> {
+    let reg = Registry::new();
+    for (dev, sectors) in [
+        ("meta", META_SECTORS),
+        ("cache", CACHE_SECTORS),
+        ("orig", ORIGIN_SECTORS),
+    ] {
+        let path = dir.join(format!("{set}{dev}"));
+        reg.create(dev, &format!("0 {sectors} file {}", path.display()))
+            .unwrap();
+    }
+    reg.create(
+        "c",
+        &format!("0 {ORIGIN_SECTORS} cache meta cache orig 128 {features} {policy}"),
+    )
+    .unwrap();
+    reg
+}
+
+fn status_args(reg: &Registry) -> Vec<String> {
+    let s = reg.status_text("c").unwrap();
+    s.split_whitespace().skip(3).map(String::from).collect()
+}
+
+fn fill(b: u64, tag: u8) -> u8 {
+    (b as u8).wrapping_mul(7).wrapping_add(tag)
+}
+
+fn write_block(reg: &Registry, b: u64, byte: u8) {
+    let dev = reg.device("c").unwrap();
+    let mut buf = vec![byte; BLOCK as usize];
+    let st = submit_and_wait(&*dev, Op::Write, b * BLOCK, BLOCK, &mut buf);
+    assert_eq!(st, Status::Ok);
+}
+
+fn read_4k(reg: &Registry, b: u64) -> Vec<u8> {
+    let dev = reg.device("c").unwrap();
+    let mut buf = vec![0u8; 4096];
+    let st = submit_and_wait(&*dev, Op::Read, b * BLOCK, 4096, &mut buf);
+    assert_eq!(st, Status::Ok);
+    buf
+}
+
+fn tool_ok(name: &str, meta: &Path) -> String {
+    let out = Command::new(tool(name))
+        .arg(meta)
+        .output()
+        .expect("run the tool");
+    assert!(
+        out.status.success(),
+        "{name} {} failed:\n{}{}",
+        meta.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn md5(byte: u8) -> String {
+    let mut c = Command::new("md5sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("md5sum");
+    use std::io::Write;
+    c.stdin.take().unwrap().write_all(&[byte; 4096]).unwrap();
+    let out = c.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// The first 4 KiB of origin block `b` in the origin file.
+fn origin_byte(dir: &Path, set: &str, b: u64) -> Vec<u8> {
+    let raw = std::fs::read(dir.join(format!("{set}orig"))).unwrap();
+    raw[(b * BLOCK) as usize..(b * BLOCK + 4096) as usize].to_vec()
+}
+
+/// blkstack's cache on set `set`: the hot blocks promoted, four of them
+/// written again (dirty), removed cleanly; returns what blkstack's status
+/// shows opening (a copy of) that metadata.
+fn blkstack_writes(dir: &Path, set: &str, features: &str) -> Vec<String> {
+    let reg = cache_reg(dir, set, features, "smq 0");
+    for b in HOT {
+        write_block(&reg, b, fill(b, 1));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Promotions done (residency counts the ones still queued).
+    while status_args(&reg)[9] != HOT.len().to_string() {
+        assert!(Instant::now() < deadline, "{:?}", status_args(&reg));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for b in &HOT[..4] {
+        write_block(&reg, *b, fill(*b, 2));
+    }
+    assert_eq!(status_args(&reg)[10], "4");
+    reg.remove_all();
+    tool_ok("cache_check", &dir.join(format!("{set}meta")));
+    for dev in ["meta", "cache", "orig"] {
+        let (from, to) = (format!("{set}{dev}"), format!("copy{dev}"));
+        std::fs::copy(dir.join(from), dir.join(to)).unwrap();
+    }
+    let reg = cache_reg(dir, "copy", features, HELD);
+    let s = status_args(&reg);
+    reg.remove_all();
+    s
+}
+
+/// The policy with migrations held off: an idle cache writes dirty
+/// blocks back at once, so the first status must come before any.
+const HELD: &str = "smq 2 migration_threshold 0";
+
+const GUEST: &str = r#"
+fail() { echo "FAIL: $*"; exit 1; }
+dev() { cat /sys/block/$(basename $(readlink /dev/disk/by-serial/$1))/dev; }
+st() { dmsetup status $1 | sed 's/ *$//' | cut -d' ' -f4-; }
+r() { dd if=/dev/mapper/$1 bs=4096 count=1 skip=$(($2 * 16)) iflag=direct 2>/dev/null | md5sum; }
+w() { dd if=/test/fill-$3 of=/dev/mapper/$1 bs=65536 count=1 seek=$2 oflag=direct conv=notrunc 2>/dev/null || fail "write $*"; }
+tbl() { echo "0 ORIG cache $(dev ${1}meta) $(dev ${1}cache) $(dev ${1}orig) 128 $2 $3"; }
+clean() {
+  dmsetup create $1 --table "$(tbl $1 "$2" "cleaner 0")" || fail "cleaner on $1"
+  i=0
+  while [ "$(st $1 | cut -d' ' -f11)" != 0 ]; do
+    i=$((i + 1)); [ $i -gt 200 ] && fail "cleaner left $1 dirty: $(st $1)"; sleep 0.05
+  done
+  dmsetup remove $1 || fail "remove cleaned $1"
+}
+modprobe dm-cache || fail "modprobe dm-cache"
+modprobe dm-cache-smq || fail "modprobe dm-cache-smq"
+for s in b c; do
+  f="1 metadata2"; [ $s = c ] && f="1 writeback"
+  dmsetup create $s --table "$(tbl $s "$f" "HELD")" || fail "activate blkstack's cache $s"
+  echo "BEGIN ${s}status"; st $s; echo "END ${s}status"
+  echo "BEGIN ${s}read"; for b in HOT; do r $s $b; done; echo "END ${s}read"
+  dmsetup remove $s || fail "remove $s"
+  clean $s "$f"
+done
+dmsetup create k --table "$(tbl k 0 "HELD")" || fail "format kmeta"
+for b in 2 11 50; do w k $b p; done
+for b in 2 11; do w k $b q; done
+echo "BEGIN kstatus"; st k; echo "END kstatus"
+dmsetup remove k || fail "remove k"
+echo DONE
+"#;
+
+#[test]
+fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
+    if !vm_available() {
+        return;
+    }
+    let scratch = tempfile::tempdir().expect("scratch");
+    let dir = scratch.path();
+    for set in ["b", "c", "k"] {
+        for (dev, sectors) in [
+            ("meta", META_SECTORS),
+            ("cache", CACHE_SECTORS),
+            ("orig", ORIGIN_SECTORS),
+        ] {
+            let f = std::fs::File::create(dir.join(format!("{set}{dev}"))).unwrap();
+            f.set_len(sectors * 512).unwrap();
+        }
+    }
+    let ours_b = blkstack_writes(dir, "b", "1 metadata2");
+    let ours_c = blkstack_writes(dir, "c", "1 writeback");
+    // Dirty blocks are in the cache only.
+    assert_eq!(origin_byte(dir, "b", 3), vec![fill(3, 1); 4096]);
+    for (name, byte) in [("p", b'p'), ("q", b'q')] {
+        std::fs::write(dir.join(format!("fill-{name}")), vec![byte; BLOCK as usize]).unwrap();
+    }
+    let hot: Vec<String> = HOT.iter().map(|b| b.to_string()).collect();
+    let script = GUEST
+        .replace("ORIG", &ORIGIN_SECTORS.to_string())
+        .replace("HOT", &hot.join(" "))
+        .replace("HELD", HELD);
+    let mut vm = Vm::new()
+        .file(&dir.join("fill-p"), "/test/fill-p")
+        .file(&dir.join("fill-q"), "/test/fill-q");
+    for set in ["b", "c", "k"] {
+        for dev in ["meta", "cache", "orig"] {
+            let name = format!("{set}{dev}");
+            vm = vm.disk(&name, &dir.join(&name).display().to_string());
+        }
+    }
+    let run = vm.timeout(300).run(&script);
+    println!("{}", run.out);
+    run.assert_ok("the kernel's dm-cache over blkstack's caches, then its own");
+    assert!(run.out.contains("DONE"), "{}", run.out);
+
+    for (set, ours) in [("b", &ours_b), ("c", &ours_c)] {
+        let kernel = run.section(&format!("{set}status")).unwrap_or_default();
+        let k: Vec<&str> = kernel.split_whitespace().collect();
+        let o: Vec<&str> = ours.iter().map(String::as_str).collect();
+        println!(
+            "used metadata blocks ({set}): kernel {} blkstack {}",
+            k[1], o[1]
+        );
+        let total = |s: &str| s.split('/').nth(1).unwrap_or("").to_string();
+        assert_eq!(total(k[1]), total(o[1]), "metadata blocks in all");
+        assert_eq!(
+            k[10], "4",
+            "the kernel loads blkstack's dirty blocks: {kernel}"
+        );
+        assert_eq!(
+            (&k[..1], &k[2..]),
+            (&o[..1], &o[2..]),
+            "the kernel's status on blkstack's metadata ({set}) is blkstack's"
+        );
+        let want: Vec<String> = HOT
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| md5(fill(b, if i < 4 { 2 } else { 1 })))
+            .collect();
+        assert_eq!(
+            run.section(&format!("{set}read"))
+                .unwrap_or_default()
+                .trim(),
+            want.join("\n"),
+            "the kernel reads the cache ({set}) as blkstack wrote it"
+        );
+        // The kernel's cleaner wrote blkstack's dirty blocks back.
+        for (i, &b) in HOT.iter().enumerate() {
+            let tag = if i < 4 { 2 } else { 1 };
+            assert_eq!(
+                origin_byte(dir, set, b),
+                vec![fill(b, tag); 4096],
+                "{set} {b}"
+            );
+        }
+        tool_ok("cache_check", &dir.join(format!("{set}meta")));
+        let reg = cache_reg(dir, set, "0", HELD);
+        assert_eq!(status_args(&reg)[10], "0", "cleaned by the kernel");
+        reg.remove_all();
+    }
+
+    // The kernel's own cache, left with dirty blocks.
+    let kernel = run.section("kstatus").unwrap_or_default();
+    let k: Vec<&str> = kernel.split_whitespace().collect();
+    tool_ok("cache_check", &dir.join("kmeta"));
+    let reg = cache_reg(dir, "k", "0", HELD);
+    let o = status_args(&reg);
+    assert_eq!(
+        (o[3].as_str(), o[10].as_str()),
+        (k[3], k[10]),
+        "{kernel} / {o:?}"
+    );
+    assert_ne!(k[10], "0", "the kernel left dirty blocks: {kernel}");
+    assert_eq!(read_4k(&reg, 2), vec![b'q'; 4096]);
+    assert_eq!(read_4k(&reg, 11), vec![b'q'; 4096]);
+    assert_eq!(read_4k(&reg, 50), vec![b'p'; 4096]);
+    reg.remove_all();
+    let reg = cache_reg(dir, "k", "0", "cleaner 0");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while status_args(&reg)[10] != "0" {
+        assert!(Instant::now() < deadline, "{:?}", status_args(&reg));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    reg.remove_all();
+    tool_ok("cache_check", &dir.join("kmeta"));
+    assert_eq!(origin_byte(dir, "k", 2), vec![b'q'; 4096]);
+    assert_eq!(origin_byte(dir, "k", 50), vec![b'p'; 4096]);
+}

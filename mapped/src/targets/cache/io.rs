@@ -1,0 +1,630 @@
+//! The cache target's I/O path and worker (`dm-cache-target.c`'s
+//! `map_bio`, `process_deferred_bios`, `check_migrations` and the
+//! migration state machine `mg_*`).
+//!
+//! Hits are remapped to the cache device and misses to the origin on the
+//! submitter's thread, under the policy lock (the kernel's `mq->lock`).
+//! Everything that must wait goes to one worker thread: flushes and FUA
+//! writes (committed first, as `issue_after_commit`), discards,
+//! writethrough and passthrough write hits, and bios for a block under
+//! migration. The worker runs the policy's background work one block at a
+//! time: promotion copies origin -> cache, writeback cache -> origin,
+//! demotion drops a clean mapping; each takes the block exclusively
+//! (bios for it wait, as behind the kernel's bio prison cell) and first
+//! waits for the I/O in flight to it to drain (the kernel's quiesce).
+//! Metadata commits on FLUSH/FUA, after each migration, and every
+//! [`COMMIT_PERIOD`].
+//!
+//! Differences: migrations run one at a time on the worker with
+//! synchronous copies (the kernel's are asynchronous through kcopyd,
+//! bounded by `migration_threshold`, which here only gates them); a whole
+//! block write miss promoted at once (`optimisable_bio`) goes to the
+//! origin and is then copied, rather than written to the cache directly.
+
+use super::metadata::{CacheMdError, CacheMetadata, Stats};
+use super::smq::{Smq, Work, WorkOp};
+use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
+use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, Op, Status};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// `COMMIT_PERIOD`: the worker commits a changed transaction this often.
+pub const COMMIT_PERIOD: Duration = Duration::from_secs(1);
+/// The target is idle when no bio arrived for this long (`iot_idle_for(HZ)`).
+const IDLE_AFTER: Duration = Duration::from_secs(1);
+/// Longest a migration waits for the I/O in flight to its block.
+const QUIESCE_LIMIT: Duration = Duration::from_secs(30);
+const KIND_HIT: u64 = 0;
+const KIND_ORIGIN_WRITE: u64 = 1 << 62;
+const KIND_MASK: u64 = 3 << 62;
+const TICK: u64 = 1 << 61;
+/// The block index in a completion's private word; all ones for none.
+const INDEX_MASK: u64 = (1 << 61) - 1;
+
+/// `enum cache_io_mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoMode {
+    /// Writes to cached blocks go to the cache only (dirty).
+    Writeback,
+    /// Writes to cached blocks go to both.
+    Writethrough,
+    /// Everything goes to the origin; written cached blocks are dropped.
+    Passthrough,
+}
+
+/// What the worker and the map path share under the policy lock.
+pub struct Core {
+    /// The replacement policy.
+    pub policy: Smq,
+    /// One dirty bit per cache block (`cache->dirty_bitset`).
+    pub dirty: Vec<bool>,
+    /// Dirty blocks.
+    pub nr_dirty: u64,
+    /// One bit per discard block (`cache->discard_bitset`).
+    pub discarded: Vec<bool>,
+    /// Origin blocks under migration and the bios waiting for them.
+    locked: HashMap<u64, Vec<Bio>>,
+    /// Writes in flight to the origin, per origin block.
+    origin_writes: HashMap<u64, u32>,
+    /// Bios for the worker.
+    deferred: VecDeque<Bio>,
+    /// The worker stops.
+    stop: bool,
+    /// Background work is held off (suspended).
+    paused: bool,
+}
+
+/// The counters status shows (`struct cache_stats`).
+#[derive(Default)]
+pub struct Counters {
+    /// Reads of cached blocks.
+    pub read_hit: AtomicU32,
+    /// Reads of uncached blocks.
+    pub read_miss: AtomicU32,
+    /// Writes to cached blocks.
+    pub write_hit: AtomicU32,
+    /// Writes to uncached blocks.
+    pub write_miss: AtomicU32,
+    /// Blocks demoted (or invalidated).
+    pub demotion: AtomicU32,
+    /// Blocks promoted.
+    pub promotion: AtomicU32,
+}
+
+/// A cache's state (`struct cache`).
+pub struct Shared {
+    /// Policy, dirty bits and deferred bios.
+    pub core: Mutex<Core>,
+    cv: Condvar,
+    /// The metadata, locked after `core` when both are held.
+    pub md: Mutex<CacheMetadata>,
+    inflight: Vec<AtomicU32>,
+    need_tick: AtomicBool,
+    /// The worker holds a block (completions wake it when its I/O drains).
+    migrating: AtomicBool,
+    /// The origin device.
+    pub origin: DeviceRef,
+    /// The cache device.
+    pub cache: DeviceRef,
+    /// Bytes per cache block.
+    pub block_bytes: u64,
+    /// Whole origin blocks the cache covers.
+    pub origin_blocks: u64,
+    /// Bytes per discard block.
+    pub discard_bytes: u64,
+    /// The I/O mode.
+    pub mode: IoMode,
+    /// Discards go on to the origin.
+    pub discard_passdown: bool,
+    /// `migration_threshold`, in sectors.
+    pub migration_threshold: AtomicU64,
+    /// Hit/miss/migration counters.
+    pub counters: Counters,
+    /// When the last bio arrived, in `clock::now_ns` nanoseconds.
+    last_io: AtomicU64,
+}
+
+impl Shared {
+    /// The state for a cache of `nr_cblocks` blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        core: Core,
+        md: CacheMetadata,
+        origin: DeviceRef,
+        cache: DeviceRef,
+        block_bytes: u64,
+        origin_blocks: u64,
+        discard_bytes: u64,
+        mode: IoMode,
+        discard_passdown: bool,
+    ) -> Shared {
+        let n = core.dirty.len();
+        Shared {
+            core: Mutex::new(core),
+            cv: Condvar::new(),
+            md: Mutex::new(md),
+            inflight: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            need_tick: AtomicBool::new(true),
+            migrating: AtomicBool::new(false),
+            origin,
+            cache,
+            block_bytes,
+            origin_blocks,
+            discard_bytes,
+            mode,
+            discard_passdown,
+            migration_threshold: AtomicU64::new(2048),
+            counters: Counters::default(),
+            last_io: AtomicU64::new(blkstack_core::clock::now_ns()),
+        }
+    }
+}
+
+impl Core {
+    /// The in-core state for `nr_cblocks` cache blocks and `nr_dblocks`
+    /// discard blocks.
+    pub fn new(policy: Smq, nr_cblocks: u32, nr_dblocks: u64) -> Core {
+        Core {
+            policy,
+            dirty: vec![false; nr_cblocks as usize],
+            nr_dirty: 0,
+            discarded: vec![false; nr_dblocks as usize],
+            locked: HashMap::new(),
+            origin_writes: HashMap::new(),
+            deferred: VecDeque::new(),
+            stop: false,
+            paused: false,
+        }
+    }
+
+    fn set_dirty(&mut self, cb: u32, dirty: bool) {
+        let slot = &mut self.dirty[cb as usize];
+        if *slot != dirty {
+            *slot = dirty;
+            if dirty {
+                self.nr_dirty += 1;
+            } else {
+                self.nr_dirty -= 1;
+            }
+            self.policy.set_dirty(cb, dirty);
+        }
+    }
+}
+
+fn needs_worker(bio: &Bio) -> bool {
+    matches!(bio.op, Op::Flush | Op::Discard | Op::WriteZeroes)
+        || bio.flags.contains(BioFlags::PREFLUSH)
+        || bio.flags.contains(BioFlags::FUA)
+}
+
+impl Shared {
+    /// `cache_map`.
+    pub fn map(self: &Arc<Self>, bio: Bio) {
+        self.last_io
+            .store(blkstack_core::clock::now_ns(), Ordering::Relaxed);
+        if needs_worker(&bio) {
+            return self.defer(bio);
+        }
+        self.map_bio(bio, false);
+    }
+
+    fn defer(&self, bio: Bio) {
+        self.core.lock().deferred.push_back(bio);
+        self.cv.notify_all();
+    }
+
+    /// `map_bio`: remap one data bio (`worker`: called by the worker, which
+    /// may do writethrough and passthrough writes itself).
+    fn map_bio(self: &Arc<Self>, mut bio: Bio, worker: bool) {
+        let ob = bio.offset / self.block_bytes;
+        if ob >= self.origin_blocks {
+            // A partial block at the origin's end is never cached.
+            return self.origin.submit(bio);
+        }
+        let write = bio.op == Op::Write;
+        let mut core = self.core.lock();
+        if let Some(waiting) = core.locked.get_mut(&ob) {
+            waiting.push(bio);
+            return;
+        }
+        let had_work = core.policy.has_work();
+        // `optimisable_bio`: a whole-block write may be promoted at once
+        // while the cache has free blocks.
+        let whole =
+            write && bio.offset.is_multiple_of(self.block_bytes) && bio.len == self.block_bytes;
+        let hit = core
+            .policy
+            .lookup(ob, write, whole && self.mode != IoMode::Passthrough);
+        if !had_work && core.policy.has_work() {
+            self.cv.notify_all();
+        }
+        let c = &self.counters;
+        let tick = if self.need_tick.swap(false, Ordering::Relaxed) {
+            TICK
+        } else {
+            0
+        };
+        match hit {
+            None => {
+                if write { &c.write_miss } else { &c.read_miss }.fetch_add(1, Ordering::Relaxed);
+                if write {
+                    *core.origin_writes.entry(ob).or_insert(0) += 1;
+                    clear_discard(&mut core, ob * self.block_bytes, self.discard_bytes);
+                }
+                drop(core);
+                if write || tick != 0 {
+                    let kind = if write {
+                        KIND_ORIGIN_WRITE | ob
+                    } else {
+                        KIND_HIT | INDEX_MASK
+                    };
+                    bio.push_end(self.clone(), kind | tick);
+                }
+                self.origin.submit(bio);
+            }
+            Some(cb) => {
+                if write { &c.write_hit } else { &c.read_hit }.fetch_add(1, Ordering::Relaxed);
+                let to_worker = write
+                    && (self.mode == IoMode::Passthrough
+                        || (self.mode == IoMode::Writethrough && !core.dirty[cb as usize]));
+                if to_worker && !worker {
+                    drop(core);
+                    self.need_tick.store(true, Ordering::Relaxed);
+                    return self.defer(bio);
+                }
+                if to_worker {
+                    drop(core);
+                    return self.worker_write_hit(bio, ob, cb);
+                }
+                if self.mode == IoMode::Passthrough {
+                    drop(core);
+                    if tick != 0 {
+                        bio.push_end(self.clone(), KIND_HIT | INDEX_MASK | tick);
+                    }
+                    return self.origin.submit(bio);
+                }
+                if write {
+                    core.set_dirty(cb, true);
+                    clear_discard(&mut core, ob * self.block_bytes, self.discard_bytes);
+                }
+                self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
+                drop(core);
+                bio.push_end(self.clone(), KIND_HIT | tick | cb as u64);
+                bio.offset = cb as u64 * self.block_bytes + bio.offset % self.block_bytes;
+                self.cache.submit(bio);
+            }
+        }
+    }
+
+    /// A write hit in writethrough (origin, then cache) or passthrough
+    /// (the block is invalidated, then the write goes to the origin) mode.
+    fn worker_write_hit(self: &Arc<Self>, bio: Bio, ob: u64, cb: u32) {
+        if self.mode == IoMode::Passthrough {
+            self.lock_block(ob);
+            let ok = self.quiesce(ob, cb) && {
+                let mut core = self.core.lock();
+                core.policy.invalidate(cb)
+            };
+            if ok {
+                let r = self.md.lock().remove(cb);
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "cache: dm_cache_remove_mapping failed");
+                }
+                self.counters.demotion.fetch_add(1, Ordering::Relaxed);
+            }
+            self.unlock_block(ob);
+            return self.origin.submit(bio);
+        }
+        let mut data = bio.data().to_vec();
+        let st = submit_and_wait(&*self.origin, Op::Write, bio.offset, bio.len, &mut data);
+        if st != Status::Ok {
+            return bio.complete(st);
+        }
+        self.map_cache(bio, cb);
+    }
+
+    fn map_cache(self: &Arc<Self>, mut bio: Bio, cb: u32) {
+        self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
+        bio.push_end(self.clone(), KIND_HIT | cb as u64);
+        bio.offset = cb as u64 * self.block_bytes + bio.offset % self.block_bytes;
+        self.cache.submit(bio);
+    }
+
+    fn lock_block(&self, ob: u64) {
+        let mut core = self.core.lock();
+        core.locked.entry(ob).or_default();
+        self.migrating.store(true, Ordering::SeqCst);
+    }
+
+    fn unlock_block(self: &Arc<Self>, ob: u64) {
+        let waiting = {
+            let mut core = self.core.lock();
+            self.migrating.store(false, Ordering::SeqCst);
+            core.locked.remove(&ob).unwrap_or_default()
+        };
+        for bio in waiting {
+            self.map_bio(bio, true);
+        }
+    }
+
+    /// Wait until no bio is in flight to cache block `cb` nor writing
+    /// origin block `ob`; false if that took longer than [`QUIESCE_LIMIT`].
+    fn quiesce(&self, ob: u64, cb: u32) -> bool {
+        let deadline = Instant::now() + QUIESCE_LIMIT;
+        let mut core = self.core.lock();
+        loop {
+            let busy = self.inflight[cb as usize].load(Ordering::Acquire) != 0
+                || core.origin_writes.get(&ob).is_some_and(|&n| n > 0);
+            if !busy {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                tracing::error!(
+                    oblock = ob,
+                    cblock = cb,
+                    "cache: I/O to a migrating block did not drain"
+                );
+                return false;
+            }
+            self.cv.wait_for(&mut core, Duration::from_millis(5));
+        }
+    }
+
+    /// Copy one block between the devices; the block `from` is read at
+    /// `src` and written to `to` at `dst`.
+    fn copy(&self, from: &DeviceRef, src: u64, to: &DeviceRef, dst: u64) -> Status {
+        let mut buf = AlignedBuf::new(self.block_bytes as usize);
+        let st = submit_and_wait(&**from, Op::Read, src, self.block_bytes, buf.as_mut_slice());
+        if st != Status::Ok {
+            return st;
+        }
+        submit_and_wait(&**to, Op::Write, dst, self.block_bytes, buf.as_mut_slice())
+    }
+
+    /// Run one piece of the policy's background work (`mg_start` to
+    /// `mg_complete`).
+    fn migrate(self: &Arc<Self>, w: Work) {
+        self.lock_block(w.oblock);
+        let cpos = w.cblock as u64 * self.block_bytes;
+        let opos = w.oblock * self.block_bytes;
+        let mut ok = self.quiesce(w.oblock, w.cblock);
+        match w.op {
+            WorkOp::Promote => {
+                ok = ok && self.copy(&self.origin, opos, &self.cache, cpos) == Status::Ok;
+                ok = ok
+                    && self
+                        .md_op(|md| md.insert(w.cblock, w.oblock).and_then(|_| md.commit(false)));
+                if ok {
+                    self.counters.promotion.fetch_add(1, Ordering::Relaxed);
+                }
+                self.core.lock().policy.complete(w, ok);
+            }
+            WorkOp::Demote => {
+                ok = ok && !self.core.lock().dirty[w.cblock as usize];
+                ok = ok && self.md_op(|md| md.remove(w.cblock).and_then(|_| md.commit(false)));
+                if ok {
+                    self.counters.demotion.fetch_add(1, Ordering::Relaxed);
+                }
+                self.core.lock().policy.complete(w, ok);
+            }
+            WorkOp::Writeback => {
+                ok = ok && self.copy(&self.cache, cpos, &self.origin, opos) == Status::Ok;
+                let mut core = self.core.lock();
+                if ok {
+                    core.set_dirty(w.cblock, false);
+                }
+                core.policy.complete(w, ok);
+            }
+        }
+        self.unlock_block(w.oblock);
+    }
+
+    fn md_op(&self, f: impl FnOnce(&mut CacheMetadata) -> Result<(), CacheMdError>) -> bool {
+        match f(&mut self.md.lock()) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "cache: metadata operation failed");
+                false
+            }
+        }
+    }
+
+    /// Commit if the transaction changed (`commit(cache, false)`).
+    pub fn commit_if_changed(&self) -> bool {
+        let mut md = self.md.lock();
+        if !md.changed() {
+            return true;
+        }
+        match md.commit(false) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "cache: commit failed");
+                false
+            }
+        }
+    }
+
+    /// A flush, FUA write, discard or write-zeroes, on the worker.
+    fn process_deferred(self: &Arc<Self>, mut bio: Bio) {
+        match bio.op {
+            Op::Discard => return self.process_discard(bio),
+            Op::WriteZeroes => return bio.complete(Status::NotSupported),
+            _ => {}
+        }
+        let flushes = bio.op == Op::Flush || bio.flags.contains(BioFlags::PREFLUSH);
+        let fua = bio.flags.contains(BioFlags::FUA);
+        if (flushes || fua) && !self.commit_if_changed() {
+            return bio.complete(Status::IoError);
+        }
+        if flushes {
+            for dev in [&self.origin, &self.cache] {
+                let st = submit_and_wait_flags(&**dev, Op::Flush, BioFlags::NONE, 0, 0, &mut []);
+                if st != Status::Ok {
+                    return bio.complete(st);
+                }
+            }
+            if bio.op == Op::Flush {
+                return bio.complete(Status::Ok);
+            }
+            bio.flags.remove(BioFlags::PREFLUSH);
+        }
+        self.map_bio(bio, true);
+    }
+
+    /// `process_discard_bio`: mark the whole discard blocks covered, and
+    /// pass the discard to the origin unless `no_discard_passdown`.
+    fn process_discard(&self, bio: Bio) {
+        {
+            let mut core = self.core.lock();
+            let b = bio.offset.div_ceil(self.discard_bytes);
+            let e = bio.end() / self.discard_bytes;
+            for d in b..e {
+                if let Some(slot) = core.discarded.get_mut(d as usize) {
+                    *slot = true;
+                }
+            }
+        }
+        if self.discard_passdown {
+            self.origin.submit(bio);
+        } else {
+            bio.complete(Status::Ok);
+        }
+    }
+
+    fn idle(&self) -> bool {
+        let last = self.last_io.load(Ordering::Relaxed);
+        blkstack_core::clock::now_ns().saturating_sub(last) >= IDLE_AFTER.as_nanos() as u64
+    }
+
+    /// The worker (`do_worker` + `check_migrations` + `do_waker`).
+    pub fn run(self: &Arc<Self>) {
+        let mut last_commit = Instant::now();
+        loop {
+            let (batch, work) = {
+                let mut core = self.core.lock();
+                if core.stop && core.deferred.is_empty() {
+                    return;
+                }
+                let batch: Vec<Bio> = core.deferred.drain(..).collect();
+                let allowed = !core.paused
+                    && !core.stop
+                    && self.migration_threshold.load(Ordering::Relaxed) >= self.block_bytes / 512;
+                let work = if allowed {
+                    core.policy.background_work(self.idle())
+                } else {
+                    None
+                };
+                if batch.is_empty() && work.is_none() {
+                    let wait = COMMIT_PERIOD.saturating_sub(last_commit.elapsed());
+                    self.cv
+                        .wait_for(&mut core, wait.max(Duration::from_millis(10)));
+                }
+                (batch, work)
+            };
+            for bio in batch {
+                self.process_deferred(bio);
+            }
+            if let Some(w) = work {
+                self.migrate(w);
+            }
+            if last_commit.elapsed() >= COMMIT_PERIOD {
+                self.commit_if_changed();
+                last_commit = Instant::now();
+            }
+        }
+    }
+
+    /// Hold off background work and wait for the one running to end.
+    pub fn pause(&self, paused: bool) {
+        let mut core = self.core.lock();
+        core.paused = paused;
+        let deadline = Instant::now() + QUIESCE_LIMIT;
+        while paused && self.migrating.load(Ordering::SeqCst) && Instant::now() < deadline {
+            self.cv.wait_for(&mut core, Duration::from_millis(5));
+        }
+        drop(core);
+        self.cv.notify_all();
+    }
+
+    /// Stop the worker once the deferred bios are done.
+    pub fn stop(&self) {
+        self.core.lock().stop = true;
+        self.cv.notify_all();
+    }
+
+    /// `sync_metadata`: dirty bits, discards, counters and hints, then a
+    /// commit that marks a clean shutdown (only if all of it was written).
+    pub fn sync_metadata(&self) -> bool {
+        let core = self.core.lock();
+        let mut md = self.md.lock();
+        let c = &self.counters;
+        md.set_stats(Stats {
+            read_hits: c.read_hit.load(Ordering::Relaxed),
+            read_misses: c.read_miss.load(Ordering::Relaxed),
+            write_hits: c.write_hit.load(Ordering::Relaxed),
+            write_misses: c.write_miss.load(Ordering::Relaxed),
+        });
+        let hints: Vec<u32> = (0..core.dirty.len() as u32)
+            .map(|cb| core.policy.hint(cb))
+            .collect();
+        let r1 = md.set_dirty_bits(&core.dirty);
+        let r2 = md.write_discards(self.discard_bytes / 512, &core.discarded);
+        let r3 = md.write_hints(core.policy.name(), super::smq::VERSION, &hints);
+        let all = r1.is_ok() && r2.is_ok() && r3.is_ok();
+        for e in [r1, r2, r3].into_iter().filter_map(Result::err) {
+            tracing::error!(error = %e, "cache: could not write metadata at shutdown");
+        }
+        match md.commit(all) {
+            Ok(()) => all,
+            Err(e) => {
+                tracing::error!(error = %e, "cache: could not write cache metadata");
+                false
+            }
+        }
+    }
+}
+
+fn clear_discard(core: &mut Core, pos: u64, discard_bytes: u64) {
+    if let Some(slot) = core.discarded.get_mut((pos / discard_bytes) as usize) {
+        *slot = false;
+    }
+}
+
+impl EndIo for Shared {
+    /// `cache_end_io`: the bio's block is no longer busy; a tick bio
+    /// ticks the policy.
+    fn end_io(&self, bio: Bio, status: Status, private: u64) {
+        let index = private & INDEX_MASK;
+        match private & KIND_MASK {
+            KIND_ORIGIN_WRITE => {
+                let mut core = self.core.lock();
+                if let Some(n) = core.origin_writes.get_mut(&index) {
+                    *n -= 1;
+                    if *n == 0 {
+                        core.origin_writes.remove(&index);
+                    }
+                }
+                if self.migrating.load(Ordering::SeqCst) {
+                    self.cv.notify_all();
+                }
+            }
+            _ => {
+                if let Some(n) = self.inflight.get(index as usize) {
+                    if n.fetch_sub(1, Ordering::AcqRel) == 1
+                        && self.migrating.load(Ordering::SeqCst)
+                    {
+                        self.cv.notify_all();
+                    }
+                }
+            }
+        }
+        if private & TICK != 0 {
+            self.core.lock().policy.tick();
+            self.need_tick.store(true, Ordering::Relaxed);
+        }
+        bio.complete(status);
+    }
+}

@@ -1,0 +1,46 @@
+#!/bin/sh
+# The cache hit-path benchmark (issue 39; docs/BENCHMARKS.md): 4 KiB
+# random reads of a hot set through blkstack's `cache` target (smq,
+# writeback) whose cache device is a `memory` device and whose origin is
+# a `delay` (1 ms reads) over another, beside the same reads of the raw
+# cache device, in process (`blkstack bench`). The cache run warms for
+# WARM seconds first (`--ramp_time`, not counted): misses cost the 1 ms
+# origin read, and smq promotes the hot blocks as they climb its hotspot
+# queue; what is measured is the warm hit path. Rows are interleaved,
+# ROUNDS of each; the medians and their ratio are printed (goal: the
+# cache at least 0.9 of raw).
+#   scripts/bench-cache.sh [ROUNDS] [SECONDS] [WARM] [BLKSTACK]
+set -eu
+ROUNDS=${1:-3}
+SECS=${2:-10}
+WARM=${3:-30}
+BIN=${4:-target/release/blkstack}
+D=$(mktemp -d /tmp/blkstack-cache.XXXXXX)
+trap 'rm -rf "$D"' EXIT
+# Origin 1 GiB, cache device 256 MiB (4096 blocks of 64 KiB), hot set the
+# first 128 MiB of the origin (fits the cache twice over).
+ORIGIN=2097152
+CACHE=524288
+HOT=128m
+cat >"$D/stack" <<EOF2
+meta: 0 16384 memory
+cdev: 0 $CACHE memory
+slowmem: 0 $ORIGIN memory
+slow: 0 $ORIGIN delay slowmem 0 1
+c: 0 $ORIGIN cache meta cdev slow 128 1 writeback smq 0
+EOF2
+iops() { # DEVICE RAMP: 4 KiB randread IOPS over the hot set
+  "$BIN" bench --stack "$D/stack" --name=hot --filename="$1" --rw=randread --bs=4k \
+    --iodepth=32 --size=$HOT --ramp_time="$2" --runtime="${SECS}s" --time_based \
+    --output-format=json 2>/dev/null |
+    python3 -c 'import json,sys; t=sys.stdin.read(); print(round(json.loads(t[t.index("{"):])["jobs"][0]["read"]["iops"]))'
+}
+: >"$D/raw"; : >"$D/c"
+for r in $(seq "$ROUNDS"); do
+  raw=$(iops cdev 0); c=$(iops c "$WARM")
+  echo "$raw" >>"$D/raw"; echo "$c" >>"$D/c"
+  echo "round $r: raw cache device=${raw} IOPS cache (warm)=${c} IOPS"
+done
+med() { sort -n "$1" | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+RAW=$(med "$D/raw"); C=$(med "$D/c")
+echo "median: raw=$RAW cache=$C ($(python3 -c "print(round($C/$RAW,3))") of raw) IOPS"
