@@ -5,12 +5,26 @@
 # Why this shape: one fio job file per row, the three servers run one
 # after the other inside every repetition (interleaved, so a noisy moment
 # on this shared 2-vCPU machine hits all three alike), medians over the
-# repetitions, and the server's own CPU time per I/O read from
-# /proc/PID/stat (utime+stime, all threads) before and after each run.
+# repetitions, and the server's own CPU time per I/O: utime+stime of all
+# its threads from /proc/PID/stat, over fio's measured window only.
+#
+# CPU per I/O, exactly over the measured window: fio runs with a ramp
+# (RAMP seconds, unmeasured: connection set-up, TLS handshake, first
+# touches) and writes an IOPS log with Unix timestamps
+# (--write_iops_log --log_unix_epoch, one entry per LOG_MS); a sampler
+# reads the server's /proc/PID/stat every SAMPLE_MS with its own Unix
+# timestamps. Both give a cumulative curve (I/Os completed, CPU ticks),
+# piecewise linear between samples; the window is the span every job's
+# log covers, and both curves are read at its two ends. So the CPU and
+# the I/Os are counted over the same interval, with no ramp, no
+# connect and no shutdown in either.
 #
 # Server rows (fio --ioengine=nbd, i.e. libnbd, against each server):
 #   null 4k randread QD1, QD64 x1 job, QD64 x2 jobs (2 connections)
-#   memory 4k randwrite QD16 (after an unmeasured full sequential fill)
+#   memory 4k randwrite QD16 (after an unmeasured full sequential fill),
+#     x1 job and x2 jobs (fio forks each job: two client processes, one
+#     connection each, so that the server, not one client thread, is the
+#     bound)
 #   delay 1 ms 4k randread QD1 and QD32 (ours: a `delay` target over `zero`;
 #     nbdkit: null + --filter=delay rdelay=1ms; qemu: null-co latency-ns)
 #   memory 64 KiB sequential reads QD8 (after the fill), for throughput
@@ -25,10 +39,13 @@
 #     the default (a reader thread per connection reads the replies),
 #     `leafpq` poll_queues=1 (the bench thread reads its own replies from
 #     a poll-queue connection; the default connection stays idle), and,
-#     when CLIENTS names it, `leafpoll` poll_us=50 (the reader thread
-#     busy-polls its socket)
+#     `leafpqpoll` poll_queues=1 poll_us=50 (the bench thread polls its
+#     own poll-queue socket for up to 50 us, adaptively, before it sleeps
+#     in the read: one thread and no wake-up per I/O while replies come
+#     back fast), and, when CLIENTS names it, `leafpoll` poll_us=50 (the
+#     reader thread busy-polls its socket)
 #
-# Usage: scripts/bench-peers.sh            (REPS=3 RUNTIME=5 by default)
+# Usage: scripts/bench-peers.sh            (REPS=3 RUNTIME=5 RAMP=1 by default)
 #        BLKSTACK=path/to/blkstack scripts/bench-peers.sh   (skip the build)
 #        REPS=5 RUNTIME=10 scripts/bench-peers.sh
 #        ROWS="null-qd1 null-qd64" scripts/bench-peers.sh
@@ -40,7 +57,10 @@ set -euo pipefail
 
 REPS=${REPS:-3}
 RUNTIME=${RUNTIME:-5}
-ROWS=${ROWS:-"null-qd1 null-qd64 null-qd64x2 mem-randwrite-qd16 delay1ms-qd1 delay1ms-qd32 null-qd1-tls null-qd64-tls mem-read64k-qd8 mem-read64k-qd8-tls leaf-qd1 leaf-qd64"}
+RAMP=${RAMP:-1}
+LOG_MS=${LOG_MS:-100}
+SAMPLE_MS=${SAMPLE_MS:-10}
+ROWS=${ROWS:-"null-qd1 null-qd64 null-qd64x2 mem-randwrite-qd16 mem-randwrite-qd16x2 delay1ms-qd1 delay1ms-qd32 null-qd1-tls null-qd64-tls mem-read64k-qd8 mem-read64k-qd8-tls leaf-qd1 leaf-qd64"}
 SIZE_BYTES=$((1 << 30))
 SECTORS=$((SIZE_BYTES / 512))
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -51,7 +71,9 @@ SERVER_PID=""
 CLK_TCK=$(getconf CLK_TCK)
 fio() { HOME="$WORK/home" command fio "$@"; }
 
+SAMPLER_PID=""
 cleanup() {
+    [ -z "$SAMPLER_PID" ] || kill "$SAMPLER_PID" 2>/dev/null || true
     if declare -F stop_server >/dev/null; then stop_server; fi
     rm -rf "$WORK"
 }
@@ -197,6 +219,7 @@ row_fio() {
     null-qd64x2) echo "--rw=randread --bs=4k --iodepth=64 --numjobs=2" ;;
     mem-read64k-qd8) echo "--rw=read --bs=64k --iodepth=8 --numjobs=1" ;;
     mem-randwrite-qd16) echo "--rw=randwrite --bs=4k --iodepth=16 --numjobs=1" ;;
+    mem-randwrite-qd16x2) echo "--rw=randwrite --bs=4k --iodepth=16 --numjobs=2" ;;
     delay1ms-qd1) echo "--rw=randread --bs=4k --iodepth=1 --numjobs=1" ;;
     delay1ms-qd32) echo "--rw=randread --bs=4k --iodepth=32 --numjobs=1" ;;
     *) echo "unknown row $1" >&2; return 1 ;;
@@ -229,10 +252,82 @@ EOF
     tail -1 "$RESULTS" | awk -F'\t' '{ printf "rep %s %-20s %-7s %10s IOPS %7s us CPU/IO\n", $1, $2, $3, $4, $5 }' >&2
 }
 
+# The server's CPU ticks every SAMPLE_MS, as "unix_ms ticks" lines, until
+# it is killed (started before fio, stopped after).
+start_sampler() {
+    python3 - "$1" "$SAMPLE_MS" >"$WORK/cpu.log" <<'EOF' &
+import sys, time
+pid, every = sys.argv[1], float(sys.argv[2]) / 1000
+while True:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        break
+    # utime, stime: fields 14, 15 of stat(5), 12 and 13 after the comm.
+    print(int(time.time() * 1000), int(fields[11]) + int(fields[12]), flush=True)
+    time.sleep(every)
+EOF
+    SAMPLER_PID=$!
+}
+
+# fio's JSON, its IOPS logs and the sampler's log to one TSV line: rep,
+# row, who, IOPS (fio's, over its measured window), CPU us per I/O (over
+# the span every job's IOPS log covers, see the header).
+record_window() {
+    python3 - "$WORK/fio.json" "$WORK/cpu.log" "$CLK_TCK" "$@" >>"$RESULTS" <<'EOF'
+import bisect, glob, json, sys
+path, cpu_log, hz, rep, row, who, logs = sys.argv[1:8]
+text = open(path).read()
+# fio may print notices ("fio: connected to NBD server") before the JSON.
+j = json.loads(text[text.index("{"):])["jobs"][0]
+iops = j["read"]["iops"] + j["write"]["iops"]
+
+def curve(points):
+    """Cumulative (t, value) points -> the value at any t they span."""
+    ts = [t for t, _ in points]
+    def at(t):
+        i = bisect.bisect_left(ts, t)
+        if i == len(ts) or (i == 0 and ts[0] != t):
+            raise SystemExit(f"{who} {row}: time {t} outside the samples {ts[0]}..{ts[-1]}")
+        if ts[i] == t:
+            return points[i][1]
+        (t0, v0), (t1, v1) = points[i - 1], points[i]
+        return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return at
+
+# One IOPS log per job; entry i holds the mean rate since entry i-1.
+jobs = []
+for f in sorted(glob.glob(logs + "_iops.*.log")):
+    merged = {}
+    for line in open(f):
+        if line.strip():
+            t, v = line.split(",")[:2]
+            # Reads and writes log apart at one time: add them.
+            merged[int(t)] = merged.get(int(t), 0.0) + float(v)
+    e = sorted(merged.items())
+    pts, n = [], 0.0
+    for k, (t, v) in enumerate(e):
+        if k:
+            n += v * (t - e[k - 1][0]) / 1000
+        pts.append((t, n))
+    jobs.append(pts)
+if not jobs or any(len(p) < 3 for p in jobs):
+    raise SystemExit(f"{who} {row}: no usable IOPS log")
+a = max(p[0][0] for p in jobs)
+b = min(p[-1][0] for p in jobs)
+ios = sum(curve(p)(b) - curve(p)(a) for p in jobs)
+ticks = curve([tuple(map(int, l.split())) for l in open(cpu_log) if l.strip()])
+cpu_s = (ticks(b) - ticks(a)) / int(hz)
+print(f"{rep}\t{row}\t{who}\t{iops:.0f}\t{cpu_s * 1e6 / max(ios, 1):.2f}")
+EOF
+    tail -1 "$RESULTS" | awk -F'\t' '{ printf "rep %s %-20s %-7s %10s IOPS %7s us CPU/IO\n", $1, $2, $3, $4, $5 }' >&2
+}
+
 # One server row: each server in turn, fio's nbd engine as the client; CPU
-# is the server's.
+# is the server's, over fio's measured window (see the header).
 server_row() {
-    local rep=$1 row=$2 kind tls uri t0 t1
+    local rep=$1 row=$2 kind tls uri ok
     kind=$(row_kind "$row")
     tls=$(row_tls "$row")
     uri=$(client_uri "$tls")
@@ -245,20 +340,23 @@ server_row() {
             fio --name=fill --ioengine=nbd --uri="$uri" \
                 --rw=write --bs=1m --iodepth=4 >/dev/null 2>&1 || true
         fi
-        t0=$(cpu_ticks "$SERVER_PID")
+        rm -f "$WORK"/iops_iops.*.log
+        start_sampler "$SERVER_PID"
+        ok=1
         # shellcheck disable=SC2046
         fio --name=bench --ioengine=nbd --uri="$uri" \
-            $(row_fio "$row") --time_based --runtime="$RUNTIME" \
-            --group_reporting --output-format=json >"$WORK/fio.json" 2>"$WORK/fio.err" || {
+            $(row_fio "$row") --time_based --runtime="$RUNTIME" --ramp_time="$RAMP" \
+            --write_iops_log="$WORK/iops" --log_avg_msec="$LOG_MS" --log_unix_epoch=1 \
+            --group_reporting --output-format=json >"$WORK/fio.json" 2>"$WORK/fio.err" || ok=0
+        kill "$SAMPLER_PID" 2>/dev/null || true
+        wait "$SAMPLER_PID" 2>/dev/null || true
+        stop_server
+        if [ "$ok" = 0 ]; then
             echo "fio failed on $server $row:" >&2
             cat "$WORK/fio.err" >&2
-            stop_server
             continue
-        }
-        t1=$(cpu_ticks "$SERVER_PID")
-        stop_server
-        record "$WORK/fio.json" "$rep" "$row" "$server" \
-            "$(awk -v a="$t0" -v b="$t1" -v hz="$CLK_TCK" 'BEGIN { print (b - a) / hz }')"
+        fi
+        record_window "$rep" "$row" "$server" "$WORK/iops" || true
     done
 }
 
@@ -270,6 +368,7 @@ client_row() {
     printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1\n' "$SECTORS" "$SOCK" >"$WORK/leaf.stack"
     printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_queues=1\n' "$SECTORS" "$SOCK" >"$WORK/leafpq.stack"
     printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_us=50\n' "$SECTORS" "$SOCK" >"$WORK/leafpoll.stack"
+    printf 'r: 0 %s nbd nbd+unix:///d?socket=%s connections=1 poll_queues=1 poll_us=50\n' "$SECTORS" "$SOCK" >"$WORK/leafpqpoll.stack"
     for client in $CLIENTS; do
         start_server ours null 0 || return 0
         # shellcheck disable=SC2046
@@ -293,9 +392,10 @@ client_row() {
     done
 }
 
-CLIENTS=${CLIENTS:-"libnbd leaf leafpq"}
+CLIENTS=${CLIENTS:-"libnbd leaf leafpq leafpqpoll"}
 RESULTS="$WORK/results.tsv"
 : >"$RESULTS"
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 for rep in $(seq 1 "$REPS"); do
     for row in $ROWS; do
         kind=$(row_kind "$row")
@@ -308,10 +408,11 @@ for rep in $(seq 1 "$REPS"); do
     done
 done
 
-python3 - "$RESULTS" "$REPS" "$RUNTIME" <<'EOF'
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg) (at the start: $LOAD_START)"
+python3 - "$RESULTS" "$REPS" "$RUNTIME" "$RAMP" <<'EOF'
 import sys, statistics
 from collections import defaultdict
-path, reps, runtime = sys.argv[1:]
+path, reps, runtime, ramp = sys.argv[1:]
 iops = defaultdict(list); cpu = defaultdict(list); rows = []
 for line in open(path):
     rep, row, who, i, c = line.rstrip("\n").split("\t")
@@ -322,13 +423,15 @@ div = lambda a, b: a / b if b else float("nan")
 servers = [r for r in rows if not r.startswith("leaf-")]
 clients = [r for r in rows if r.startswith("leaf-")]
 if servers:
-    print(f"\nmedians of {reps} interleaved repetitions, {runtime} s each, fio --ioengine=nbd, Unix socket; CPU is the server's")
-    print(f"{'row':<20} {'ours':>9} {'nbdkit':>9} {'qemu-nbd':>9} {'/nbdkit':>8} {'/qemu':>7} {'/best':>7}   CPU us/IO: {'ours':>6} {'nbdkit':>7} {'qemu':>6}")
+    print(f"\nmedians of {reps} interleaved repetitions, {runtime} s each after a {ramp} s ramp, fio --ioengine=nbd, Unix socket;"
+          " CPU is the server's (user+system, all threads) over fio's measured window; best = the peer with the most IOPS / the least CPU per I/O")
+    print(f"{'row':<20} {'IOPS: ours':>10} {'nbdkit':>9} {'qemu-nbd':>9} {'ours/best':>9}   {'CPU us/IO: ours':>15} {'nbdkit':>7} {'qemu':>7} {'ours/best':>9}")
     for row in servers:
         o, n, q = (med(iops[row, s]) for s in ("ours", "nbdkit", "qemu"))
         co, cn, cq = (med(cpu[row, s]) for s in ("ours", "nbdkit", "qemu"))
-        best = max(n, q)
-        print(f"{row:<20} {o:>9.0f} {n:>9.0f} {q:>9.0f} {div(o, n):>8.2f} {div(o, q):>7.2f} {div(o, best):>7.2f}              {co:>6.2f} {cn:>7.2f} {cq:>6.2f}")
+        best = max((v for v in (n, q) if v == v), default=float("nan"))
+        cbest = min((v for v in (cn, cq) if v == v), default=float("nan"))
+        print(f"{row:<20} {o:>10.0f} {n:>9.0f} {q:>9.0f} {div(o, best):>9.2f}   {co:>15.2f} {cn:>7.2f} {cq:>7.2f} {div(co, cbest):>9.2f}")
     tls = [r for r in servers if r.endswith("-tls") and r[:-4] in servers]
     if tls:
         print("\nTLS against plain, same server: IOPS TLS/plain (CPU us/IO plain -> TLS)")
@@ -338,7 +441,7 @@ if servers:
                      for s in ("ours", "nbdkit", "qemu")]
             print(f"{row:<20} " + "   ".join(cells))
 if clients:
-    who = [c for c in ("libnbd", "leaf", "leafpq", "leafpoll") if any((r, c) in iops for r in clients)]
+    who = [c for c in ("libnbd", "leaf", "leafpq", "leafpqpoll", "leafpoll") if any((r, c) in iops for r in clients)]
     print(f"\nclients against blkstack serve (null), {runtime} s each, one connection carrying the I/O; CPU is the client's")
     print(f"{'row':<20} " + " ".join(f"{c:>9}" for c in who) + "   IOPS / libnbd: " + " ".join(f"{c:>8}" for c in who[1:])
           + "   CPU us/IO: " + " ".join(f"{c:>8}" for c in who))

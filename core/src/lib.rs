@@ -16,6 +16,7 @@
 pub mod affinity;
 pub mod bio;
 pub mod clock;
+pub mod comp_batch;
 pub mod cpu;
 pub mod device;
 pub mod status;

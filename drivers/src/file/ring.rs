@@ -328,6 +328,9 @@ impl RingShared {
                 let cq = unsafe { self.ring.completion_shared() };
                 batch.extend(cq.map(|c| (c.user_data(), c.result())));
             }
+            // One completion batch per reap: a completer above with
+            // per-batch work (an NBD connection's send) does it once.
+            let _batch = blkstack_core::comp_batch::CompletionBatch::start();
             for (idx, res) in batch.drain(..) {
                 self.inflight.fetch_sub(1, Ordering::AcqRel);
                 self.on_cqe(idx as u32, res);

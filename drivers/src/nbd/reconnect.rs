@@ -167,7 +167,13 @@ fn resend_all(conn: &Connection) {
 /// reads replies while a sender is stalled on a full socket, fails a
 /// connection whose request timed out while nobody polled, and
 /// reconnects when a poller found the connection dead.
-fn run_polled(shared: &DeviceShared, index: usize, done: HeldCompleter, rx: Receiver, gen: u64) {
+fn run_polled(
+    shared: &DeviceShared,
+    index: usize,
+    done: HeldCompleter,
+    mut rx: Receiver,
+    gen: u64,
+) {
     let conn = &shared.conns[index];
     conn.wake.set_thread();
     let own = Pollers {
@@ -176,6 +182,10 @@ fn run_polled(shared: &DeviceShared, index: usize, done: HeldCompleter, rx: Rece
         timeout_ns: shared.opts.timeout_ms * 1_000_000,
     };
     let tick = shared.read_tick().unwrap_or(POLLED_IDLE_TICK);
+    // A poller at depth 1 polls its socket before sleeping in the read,
+    // as a reader thread does (`poll_us=`): the reply often comes back
+    // within the poll, and the wake-up it saves is on every request's path.
+    rx.set_poll_ns(shared.opts.poll_us * 1000);
     shared.set_read_tick(&rx);
     *conn.reader_lock.lock() = Some(ReadSide::new(rx, gen));
     let mut resend = false;
@@ -206,8 +216,10 @@ fn run_polled(shared: &DeviceShared, index: usize, done: HeldCompleter, rx: Rece
         if conn.stop.load(Ordering::Acquire) {
             break;
         }
-        shared.set_read_tick(&c.receiver);
-        install(conn, c.sender, c.receiver);
+        let mut rx = c.receiver;
+        rx.set_poll_ns(shared.opts.poll_us * 1000);
+        shared.set_read_tick(&rx);
+        install(conn, c.sender, rx);
         resend = true;
     }
     let mut side = conn.reader_lock.lock();

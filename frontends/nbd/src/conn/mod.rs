@@ -12,7 +12,10 @@
 //! through requests that are already in its receive buffer it marks the
 //! connection as "batching", and replies produced meanwhile are only
 //! appended to the output buffer, to leave in one `send` when the reader is
-//! about to block. Replies are therefore sent in completion order, not
+//! about to block. A completer that ends several bios in a row inside a
+//! completion batch (`blkstack_core::comp_batch`: a delay worker's pass)
+//! likewise sends their replies once, when its batch closes. Replies are
+//! therefore sent in completion order, not
 //! request order, as the protocol allows. No completer ever blocks on the
 //! socket (it may be a thread every client of the device shares): what
 //! the socket does not take at once goes to the connection's second

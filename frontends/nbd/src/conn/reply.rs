@@ -21,6 +21,7 @@
 use super::{COPY_LIMIT, KEEP_BUF, WRITER_STACK};
 use crate::proto::*;
 use crate::sock::Sock;
+use blkstack_core::comp_batch::{self, Unplug};
 use blkstack_core::device::Extent;
 use blkstack_core::{AlignedBuf, Bio, EndIo, Status};
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -320,6 +321,15 @@ impl Shared {
         }
     }
 
+    /// On a thread completing a batch of bios (`comp_batch`), put the
+    /// send off until the batch ends, so that its replies leave in one
+    /// `sendmsg`; `false` when the caller must flush now.
+    fn defer_flush(&self) -> bool {
+        comp_batch::defer(self as *const Shared as usize, || {
+            self.me.upgrade().map(|me| me as Arc<dyn Unplug>)
+        })
+    }
+
     pub(super) fn reply_now(&self, handle: u64, error: u32, msg: &str) {
         let mut out = self.out.lock();
         self.push_status(&mut out, handle, error, msg);
@@ -454,6 +464,17 @@ pub(super) fn data_bytes(m: &SlotMeta) -> usize {
     }
 }
 
+/// The end of a completion batch that deferred this connection's send.
+impl Unplug for Shared {
+    fn unplug(&self) {
+        let mut out = self.out.lock();
+        // A batching reader sends everything when it stops batching.
+        if !out.batching {
+            self.flush(&mut out);
+        }
+    }
+}
+
 impl EndIo for Shared {
     fn end_io(&self, bio: Bio, status: Status, private: u64) {
         drop(bio);
@@ -496,7 +517,7 @@ impl EndIo for Shared {
                 self.push_status(&mut out, m.handle, err, &status.to_string());
             }
         }
-        if !out.batching {
+        if !out.batching && !self.defer_flush() {
             self.flush(&mut out);
         }
         drop(out);

@@ -555,5 +555,9 @@ impl Transmission<'_> {
         while a.inflight > 0 {
             self.shared.freed.wait(&mut a);
         }
+        drop(a);
+        // A completer inside a completion batch may have left its replies
+        // for the batch's end; they go now, before the connection closes.
+        self.set_batching(false);
     }
 }

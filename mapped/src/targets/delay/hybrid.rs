@@ -243,9 +243,7 @@ impl Hybrid {
                     lane.awake = false;
                 }
                 drop(lanes);
-                for h in batch.drain(..) {
-                    sh.send_expired(h);
-                }
+                sh.send_expired_batch(&mut batch);
                 sent = true;
                 continue;
             }

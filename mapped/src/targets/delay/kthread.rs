@@ -56,9 +56,7 @@ impl Kthread {
                     .store(if empty { u64::MAX } else { 0 }, Ordering::Relaxed);
                 (self.worker.seen(), empty)
             };
-            for h in batch.drain(..) {
-                sh.send_expired(h);
-            }
+            sh.send_expired_batch(&mut batch);
             if empty {
                 self.worker.park(seen, None);
             } else {

@@ -74,6 +74,7 @@ use crate::target::{
     extents_from, parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType,
 };
 use blkstack_core::clock;
+use blkstack_core::comp_batch::CompletionBatch;
 use blkstack_core::device::Extent;
 use blkstack_core::{Bio, BioFlags, EndIo, Features, Op, Status, SECTOR_SIZE};
 use parking_lot::Mutex;
@@ -210,6 +211,16 @@ impl Shared {
             self.stats.late.fetch_add(1, Ordering::Relaxed);
         }
         self.send_on(h);
+    }
+
+    /// Send on a pass of bios now due, inside one completion batch
+    /// (`blkstack_core::comp_batch`): a completer above that answers each
+    /// (an NBD connection's reply) does its per-batch work once.
+    fn send_expired_batch(&self, batch: &mut Vec<Held>) {
+        let _batch = CompletionBatch::start();
+        for h in batch.drain(..) {
+            self.send_expired(h);
+        }
     }
 
     /// Start a flush worker, joined when the target is dropped.

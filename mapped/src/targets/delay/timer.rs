@@ -163,9 +163,7 @@ impl TimerWq {
             if rearm {
                 self.timer.unpark();
             }
-            for h in batch.drain(..) {
-                self.sh.send_expired(h);
-            }
+            self.sh.send_expired_batch(&mut batch);
         }
     }
 }
