@@ -215,9 +215,14 @@ fn load_model_grows_delay_with_inflight() {
 
 #[test]
 fn p99_model_slows_about_one_in_a_hundred() {
-    // Average 0.05 ms, p99 5 ms: of 600 reads a few (the draw is seeded,
-    // so the count is fixed) take at least 5 ms; most take far less.
-    let (_reg, dev) = setup("0 8192 delay z 0 0.05 read_p99=5");
+    // Average 0.05 ms, p99 5 ms: of 600 reads about 6 draw p99 (the draw
+    // is seeded, so the count is fixed), as `stats` counts them. Each of
+    // those is held at least 5 ms, so at least that many reads take 5 ms
+    // or more: a bound a loaded machine cannot break (it only makes
+    // reads slower). How many plain reads a busy machine pushes past
+    // 5 ms is its scheduler's business, not the model's, and is not
+    // asserted.
+    let (reg, dev) = setup("0 8192 delay z 0 0.05 read_p99=5");
     let mem = AlignedBuf::new(600 * 4096);
     let rec = Arc::new(Recorder::default());
     let mut at = Vec::new();
@@ -237,9 +242,27 @@ fn p99_model_slows_about_one_in_a_hundred() {
             done.iter().find(|d| d.cookie == *i as u64).unwrap().at_ns - *t0 >= 5 * MS
         })
         .count();
-    // At least one drew p99; far fewer than 10% did (scheduling stalls on
-    // a busy machine can push a few plain reads past 5 ms too).
-    assert!((1..=60).contains(&slow), "{slow} of 600 reads took >= 5 ms");
+    let text = reg.message("d", 0, &["stats"]).unwrap();
+    let draws: usize = text
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("p99_draws=")?.parse().ok())
+        .unwrap_or_else(|| panic!("no p99_draws in {text:?}"));
+    assert!(
+        (1..=20).contains(&draws),
+        "{draws} of 600 reads drew p99: {text}"
+    );
+    assert!(slow >= draws, "{draws} drew p99 but {slow} took >= 5 ms");
+    // With the p99 value off, nothing draws it.
+    reg.message("d", 0, &["set", "read_p99", "off"]).unwrap();
+    for i in 0..200u64 {
+        dev.submit(bio(Op::Read, BioFlags::NONE, i, &mem, &rec));
+    }
+    rec.wait(800, Duration::from_secs(20));
+    let after = reg.message("d", 0, &["stats"]).unwrap();
+    assert!(
+        after.contains(&format!("p99_draws={draws}")),
+        "draws after p99 was turned off: {after}"
+    );
 }
 
 fn create_err(table: &str) -> String {

@@ -32,6 +32,9 @@ impl Latency {
 pub(super) struct LatencyModel {
     pub classes: [Latency; 3],
     rng: u64,
+    /// How many bios drew the p99 value (the `stats` message's
+    /// `p99_draws`).
+    pub p99_draws: u64,
 }
 
 impl LatencyModel {
@@ -39,6 +42,7 @@ impl LatencyModel {
         LatencyModel {
             classes,
             rng: 0x9e37_79b9_7f4a_7c15,
+            p99_draws: 0,
         }
     }
 
@@ -61,6 +65,7 @@ impl LatencyModel {
         if let Some(p99) = t.p99_ns {
             if self.next_random().is_multiple_of(100) {
                 base = p99;
+                self.p99_draws += 1;
             }
         }
         match t.load_k {
@@ -109,5 +114,6 @@ mod tests {
         );
         let slow = (0..100_000).filter(|_| m.delay_for(READ, 0) == 2).count();
         assert!((700..1300).contains(&slow), "{slow} of 100000 took p99");
+        assert_eq!(m.p99_draws, slow as u64);
     }
 }

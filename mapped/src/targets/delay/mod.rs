@@ -605,8 +605,9 @@ impl DelayTarget {
         let st = &self.shared.stats;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let sent = get(&st.sent);
+        let draws = self.settings.lock().latency.p99_draws;
         let mut out = format!(
-            "sent={sent} late_mean_ns={} late_10us={}",
+            "sent={sent} late_mean_ns={} late_10us={} p99_draws={draws}",
             get(&st.late_ns).checked_div(sent).unwrap_or(0),
             get(&st.late)
         );
