@@ -46,24 +46,37 @@ impl DeferredSet {
     /// Count an I/O in the current epoch; returns the epoch, to give to
     /// [`DeferredSet::exit`] (or [`DeferredSet::track`]).
     pub fn enter(&self) -> usize {
+        self.enter_n(1)
+    }
+
+    /// Count `n` I/Os at once (a batch, with one atomic operation).
+    pub fn enter_n(&self, n: u64) -> usize {
         for _ in 0..ENTER_TRIES {
             let e = self.epoch.load(SeqCst);
-            self.counts[e].fetch_add(1, SeqCst);
+            self.counts[e].fetch_add(n, SeqCst);
             if self.epoch.load(SeqCst) == e {
                 return e;
             }
-            self.exit(e);
+            self.exit_n(e, n);
         }
         // Epochs switch under the lock: holding it, the epoch stays.
         let _g = self.waiting.lock();
         let e = self.epoch.load(SeqCst);
-        self.counts[e].fetch_add(1, SeqCst);
+        self.counts[e].fetch_add(n, SeqCst);
         e
     }
 
     /// The I/O counted in `epoch` is done.
     pub fn exit(&self, epoch: usize) {
-        if self.counts[epoch].fetch_sub(1, SeqCst) == 1 && self.epoch.load(SeqCst) != epoch {
+        self.exit_n(epoch, 1);
+    }
+
+    /// `n` I/Os counted in `epoch` are done.
+    pub fn exit_n(&self, epoch: usize, n: u64) {
+        if n == 0 {
+            return;
+        }
+        if self.counts[epoch].fetch_sub(n, SeqCst) == n && self.epoch.load(SeqCst) != epoch {
             self.sweep();
         }
     }
