@@ -181,6 +181,21 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_counted_at_once_holds_work_until_its_last_io() {
+        let ds = DeferredSet::default();
+        let e = ds.enter_n(3);
+        let (done, work) = flag();
+        ds.add_work(work);
+        ds.exit_n(e, 2);
+        assert!(!done.load(SeqCst), "one I/O of the batch is in flight");
+        ds.exit_n(e, 0);
+        assert!(!done.load(SeqCst));
+        ds.exit(e);
+        assert!(done.load(SeqCst));
+        assert_eq!(ds.in_flight(), 0);
+    }
+
+    #[test]
     fn concurrent_io_never_outlives_the_work_that_waits_for_it() {
         use std::collections::BTreeSet;
         let ds = Arc::new(DeferredSet::default());
