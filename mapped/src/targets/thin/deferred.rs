@@ -46,24 +46,37 @@ impl DeferredSet {
     /// Count an I/O in the current epoch; returns the epoch, to give to
     /// [`DeferredSet::exit`] (or [`DeferredSet::track`]).
     pub fn enter(&self) -> usize {
+        self.enter_n(1)
+    }
+
+    /// Count `n` I/Os at once (a batch, with one atomic operation).
+    pub fn enter_n(&self, n: u64) -> usize {
         for _ in 0..ENTER_TRIES {
             let e = self.epoch.load(SeqCst);
-            self.counts[e].fetch_add(1, SeqCst);
+            self.counts[e].fetch_add(n, SeqCst);
             if self.epoch.load(SeqCst) == e {
                 return e;
             }
-            self.exit(e);
+            self.exit_n(e, n);
         }
         // Epochs switch under the lock: holding it, the epoch stays.
         let _g = self.waiting.lock();
         let e = self.epoch.load(SeqCst);
-        self.counts[e].fetch_add(1, SeqCst);
+        self.counts[e].fetch_add(n, SeqCst);
         e
     }
 
     /// The I/O counted in `epoch` is done.
     pub fn exit(&self, epoch: usize) {
-        if self.counts[epoch].fetch_sub(1, SeqCst) == 1 && self.epoch.load(SeqCst) != epoch {
+        self.exit_n(epoch, 1);
+    }
+
+    /// `n` I/Os counted in `epoch` are done.
+    pub fn exit_n(&self, epoch: usize, n: u64) {
+        if n == 0 {
+            return;
+        }
+        if self.counts[epoch].fetch_sub(n, SeqCst) == n && self.epoch.load(SeqCst) != epoch {
             self.sweep();
         }
     }
@@ -164,6 +177,21 @@ mod tests {
         let (d4, w4) = flag();
         ds.add_work(w4);
         assert!(d4.load(SeqCst), "nothing in flight: at once");
+        assert_eq!(ds.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_batch_counted_at_once_holds_work_until_its_last_io() {
+        let ds = DeferredSet::default();
+        let e = ds.enter_n(3);
+        let (done, work) = flag();
+        ds.add_work(work);
+        ds.exit_n(e, 2);
+        assert!(!done.load(SeqCst), "one I/O of the batch is in flight");
+        ds.exit_n(e, 0);
+        assert!(!done.load(SeqCst));
+        ds.exit(e);
+        assert!(done.load(SeqCst));
         assert_eq!(ds.in_flight(), 0);
     }
 

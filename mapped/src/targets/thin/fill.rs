@@ -5,6 +5,16 @@
 //! asynchronously: the read and write are bios of their own, and the
 //! write that asked for the block is sent on from their completion, so a
 //! submitter keeps its queue depth while blocks are provisioned.
+//!
+//! Where the block is filled through a buffer (a copy, or zeroes on a
+//! device without WRITE_ZEROES), the waiting write's data is laid into
+//! the buffer before it is written, and the write completes with that
+//! one whole-block write: the kernel copies with kcopyd and then issues
+//! the bio (two writes to the new block); the data device ends up
+//! holding the same bytes either way, and the mapping still enters the
+//! metadata only after the write that carries them completed. A write
+//! of the whole block needs no fill at all (`io_overwrites_block`, in
+//! `thin_target.rs`).
 
 use crate::target::DevArg;
 use blkstack_core::{Bio, EndIo, IoBuf, Op, Status};
@@ -35,6 +45,21 @@ struct Fill {
     offset: u64,
     /// The source was read; the buffer is to be written.
     read_done: bool,
+    /// The waiting write's data is in the buffer: the buffer's write
+    /// completes it.
+    merged: bool,
+}
+
+impl Fill {
+    /// Lay the waiting write's data into the buffer (a fill through a
+    /// buffer, once the source is in it).
+    fn merge(&mut self) {
+        let (at, data) = (self.offset as usize, self.bio.data());
+        if let Some(dst) = self.buf.get_mut(at..at + data.len()) {
+            dst.copy_from_slice(data);
+            self.merged = true;
+        }
+    }
 }
 
 /// The fills of one thin device in flight.
@@ -74,6 +99,7 @@ impl Fills {
             block,
             offset,
             read_done: false,
+            merged: false,
         };
         let (dev, op, at, len) = match src {
             Source::Block(b) => (&self.data, Op::Read, b * bs, bs),
@@ -103,6 +129,7 @@ impl Fills {
         };
         if op == Op::Write {
             fill.read_done = true;
+            fill.merge();
         }
         // SAFETY: the buffer's heap block does not move when the `Fill`
         // moves into the map, and it stays there until this bio (and the
@@ -128,6 +155,7 @@ impl EndIo for Fills {
         };
         if status.is_ok() && !fill.read_done {
             fill.read_done = true;
+            fill.merge();
             let bs = self.block_bytes;
             let at = fill.block * bs;
             // SAFETY: as in `start`: the buffer lives in the map until the
@@ -142,7 +170,7 @@ impl EndIo for Fills {
         };
         drop(pending);
         let mut bio = fill.bio;
-        if !status.is_ok() {
+        if !status.is_ok() || fill.merged {
             return bio.complete(status);
         }
         bio.offset = fill.block * self.block_bytes + fill.offset;

@@ -11,6 +11,7 @@
 //! read what blkstack writes (mapped/tests/thin_tools.rs,
 //! frontends/cli/tests/kernel_thin.rs).
 
+mod batch;
 mod deferred;
 mod discard;
 mod fill;

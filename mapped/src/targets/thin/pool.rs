@@ -135,7 +135,7 @@ pub struct PoolState {
     /// The owning device's events, raised on low water and mode changes.
     pub events: Events,
     /// Virtual blocks being provisioned, with the bios that wait for them.
-    cells: HashMap<(u64, u64), Waiters>,
+    pub(super) cells: HashMap<(u64, u64), Waiters>,
     pending: HashMap<u64, Pending>,
     next_id: u64,
     generation: u64,

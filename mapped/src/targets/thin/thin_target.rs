@@ -30,7 +30,7 @@ pub struct ThinCore {
     fills: Arc<Fills>,
     /// The pool took discards when this device was made (dm-thin's
     /// `thin_ctr` sets `discards_supported` from the pool's features).
-    discards: bool,
+    pub(super) discards: bool,
     /// I/O refused because its mapping points past the data device.
     past_end: std::sync::atomic::AtomicU64,
 }
@@ -127,7 +127,7 @@ impl ThinCore {
 
     /// A bio from the device above: flushes and PREFLUSH go through a
     /// commit first; a FUA write completes only after one.
-    fn map_bio(self: &Arc<Self>, mut bio: Bio) {
+    pub(super) fn map_bio(self: &Arc<Self>, mut bio: Bio) {
         match bio.op {
             Op::Flush => return self.pool.defer_flush(bio),
             Op::Read | Op::Write => {}
@@ -241,6 +241,11 @@ impl ThinDev for ThinCore {
 impl Target for ThinTarget {
     fn map(&self, bio: Bio) {
         self.core.map_bio(bio);
+    }
+
+    /// A plugged batch: see `batch.rs`.
+    fn map_batch(&self, bios: &mut Vec<Bio>) {
+        self.core.map_batch(bios);
     }
 
     fn max_io_len(&self, offset: u64) -> u64 {
