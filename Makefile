@@ -103,7 +103,7 @@ cache-crash:
 FUZZ_SECS ?= 60
 FUZZ_MAX_LEN ?= 131072
 FUZZ_TARGETS ?= nbd_server nbd_replies table concise fio_jobfile control_json \
-  thin_metadata replay_log vhost_user
+  thin_metadata replay_log vhost_user luks_header
 fuzz:
 	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz
 	cd fuzz && cargo +nightly fuzz build -O

@@ -11,6 +11,7 @@
 //! images), and tables longer than [`MAX_SECTORS`] are only parsed, so no
 //! input makes the fuzzer allocate much or touch the filesystem.
 
+pub use crate::luks::fuzz::luks_header;
 use crate::persistent_data::PdError;
 use crate::registry::Registry;
 use crate::table_text::{parse_line, parse_stack, parse_table, TableLine};

@@ -5,12 +5,13 @@
 //! `pbkdf2` digest, and the one `crypt` segment.
 
 use super::af::Hash;
-use super::{corrupt, hex_lines, read_at, Header, Kdf, KeyDigest, Keyslot, LuksError, Segment};
+use super::{
+    corrupt, hex_lines, read_at, Header, Image, Kdf, KeyDigest, Keyslot, LuksError, Segment,
+};
 use base64::Engine as _;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use std::fmt::Write as _;
-use std::fs::File;
 
 /// The header sizes the format allows (binary + JSON).
 const HDR_SIZES: [u64; 9] = [
@@ -37,7 +38,7 @@ fn cstr(b: &[u8]) -> String {
 }
 
 /// One binary header and its JSON, checked: (seqid, header bytes, json).
-fn read_copy(f: &File, off: u64, size: u64) -> Result<(u64, Vec<u8>, Value), LuksError> {
+fn read_copy(f: &dyn Image, off: u64, size: u64) -> Result<(u64, Vec<u8>, Value), LuksError> {
     let bin = read_at(f, off, 4096, "a LUKS2 binary header")?;
     if bin[..6] != *b"LUKS\xba\xbe" && bin[..6] != *b"SKUL\xba\xbe" {
         return Err(corrupt(format!("no LUKS2 magic at {off}")));
@@ -69,7 +70,7 @@ fn read_copy(f: &File, off: u64, size: u64) -> Result<(u64, Vec<u8>, Value), Luk
 }
 
 /// Parse a LUKS2 image: `first` is its first 4 KiB.
-pub fn parse(f: &File, first: &[u8], size: u64) -> Result<Header, LuksError> {
+pub fn parse(f: &dyn Image, first: &[u8], size: u64) -> Result<Header, LuksError> {
     let primary = read_copy(f, 0, size);
     let second_off = be64(first, 8);
     let secondary = if HDR_SIZES.contains(&second_off) {

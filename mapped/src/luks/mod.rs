@@ -20,6 +20,7 @@
 //! cryptsetup, which does both on an image file without root.
 
 pub mod af;
+pub mod fuzz;
 mod luks1;
 mod luks2;
 
@@ -42,6 +43,18 @@ const MAX_MATERIAL: usize = 64 << 20;
 const MAX_ARGON_MEMORY: u32 = 4 << 20;
 /// argon2 time cost ceiling.
 const MAX_ARGON_TIME: u32 = 1 << 16;
+/// argon2 work ceiling, time cost × memory cost in KiB: 128 GiB of
+/// memory passes, several times what cryptsetup's benchmark picks for a
+/// 2 s unlock with 4 GiB, so only a hostile header meets it (it would
+/// otherwise run for hours before the passphrase is known to be wrong).
+const MAX_ARGON_WORK: u64 = 128 << 20;
+/// PBKDF2 iteration ceiling (keyslots and the volume key digest): far
+/// above what cryptsetup's benchmark picks for a 2 s unlock, far below a
+/// header that would keep `luks open` busy for hours.
+const MAX_PBKDF2_ITERATIONS: u32 = 1 << 25;
+/// LUKS1's binary header (`struct luks_phdr`): key material and data
+/// must start after it.
+const LUKS1_PHDR: u64 = 592;
 /// argon2 lanes ceiling (cryptsetup's parallel maximum).
 const MAX_ARGON_CPUS: u32 = 4;
 
@@ -244,7 +257,77 @@ pub struct Unlocked {
     pub slot: u32,
 }
 
-fn read_at(f: &File, off: u64, len: usize, what: &str) -> Result<Vec<u8>, LuksError> {
+/// Where a LUKS header is read from: an image file, or an image held in
+/// memory (the fuzz target and its regression test).
+pub trait Image {
+    /// The image's size in bytes.
+    fn size(&self) -> u64;
+    /// Fill `buf` from byte `off`; an error if that runs past the end.
+    fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()>;
+}
+
+/// An image file and its size.
+struct FileImage {
+    file: File,
+    size: u64,
+}
+
+impl Image for FileImage {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        self.file.read_exact_at(buf, off)
+    }
+}
+
+impl FileImage {
+    fn open(path: &Path) -> Result<FileImage, LuksError> {
+        let file = File::open(path).map_err(|e| LuksError::Io {
+            what: format!("opening {}", path.display()),
+            source: e,
+        })?;
+        let size = file
+            .metadata()
+            .map_err(|e| LuksError::Io {
+                what: format!("stat {}", path.display()),
+                source: e,
+            })?
+            .len();
+        Ok(FileImage { file, size })
+    }
+}
+
+/// An image in memory: `bytes` at its start and zeros after them up to
+/// `size` bytes, so a header's few KiB can stand for a whole volume.
+pub struct MemImage<'a> {
+    /// The image's first bytes.
+    pub bytes: &'a [u8],
+    /// The image's size (at least `bytes.len()`).
+    pub size: u64,
+}
+
+impl Image for MemImage<'_> {
+    fn size(&self) -> u64 {
+        self.size.max(self.bytes.len() as u64)
+    }
+    fn read_exact_at(&self, buf: &mut [u8], off: u64) -> std::io::Result<()> {
+        let end = off.checked_add(buf.len() as u64);
+        if end.is_none_or(|e| e > self.size()) {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        buf.fill(0);
+        if let Ok(start) = usize::try_from(off) {
+            if let Some(have) = self.bytes.get(start..) {
+                let n = have.len().min(buf.len());
+                buf[..n].copy_from_slice(&have[..n]);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn read_at(f: &dyn Image, off: u64, len: usize, what: &str) -> Result<Vec<u8>, LuksError> {
     let mut buf = vec![0u8; len];
     f.read_exact_at(&mut buf, off).map_err(|e| LuksError::Io {
         what: format!("reading {what} ({len} bytes at {off})"),
@@ -255,31 +338,22 @@ fn read_at(f: &File, off: u64, len: usize, what: &str) -> Result<Vec<u8>, LuksEr
 
 /// Read the header of the LUKS image at `path`.
 pub fn read_header(path: &Path) -> Result<Header, LuksError> {
-    let f = File::open(path).map_err(|e| LuksError::Io {
-        what: format!("opening {}", path.display()),
-        source: e,
-    })?;
-    let size = f
-        .metadata()
-        .map_err(|e| LuksError::Io {
-            what: format!("stat {}", path.display()),
-            source: e,
-        })?
-        .len();
-    parse_header(&f, size)
+    parse_image(&FileImage::open(path)?)
 }
 
-fn parse_header(f: &File, size: u64) -> Result<Header, LuksError> {
+/// Read and check the header of `img`.
+pub fn parse_image(img: &dyn Image) -> Result<Header, LuksError> {
+    let size = img.size();
     if size < 4096 {
         return Err(LuksError::NotLuks);
     }
-    let first = read_at(f, 0, 4096, "the binary header")?;
+    let first = read_at(img, 0, 4096, "the binary header")?;
     if first[..6] != *b"LUKS\xba\xbe" {
         return Err(LuksError::NotLuks);
     }
     let h = match u16::from_be_bytes([first[6], first[7]]) {
         1 => luks1::parse(&first)?,
-        2 => luks2::parse(f, &first, size)?,
+        2 => luks2::parse(img, &first, size)?,
         v => return Err(LuksError::Unsupported(format!("LUKS version {v}"))),
     };
     check_bounds(&h, size)?;
@@ -292,51 +366,36 @@ fn check_bounds(h: &Header, size: u64) -> Result<(), LuksError> {
     if h.key_size == 0 || h.key_size > MAX_KEY {
         return Err(corrupt(format!("volume key size {} bytes", h.key_size)));
     }
+    check_segment(h, size)?;
     for s in &h.keyslots {
-        let what = format!("keyslot {}", s.id);
-        if s.stripes == 0 || s.stripes > MAX_STRIPES {
-            return Err(corrupt(format!("{what}: {} AF stripes", s.stripes)));
-        }
-        let material = s.key_size * s.stripes;
-        if s.key_size != h.key_size || material > MAX_MATERIAL {
-            return Err(corrupt(format!("{what}: key size {}", s.key_size)));
-        }
-        if s.area_key_size == 0 || s.area_key_size > MAX_KEY {
-            return Err(corrupt(format!(
-                "{what}: area key size {}",
-                s.area_key_size
-            )));
-        }
-        let end = s.area_offset.checked_add(material as u64);
-        if material as u64 > s.area_size || end.is_none_or(|e| e > size) {
-            return Err(corrupt(format!(
-                "{what}: key material {}+{material} outside its area or the image",
-                s.area_offset
-            )));
-        }
-        match &s.kdf {
-            Kdf::Pbkdf2 { iterations, .. } if *iterations == 0 => {
-                return Err(corrupt(format!("{what}: 0 PBKDF2 iterations")))
-            }
-            Kdf::Argon2 {
-                time, memory, cpus, ..
-            } if *time == 0
-                || *time > MAX_ARGON_TIME
-                || *memory < 8
-                || *memory > MAX_ARGON_MEMORY
-                || *cpus == 0
-                || *cpus > MAX_ARGON_CPUS =>
-            {
-                return Err(corrupt(format!(
-                    "{what}: argon2 cost time {time} memory {memory} KiB threads {cpus}"
-                )))
-            }
-            _ => {}
-        }
+        check_keyslot(h, s, size)?;
     }
     if h.digest.iterations == 0 || h.digest.digest.is_empty() || h.digest.digest.len() > 64 {
         return Err(corrupt("volume key digest"));
     }
+    if h.digest.iterations > MAX_PBKDF2_ITERATIONS {
+        return Err(corrupt(format!(
+            "volume key digest: {} PBKDF2 iterations (at most {MAX_PBKDF2_ITERATIONS} are run)",
+            h.digest.iterations
+        )));
+    }
+    Ok(())
+}
+
+/// Where the metadata ends: LUKS1's binary header, LUKS2's two header
+/// copies and the keyslots area after them.
+fn metadata_end(h: &Header) -> Result<u64, LuksError> {
+    match h.version {
+        1 => Ok(LUKS1_PHDR),
+        _ => h
+            .hdr_size
+            .checked_mul(2)
+            .and_then(|m| m.checked_add(h.keyslots_size))
+            .ok_or_else(|| corrupt(format!("keyslots_size {}", h.keyslots_size))),
+    }
+}
+
+fn check_segment(h: &Header, size: u64) -> Result<(), LuksError> {
     let seg = &h.segment;
     if !matches!(seg.sector_size, 512 | 1024 | 2048 | 4096) {
         return Err(corrupt(format!("segment sector size {}", seg.sector_size)));
@@ -344,6 +403,14 @@ fn check_bounds(h: &Header, size: u64) -> Result<(), LuksError> {
     if !seg.offset.is_multiple_of(512) || seg.offset >= size {
         return Err(corrupt(format!(
             "segment offset {} (image of {size} bytes)",
+            seg.offset
+        )));
+    }
+    let meta = metadata_end(h)?;
+    if seg.offset < meta {
+        return Err(corrupt(format!(
+            "segment offset {} inside the metadata (which ends at {meta}; detached \
+             headers are not supported)",
             seg.offset
         )));
     }
@@ -360,16 +427,94 @@ fn check_bounds(h: &Header, size: u64) -> Result<(), LuksError> {
     Ok(())
 }
 
+/// A keyslot's sizes, its area inside the metadata (LUKS2's keyslots
+/// area; LUKS1: after the header, before the data), and its KDF costs,
+/// all checked before any key is derived.
+fn check_keyslot(h: &Header, s: &Keyslot, size: u64) -> Result<(), LuksError> {
+    let what = format!("keyslot {}", s.id);
+    if s.stripes == 0 || s.stripes > MAX_STRIPES {
+        return Err(corrupt(format!("{what}: {} AF stripes", s.stripes)));
+    }
+    if s.key_size != h.key_size {
+        return Err(corrupt(format!(
+            "{what}: key size {} (the volume key has {})",
+            s.key_size, h.key_size
+        )));
+    }
+    // Both are bounded by now (MAX_KEY × MAX_STRIPES fits in usize).
+    let material = s.key_size * s.stripes;
+    if material > MAX_MATERIAL {
+        return Err(corrupt(format!("{what}: key material of {material} bytes")));
+    }
+    if s.area_key_size == 0 || s.area_key_size > MAX_KEY {
+        return Err(corrupt(format!(
+            "{what}: area key size {}",
+            s.area_key_size
+        )));
+    }
+    // The material is read in whole 512-byte sectors.
+    let padded = material.div_ceil(512) as u64 * 512;
+    let (lo, hi) = match h.version {
+        1 => (LUKS1_PHDR, h.segment.offset),
+        _ => (h.hdr_size * 2, metadata_end(h)?),
+    };
+    let end = s.area_offset.checked_add(s.area_size);
+    if padded > s.area_size
+        || s.area_offset < lo
+        || end.is_none_or(|e| e > hi || e > size)
+        || s.area_offset.checked_add(padded).is_none_or(|e| e > size)
+    {
+        return Err(corrupt(format!(
+            "{what}: key material {}+{padded} outside its area {}+{} or outside the keyslots \
+             area {lo}..{hi} or the image ({size} bytes)",
+            s.area_offset, s.area_offset, s.area_size
+        )));
+    }
+    check_kdf(&what, &s.kdf)
+}
+
+/// KDF costs are refused by name before anything runs: a hostile header
+/// must not buy hours of CPU or gigabytes of memory.
+fn check_kdf(what: &str, kdf: &Kdf) -> Result<(), LuksError> {
+    match kdf {
+        Kdf::Pbkdf2 { iterations, .. }
+            if *iterations == 0 || *iterations > MAX_PBKDF2_ITERATIONS =>
+        {
+            Err(corrupt(format!(
+                "{what}: {iterations} PBKDF2 iterations (1..={MAX_PBKDF2_ITERATIONS} are run)"
+            )))
+        }
+        Kdf::Argon2 {
+            time, memory, cpus, ..
+        } if *time == 0
+            || *time > MAX_ARGON_TIME
+            || *memory < 8
+            || *memory > MAX_ARGON_MEMORY
+            || *cpus == 0
+            || *cpus > MAX_ARGON_CPUS
+            || u64::from(*time) * u64::from(*memory) > MAX_ARGON_WORK =>
+        {
+            Err(corrupt(format!(
+                "{what}: argon2 cost time {time} memory {memory} KiB threads {cpus} (at most \
+                 time {MAX_ARGON_TIME}, memory {MAX_ARGON_MEMORY} KiB, threads \
+                 {MAX_ARGON_CPUS}, time × memory {MAX_ARGON_WORK} KiB are run)"
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Try every keyslot with `pass`; the first whose key passes the digest
 /// opens the volume (cryptsetup's `LUKS_open_key_with_hdr`).
 pub fn unlock(path: &Path, pass: &[u8]) -> Result<Unlocked, LuksError> {
-    let header = read_header(path)?;
-    let f = File::open(path).map_err(|e| LuksError::Io {
-        what: format!("opening {}", path.display()),
-        source: e,
-    })?;
+    unlock_image(&FileImage::open(path)?, pass)
+}
+
+/// [`unlock`] of an image already open (or in memory).
+pub fn unlock_image(img: &dyn Image, pass: &[u8]) -> Result<Unlocked, LuksError> {
+    let header = parse_image(img)?;
     for s in &header.keyslots {
-        if let Some(key) = try_slot(&f, s, &header.digest, pass)? {
+        if let Some(key) = try_slot(img, s, &header.digest, pass)? {
             return Ok(Unlocked {
                 slot: s.id,
                 header,
@@ -381,7 +526,7 @@ pub fn unlock(path: &Path, pass: &[u8]) -> Result<Unlocked, LuksError> {
 }
 
 fn try_slot(
-    f: &File,
+    f: &dyn Image,
     s: &Keyslot,
     digest: &KeyDigest,
     pass: &[u8],

@@ -14,7 +14,15 @@
 //! those threads already spread the work over the CPUs and a pool would
 //! add a hand-off per I/O and nothing else. The workqueue options are
 //! (and `high_priority`) therefore accepted and printed back, and change
-//! nothing.
+//! nothing. What makes one thread enough is how the cipher is fed: whole
+//! sectors through `aes`'s batched block calls (cipher.rs, xts.rs), so
+//! AES-NI keeps several blocks in flight instead of one. Splitting one
+//! large request's decryption over a pool (kcryptd's other reason) is
+//! not built: it buys a second CPU only where one is idle (an NBD
+//! client's own thread usually holds it), and costs a cross-CPU wake-up
+//! per request, which on a virtual machine is not small; the crypt rows
+//! of docs/BENCHMARKS.md (scripts/bench-crypt.sh) show whether one
+//! thread per queue keeps up.
 //!
 //! A write is never encrypted in the caller's buffer (the page cache of a
 //! kernel caller must not see ciphertext, and an NBD client's buffer may
@@ -31,6 +39,7 @@
 
 pub mod cipher;
 pub mod iv;
+pub mod xts;
 
 use crate::error::TargetError;
 use crate::target::{parse_sscanf, CtrContext, DevArg, Target, TargetRef, TargetType};
