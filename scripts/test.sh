@@ -73,9 +73,9 @@ run_binary() {
 # them from the other end. A test is claimed with an atomic mkdir, so
 # each runs once whichever lane reaches it first.
 vm_queue() {
-  local order="kernel_crashtest kernel_ublk kernel_fs kernel_parity kernel_powercut kernel_thin
-    kernel_verity kernel_snapshot kernel_mpath kernel_vhost_user_blk kernel_crypt kernel_nbd kernel_era kernel_cache
-    kernel_log_writes"
+  local order="kernel_crashtest kernel_parity kernel_nbd kernel_thin kernel_fs kernel_ublk
+    kernel_snapshot kernel_vhost_user_blk kernel_mpath kernel_era kernel_powercut kernel_crypt
+    kernel_cache kernel_log_writes kernel_verity"
   local n
   for n in $order $(awk '$1 ~ /^kernel_/ {print $1}' "$logs/binaries"); do
     grep -q "^$n " "$logs/binaries" || continue
