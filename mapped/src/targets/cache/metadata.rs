@@ -14,13 +14,12 @@
 use crate::persistent_data::bitmap::SmRoot;
 use crate::persistent_data::block_manager::BlockManager;
 use crate::persistent_data::checksum::{seal, verify};
-use crate::persistent_data::space_map::SpaceMap;
 use crate::persistent_data::tm::Tm;
 use crate::persistent_data::value_type::{Le32, Le64};
 use crate::persistent_data::{
-    array, bitset, le32, le64, put32, put64, sm_metadata, FormatError, PdError, BLOCK_SIZE,
+    self, array, bitset, le32, le64, metadata_blocks_of, put32, put64, FormatError, PdError,
+    BLOCK_SIZE,
 };
-use crate::targets::era::metadata::metadata_blocks_of;
 use blkstack_core::DeviceRef;
 
 /// `CACHE_SUPERBLOCK_MAGIC` (06142003, octal in the kernel's source).
@@ -246,10 +245,11 @@ impl CacheMetadata {
                 dev.size()
             )));
         }
-        let mut tm = Tm::new(BlockManager::new(dev), SpaceMap::new(nr_meta));
-        let first = tm.read_block(LOCATION)?;
+        let first = BlockManager::new(dev.clone()).read_block(LOCATION)?;
         if first.iter().all(|&x| x == 0) {
-            tm.meta.inc(LOCATION);
+            // `__format_metadata`: the space map bootstrapped with the
+            // superblock counted, as `dm_sm_metadata_create` does.
+            let mut tm = persistent_data::format(dev, nr_meta);
             let mapping_root = array::empty(&mut tm, &mut Le64)?;
             let dirty_root = if version >= 2 {
                 bitset::empty(&mut tm)?
@@ -294,8 +294,7 @@ impl CacheMetadata {
                 root.nr_blocks
             )));
         }
-        tm.meta = SpaceMap::new(root.nr_blocks);
-        tm.meta = sm_metadata::open(&mut tm, root)?;
+        let tm = persistent_data::open(dev, root)?;
         let clean_when_opened = sb.flags & CLEAN_SHUTDOWN != 0;
         // `__begin_transaction_flags(cmd, clear_clean_shutdown)`.
         sb.flags &= !CLEAN_SHUTDOWN;
@@ -347,7 +346,10 @@ impl CacheMetadata {
     /// Metadata blocks used / in all.
     pub fn usage(&self) -> Usage {
         Usage {
-            used: self.tm.meta.nr_allocated(),
+            // `dm_cache_get_free_metadata_block_count`: free as the
+            // metadata space map counts it (free at the last commit, less
+            // what was handed out since).
+            used: self.tm.meta.nr_blocks() - self.tm.meta.nr_free(),
             total: self.tm.meta.nr_blocks(),
         }
     }
@@ -596,18 +598,16 @@ impl CacheMetadata {
     /// `dm_cache_commit`: the transaction made durable; the superblock
     /// says `CLEAN_SHUTDOWN` only when `clean_shutdown`.
     pub fn commit(&mut self, clean_shutdown: bool) -> Result<(), CacheMdError> {
-        self.sb.sm_root = sm_metadata::commit(&mut self.tm)?;
-        self.tm.write_shadows()?;
-        self.tm.flush()?;
         if clean_shutdown {
             self.sb.flags |= CLEAN_SHUTDOWN;
         } else {
             self.sb.flags &= !CLEAN_SHUTDOWN;
         }
-        self.tm
-            .write_block(LOCATION, &mut self.sb.encode(LOCATION), true)?;
-        self.tm.flush()?;
-        self.tm.committed();
+        let sb = &mut self.sb;
+        persistent_data::commit(&mut self.tm, |sm_root| {
+            sb.sm_root = sm_root;
+            sb.encode(LOCATION)
+        })?;
         self.sb.flags &= !CLEAN_SHUTDOWN;
         self.changed = false;
         Ok(())
