@@ -25,8 +25,9 @@ use super::metadata::{CacheMdError, CacheMetadata, Stats};
 use super::smq::{Smq, Work, WorkOp};
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, Op, Status};
+use foldhash::HashMap;
 use parking_lot::{Condvar, Mutex};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,6 +42,12 @@ const KIND_HIT: u64 = 0;
 const KIND_ORIGIN_WRITE: u64 = 1 << 62;
 const KIND_MASK: u64 = 3 << 62;
 const TICK: u64 = 1 << 61;
+/// Least time between policy ticks. The kernel ticks on each tick bio's
+/// completion, which a real device spaces by its latency and smq's
+/// periods count in jiffies; an in-memory cache device completes at
+/// once, so without this nearly every hit would also tick (a second
+/// policy lock and a clock read), for no change in what smq decides.
+const TICK_EVERY_NS: u64 = 1_000_000;
 /// The block index in a completion's private word; all ones for none.
 const INDEX_MASK: u64 = (1 << 61) - 1;
 
@@ -125,6 +132,8 @@ pub struct Shared {
     pub counters: Counters,
     /// When the last bio arrived, in `clock::now_ns` nanoseconds.
     last_io: AtomicU64,
+    /// No tick bio before this time, in `clock::now_ns` nanoseconds.
+    next_tick: AtomicU64,
 }
 
 impl Shared {
@@ -159,6 +168,7 @@ impl Shared {
             migration_threshold: AtomicU64::new(2048),
             counters: Counters::default(),
             last_io: AtomicU64::new(blkstack_core::clock::now_ns()),
+            next_tick: AtomicU64::new(0),
         }
     }
 }
@@ -172,8 +182,8 @@ impl Core {
             dirty: vec![false; nr_cblocks as usize],
             nr_dirty: 0,
             discarded: vec![false; nr_dblocks as usize],
-            locked: HashMap::new(),
-            origin_writes: HashMap::new(),
+            locked: HashMap::default(),
+            origin_writes: HashMap::default(),
             deferred: VecDeque::new(),
             stop: false,
             paused: false,
@@ -242,7 +252,9 @@ impl Shared {
             self.cv.notify_all();
         }
         let c = &self.counters;
-        let tick = if self.need_tick.swap(false, Ordering::Relaxed) {
+        let tick = if self.last_io.load(Ordering::Relaxed) >= self.next_tick.load(Ordering::Relaxed)
+            && self.need_tick.swap(false, Ordering::Relaxed)
+        {
             TICK
         } else {
             0
@@ -623,6 +635,10 @@ impl EndIo for Shared {
         }
         if private & TICK != 0 {
             self.core.lock().policy.tick();
+            self.next_tick.store(
+                blkstack_core::clock::now_ns() + TICK_EVERY_NS,
+                Ordering::Relaxed,
+            );
             self.need_tick.store(true, Ordering::Relaxed);
         }
         bio.complete(status);

@@ -13,12 +13,14 @@
 //! which entries have not been hit for a period, so busy writeback only
 //! cleans entries older than that.
 //!
-//! Differences: the hash tables are `HashMap`s rather than the kernel's
-//! index-chained buckets (the lookup is the same), and the background
+//! Differences: the hash tables are `HashMap`s with a fast non-keyed
+//! hash (foldhash) rather than the kernel's index-chained buckets (the
+//! lookup is the same, and a hit pays for one hash as the kernel's does), and the background
 //! tracker is a bounded queue inside the policy.
 
 use super::queue::{Alloc, Entry, Perf, Queue, Space, Stats};
-use std::collections::{HashMap, HashSet, VecDeque};
+use foldhash::{HashMap, HashSet};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 const NR_HOTSPOT_LEVELS: u32 = 64;
@@ -149,8 +151,8 @@ impl Smq {
             dirty: Queue::new(NR_CACHE_LEVELS),
             hotspot_stats: Stats::new(NR_HOTSPOT_LEVELS),
             cache_stats: Stats::new(NR_CACHE_LEVELS),
-            table: HashMap::new(),
-            hotspot_table: HashMap::new(),
+            table: HashMap::default(),
+            hotspot_table: HashMap::default(),
             current_wb_sentinels: false,
             next_wb_period: now + WRITEBACK_PERIOD,
             current_demote_sentinels: false,
@@ -160,7 +162,7 @@ impl Smq {
             next_hotspot_period: now,
             next_cache_period: now,
             work: VecDeque::new(),
-            promotions_queued: HashSet::new(),
+            promotions_queued: HashSet::default(),
             demotions_queued: 0,
             migrations_allowed: !cleaner,
             cleaner,
