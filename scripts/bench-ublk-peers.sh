@@ -7,29 +7,31 @@
 #   blkstack  blkstack serve's `null` (zero_reads=0: read buffers left
 #             untouched, as null_blk and kublk's null leave them; one
 #             hardware queue of 64) as /dev/ublkbN through ublk_drv
-#   kublk     the kernel selftest's ublk server (tools/testing/selftests/
-#             ublk/kublk, `add -t null -q 1 -d 64`), when one is given
+#   kublk     the kernel selftests' own ublk server (tools/testing/
+#             selftests/ublk/kublk, `add -t null -q 1 -d 64`), built static
+#             for the 6.12 guest by scripts/kublk/build.sh
 #
 #   scripts/bench-ublk-peers.sh
 #
-# fio is copied into the guest with its libraries (libaio, O_DIRECT); each
-# repetition runs every device for each (rw, QD) before the next, REPS
-# times. Prints `RESULT <dev> <rw> <qd> <iops>` per point, then the medians
-# and `RATIO` lines: blkstack's IOPS over null_blk's and over kublk's.
-# These are TCG figures: only the ratios within one run say anything.
+# fio is copied into the guest with its libraries (libaio, O_DIRECT), kublk
+# as a static binary; fio covers the first GiB of each device (kublk's
+# null is 250 GiB, the others 1 GiB) so that all see the same offsets.
+# Each repetition runs every device for each (rw, QD) before the next,
+# REPS times. Prints `RESULT <dev> <rw> <qd> <iops>` per point, then the
+# medians and `RATIO` lines: blkstack's IOPS over null_blk's and over
+# kublk's. These are TCG figures: only the ratios within one run say
+# anything.
 #
-# kublk is not in the 6.12 tree (it arrived with the ublk selftests in
-# 6.15) and it needs liburing: build it statically from a kernel tree of
-# 6.15 or later against the tree's own uapi headers, e.g.
-#   make -C linux headers_install INSTALL_HDR_PATH=$PWD/hdr
-#   gcc -static -O2 -I hdr/include -o kublk \
-#     linux/tools/testing/selftests/ublk/{kublk,null,common}.c -luring -lpthread
-# (the .c files the tree's Makefile builds into kublk, less the targets a
-# null run does not need if they do not build) and pass KUBLK=PATH. Without
-# KUBLK the kublk column is left out and said so.
+# kublk is not in the 6.12 tree (the ublk selftests arrived in 6.15) and
+# needs liburing: scripts/kublk/build.sh builds it from the upstream files
+# in target/kublk/src against Debian's liburing-dev (liburing.a), patched
+# to run on 6.12 (scripts/kublk/README.md). KUBLK=PATH takes a static
+# kublk built elsewhere instead. When it cannot be built (no sources, no
+# liburing) the script says why in one line and leaves the kublk column out.
 #
 # Environment: BLKSTACK_BIN (default target/release/blkstack, built if
-# missing), KUBLK (a static kublk), BENCH_RUNTIME seconds per point
+# missing), KUBLK (a static kublk; default: scripts/kublk/build.sh's, which
+# reads KUBLK_SRC and KUBLK_UAPI), BENCH_RUNTIME seconds per point
 # (default 10), REPS (default 3), KERNEL_VM_MEM.
 set -euo pipefail
 
@@ -43,11 +45,19 @@ kublk=${KUBLK:-}
 die() { echo "bench-ublk-peers: $*" >&2; exit 2; }
 [ -n "$fio_bin" ] || die "fio is not installed (make deps)"
 case $rt$reps in *[!0-9]*) die "BENCH_RUNTIME and REPS want whole numbers" ;; esac
+if [ -z "$kublk" ]; then
+  # build.sh prints the binary's path last; exit 3 is one line naming a
+  # missing prerequisite
+  kst=0; kout=$("$top/scripts/kublk/build.sh" 2>&1) || kst=$?
+  case $kst in
+    0) kublk=$(printf '%s\n' "$kout" | tail -n1) ;;
+    3) echo "bench-ublk-peers: no kublk column: ${kout#kublk: }" >&2 ;;
+    *) printf '%s\n' "$kout" >&2; die "scripts/kublk/build.sh failed" ;;
+  esac
+fi
 if [ -n "$kublk" ]; then
   [ -x "$kublk" ] || die "KUBLK=$kublk is not an executable"
-  ldd "$kublk" 2>&1 | grep -q "not a dynamic" || die "KUBLK=$kublk must be linked statically (the guest has no liburing)"
-else
-  echo "bench-ublk-peers: no KUBLK given: comparing with null_blk only (see the script's head for building kublk)" >&2
+  { ldd "$kublk" 2>&1 || true; } | grep -q "not a dynamic" || die "KUBLK=$kublk must be linked statically (the guest has no liburing)"
 fi
 if [ ! -x "$bin" ]; then
   (cd "$top" && cargo build --release -p blkstack >&2)
@@ -60,7 +70,7 @@ kublk_args=()
 
 cat > "$work/guest.sh" <<EOS
 set -e
-fiorun() { fio --name=b --filename=\$1 --rw=\$2 --bs=4k --direct=1 --ioengine=libaio \
+fiorun() { fio --name=b --filename=\$1 --size=1g --rw=\$2 --bs=4k --direct=1 --ioengine=libaio \
   --iodepth=\$3 --runtime=$rt --time_based --thread --output-format=terse --terse-version=3 \
   | awk -F';' -v rw=\$2 '{ print rw == "randread" ? \$8 : \$49 }'; }
 modprobe null_blk nr_devices=1 gb=1 irqmode=0 queue_mode=2 hw_queue_depth=64 submit_queues=1
@@ -75,15 +85,13 @@ i=0; while ! grep -q '^ready' /tmp/serve.out; do
 U=\$(sed -n 's/^serving nul .* at \(\/dev\/ublkb[0-9]*\)\$/\1/p' /tmp/serve.out)
 [ -b "\$U" ] || { echo "no ublk device: \$(cat /tmp/serve.out)"; exit 1; }
 devs="\$devs blkstack:\$U"
+KID=""
 if [ -x /bin/kublk ]; then
-  before=\$(ls /dev/ublkb* | sort)
   kublk add -t null -q 1 -d 64 > /tmp/kublk.out 2>&1 || { cat /tmp/kublk.out; exit 1; }
-  i=0; K=""
-  while [ -z "\$K" ] && [ \$i -lt 100 ]; do
-    K=\$(ls /dev/ublkb* | sort | grep -vxF "\$before" | head -n1 || true)
-    sleep 0.1; i=\$((i+1))
-  done
-  [ -b "\$K" ] || { echo "kublk made no device: \$(cat /tmp/kublk.out)"; exit 1; }
+  KID=\$(sed -n 's/^dev id \([0-9]*\):.*/\1/p' /tmp/kublk.out)
+  K=/dev/ublkb\$KID
+  i=0; while [ ! -b "\$K" ] && [ \$i -lt 100 ]; do sleep 0.1; i=\$((i+1)); done
+  [ -n "\$KID" ] && [ -b "\$K" ] || { echo "kublk made no device: \$(cat /tmp/kublk.out)"; exit 1; }
   devs="\$devs kublk:\$K"
 fi
 for rep in \$(seq $reps); do
@@ -95,7 +103,7 @@ for rep in \$(seq $reps); do
     done
   done
 done
-[ -x /bin/kublk ] && kublk del -a >/dev/null 2>&1 || true
+[ -z "\$KID" ] || kublk del -n \$KID >/dev/null 2>&1 || true
 kill \$S; wait \$S || true
 EOS
 
