@@ -17,9 +17,10 @@
 //! set shared by several (`BLK_MQ_F_TAG_QUEUE_SHARED`).
 //!
 //! The completion knobs (`irqmode`, `completion_nsec`, `iopoll`,
-//! `timer_spin_ns`) are null_blk's, not the engine's: they are defined in
-//! [`crate::emulation::completion`] and only read and printed here, in the
-//! table's order, so that `null` and `memory` lines keep one syntax.
+//! `poll_backstop_ms`, `timer_spin_ns`) are null_blk's, not the engine's:
+//! they are defined in [`crate::emulation::completion`] and only read and
+//! printed here, in the table's order, so that `null` and `memory` lines
+//! keep one syntax.
 
 use crate::args::KvArgs;
 use crate::emulation::completion::CompletionArgs;
@@ -217,6 +218,7 @@ mod tests {
             "tag_rescue_ms=500",
             "kblockd=unbound",
             "iopoll=1",
+            "poll_backstop_ms=250",
             "timer_spin_ns=100000",
         ];
         let e = parse(&args).unwrap();
@@ -231,6 +233,7 @@ mod tests {
         assert_eq!(e.opts.kblockd, KblockdKind::Unbound);
         assert!(e.completion.opts.iopoll);
         assert_eq!(e.completion.opts.timer_spin_max_ns, 100_000);
+        assert_eq!(e.completion.opts.poll_backstop_ms, 250);
         let mut printed = String::new();
         e.write_table_args(&mut printed);
         assert_eq!(printed.trim(), args.join(" "));
@@ -256,6 +259,9 @@ mod tests {
             ("iopoll=1", "irqmode=2"),
             ("timer_spin_ns=1000001", "timer_spin_ns"),
             ("timer_spin_ns=1000", "irqmode=2"),
+            ("poll_backstop_ms=0", "poll_backstop_ms"),
+            ("poll_backstop_ms=60001", "poll_backstop_ms"),
+            ("poll_backstop_ms=5", "iopoll=1"),
         ] {
             let e = parse(&[arg]).unwrap_err().to_string();
             assert!(e.contains(key), "{arg}: {e}");

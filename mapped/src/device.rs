@@ -372,7 +372,7 @@ impl Device for MappedDevice {
 
     /// Polled bios wait in the live table's targets. One that nobody polls
     /// is completed by its target's own backstop (`null`: its completion
-    /// thread, 1 ms past the deadline), so a suspend or a table swap never
+    /// thread, `poll_backstop_ms` past the deadline), so a suspend or a table swap never
     /// waits for a poller.
     fn poll(&self) -> usize {
         self.core.live.load().poll()

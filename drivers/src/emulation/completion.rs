@@ -5,9 +5,11 @@
 //! poll list for the submitter's own poll, as on null_blk's poll queues
 //! and io_uring IOPOLL) and `timer_spin_ns=N` (timer mode: the completion
 //! thread spins up to N ns before each deadline instead of trusting a
-//! sleep to wake on time). As in Linux, where `irqmode` is a parameter of
-//! `drivers/block/null_blk/main.c` and blk-mq knows nothing of it, these
-//! are the driver's options, not the engine's.
+//! sleep to wake on time), and with `iopoll=1`, `poll_backstop_ms=N`: how
+//! long past its due time a polled bio waits for a poll before the
+//! completion thread ends it (see [`super::poll`]). As in Linux, where
+//! `irqmode` is a parameter of `drivers/block/null_blk/main.c` and blk-mq
+//! knows nothing of it, these are the driver's options, not the engine's.
 
 use crate::args::KvArgs;
 use crate::error::ArgError;
@@ -19,6 +21,12 @@ pub const DEFAULT_COMPLETION_NSEC: u64 = 10_000;
 pub const MAX_TIMER_SPIN_NS: u64 = 1_000_000;
 /// Largest `completion_nsec` (a minute).
 const MAX_COMPLETION_NSEC: u64 = 60_000_000_000;
+/// Default `poll_backstop_ms`: a submitter that stops polling gets its
+/// bios back soon after they are due.
+pub const DEFAULT_POLL_BACKSTOP_MS: u64 = 1;
+/// Largest `poll_backstop_ms` (a minute): a polled bio nobody polls is
+/// always ended, so the wait stays bounded.
+pub const MAX_POLL_BACKSTOP_MS: u64 = 60_000;
 
 /// Where a request the driver finished is completed (null_blk `irqmode`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -44,7 +52,7 @@ impl CompletionMode {
 }
 
 /// How a device completes its requests.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CompletionOptions {
     pub mode: CompletionMode,
     /// Timer mode only: submitters may poll for `POLLED` bios.
@@ -52,6 +60,20 @@ pub struct CompletionOptions {
     /// Timer mode only: the most the completion thread spins before a
     /// deadline (0 = it only sleeps, as null_blk's hrtimer).
     pub timer_spin_max_ns: u64,
+    /// With `iopoll`: how long past its deadline a polled bio nobody
+    /// polled waits before the completion thread ends it.
+    pub poll_backstop_ms: u64,
+}
+
+impl Default for CompletionOptions {
+    fn default() -> Self {
+        CompletionOptions {
+            mode: CompletionMode::default(),
+            iopoll: false,
+            timer_spin_max_ns: 0,
+            poll_backstop_ms: DEFAULT_POLL_BACKSTOP_MS,
+        }
+    }
 }
 
 /// Completion options that do not go together.
@@ -63,6 +85,10 @@ pub enum CompletionOptionsError {
     SpinNeedsTimer,
     #[error("iopoll=1 needs irqmode=2 (a timer completion the poller can reap)")]
     IopollNeedsTimer,
+    #[error("poll_backstop_ms={0} is out of range 1..={MAX_POLL_BACKSTOP_MS}")]
+    BackstopOutOfRange(u64),
+    #[error("poll_backstop_ms needs iopoll=1 (it bounds how long a polled bio waits for a poll)")]
+    BackstopNeedsIopoll,
 }
 
 impl CompletionOptions {
@@ -78,6 +104,14 @@ impl CompletionOptions {
         }
         if self.iopoll && !timer {
             return Err(CompletionOptionsError::IopollNeedsTimer);
+        }
+        if !(1..=MAX_POLL_BACKSTOP_MS).contains(&self.poll_backstop_ms) {
+            return Err(CompletionOptionsError::BackstopOutOfRange(
+                self.poll_backstop_ms,
+            ));
+        }
+        if self.poll_backstop_ms != DEFAULT_POLL_BACKSTOP_MS && !self.iopoll {
+            return Err(CompletionOptionsError::BackstopNeedsIopoll);
         }
         Ok(())
     }
@@ -113,8 +147,9 @@ impl CompletionArgs {
         }
     }
 
-    /// Consume `irqmode`, `completion_nsec`, `iopoll` and `timer_spin_ns`
-    /// from `kv` (their combination is checked by [`Self::validate`]).
+    /// Consume `irqmode`, `completion_nsec`, `iopoll`, `timer_spin_ns`
+    /// and `poll_backstop_ms` from `kv` (their combination is checked by
+    /// [`Self::validate`]).
     pub fn parse(kv: &mut KvArgs<'_>) -> Result<CompletionArgs, ArgError> {
         let irqmode = kv.take_u64("irqmode", 0, 0, 2)?;
         let completion_nsec = kv.take_u64(
@@ -125,6 +160,12 @@ impl CompletionArgs {
         )?;
         let iopoll = kv.take_bool("iopoll", false)?;
         let timer_spin_max_ns = kv.take_u64("timer_spin_ns", 0, 0, MAX_TIMER_SPIN_NS)?;
+        let poll_backstop_ms = kv.take_u64(
+            "poll_backstop_ms",
+            DEFAULT_POLL_BACKSTOP_MS,
+            1,
+            MAX_POLL_BACKSTOP_MS,
+        )?;
         let mode = match irqmode {
             0 => CompletionMode::Inline,
             1 => CompletionMode::Softirq,
@@ -137,6 +178,7 @@ impl CompletionArgs {
                 mode,
                 iopoll,
                 timer_spin_max_ns,
+                poll_backstop_ms,
             },
             completion_nsec,
         })
@@ -162,10 +204,14 @@ impl CompletionArgs {
         }
     }
 
-    /// The non-default `iopoll` and `timer_spin_ns` (they come last).
+    /// The non-default `iopoll`, `poll_backstop_ms` and `timer_spin_ns`
+    /// (they come last).
     pub fn write_poll_args(&self, out: &mut String) {
         if self.opts.iopoll {
             out.push_str(" iopoll=1");
+        }
+        if self.opts.poll_backstop_ms != DEFAULT_POLL_BACKSTOP_MS {
+            let _ = write!(out, " poll_backstop_ms={}", self.opts.poll_backstop_ms);
         }
         if self.opts.timer_spin_max_ns != 0 {
             let _ = write!(out, " timer_spin_ns={}", self.opts.timer_spin_max_ns);
@@ -177,14 +223,20 @@ impl CompletionArgs {
         format!("irqmode={}", self.opts.mode.irqmode())
     }
 
-    /// In timer mode, ` completion_nsec=.. iopoll=.. timer_spin_ns=..`;
-    /// otherwise nothing.
+    /// In timer mode, ` completion_nsec=.. iopoll=.. timer_spin_ns=..`,
+    /// then ` poll_backstop_ms=..` with `iopoll=1`; otherwise nothing.
     pub fn describe_timer(&self) -> String {
         match self.opts.mode {
-            CompletionMode::Timer { nsec } => format!(
-                " completion_nsec={nsec} iopoll={} timer_spin_ns={}",
-                self.opts.iopoll as u8, self.opts.timer_spin_max_ns
-            ),
+            CompletionMode::Timer { nsec } => {
+                let mut s = format!(
+                    " completion_nsec={nsec} iopoll={} timer_spin_ns={}",
+                    self.opts.iopoll as u8, self.opts.timer_spin_max_ns
+                );
+                if self.opts.iopoll {
+                    let _ = write!(s, " poll_backstop_ms={}", self.opts.poll_backstop_ms);
+                }
+                s
+            }
             _ => String::new(),
         }
     }

@@ -160,7 +160,8 @@ impl<D: Driver> EmulatedDisk<D> {
                     completion_thread(
                         &irq.queues[i],
                         i as u32,
-                        opts.iopoll,
+                        opts.iopoll
+                            .then_some(opts.poll_backstop_ms.saturating_mul(1_000_000)),
                         opts.timer_spin_max_ns,
                         depth,
                         completer,

@@ -4,9 +4,16 @@
 //! due, like a request on one of null_blk's poll queues reaped by
 //! `null_poll` (kernel `blk_mq_poll` → `mq_ops->poll`; io_uring IOPOLL).
 //! Unlike null_blk's poll queues, which complete on the first poll, the
-//! service time is kept. The completion thread is the backstop: a request
-//! nobody polls for [`POLL_BACKSTOP_NS`] past its deadline is ended by it,
-//! so a submitter that stops polling never leaves one behind.
+//! service time is kept.
+//!
+//! null_blk's poll queues complete a request only when polled. Here the
+//! completion thread is a backstop: a request nobody polls for the
+//! table's `poll_backstop_ms` past its deadline (1 ms by default) is ended
+//! by it, so a submitter that stops polling never leaves one behind and
+//! the wait stays bounded (at most a minute). With a long backstop, the
+//! poll is in practice the only way a polled bio ends, whatever the load:
+//! the tests that check the submitter's poll reaps its bios set it to a
+//! minute, so a descheduled poller cannot lose one to the backstop.
 
 use blkstack_core::clock::{now_ns, sleep_until_ns};
 use blkstack_core::Status;
@@ -16,10 +23,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 
-/// A polled request nobody has polled for this long past its deadline is
-/// completed by the completion thread instead.
-pub const POLL_BACKSTOP_NS: u64 = 1_000_000;
-/// How often an idle completion thread looks for such requests.
+/// How often an idle completion thread looks for polled requests past
+/// their backstop.
 pub(super) const POLL_BACKSTOP_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// One hardware queue's polled requests: `(deadline, tag, status)`.

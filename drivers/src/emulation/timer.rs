@@ -19,7 +19,7 @@
 //! is counted apart (`timer_spin_cpu_ns`) so that a measurement can leave
 //! the disk's timekeeping out of the host's cost.
 
-use super::poll::{PollList, POLL_BACKSTOP_CHECK, POLL_BACKSTOP_NS};
+use super::poll::{PollList, POLL_BACKSTOP_CHECK};
 use blkstack_core::clock::now_ns;
 use blkstack_core::cpu::thread_cpu_ns;
 use blkstack_core::timing::{
@@ -129,15 +129,16 @@ impl IrqQueue {
 }
 
 /// The completion thread of hardware queue `hctx`: ends what `irq` is
-/// handed, each at its deadline; with `polls`, also the polled requests
-/// nobody reaped in time. On shutdown it ends everything left (polled ones
-/// no earlier than their deadline) and returns. `ready` is told once the
-/// thread is set up (its own allocations done), so a device is whole when
-/// its constructor returns, as `kthread_run` returns a running thread.
+/// handed, each at its deadline; with `poll_backstop_ns` (`iopoll=1`),
+/// also the polled requests nobody reaped that long past their deadline.
+/// On shutdown it ends everything left (polled ones no earlier than their
+/// deadline) and returns. `ready` is told once the thread is set up (its
+/// own allocations done), so a device is whole when its constructor
+/// returns, as `kthread_run` returns a running thread.
 pub(super) fn completion_thread(
     irq: &IrqQueue,
     hctx: u32,
-    polls: bool,
+    poll_backstop_ns: Option<u64>,
     spin_max_ns: u64,
     depth: usize,
     completer: HeldCompleter,
@@ -159,15 +160,15 @@ pub(super) fn completion_thread(
             }
             irq.sleeping.store(true, SeqCst);
             if irq.queue.lock().is_empty() && !irq.shutdown.load(SeqCst) {
-                if polls {
+                if poll_backstop_ns.is_some() {
                     std::thread::park_timeout(POLL_BACKSTOP_CHECK);
                 } else {
                     std::thread::park();
                 }
             }
             irq.sleeping.store(false, SeqCst);
-            if polls {
-                irq.end_polled(hctx, POLL_BACKSTOP_NS, &completer);
+            if let Some(grace_ns) = poll_backstop_ns {
+                irq.end_polled(hctx, grace_ns, &completer);
             }
             continue;
         }
