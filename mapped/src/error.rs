@@ -319,9 +319,9 @@ pub enum LineError {
     #[error("stack file mixes 'NAME: table line' lines with other text; use one form")]
     MixedStack,
     /// A `NAME: --luks IMAGE KEY_FILE` stack line whose volume does not
-    /// open (the LUKS error as text).
+    /// open.
     #[error("--luks: {0}")]
-    Luks(String),
+    Luks(crate::luks::StackLineError),
     /// A device name in the line dm would not accept.
     #[error(transparent)]
     Name(#[from] NameError),

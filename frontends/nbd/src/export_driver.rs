@@ -99,14 +99,21 @@ pub struct NbdArgs {
     pub tls_verify_peer: bool,
 }
 
+/// A `--socket-mode` value clap refuses.
+#[derive(Debug, thiserror::Error)]
+enum ModeError {
+    #[error("{0:?} is not an octal mode (e.g. 0600)")]
+    NotOctal(String),
+    #[error("{0}: only permission bits (at most 0777) are allowed")]
+    NotPermissionBits(String),
+}
+
 /// An octal file mode such as `0660`, permission bits only.
-fn parse_mode(s: &str) -> Result<u32, String> {
+fn parse_mode(s: &str) -> Result<u32, ModeError> {
     let m = u32::from_str_radix(s.trim_start_matches("0o"), 8)
-        .map_err(|_| format!("{s:?} is not an octal mode (e.g. 0600)"))?;
+        .map_err(|_| ModeError::NotOctal(s.to_string()))?;
     if m > 0o777 {
-        return Err(format!(
-            "{s}: only permission bits (at most 0777) are allowed"
-        ));
+        return Err(ModeError::NotPermissionBits(s.to_string()));
     }
     Ok(m)
 }

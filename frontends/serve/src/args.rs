@@ -60,13 +60,21 @@ pub struct ServeArgs {
     pub thin_no_space_timeout: u64,
 }
 
-fn parse_memory_limit(s: &str) -> Result<u64, String> {
+/// A `--memory-limit` value clap refuses (its message is what the user
+/// sees after clap's "invalid value").
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+enum MemoryLimitError {
+    #[error("{0}: at least one 4096-byte page")]
+    BelowOnePage(String),
+    #[error("{0:?} is not a size (bytes or a K, M, G or T suffix, e.g. 512M)")]
+    NotASize(String),
+}
+
+fn parse_memory_limit(s: &str) -> Result<u64, MemoryLimitError> {
     match blkstack_mapped::targets::memory::parse_alloc_size(s) {
         Some(n) if n >= 4096 => Ok(n),
-        Some(_) => Err(format!("{s}: at least one 4096-byte page")),
-        None => Err(format!(
-            "{s:?} is not a size (bytes or a K, M, G or T suffix, e.g. 512M)"
-        )),
+        Some(_) => Err(MemoryLimitError::BelowOnePage(s.to_string())),
+        None => Err(MemoryLimitError::NotASize(s.to_string())),
     }
 }
 
@@ -79,9 +87,11 @@ mod tests {
         assert_eq!(parse_memory_limit("512M"), Ok(512 << 20));
         assert!(parse_memory_limit("100")
             .unwrap_err()
+            .to_string()
             .contains("4096-byte page"));
         assert!(parse_memory_limit("lots")
             .unwrap_err()
+            .to_string()
             .contains("not a size"));
     }
 }

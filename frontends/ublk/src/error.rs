@@ -2,6 +2,9 @@
 //! the control socket can say it plainly (the missing-module case above
 //! all: most hosts have the driver but not the module loaded).
 
+use crate::options::OptionsError;
+use crate::params::ParamsError;
+use crate::queue::QueueStartError;
 use std::path::PathBuf;
 
 /// The control node the kernel's ublk driver (drivers/block/ublk_drv.c)
@@ -28,6 +31,17 @@ pub enum UblkError {
     NotExported(String),
     #[error("ublk export {name}: {what}")]
     Invalid { name: String, what: String },
+    /// `--ublk-*` options the driver or the stack cannot take. Here and
+    /// below the detail is in the message, not a `#[source]`, so a
+    /// context chain (`{:#}`) prints it once.
+    #[error("ublk export {name}: {what}")]
+    Options { name: String, what: OptionsError },
+    /// A device the driver would refuse.
+    #[error("ublk export {name}: {what}")]
+    Params { name: String, what: ParamsError },
+    /// A queue could not be set up, so the device cannot start.
+    #[error("ublk export {name}: {what}")]
+    Queues { name: String, what: QueueStartError },
     /// A command the driver answered with an error (or did not answer in
     /// time: `ETIMEDOUT`).
     #[error("ublk export {name}: {what} failed: {errno}")]

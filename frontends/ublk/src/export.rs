@@ -31,7 +31,7 @@ use crate::ctrl::{cdev_path, Control, Dev};
 use crate::error::{check_control, Errno, UblkError, CONTROL_PATH};
 use crate::options::UblkOptions;
 use crate::params::{ublk_params, Geometry};
-use crate::queue::{self, QueueSpec};
+use crate::queue::{self, QueueSpec, QueueStartError};
 use crate::uapi::{self, ublksrv_ctrl_dev_info};
 use blkstack_core::DeviceRef;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -271,7 +271,7 @@ fn serve_queue(
     dev: Dev,
     cdev: Arc<OwnedFd>,
     target: DeviceRef,
-    ready: mpsc::Sender<Result<(), String>>,
+    ready: mpsc::Sender<Result<(), QueueStartError>>,
     stopping: Arc<AtomicBool>,
 ) {
     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -300,7 +300,10 @@ fn spawn_queues(
     cdev: &Arc<OwnedFd>,
     target: &DeviceRef,
     stopping: &Arc<AtomicBool>,
-) -> (Vec<JoinHandle<()>>, mpsc::Receiver<Result<(), String>>) {
+) -> (
+    Vec<JoinHandle<()>>,
+    mpsc::Receiver<Result<(), QueueStartError>>,
+) {
     let (tx, rx) = mpsc::channel();
     let dev = Dev::of(info);
     let mut threads = Vec::with_capacity(info.nr_hw_queues as usize);
@@ -319,7 +322,7 @@ fn spawn_queues(
         match spawned {
             Ok(t) => threads.push(t),
             Err(e) => {
-                let _ = tx.send(Err(format!("queue {qid}: spawning its thread: {e}")));
+                let _ = tx.send(Err(QueueStartError::Spawn { qid, err: e }));
             }
         }
     }
@@ -328,7 +331,10 @@ fn spawn_queues(
 
 /// Wait (bounded) until `n` queues have said they are fetching; the
 /// first that could not, or the bound, is the error.
-fn queues_ready(rx: &mpsc::Receiver<Result<(), String>>, n: u16) -> Result<(), String> {
+fn queues_ready(
+    rx: &mpsc::Receiver<Result<(), QueueStartError>>,
+    n: u16,
+) -> Result<(), QueueStartError> {
     let deadline = Instant::now() + QUEUES_READY_TIMEOUT;
     for _ in 0..n {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -336,13 +342,9 @@ fn queues_ready(rx: &mpsc::Receiver<Result<(), String>>, n: u16) -> Result<(), S
             Ok(Ok(())) => {}
             Ok(Err(why)) => return Err(why),
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                return Err(format!(
-                    "the queues were not fetching within {QUEUES_READY_TIMEOUT:?}"
-                ))
+                return Err(QueueStartError::Timeout(QUEUES_READY_TIMEOUT))
             }
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err("a queue thread ended before it fetched".into())
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(QueueStartError::ThreadEnded),
         }
     }
     Ok(())
@@ -439,14 +441,19 @@ impl UblkExport {
         read_only: bool,
         opts: &UblkOptions,
     ) -> Result<UblkExport, UblkError> {
-        opts.validate().map_err(|what| invalid(name, what))?;
-        let shape = opts
-            .queues_and_depth(dev.queue_shape())
-            .map_err(|what| invalid(name, what))?;
+        let options = |what| UblkError::Options {
+            name: name.into(),
+            what,
+        };
+        opts.validate().map_err(options)?;
+        let shape = opts.queues_and_depth(dev.queue_shape()).map_err(options)?;
         check_control(Path::new(CONTROL_PATH))?;
         let geo = Geometry::of(&*dev);
         let params =
-            ublk_params(&geo, opts.io_buf_bytes, read_only).map_err(|what| invalid(name, what))?;
+            ublk_params(&geo, opts.io_buf_bytes, read_only).map_err(|what| UblkError::Params {
+                name: name.into(),
+                what,
+            })?;
         let left = if opts.ctrl_flags() & uapi::UBLK_F_USER_RECOVERY != 0 {
             find_left_behind(name)?
         } else {
@@ -541,8 +548,12 @@ impl UblkExport {
         let (threads, ready) = spawn_queues(name, info, &cdev, &dev, stopping);
         // The queues hold the char device from here: it closes with them.
         drop(cdev);
-        if let Err(why) = queues_ready(&ready, info.nr_hw_queues) {
-            return Err((invalid(name, why), threads));
+        if let Err(what) = queues_ready(&ready, info.nr_hw_queues) {
+            let e = UblkError::Queues {
+                name: name.into(),
+                what,
+            };
+            return Err((e, threads));
         }
         let r = if params.is_none() {
             ctl.end_user_recovery(&d, START_TIMEOUT)

@@ -99,7 +99,7 @@ impl ExportDriver for UblkArgs {
 
     fn start(&self, reg: &Arc<Registry>) -> anyhow::Result<Arc<dyn ExportHost>> {
         let opts = self.options();
-        opts.validate().map_err(anyhow::Error::msg)?;
+        opts.validate()?;
         let names = self.names()?;
         let host = Arc::new(UblkHost::new(opts));
         for (name, ro) in names {

@@ -53,20 +53,47 @@ impl Default for UblkOptions {
     }
 }
 
+/// Options the driver or the stack cannot take; each message names the
+/// flag.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OptionsError {
+    #[error("--ublk-queues {0}: must be 1..={MAX_QUEUES}")]
+    QueuesOutOfRange(u16),
+    #[error("--ublk-depth {0}: must be 1..={MAX_DEPTH}")]
+    DepthOutOfRange(u16),
+    #[error("--ublk-max-io {0}: must be a multiple of 4096, at least 4096")]
+    MaxIo(u32),
+    /// More queues than `offerer` (the stack, or the driver) has.
+    #[error(
+        "--ublk-queues {asked}: {offerer} offers {have} hardware queue(s); ask for at most {have}"
+    )]
+    MoreQueues {
+        asked: u16,
+        offerer: &'static str,
+        have: u16,
+    },
+    /// Deeper than `offerer`'s tags.
+    #[error(
+        "--ublk-depth {asked}: {offerer} offers {have} tags per queue; ask for at most {have}"
+    )]
+    Deeper {
+        asked: u16,
+        offerer: &'static str,
+        have: u16,
+    },
+}
+
 impl UblkOptions {
     /// Check against the driver's limits; the message names the flag.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), OptionsError> {
         if let Some(q) = self.queues.filter(|q| *q == 0 || *q > MAX_QUEUES) {
-            return Err(format!("--ublk-queues {q}: must be 1..={MAX_QUEUES}"));
+            return Err(OptionsError::QueuesOutOfRange(q));
         }
         if let Some(d) = self.depth.filter(|d| *d == 0 || *d > MAX_DEPTH) {
-            return Err(format!("--ublk-depth {d}: must be 1..={MAX_DEPTH}"));
+            return Err(OptionsError::DepthOutOfRange(d));
         }
         if self.io_buf_bytes < 4096 || !self.io_buf_bytes.is_multiple_of(4096) {
-            return Err(format!(
-                "--ublk-max-io {}: must be a multiple of 4096, at least 4096",
-                self.io_buf_bytes
-            ));
+            return Err(OptionsError::MaxIo(self.io_buf_bytes));
         }
         Ok(())
     }
@@ -75,8 +102,8 @@ impl UblkOptions {
     /// the stack's, or the smaller ones asked for. More than the stack
     /// has is refused: the kernel would queue requests on queues and tags
     /// that nothing below can take.
-    pub fn queues_and_depth(&self, stack: Option<QueueShape>) -> Result<(u16, u16), String> {
-        let (have_q, have_d, what) = match stack {
+    pub fn queues_and_depth(&self, stack: Option<QueueShape>) -> Result<(u16, u16), OptionsError> {
+        let (have_q, have_d, offerer) = match stack {
             Some(s) => (
                 s.hw_queues.clamp(1, MAX_QUEUES as u32) as u16,
                 s.depth.clamp(1, MAX_DEPTH as u32) as u16,
@@ -85,20 +112,24 @@ impl UblkOptions {
             None => (MAX_QUEUES, MAX_DEPTH, "the ublk driver"),
         };
         let queues = match self.queues {
-            Some(q) if q > have_q => {
-                return Err(format!(
-                    "--ublk-queues {q}: {what} offers {have_q} hardware queue(s); ask for at most {have_q}"
-                ))
+            Some(asked) if asked > have_q => {
+                return Err(OptionsError::MoreQueues {
+                    asked,
+                    offerer,
+                    have: have_q,
+                })
             }
             Some(q) => q,
             None if stack.is_some() => have_q,
             None => DEFAULT_QUEUES,
         };
         let depth = match self.depth {
-            Some(d) if d > have_d => {
-                return Err(format!(
-                "--ublk-depth {d}: {what} offers {have_d} tags per queue; ask for at most {have_d}"
-            ))
+            Some(asked) if asked > have_d => {
+                return Err(OptionsError::Deeper {
+                    asked,
+                    offerer,
+                    have: have_d,
+                })
             }
             Some(d) => d,
             None if stack.is_some() => have_d,
@@ -131,12 +162,20 @@ mod tests {
             depth: Some(0),
             ..UblkOptions::default()
         };
-        assert!(bad.validate().unwrap_err().contains("--ublk-depth"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--ublk-depth"));
         let bad = UblkOptions {
             io_buf_bytes: 5000,
             ..UblkOptions::default()
         };
-        assert!(bad.validate().unwrap_err().contains("--ublk-max-io"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--ublk-max-io"));
     }
 
     #[test]
@@ -161,7 +200,7 @@ mod tests {
             queues: Some(4),
             ..UblkOptions::default()
         };
-        let e = more.queues_and_depth(stack).unwrap_err();
+        let e = more.queues_and_depth(stack).unwrap_err().to_string();
         assert!(
             e.contains("--ublk-queues 4") && e.contains("3 hardware queue"),
             "{e}"
@@ -170,7 +209,7 @@ mod tests {
             depth: Some(64),
             ..UblkOptions::default()
         };
-        let e = deeper.queues_and_depth(stack).unwrap_err();
+        let e = deeper.queues_and_depth(stack).unwrap_err().to_string();
         assert!(
             e.contains("--ublk-depth 64") && e.contains("48 tags"),
             "{e}"

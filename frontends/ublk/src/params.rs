@@ -37,6 +37,19 @@ fn shift_of(bytes: u32) -> Option<u8> {
         .then(|| bytes.trailing_zeros() as u8)
 }
 
+/// A device the driver would refuse, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParamsError {
+    #[error("logical block size {0} is not a power of two in 512..=4096")]
+    LogicalBlockSize(u32),
+    #[error("physical block size {0} is not a power of two")]
+    PhysicalBlockSize(u32),
+    #[error("size {size} is not a positive multiple of the logical block size {lbs}")]
+    Size { size: u64, lbs: u32 },
+    #[error("largest request {0} bytes is below the driver's minimum of one 4096-byte page")]
+    MaxRequest(u64),
+}
+
 /// `ublk_params` for a device of `g`, given the per-tag buffer size
 /// (`max_io_buf_bytes`, which bounds `max_sectors`). Refuses what the
 /// driver would refuse, with the reason.
@@ -44,28 +57,22 @@ pub fn ublk_params(
     g: &Geometry,
     io_buf_bytes: u32,
     read_only: bool,
-) -> Result<uapi::ublk_params, String> {
+) -> Result<uapi::ublk_params, ParamsError> {
     let lbs = g.logical_block_size;
     let lshift = shift_of(lbs)
         .filter(|s| (9..=12).contains(s))
-        .ok_or_else(|| format!("logical block size {lbs} is not a power of two in 512..=4096"))?;
+        .ok_or(ParamsError::LogicalBlockSize(lbs))?;
     let pbs = g.physical_block_size.max(lbs);
-    let pshift =
-        shift_of(pbs).ok_or_else(|| format!("physical block size {pbs} is not a power of two"))?;
+    let pshift = shift_of(pbs).ok_or(ParamsError::PhysicalBlockSize(pbs))?;
     if !g.size.is_multiple_of(lbs as u64) || g.size == 0 {
-        return Err(format!(
-            "size {} is not a positive multiple of the logical block size {lbs}",
-            g.size
-        ));
+        return Err(ParamsError::Size { size: g.size, lbs });
     }
     // The largest request: the device's own limit and the buffer, in whole
     // logical blocks; the driver wants at least a page.
     let max_bytes = g.max_io_bytes.min(io_buf_bytes as u64);
     let max_bytes = max_bytes - max_bytes % lbs as u64;
     if max_bytes < 4096 {
-        return Err(format!(
-            "largest request {max_bytes} bytes is below the driver's minimum of one 4096-byte page"
-        ));
+        return Err(ParamsError::MaxRequest(max_bytes));
     }
     let f = g.features;
     let mut attrs = 0;
@@ -188,16 +195,19 @@ mod tests {
         let mut g = geo(8192, Features::default());
         assert!(ublk_params(&g, 512 << 10, false)
             .unwrap_err()
+            .to_string()
             .contains("logical block size"));
         g.logical_block_size = 512;
         g.max_io_bytes = 2048;
         assert!(ublk_params(&g, 512 << 10, false)
             .unwrap_err()
+            .to_string()
             .contains("4096-byte page"));
         g.max_io_bytes = 1 << 20;
         g.size = 1000;
         assert!(ublk_params(&g, 512 << 10, false)
             .unwrap_err()
+            .to_string()
             .contains("size"));
     }
 }

@@ -454,6 +454,20 @@ impl Queue {
     }
 }
 
+/// Why the queues did not all reach the kernel with their fetches, so the
+/// device cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueStartError {
+    #[error("queue {qid} could not be set up: {err}")]
+    Setup { qid: u16, err: std::io::Error },
+    #[error("queue {qid}: spawning its thread: {err}")]
+    Spawn { qid: u16, err: std::io::Error },
+    #[error("the queues were not fetching within {0:?}")]
+    Timeout(Duration),
+    #[error("a queue thread ended before it fetched")]
+    ThreadEnded,
+}
+
 /// Serve queue `spec` of the device whose char device is `cdev` from
 /// `target` until the device stops. `ready` hears once, when the queue's
 /// fetches are with the kernel (START_DEV waits for them) or why the
@@ -463,7 +477,7 @@ pub fn run(
     spec: QueueSpec,
     cdev: RawFd,
     target: DeviceRef,
-    ready: impl FnOnce(Result<(), String>),
+    ready: impl FnOnce(Result<(), QueueStartError>),
 ) -> bool {
     let qid = spec.qid;
     // SAFETY: prctl with PR_SET_IO_FLUSHER takes plain integers; without
@@ -481,7 +495,7 @@ pub fn run(
         Ok(q) => q,
         Err(e) => {
             tracing::error!(dev_id = spec.dev_id, qid, "ublk queue: setting up: {e}");
-            ready(Err(format!("queue {qid} could not be set up: {e}")));
+            ready(Err(QueueStartError::Setup { qid, err: e }));
             return false;
         }
     };

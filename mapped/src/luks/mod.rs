@@ -29,7 +29,7 @@ use af::Hash;
 use std::fmt::Write as _;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use thiserror::Error;
 use zeroize::Zeroizing;
 
@@ -581,24 +581,63 @@ impl Unlocked {
     }
 }
 
+/// Why a `NAME: --luks IMAGE KEY_FILE` stack line gives no devices.
+#[derive(Debug, Error)]
+pub enum StackLineError {
+    /// Not two words after `--luks` (how many there were).
+    #[error("expected 'NAME: --luks IMAGE KEY_FILE', got {0} word(s)")]
+    Words(usize),
+    /// The key file could not be read.
+    #[error("key file {path}: {err}")]
+    KeyFile {
+        /// The key file as the line names it.
+        path: String,
+        /// The system's error.
+        err: std::io::Error,
+    },
+    /// The image does not unlock with the key file.
+    #[error("{}: {err}", image.display())]
+    Unlock {
+        /// The image as the line names it.
+        image: PathBuf,
+        /// Why it does not open.
+        err: LuksError,
+    },
+    /// The image's size could not be read.
+    #[error("{}: {err}", image.display())]
+    ImageSize {
+        /// The image as the line names it.
+        image: PathBuf,
+        /// The system's error.
+        err: std::io::Error,
+    },
+}
+
 /// The two devices a `NAME: --luks IMAGE KEY_FILE` stack line stands
 /// for: `NAME_raw` (a `file` leaf over the image) and `NAME` (its crypt
-/// table), as (name, table) pairs; the error as text for the stack file.
-pub fn stack_lines(name: &str, args: &str) -> Result<Vec<(String, String)>, String> {
+/// table), as (name, table) pairs.
+pub fn stack_lines(name: &str, args: &str) -> Result<Vec<(String, String)>, StackLineError> {
     let words: Vec<&str> = args.split_whitespace().collect();
     let [image, key_file] = words[..] else {
-        return Err(format!(
-            "expected 'NAME: --luks IMAGE KEY_FILE', got {} word(s)",
-            words.len()
-        ));
+        return Err(StackLineError::Words(words.len()));
     };
-    let pass = std::fs::read(key_file)
-        .map(Zeroizing::new)
-        .map_err(|e| format!("key file {key_file}: {e}"))?;
+    let pass =
+        std::fs::read(key_file)
+            .map(Zeroizing::new)
+            .map_err(|err| StackLineError::KeyFile {
+                path: key_file.to_string(),
+                err,
+            })?;
     let image = Path::new(image);
-    let u = unlock(image, &pass).map_err(|e| format!("{}: {e}", image.display()))?;
+    let u = unlock(image, &pass).map_err(|err| StackLineError::Unlock {
+        image: image.to_path_buf(),
+        err,
+    })?;
     let size = std::fs::metadata(image)
-        .map_err(|e| format!("{}: {e}", image.display()))?
+        .map_err(|err| StackLineError::ImageSize {
+            image: image.to_path_buf(),
+            err,
+        })?
         .len();
     let raw = format!("{name}_raw");
     Ok(vec![
