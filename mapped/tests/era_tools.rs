@@ -7,9 +7,8 @@
 mod thin_support;
 
 use blkstack_mapped::Registry;
+use blkstack_test_support::{era_invalidated, pdata_tool_ok};
 use std::collections::BTreeSet;
-use std::path::Path;
-use std::process::Command;
 use thin_support::*;
 
 const SECTORS: u64 = 32768;
@@ -22,46 +21,9 @@ fn era_registry(f: &Files) -> std::sync::Arc<Registry> {
     reg
 }
 
-fn run(tool_name: &str, args: &[&str], meta: &Path) -> String {
-    let out = Command::new(tool(tool_name))
-        .args(args)
-        .arg(meta)
-        .output()
-        .expect("run the tool");
-    assert!(
-        out.status.success(),
-        "{tool_name} {args:?} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn era_msg(reg: &Registry, text: &str) {
     reg.message("era", 0, &[text])
         .unwrap_or_else(|e| panic!("message {text}: {e}: {:?}", std::error::Error::source(&e)));
-}
-
-/// `era_invalidate`'s XML as a set of blocks (`<block block=N/>` and
-/// `<range begin=A end=B/>`, end exclusive).
-fn invalidated(xml: &str) -> BTreeSet<u64> {
-    // era_invalidate writes `begin="0" end = "2"`: spaces around `=`.
-    let attr = |line: &str, name: &str| -> Option<u64> {
-        let at = line.find(&format!(" {name}"))?;
-        let rest = line[at + name.len() + 1..].trim_start_matches([' ', '=', '"']);
-        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-        digits.parse().ok()
-    };
-    let mut out = BTreeSet::new();
-    for line in xml.lines() {
-        if line.contains("<range") {
-            let (b, e) = (attr(line, "begin").unwrap(), attr(line, "end").unwrap());
-            out.extend(b..e);
-        } else if line.contains("<block ") {
-            out.insert(attr(line, "block").unwrap());
-        }
-    }
-    out
 }
 
 fn write_blocks(reg: &Registry, blocks: &[u64]) {
@@ -97,7 +59,7 @@ fn eras_checkpoints_and_a_snapshot_pass_era_check_and_era_invalidate() {
     );
 
     let since = |n: u32| {
-        invalidated(&run(
+        era_invalidated(&pdata_tool_ok(
             "era_invalidate",
             &["--metadata-snapshot", "--written-since", &n.to_string()],
             &f.meta,
@@ -107,7 +69,7 @@ fn eras_checkpoints_and_a_snapshot_pass_era_check_and_era_invalidate() {
     assert_eq!(since(2), BTreeSet::from([5, 7, 9, 200, 255]));
     assert_eq!(since(3), BTreeSet::from([9]));
     assert_eq!(since(4), BTreeSet::new());
-    run("era_check", &[], &f.meta);
+    pdata_tool_ok("era_check", &[], &f.meta);
 
     // Writes after the snapshot are not in it, and data reads back.
     write_blocks(&reg, &[11]);
@@ -125,8 +87,8 @@ fn eras_checkpoints_and_a_snapshot_pass_era_check_and_era_invalidate() {
     assert!(reg.message("era", 0, &["bogus"]).is_err());
     assert!(reg.message("era", 0, &["checkpoint", "x"]).is_err());
     reg.remove_all();
-    run("era_check", &[], &f.meta);
-    let dump = run("era_dump", &[], &f.meta);
+    pdata_tool_ok("era_check", &[], &f.meta);
+    let dump = pdata_tool_ok("era_dump", &[], &f.meta);
     assert!(dump.contains("nr_blocks=\"256\""), "{dump}");
     assert!(dump.contains("block_size=\"128\""), "{dump}");
 
@@ -141,7 +103,7 @@ fn eras_checkpoints_and_a_snapshot_pass_era_check_and_era_invalidate() {
     assert_eq!(since(4), BTreeSet::from([11]));
     assert_eq!(since(2), BTreeSet::from([5, 7, 9, 11, 200, 255]));
     reg.remove_all();
-    run("era_check", &[], &f.meta);
+    pdata_tool_ok("era_check", &[], &f.meta);
 }
 
 #[test]

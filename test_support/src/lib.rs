@@ -12,10 +12,12 @@
 //! skipped and why.
 
 pub mod data;
+pub mod pdata;
 pub mod process;
 pub mod serve;
 
 pub use data::{pattern, pattern_file, pattern_file_with_holes, Scratch};
+pub use pdata::{era_invalidated, era_written_since, pdata_tool_ok};
 pub use process::{
     rss_kib, run, run_bounded, run_ok, status_kib, thin_check, thin_dump, tool, wait_bounded, Out,
 };

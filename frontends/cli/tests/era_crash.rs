@@ -30,51 +30,6 @@ fn stack(dir: &Path) -> String {
     )
 }
 
-fn tool_ok(name: &str, args: &[&str], meta: &Path) -> String {
-    let out = Command::new(tool(name))
-        .args(args)
-        .arg(meta)
-        .output()
-        .expect("run the tool");
-    assert!(
-        out.status.success(),
-        "{name} {args:?} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The blocks `era_invalidate --metadata-snapshot --written-since N`
-/// lists (`<block block=..>` and `<range begin end>`, end exclusive).
-fn written_since(meta: &Path, era: u64) -> BTreeSet<u64> {
-    let xml = tool_ok(
-        "era_invalidate",
-        &["--metadata-snapshot", "--written-since", &era.to_string()],
-        meta,
-    );
-    // era_invalidate writes `begin="0" end = "2"`: spaces around `=`.
-    let attr = |line: &str, name: &str| -> u64 {
-        let at = line
-            .find(&format!(" {name}"))
-            .unwrap_or_else(|| panic!("no {name} in {line}"));
-        let rest = line[at + name.len() + 1..].trim_start_matches([' ', '=', '"']);
-        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-        digits
-            .parse()
-            .unwrap_or_else(|_| panic!("no {name} in {line}"))
-    };
-    let mut out = BTreeSet::new();
-    for line in xml.lines() {
-        if line.contains("<range") {
-            out.extend(attr(line, "begin")..attr(line, "end"));
-        } else if line.contains("<block ") {
-            out.insert(attr(line, "block"));
-        }
-    }
-    out
-}
-
 /// The current era from `blkstack status era`.
 fn era_of(srv: &Serve) -> u64 {
     let s = srv.ok("status", &["era"]);
@@ -115,15 +70,21 @@ fn era_invalidate_lists_what_an_nbd_client_wrote_since_each_era() {
     qemu_write(&srv, &[42]);
     srv.ok("message", &["era", "0", "take_metadata_snap"]);
     assert_eq!(era_of(&srv), 4);
-    assert_eq!(written_since(&meta, 1), BTreeSet::from([0, 3, 10, 42, 255]));
-    assert_eq!(written_since(&meta, 2), BTreeSet::from([3, 10, 42, 255]));
-    assert_eq!(written_since(&meta, 3), BTreeSet::from([42]));
-    tool_ok("era_check", &[], &meta);
+    assert_eq!(
+        era_written_since(&meta, 1),
+        BTreeSet::from([0, 3, 10, 42, 255])
+    );
+    assert_eq!(
+        era_written_since(&meta, 2),
+        BTreeSet::from([3, 10, 42, 255])
+    );
+    assert_eq!(era_written_since(&meta, 3), BTreeSet::from([42]));
+    pdata_tool_ok("era_check", &[], &meta);
     let e = srv.fails("message", &["era", "0", "take_metadata_snap"]);
     assert!(e.contains("already exists"), "{e}");
     srv.ok("message", &["era", "0", "drop_metadata_snap"]);
     drop(srv);
-    tool_ok("era_check", &[], &meta);
+    pdata_tool_ok("era_check", &[], &meta);
 }
 
 fn next(x: &mut u64) -> u64 {
@@ -177,11 +138,11 @@ fn kill_9_mid_workload_leaves_metadata_that_checks_and_marks_every_completed_wri
         drop(dev);
         reg.remove_all();
         drop(srv);
-        tool_ok("era_check", &[], &meta);
+        pdata_tool_ok("era_check", &[], &meta);
 
         let srv = Serve::start(&stack, "era");
         srv.ok("message", &["era", "0", "take_metadata_snap"]);
-        let marked = written_since(&meta, era);
+        let marked = era_written_since(&meta, era);
         let missing: Vec<&u64> = done.difference(&marked).collect();
         assert!(
             missing.is_empty(),
@@ -189,7 +150,7 @@ fn kill_9_mid_workload_leaves_metadata_that_checks_and_marks_every_completed_wri
         );
         srv.ok("message", &["era", "0", "drop_metadata_snap"]);
         drop(srv);
-        tool_ok("era_check", &[], &meta);
+        pdata_tool_ok("era_check", &[], &meta);
         println!(
             "round {round}: {} blocks written from era {era}, all marked",
             done.len()

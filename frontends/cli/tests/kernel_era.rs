@@ -17,7 +17,7 @@ mod kernel_vm_support;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{Op, Status};
 use blkstack_mapped::Registry;
-use blkstack_test_support::{tool, Serve};
+use blkstack_test_support::{era_written_since, pdata_tool_ok, Serve};
 use kernel_vm_support::*;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -57,50 +57,6 @@ fn read_block(reg: &Registry, b: u64) -> Vec<u8> {
     let st = submit_and_wait(&*dev, Op::Read, b * BLOCK, 4096, &mut buf);
     assert_eq!(st, Status::Ok);
     buf
-}
-
-fn tool_ok(name: &str, args: &[&str], meta: &Path) -> String {
-    let out = Command::new(tool(name))
-        .args(args)
-        .arg(meta)
-        .output()
-        .expect("run the tool");
-    assert!(
-        out.status.success(),
-        "{name} {args:?} {} failed:\n{}{}",
-        meta.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn written_since(meta: &Path, era: u32) -> BTreeSet<u64> {
-    let xml = tool_ok(
-        "era_invalidate",
-        &["--metadata-snapshot", "--written-since", &era.to_string()],
-        meta,
-    );
-    // era_invalidate writes `begin="0" end = "2"`: spaces around `=`.
-    let attr = |line: &str, name: &str| -> u64 {
-        let at = line
-            .find(&format!(" {name}"))
-            .unwrap_or_else(|| panic!("no {name} in {line}"));
-        let rest = line[at + name.len() + 1..].trim_start_matches([' ', '=', '"']);
-        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-        digits
-            .parse()
-            .unwrap_or_else(|_| panic!("no {name} in {line}"))
-    };
-    let mut out = BTreeSet::new();
-    for line in xml.lines() {
-        if line.contains("<range") {
-            out.extend(attr(line, "begin")..attr(line, "end"));
-        } else if line.contains("<block ") {
-            out.insert(attr(line, "block"));
-        }
-    }
-    out
 }
 
 const GUEST: &str = r#"
@@ -160,7 +116,7 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
     write_block(&reg, 7, b'b');
     assert_eq!(status_args(&reg)[2], "2");
     reg.remove_all();
-    tool_ok("era_check", &[], &p("bmeta"));
+    pdata_tool_ok("era_check", &[], &p("bmeta"));
     // What blkstack shows opening this metadata (a copy, left as it is).
     std::fs::copy(p("bmeta"), p("bmeta-copy")).unwrap();
     std::fs::copy(p("bdata"), p("bdata-copy")).unwrap();
@@ -259,13 +215,16 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
     assert_ne!(s2.get(3).map(String::as_str), Some("-"), "{s2:?}");
 
     // What the kernel left: era_check, eras by block, and blkstack on it.
-    tool_ok("era_check", &[], &p("bmeta"));
+    pdata_tool_ok("era_check", &[], &p("bmeta"));
     assert_eq!(
-        written_since(&p("bmeta"), 1),
+        era_written_since(&p("bmeta"), 1),
         BTreeSet::from([1, 5, 7, 20, 30])
     );
-    assert_eq!(written_since(&p("bmeta"), 2), BTreeSet::from([7, 20, 30]));
-    assert_eq!(written_since(&p("bmeta"), 4), BTreeSet::from([30]));
+    assert_eq!(
+        era_written_since(&p("bmeta"), 2),
+        BTreeSet::from([7, 20, 30])
+    );
+    assert_eq!(era_written_since(&p("bmeta"), 4), BTreeSet::from([30]));
     let reg = era_reg(&p("bmeta"), &p("bdata"));
     let s = status_args(&reg);
     assert_eq!(
@@ -277,26 +236,26 @@ fn the_kernel_reads_blkstacks_era_metadata_and_blkstack_reads_the_kernels() {
     reg.message("era", 0, &["drop_metadata_snap"])
         .expect("blkstack drops the kernel's snapshot");
     reg.remove_all();
-    tool_ok("era_check", &[], &p("bmeta"));
+    pdata_tool_ok("era_check", &[], &p("bmeta"));
 
     // Metadata the kernel formatted.
     let ks = run.section("kstatus").unwrap_or_default();
     assert_eq!(ks.split_whitespace().nth(2), Some("2"), "{ks}");
-    tool_ok("era_check", &[], &p("kmeta"));
+    pdata_tool_ok("era_check", &[], &p("kmeta"));
     let reg = era_reg(&p("kmeta"), &p("kdata"));
     assert_eq!(status_args(&reg)[2], "3");
     assert_eq!(read_block(&reg, 3), vec![b'q'; 4096]);
     reg.message("era", 0, &["take_metadata_snap"]).unwrap();
     reg.remove_all();
-    assert_eq!(written_since(&p("kmeta"), 1), BTreeSet::from([3]));
-    tool_ok("era_check", &[], &p("kmeta"));
+    assert_eq!(era_written_since(&p("kmeta"), 1), BTreeSet::from([3]));
+    pdata_tool_ok("era_check", &[], &p("kmeta"));
 
     // What kill -9 left: the kernel archived the crashed era 1.
     let cs = run.section("cstatus").unwrap_or_default();
     assert_eq!(cs.split_whitespace().nth(2), Some("2"), "{cs}");
-    tool_ok("era_check", &[], &p("cmeta"));
+    pdata_tool_ok("era_check", &[], &p("cmeta"));
     assert_eq!(
-        written_since(&p("cmeta"), 1),
+        era_written_since(&p("cmeta"), 1),
         BTreeSet::from(KILLED_WRITES),
         "every write completed before the kill is marked"
     );
@@ -339,5 +298,5 @@ fn killed_mid_era(meta: &Path, data: &Path) {
     drop(dev);
     reg.remove_all();
     drop(srv);
-    tool_ok("era_check", &[], meta);
+    pdata_tool_ok("era_check", &[], meta);
 }
