@@ -8,8 +8,10 @@
 //! cleaner), `io.rs` the I/O path and migrations. Judged by
 //! `cache_check`/`cache_dump` and by the kernel's own dm-cache.
 
+mod cell;
 pub mod io;
 pub mod metadata;
+mod migrate;
 mod queue;
 pub mod smq;
 
@@ -512,6 +514,7 @@ impl Drop for CacheTarget {
                 let _ = w.join();
             }
         }
+        self.shared.join_pool();
         if !self.suspended.swap(true, Ordering::SeqCst) {
             self.shared.sync_metadata();
         }
