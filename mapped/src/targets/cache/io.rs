@@ -250,8 +250,10 @@ impl Shared {
         let mut core = self.core.lock();
         if core.cells.holds(ob, write) {
             // Waits for the migration (`bio_detain_shared`).
-            let _ = core.cells.wait(ob, write, bio);
-            return;
+            match core.cells.wait(ob, write, bio) {
+                None => return,
+                Some(b) => bio = b,
+            }
         }
         let had_work = core.policy.has_work();
         // `optimisable_bio`: a whole-block write may be promoted at once
