@@ -1,11 +1,12 @@
 //! The cache target's concurrent migrations (issue 39): several run at
-//! once within `migration_threshold` (changed live by the message), and
-//! under many threads of reads and writes to a cache far smaller than
-//! its origin, with promotions, demotions and writebacks forced, every
-//! read returns what the model says was last written, the metadata
-//! passes `cache_check`, and the `cleaner` then leaves the origin holding
-//! exactly the model. The origin sits behind a `delay`, so that copies
-//! take long enough to overlap each other and the I/O.
+//! once within `migration_threshold` (changed live by the message), seen
+//! by holding the origin's writes (its device suspended) and counting the
+//! writebacks in flight; and under many threads of reads and writes to a
+//! cache far smaller than its origin (behind a `delay`, so that copies
+//! overlap each other and the I/O), with promotions, demotions and
+//! writebacks forced, every read returns what the model says was last
+//! written, the metadata passes `cache_check`, and the `cleaner` then
+//! leaves the origin holding exactly the model.
 
 mod thin_support;
 
@@ -43,9 +44,9 @@ fn cache_check(meta: &Path) {
 }
 
 /// Metadata in a file (for `cache_check`), the cache device and the
-/// origin in memory, the origin behind `delay` with `delay` the
-/// arguments after the device (`0 READ_MS slowmem 0 WRITE_MS`).
-fn devices(meta: &Path, delay: &str) -> Arc<Registry> {
+/// origin in memory, the origin seen through `slow`, whose table is
+/// `slow` over `slowmem`.
+fn devices(meta: &Path, slow: &str) -> Arc<Registry> {
     let reg = Registry::new();
     reg.create("meta", &format!("0 8192 file {} create", meta.display()))
         .unwrap();
@@ -53,7 +54,7 @@ fn devices(meta: &Path, delay: &str) -> Arc<Registry> {
         .unwrap();
     reg.create("slowmem", &format!("0 {ORIGIN_SECTORS} memory"))
         .unwrap();
-    reg.create("slow", &format!("0 {ORIGIN_SECTORS} delay slowmem {delay}"))
+    reg.create("slow", &format!("0 {ORIGIN_SECTORS} {slow}"))
         .unwrap();
     reg
 }
@@ -89,8 +90,8 @@ fn until(what: &str, mut done: impl FnMut() -> bool) {
 }
 
 /// Make blocks `0..n` dirty in the cache: whole-block writes in parallel
-/// (the origin is slow; smq promotes a whole-block write miss at once
-/// while it has room), again until every one is a dirty hit.
+/// (smq promotes a whole-block write miss at once while it has room),
+/// again until every one is a dirty hit.
 fn dirty_blocks(reg: &Registry, n: u64, tag: u64) {
     let dev = reg.device("c").unwrap();
     let write_all = |tag: u64| {
@@ -108,56 +109,54 @@ fn dirty_blocks(reg: &Registry, n: u64, tag: u64) {
     });
 }
 
-/// Watch the origin's writes in flight until the cache is clean: the
-/// most seen at once (writebacks are the only writes while idle).
-fn drain(reg: &Registry) -> u64 {
-    let slow = reg.get("slow").unwrap();
-    let mut most = 0;
-    until("the idle cache writes its dirty blocks back", || {
-        most = most.max(slow.inflight());
-        field(reg, "c", 10) == 0 && slow.inflight() == 0
-    });
-    most
-}
-
-/// Writebacks with the origin's writes held 500 ms: with
-/// `migration_threshold` one block they never overlap; raised by the
-/// message, they do; lowered to two blocks, at most two at once.
+/// Writebacks held at the origin (`slowmem` suspended, so each stays in
+/// flight through `slow` until it resumes): with `migration_threshold`
+/// one block only one is in flight; raised by the message to two, a
+/// second starts; raised beyond, all four dirty blocks are in flight at
+/// once. The waits are for an event (load can only delay it); what must
+/// not happen is checked after a pause that load can only lengthen.
 #[test]
 fn cache_migrations_run_concurrently_within_migration_threshold() {
     let dir = tempfile::tempdir().unwrap();
     let meta = dir.path().join("meta");
-    let reg = devices(&meta, "0 0 slowmem 0 500");
+    let reg = devices(&meta, "linear slowmem 0");
     cache(&reg, "c", &format!("smq 2 migration_threshold {BS}"));
     dirty_blocks(&reg, 4, 1);
     assert_eq!(field(&reg, "c", 10), 4, "{:?}", status(&reg, "c"));
-    let most = drain(&reg);
-    assert!(
-        most <= 1,
-        "{most} writebacks at once over a 1-block threshold"
-    );
-
-    message(&reg, "c", "migration_threshold 1000000");
-    dirty_blocks(&reg, 4, 3);
-    let most = drain(&reg);
-    assert!(most >= 2, "no two writebacks overlapped ({most})");
+    let slow = reg.get("slow").unwrap();
+    reg.suspend("slowmem").unwrap();
+    // Idle for a second: the dirty blocks are written back.
+    until("a writeback", || slow.inflight() >= 1);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(slow.inflight(), 1, "one block of threshold: one at a time");
 
     message(&reg, "c", &format!("migration_threshold {}", 2 * BS));
-    dirty_blocks(&reg, 6, 5);
-    let most = drain(&reg);
-    assert!(
-        most <= 2,
-        "{most} writebacks at once over a 2-block threshold"
+    until("a second writeback", || slow.inflight() >= 2);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(slow.inflight(), 2, "two blocks of threshold: two at once");
+
+    message(&reg, "c", "migration_threshold 1000000");
+    until("all four writebacks at once", || slow.inflight() >= 4);
+    assert_eq!(
+        field(&reg, "c", 10),
+        4,
+        "none done while the origin is held"
     );
+    reg.resume("slowmem").unwrap();
+    until("the cache is clean", || field(&reg, "c", 10) == 0);
 
     let dev = reg.device("c").unwrap();
-    for b in 0..6 {
+    let slowmem = reg.device("slowmem").unwrap();
+    for b in 0..4 {
+        let want = pattern(2, b * BLOCK, BLOCK as usize);
+        assert_eq!(read(&*dev, b * BLOCK, BLOCK as usize), want, "block {b}");
         assert_eq!(
-            read(&*dev, b * BLOCK, BLOCK as usize),
-            pattern(6, b * BLOCK, BLOCK as usize),
-            "block {b}"
+            read(&*slowmem, b * BLOCK, BLOCK as usize),
+            want,
+            "block {b} written back"
         );
     }
+    drop((dev, slowmem));
     reg.remove_all();
     cache_check(&meta);
 }
@@ -247,7 +246,7 @@ fn with_workers(reg: &Registry, model: &Model, driver: impl FnOnce(&AtomicBool))
 fn cache_stress_with_concurrent_migrations_keeps_every_write() {
     let dir = tempfile::tempdir().unwrap();
     let meta = dir.path().join("meta");
-    let reg = devices(&meta, "0 0.2 slowmem 0 0.5");
+    let reg = devices(&meta, "delay slowmem 0 0.2 slowmem 0 0.5");
     let slowmem = reg.device("slowmem").unwrap();
     let mut blocks = Vec::new();
     for b in 0..ORIGIN_BLOCKS {

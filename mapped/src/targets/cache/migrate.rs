@@ -62,6 +62,11 @@ impl Shared {
         in_flight < MAX_MIGRATIONS && volume <= self.migration_threshold.load(Ordering::Relaxed)
     }
 
+    /// Wake the worker: the bound changed (`migration_threshold`).
+    pub fn wake(&self) {
+        self.cv.notify_all();
+    }
+
     /// `check_migrations`: hand the policy's background work to the pool
     /// while there is bandwidth for it; the migrations then in flight.
     /// Called by the worker.

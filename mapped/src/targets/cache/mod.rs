@@ -463,6 +463,7 @@ impl Target for CacheTarget {
             )));
         }
         s.migration_threshold.store(threshold, Ordering::Relaxed);
+        s.wake();
         Ok(String::new())
     }
 
