@@ -161,6 +161,48 @@ fn cache_migrations_run_concurrently_within_migration_threshold() {
     cache_check(&meta);
 }
 
+/// A writeback held at the origin: a read of the block is served from
+/// the cache meanwhile; a write waits for the writeback to end, then
+/// dirties the block again, so the cleaner later writes it back too.
+#[test]
+fn a_write_during_a_cache_writeback_waits_and_leaves_the_block_dirty() {
+    let dir = tempfile::tempdir().unwrap();
+    let meta = dir.path().join("meta");
+    let reg = devices(&meta, "linear slowmem 0");
+    cache(&reg, "c", "smq 0");
+    dirty_blocks(&reg, 1, 1);
+    let (slow, dev) = (reg.get("slow").unwrap(), reg.device("c").unwrap());
+    reg.suspend("slowmem").unwrap();
+    until("the writeback", || slow.inflight() >= 1);
+    let old = pattern(2, 0, BLOCK as usize);
+    assert_eq!(read(&*dev, 0, BLOCK as usize), old, "a read goes on");
+    let new = pattern(3, 4096, 8192);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            write(&*dev, 4096, &new);
+            done.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!done.load(Ordering::SeqCst), "the write did not wait");
+        assert_eq!(field(&reg, "c", 10), 1, "cleaned before its copy ended");
+        reg.resume("slowmem").unwrap();
+    });
+    let mut want = old.clone();
+    want[4096..4096 + 8192].copy_from_slice(&new);
+    assert_eq!(read(&*dev, 0, BLOCK as usize), want);
+    assert_eq!(field(&reg, "c", 10), 1, "the write left the block dirty");
+    let slowmem = reg.device("slowmem").unwrap();
+    assert_eq!(read(&*slowmem, 0, BLOCK as usize), old, "written back");
+    drop(dev);
+    reg.remove("c", false).unwrap();
+    cache_check(&meta);
+    cache(&reg, "c", "cleaner 0");
+    until("the cleaner", || field(&reg, "c", 10) == 0);
+    assert_eq!(read(&*slowmem, 0, BLOCK as usize), want, "cleaned");
+    reg.remove_all();
+}
+
 /// What every block holds, by the threads' own account; a block's lock
 /// is held across the I/O to it, so the model is exact.
 struct Model {

@@ -303,3 +303,85 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::io::{Core, IoMode};
+    use super::super::smq::Smq;
+    use super::*;
+    use crate::Registry;
+
+    const BS: u64 = 64;
+    const BLOCK: u64 = BS * 512;
+
+    fn rw(dev: &DeviceRef, op: Op, block: u64, data: &mut [u8]) {
+        let st = submit_and_wait(&**dev, op, block * BLOCK, BLOCK, data);
+        assert_eq!(st, Status::Ok);
+    }
+
+    /// A demotion queued while its block was clean, the block written
+    /// (dirty) before the migration starts: the migration writes it back
+    /// to the origin first, then drops the mapping (`mg_copy`).
+    #[test]
+    fn a_cache_demotion_of_a_block_dirtied_meanwhile_writes_it_back_first() {
+        let reg = Registry::new();
+        reg.create("meta", "0 8192 memory").unwrap();
+        reg.create("cdev", &format!("0 {} memory", 4 * BS)).unwrap();
+        reg.create("origin", &format!("0 {} memory", 16 * BS))
+            .unwrap();
+        let dev = |n: &str| reg.device(n).unwrap();
+        let (origin, cdev) = (dev("origin"), dev("cdev"));
+        // A full cache of four clean blocks holding origin blocks 0..4.
+        let mut md = CacheMetadata::open(dev("meta"), BS as u32, 2).unwrap();
+        md.resize(4).unwrap();
+        let mut policy = Smq::create("smq", 4, 16 * BS, BS).unwrap();
+        for b in 0..4 {
+            md.insert(b, b as u64).unwrap();
+            policy.load_mapping(b as u64, b, false, None);
+        }
+        md.commit(false).unwrap();
+        let s = Arc::new(Shared::new(
+            Core::new(policy, 4, 16),
+            md,
+            origin.clone(),
+            cdev.clone(),
+            BLOCK,
+            16,
+            BLOCK,
+            IoMode::Writeback,
+            true,
+        ));
+        // Misses on block 9 until smq wants it promoted: the cache is
+        // full, so it queues a demotion instead.
+        let mut rounds = 0;
+        while !s.core.lock().policy.has_work() {
+            let mut core = s.core.lock();
+            assert_eq!(core.policy.lookup(9, false, false), None);
+            core.policy.tick();
+            rounds += 1;
+            assert!(rounds < 100_000, "smq never asked for a demotion");
+        }
+        let w = s.core.lock().policy.background_work(false).unwrap();
+        assert_eq!(w.op, WorkOp::Demote, "{w:?}");
+        // The block written in the cache meanwhile (a write hit).
+        let mut data = vec![0xd5; BLOCK as usize];
+        rw(&cdev, Op::Write, w.cblock as u64, &mut data);
+        s.core.lock().set_dirty(w.cblock, true);
+        s.migrate(w);
+        let mut back = vec![0; BLOCK as usize];
+        rw(&origin, Op::Read, w.oblock, &mut back);
+        assert!(back == data, "the dirty block was not written back");
+        let core = s.core.lock();
+        assert_eq!(core.policy.peek_mapping(w.oblock), None, "still mapped");
+        assert_eq!(core.nr_dirty, 0);
+        assert_eq!(s.counters.demotion.load(Ordering::Relaxed), 1);
+        drop(core);
+        let maps = s.md.lock().load_mappings("smq", 2, 4).unwrap();
+        assert_eq!(
+            maps.len(),
+            3,
+            "the committed metadata keeps the other three"
+        );
+        assert!(maps.iter().all(|m| m.oblock != w.oblock));
+    }
+}
