@@ -6,25 +6,22 @@
 //! submitter's thread, under the policy lock (the kernel's `mq->lock`).
 //! Everything that must wait goes to one worker thread: flushes and FUA
 //! writes (committed first, as `issue_after_commit`), discards,
-//! writethrough and passthrough write hits, and bios for a block under
-//! migration. The worker runs the policy's background work one block at a
-//! time: promotion copies origin -> cache, writeback cache -> origin,
-//! demotion drops a clean mapping; each takes the block exclusively
-//! (bios for it wait, as behind the kernel's bio prison cell) and first
-//! waits for the I/O in flight to it to drain (the kernel's quiesce).
+//! writethrough and passthrough write hits. Bios for a block under
+//! migration wait in its cell (`cell.rs`) and are mapped again when it
+//! is unlocked. The worker also starts the policy's background work,
+//! which migration threads run several at a time (`migrate.rs`).
 //! Metadata commits on FLUSH/FUA, after each migration, and every
 //! [`COMMIT_PERIOD`].
 //!
-//! Differences: migrations run one at a time on the worker with
-//! synchronous copies (the kernel's are asynchronous through kcopyd,
-//! bounded by `migration_threshold`, which here only gates them); a whole
-//! block write miss promoted at once (`optimisable_bio`) goes to the
-//! origin and is then copied, rather than written to the cache directly.
+//! Differences: a whole block write miss promoted at once
+//! (`optimisable_bio`) goes to the origin and is then copied, rather
+//! than written to the cache directly.
 
-use super::metadata::{CacheMdError, CacheMetadata, Stats};
-use super::smq::{Smq, Work, WorkOp};
+use super::cell::Cells;
+use super::metadata::{CacheMetadata, Stats};
+use super::smq::{Smq, Work};
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
-use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, Op, Status};
+use blkstack_core::{Bio, BioFlags, DeviceRef, EndIo, Op, Status};
 use foldhash::HashMap;
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
@@ -36,7 +33,7 @@ use std::time::{Duration, Instant};
 pub const COMMIT_PERIOD: Duration = Duration::from_secs(1);
 /// The target is idle when no bio arrived for this long (`iot_idle_for(HZ)`).
 const IDLE_AFTER: Duration = Duration::from_secs(1);
-/// Longest a migration waits for the I/O in flight to its block.
+/// Longest a suspend waits for the migrations in flight.
 const QUIESCE_LIMIT: Duration = Duration::from_secs(30);
 const KIND_HIT: u64 = 0;
 const KIND_ORIGIN_WRITE: u64 = 1 << 62;
@@ -73,15 +70,20 @@ pub struct Core {
     /// One bit per discard block (`cache->discard_bitset`).
     pub discarded: Vec<bool>,
     /// Origin blocks under migration and the bios waiting for them.
-    locked: HashMap<u64, Vec<Bio>>,
+    pub(super) cells: Cells<Bio>,
     /// Writes in flight to the origin, per origin block.
-    origin_writes: HashMap<u64, u32>,
+    pub(super) origin_writes: HashMap<u64, u32>,
     /// Bios for the worker.
     deferred: VecDeque<Bio>,
+    /// Migrations started and not yet complete (`nr_io_migrations`).
+    pub(super) nr_migrations: u32,
+    /// Migrations started, waiting for a migration thread (at most
+    /// [`super::migrate::MAX_MIGRATIONS`]).
+    pub(super) mg_queue: VecDeque<Work>,
     /// The worker stops.
-    stop: bool,
+    pub(super) stop: bool,
     /// Background work is held off (suspended).
-    paused: bool,
+    pub(super) paused: bool,
 }
 
 /// The counters status shows (`struct cache_stats`).
@@ -105,13 +107,19 @@ pub struct Counters {
 pub struct Shared {
     /// Policy, dirty bits and deferred bios.
     pub core: Mutex<Core>,
-    cv: Condvar,
+    /// The worker's wake-up, and where quiesces wait for I/O to drain.
+    pub(super) cv: Condvar,
+    /// Where the migration threads wait for work (with `core`).
+    pub(super) mg_cv: Condvar,
+    /// The migration threads (`migrate.rs`).
+    pub(super) pool: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The metadata, locked after `core` when both are held.
     pub md: Mutex<CacheMetadata>,
-    inflight: Vec<AtomicU32>,
+    /// Bios in flight per cache block.
+    pub(super) inflight: Vec<AtomicU32>,
     need_tick: AtomicBool,
-    /// The worker holds a block (completions wake it when its I/O drains).
-    migrating: AtomicBool,
+    /// Blocks locked by migrations (completions wake them when I/O drains).
+    pub(super) migrating: AtomicU32,
     /// The origin device.
     pub origin: DeviceRef,
     /// The cache device.
@@ -154,10 +162,12 @@ impl Shared {
         Shared {
             core: Mutex::new(core),
             cv: Condvar::new(),
+            mg_cv: Condvar::new(),
+            pool: Mutex::new(Vec::new()),
             md: Mutex::new(md),
             inflight: (0..n).map(|_| AtomicU32::new(0)).collect(),
             need_tick: AtomicBool::new(true),
-            migrating: AtomicBool::new(false),
+            migrating: AtomicU32::new(0),
             origin,
             cache,
             block_bytes,
@@ -182,15 +192,17 @@ impl Core {
             dirty: vec![false; nr_cblocks as usize],
             nr_dirty: 0,
             discarded: vec![false; nr_dblocks as usize],
-            locked: HashMap::default(),
+            cells: Cells::default(),
             origin_writes: HashMap::default(),
             deferred: VecDeque::new(),
+            nr_migrations: 0,
+            mg_queue: VecDeque::new(),
             stop: false,
             paused: false,
         }
     }
 
-    fn set_dirty(&mut self, cb: u32, dirty: bool) {
+    pub(super) fn set_dirty(&mut self, cb: u32, dirty: bool) {
         let slot = &mut self.dirty[cb as usize];
         if *slot != dirty {
             *slot = dirty;
@@ -228,7 +240,7 @@ impl Shared {
 
     /// `map_bio`: remap one data bio (`worker`: called by the worker, which
     /// may do writethrough and passthrough writes itself).
-    fn map_bio(self: &Arc<Self>, mut bio: Bio, worker: bool) {
+    pub(super) fn map_bio(self: &Arc<Self>, mut bio: Bio, worker: bool) {
         let ob = bio.offset / self.block_bytes;
         if ob >= self.origin_blocks {
             // A partial block at the origin's end is never cached.
@@ -236,9 +248,12 @@ impl Shared {
         }
         let write = bio.op == Op::Write;
         let mut core = self.core.lock();
-        if let Some(waiting) = core.locked.get_mut(&ob) {
-            waiting.push(bio);
-            return;
+        if core.cells.holds(ob, write) {
+            // Waits for the migration (`bio_detain_shared`).
+            match core.cells.wait(ob, write, bio) {
+                None => return,
+                Some(b) => bio = b,
+            }
         }
         let had_work = core.policy.has_work();
         // `optimisable_bio`: a whole-block write may be promoted at once
@@ -288,6 +303,9 @@ impl Shared {
                     return self.defer(bio);
                 }
                 if to_worker {
+                    // Counted in flight from here, so that a migration of
+                    // the block waits for both writes.
+                    self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
                     drop(core);
                     return self.worker_write_hit(bio, ob, cb);
                 }
@@ -315,6 +333,7 @@ impl Shared {
     /// (the block is invalidated, then the write goes to the origin) mode.
     fn worker_write_hit(self: &Arc<Self>, bio: Bio, ob: u64, cb: u32) {
         if self.mode == IoMode::Passthrough {
+            self.end_inflight(cb);
             self.lock_block(ob);
             let ok = self.quiesce(ob, cb) && {
                 let mut core = self.core.lock();
@@ -333,115 +352,26 @@ impl Shared {
         let mut data = bio.data().to_vec();
         let st = submit_and_wait(&*self.origin, Op::Write, bio.offset, bio.len, &mut data);
         if st != Status::Ok {
+            self.end_inflight(cb);
             return bio.complete(st);
         }
         self.map_cache(bio, cb);
     }
 
+    /// A bio counted in flight to `cb` is done; wake a quiesce.
+    fn end_inflight(&self, cb: u32) {
+        if self.inflight[cb as usize].fetch_sub(1, Ordering::AcqRel) == 1
+            && self.migrating.load(Ordering::SeqCst) != 0
+        {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Send a write hit already counted in flight to the cache device.
     fn map_cache(self: &Arc<Self>, mut bio: Bio, cb: u32) {
-        self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
         bio.push_end(self.clone(), KIND_HIT | cb as u64);
         bio.offset = cb as u64 * self.block_bytes + bio.offset % self.block_bytes;
         self.cache.submit(bio);
-    }
-
-    fn lock_block(&self, ob: u64) {
-        let mut core = self.core.lock();
-        core.locked.entry(ob).or_default();
-        self.migrating.store(true, Ordering::SeqCst);
-    }
-
-    fn unlock_block(self: &Arc<Self>, ob: u64) {
-        let waiting = {
-            let mut core = self.core.lock();
-            self.migrating.store(false, Ordering::SeqCst);
-            core.locked.remove(&ob).unwrap_or_default()
-        };
-        for bio in waiting {
-            self.map_bio(bio, true);
-        }
-    }
-
-    /// Wait until no bio is in flight to cache block `cb` nor writing
-    /// origin block `ob`; false if that took longer than [`QUIESCE_LIMIT`].
-    fn quiesce(&self, ob: u64, cb: u32) -> bool {
-        let deadline = Instant::now() + QUIESCE_LIMIT;
-        let mut core = self.core.lock();
-        loop {
-            let busy = self.inflight[cb as usize].load(Ordering::Acquire) != 0
-                || core.origin_writes.get(&ob).is_some_and(|&n| n > 0);
-            if !busy {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                tracing::error!(
-                    oblock = ob,
-                    cblock = cb,
-                    "cache: I/O to a migrating block did not drain"
-                );
-                return false;
-            }
-            self.cv.wait_for(&mut core, Duration::from_millis(5));
-        }
-    }
-
-    /// Copy one block between the devices; the block `from` is read at
-    /// `src` and written to `to` at `dst`.
-    fn copy(&self, from: &DeviceRef, src: u64, to: &DeviceRef, dst: u64) -> Status {
-        let mut buf = AlignedBuf::new(self.block_bytes as usize);
-        let st = submit_and_wait(&**from, Op::Read, src, self.block_bytes, buf.as_mut_slice());
-        if st != Status::Ok {
-            return st;
-        }
-        submit_and_wait(&**to, Op::Write, dst, self.block_bytes, buf.as_mut_slice())
-    }
-
-    /// Run one piece of the policy's background work (`mg_start` to
-    /// `mg_complete`).
-    fn migrate(self: &Arc<Self>, w: Work) {
-        self.lock_block(w.oblock);
-        let cpos = w.cblock as u64 * self.block_bytes;
-        let opos = w.oblock * self.block_bytes;
-        let mut ok = self.quiesce(w.oblock, w.cblock);
-        match w.op {
-            WorkOp::Promote => {
-                ok = ok && self.copy(&self.origin, opos, &self.cache, cpos) == Status::Ok;
-                ok = ok
-                    && self
-                        .md_op(|md| md.insert(w.cblock, w.oblock).and_then(|_| md.commit(false)));
-                if ok {
-                    self.counters.promotion.fetch_add(1, Ordering::Relaxed);
-                }
-                self.core.lock().policy.complete(w, ok);
-            }
-            WorkOp::Demote => {
-                ok = ok && !self.core.lock().dirty[w.cblock as usize];
-                ok = ok && self.md_op(|md| md.remove(w.cblock).and_then(|_| md.commit(false)));
-                if ok {
-                    self.counters.demotion.fetch_add(1, Ordering::Relaxed);
-                }
-                self.core.lock().policy.complete(w, ok);
-            }
-            WorkOp::Writeback => {
-                ok = ok && self.copy(&self.cache, cpos, &self.origin, opos) == Status::Ok;
-                let mut core = self.core.lock();
-                if ok {
-                    core.set_dirty(w.cblock, false);
-                }
-                core.policy.complete(w, ok);
-            }
-        }
-        self.unlock_block(w.oblock);
-    }
-
-    fn md_op(&self, f: impl FnOnce(&mut CacheMetadata) -> Result<(), CacheMdError>) -> bool {
-        match f(&mut self.md.lock()) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::error!(error = %e, "cache: metadata operation failed");
-                false
-            }
-        }
     }
 
     /// Commit if the transaction changed (`commit(cache, false)`).
@@ -506,7 +436,7 @@ impl Shared {
         }
     }
 
-    fn idle(&self) -> bool {
+    pub(super) fn idle(&self) -> bool {
         let last = self.last_io.load(Ordering::Relaxed);
         blkstack_core::clock::now_ns().saturating_sub(last) >= IDLE_AFTER.as_nanos() as u64
     }
@@ -515,46 +445,44 @@ impl Shared {
     pub fn run(self: &Arc<Self>) {
         let mut last_commit = Instant::now();
         loop {
-            let (batch, work) = {
+            let batch: Vec<Bio> = {
                 let mut core = self.core.lock();
                 if core.stop && core.deferred.is_empty() {
                     return;
                 }
-                let batch: Vec<Bio> = core.deferred.drain(..).collect();
-                let allowed = !core.paused
-                    && !core.stop
-                    && self.migration_threshold.load(Ordering::Relaxed) >= self.block_bytes / 512;
-                let work = if allowed {
-                    core.policy.background_work(self.idle())
-                } else {
-                    None
-                };
-                if batch.is_empty() && work.is_none() {
-                    let wait = COMMIT_PERIOD.saturating_sub(last_commit.elapsed());
-                    self.cv
-                        .wait_for(&mut core, wait.max(Duration::from_millis(10)));
-                }
-                (batch, work)
+                core.deferred.drain(..).collect()
             };
             for bio in batch {
                 self.process_deferred(bio);
             }
-            if let Some(w) = work {
-                self.migrate(w);
-            }
+            let in_flight = self.start_migrations();
             if last_commit.elapsed() >= COMMIT_PERIOD {
                 self.commit_if_changed();
                 last_commit = Instant::now();
             }
+            let mut core = self.core.lock();
+            // Go round again at once if a migration ended since (its
+            // bandwidth is free) or work came while the lock was free.
+            let more = !core.paused
+                && self.spare_migration_bandwidth(core.nr_migrations)
+                && (core.nr_migrations < in_flight || core.policy.has_work());
+            if core.deferred.is_empty() && !core.stop && !more {
+                let wait = COMMIT_PERIOD.saturating_sub(last_commit.elapsed());
+                self.cv
+                    .wait_for(&mut core, wait.max(Duration::from_millis(10)));
+            }
         }
     }
 
-    /// Hold off background work and wait for the one running to end.
+    /// Hold off background work and wait for the migrations in flight.
     pub fn pause(&self, paused: bool) {
         let mut core = self.core.lock();
         core.paused = paused;
         let deadline = Instant::now() + QUIESCE_LIMIT;
-        while paused && self.migrating.load(Ordering::SeqCst) && Instant::now() < deadline {
+        while paused
+            && (core.nr_migrations != 0 || self.migrating.load(Ordering::SeqCst) != 0)
+            && Instant::now() < deadline
+        {
             self.cv.wait_for(&mut core, Duration::from_millis(5));
         }
         drop(core);
@@ -565,6 +493,7 @@ impl Shared {
     pub fn stop(&self) {
         self.core.lock().stop = true;
         self.cv.notify_all();
+        self.mg_cv.notify_all();
     }
 
     /// `sync_metadata`: dirty bits, discards, counters and hints, then a
@@ -619,14 +548,14 @@ impl EndIo for Shared {
                         core.origin_writes.remove(&index);
                     }
                 }
-                if self.migrating.load(Ordering::SeqCst) {
+                if self.migrating.load(Ordering::SeqCst) != 0 {
                     self.cv.notify_all();
                 }
             }
             _ => {
                 if let Some(n) = self.inflight.get(index as usize) {
                     if n.fetch_sub(1, Ordering::AcqRel) == 1
-                        && self.migrating.load(Ordering::SeqCst)
+                        && self.migrating.load(Ordering::SeqCst) != 0
                     {
                         self.cv.notify_all();
                     }

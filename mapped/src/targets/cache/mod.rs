@@ -8,8 +8,10 @@
 //! cleaner), `io.rs` the I/O path and migrations. Judged by
 //! `cache_check`/`cache_dump` and by the kernel's own dm-cache.
 
+mod cell;
 pub mod io;
 pub mod metadata;
+mod migrate;
 mod queue;
 pub mod smq;
 
@@ -461,6 +463,7 @@ impl Target for CacheTarget {
             )));
         }
         s.migration_threshold.store(threshold, Ordering::Relaxed);
+        s.wake();
         Ok(String::new())
     }
 
@@ -512,6 +515,7 @@ impl Drop for CacheTarget {
                 let _ = w.join();
             }
         }
+        self.shared.join_pool();
         if !self.suspended.swap(true, Ordering::SeqCst) {
             self.shared.sync_metadata();
         }
