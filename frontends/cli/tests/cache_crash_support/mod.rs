@@ -278,6 +278,14 @@ impl Crash {
     /// first, then the workload until the kill at `at`; `cache_check`
     /// passes on what is left.
     pub fn round(&mut self, at: KillAt) -> Killed {
+        self.round_after(at, 8)
+    }
+
+    /// As [`Crash::round`], the kill armed once the workload completed
+    /// `min_flushes` flushes (and two blocks are cached): a fresh cache
+    /// armed early still has free blocks, so the commit held is a
+    /// migration's.
+    pub fn round_after(&mut self, at: KillAt, min_flushes: u64) -> Killed {
         let srv = Serve::start(&self.stack("smq"), "c");
         let reg = connect(&srv);
         let dev = reg.device("remote").unwrap();
@@ -297,7 +305,7 @@ impl Crash {
         // metadata with cached (after the kill: dirty) blocks.
         let deadline = Instant::now() + LIMIT;
         let mut status = srv.ok("status", &["c"]).trim().to_string();
-        while flushes.load(Ordering::Relaxed) < 8 || resident(&status) < 2 {
+        while flushes.load(Ordering::Relaxed) < min_flushes || resident(&status) < 2 {
             assert!(
                 Instant::now() < deadline && !worker.is_finished(),
                 "no workload: {status}"
