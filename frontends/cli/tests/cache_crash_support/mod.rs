@@ -2,9 +2,11 @@
 //! cache_crash.rs (many rounds, judged on the host) and kernel_cache.rs
 //! (the guest's dm-cache activates what one kill left). The workload is
 //! blkstack's own NBD client writing, reading and flushing a hot quarter
-//! of the origin, so blocks are promoted, dirtied and committed; the
-//! history keeps, per block, the write a completed flush made durable
-//! and the ones written since.
+//! of the origin, so blocks are promoted, dirtied and committed (from
+//! the second round on, the next quarter, once the idle cache wrote its
+//! dirty blocks back, so promotions demote); the history keeps, per
+//! block, the write a completed flush made durable and the ones written
+//! since.
 //!
 //! The metadata device sits on a `delay` target with no delay, so a
 //! kill can be put inside a metadata commit on purpose: `set write` (or
@@ -102,6 +104,10 @@ struct History {
     pending: BTreeMap<u64, Vec<u64>>,
     seq: u64,
     seed: u64,
+    /// The first block of the quarter of the origin written now.
+    base: u64,
+    /// Rounds run.
+    rounds: u64,
 }
 
 impl History {
@@ -110,7 +116,7 @@ impl History {
         let stop_at = Instant::now() + LIMIT;
         while Instant::now() < stop_at {
             for _ in 0..8 {
-                let b = next(&mut self.seed) % HOT_BLOCKS;
+                let b = self.base + next(&mut self.seed) % HOT_BLOCKS;
                 self.seq += 1;
                 let mut buf = data(b, self.seq);
                 // One write in four covers its whole block (the rest
@@ -126,7 +132,7 @@ impl History {
                     return;
                 }
                 let mut rb = vec![0u8; 4096];
-                let r = next(&mut self.seed) % HOT_BLOCKS * BLOCK;
+                let r = (self.base + next(&mut self.seed) % HOT_BLOCKS) * BLOCK;
                 if submit_and_wait(dev, Op::Read, r, 4096, &mut rb) != Status::Ok {
                     return;
                 }
@@ -292,6 +298,10 @@ impl Crash {
         self.settle("reopened after the last kill", |b| {
             read_4k(&*dev, b).expect("read back")
         });
+        if self.history.rounds > 0 {
+            self.make_room(&srv);
+        }
+        self.history.rounds += 1;
         let flushes = Arc::new(AtomicU64::new(0));
         let mut history = std::mem::take(&mut self.history);
         let worker = {
@@ -344,6 +354,29 @@ impl Crash {
             status,
             by_suspend,
         }
+    }
+}
+
+impl Crash {
+    /// After a kill the cache is full of dirty blocks (all are loaded
+    /// dirty), which smq does not demote, so nothing would migrate: the
+    /// target left idle writes them all back (as the kernel's smq does
+    /// when idle), and the workload moves to the next quarter of the
+    /// origin, whose promotions demote the old quarter's blocks (those
+    /// on the lower levels: after an unclean shutdown the levels are
+    /// random, there being no hints).
+    fn make_room(&mut self, srv: &Serve) {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let st = srv.ok("status", &["c"]);
+            if st.split_whitespace().nth(13) == Some("0") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no idle writeback: {st}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let h = &mut self.history;
+        h.base = (h.base + HOT_BLOCKS) % (ORIGIN_SECTORS * 512 / BLOCK);
     }
 }
 
