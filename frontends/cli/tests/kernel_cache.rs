@@ -180,17 +180,18 @@ echo "BEGIN kstatus"; st k; echo "END kstatus"
 dmsetup remove k || fail "remove k"
 killed() {
   s=$1; d=$(dev ${s}img); at=0
-  for p in "meta META" "cache CSEC" "orig ORIG" "out OUT"; do
+  for p in "meta META" "cache CSEC" "orig ORIG"; do
     set -- $p
     dmsetup create $s$1 --table "0 $2 linear $d $at" || fail "slice $s$1"
     at=$((at + $2))
   done
   dmsetup create $s --table "$(tbl $s "$f" "HELD")" || fail "activate what kill -9 left in $s"
   echo "BEGIN ${s}status"; st $s; echo "END ${s}status"
-  dd if=/dev/mapper/$s of=/dev/mapper/${s}out bs=65536 count=HOTN iflag=direct oflag=direct 2>/dev/null || fail "read $s"
+  dd if=/dev/mapper/$s of=/dev/disk/by-serial/${s}img bs=65536 count=HOTN seek=$((at / 128)) \
+    iflag=direct oflag=direct conv=notrunc 2>/dev/null || fail "read $s"
   dmsetup remove $s || fail "remove $s"
   clean $s "$f"
-  for p in meta cache orig out; do dmsetup remove $s$p || fail "remove $s$p"; done
+  dmsetup remove ${s}meta ${s}cache ${s}orig || fail "remove the slices of $s"
 }
 f="1 writeback"; killed x
 f="2 metadata2 writeback"; killed y
@@ -367,7 +368,6 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
         .replace("ORIG", &ORIGIN_SECTORS.to_string())
         .replace("META", &META_SECTORS.to_string())
         .replace("CSEC", &CACHE_SECTORS.to_string())
-        .replace("OUT", &(HOT_BLOCKS * BLOCK / 512).to_string())
         .replace("HOTN", &HOT_BLOCKS.to_string())
         .replace("HOT", &hot.join(" "))
         .replace("HELD", HELD);
