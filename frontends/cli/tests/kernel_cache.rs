@@ -233,7 +233,7 @@ fn killed_in_serve(dir: &Path, name: &str, features: &str, at: KillAt, early: bo
     // bitset is rewritten.
     let k = crash.round_after(at, if early { 2 } else { 16 });
     println!(
-        "{name}: killed at {:?} (a suspend's commit: {}) after {} flushes ({})",
+        "{name}: killed at {:?} (suspend asked for: {}) after {} flushes ({})",
         k.at, k.by_suspend, k.flushes, k.status
     );
     for f in ["meta", "cdev", "origin"] {
