@@ -89,8 +89,10 @@ ERA_CRASH_ROUNDS ?= 50
 era-crash:
 	BLKSTACK_ERA_CRASH_ROUNDS=$(ERA_CRASH_ROUNDS) cargo test -p blkstack --release --test era_crash kill_9 -- --nocapture
 
-# CACHE_CRASH_ROUNDS kill -9s of `blkstack serve` over a cache device,
-# cache_check and a read-back of every flushed write after each.
+# CACHE_CRASH_ROUNDS kill -9s of `blkstack serve` over a cache device
+# per metadata format, in turn inside a commit (a metadata write held, a
+# metadata flush held) and at a random time; cache_check and a read-back
+# of every flushed write after each.
 CACHE_CRASH_ROUNDS ?= 50
 cache-crash:
 	BLKSTACK_CACHE_CRASH_ROUNDS=$(CACHE_CRASH_ROUNDS) cargo test -p blkstack --release --test cache_crash -- --nocapture

@@ -5,24 +5,33 @@
 //! wrote; the kernel's cleaner policy then writes blkstack's dirty blocks
 //! back to the origin. The reverse: the guest formats a cache of its own
 //! and leaves dirty blocks, which `cache_check` passes and blkstack
-//! opens with the kernel's status, reads and cleans.
+//! opens with the kernel's status, reads and cleans. And what `kill -9`
+//! left: before the boot `blkstack serve` runs a cache (formats 1 and
+//! 2, writeback, smq) under writes, reads and flushes, and is killed
+//! inside a metadata commit (cache_crash_support: a metadata write, or
+//! flush, held); `cache_check` passes and blkstack reads every flushed
+//! write from a copy. In the guest the kernel's dm-cache activates that
+//! metadata, cache and origin (dm-linear slices of one disk) with every
+//! cached block dirty, blkstack's status, reads the written quarter of
+//! the origin byte for byte as blkstack does, and its cleaner writes it
+//! all back to the origin.
 
+mod cache_crash_support;
 mod kernel_vm_support;
 
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{Op, Status};
 use blkstack_mapped::Registry;
 use blkstack_test_support::tool;
+use cache_crash_support::{
+    cache_check, Crash, KillAt, BLOCK, CACHE_SECTORS, HOT_BLOCKS, META_SECTORS, ORIGIN_SECTORS,
+};
 use kernel_vm_support::*;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const META_SECTORS: u64 = 8192;
-const CACHE_SECTORS: u64 = 2048;
-const ORIGIN_SECTORS: u64 = 32768;
-const BLOCK: u64 = 65536;
 /// Blocks blkstack caches; the first four are written again (dirty).
 const HOT: [u64; 6] = [3, 9, 40, 41, 100, 200];
 
@@ -138,7 +147,10 @@ const HELD: &str = "smq 2 migration_threshold 0";
 
 const GUEST: &str = r#"
 fail() { echo "FAIL: $*"; exit 1; }
-dev() { cat /sys/block/$(basename $(readlink /dev/disk/by-serial/$1))/dev; }
+dev() {
+  if [ -e /dev/mapper/$1 ]; then echo /dev/mapper/$1; return; fi
+  cat /sys/block/$(basename $(readlink /dev/disk/by-serial/$1))/dev
+}
 st() { dmsetup status $1 | sed 's/ *$//' | cut -d' ' -f4-; }
 r() { dd if=/dev/mapper/$1 bs=4096 count=1 skip=$(($2 * 16)) iflag=direct 2>/dev/null | md5sum; }
 w() { dd if=/test/fill-$3 of=/dev/mapper/$1 bs=65536 count=1 seek=$2 oflag=direct conv=notrunc 2>/dev/null || fail "write $*"; }
@@ -166,8 +178,164 @@ for b in 2 11 50; do w k $b p; done
 for b in 2 11; do w k $b q; done
 echo "BEGIN kstatus"; st k; echo "END kstatus"
 dmsetup remove k || fail "remove k"
+killed() {
+  s=$1; d=$(dev ${s}img); at=0
+  for p in "meta META" "cache CSEC" "orig ORIG"; do
+    set -- $p
+    dmsetup create $s$1 --table "0 $2 linear $d $at" || fail "slice $s$1"
+    at=$((at + $2))
+  done
+  dmsetup create $s --table "$(tbl $s "$f" "HELD")" || fail "activate what kill -9 left in $s"
+  echo "BEGIN ${s}status"; st $s; echo "END ${s}status"
+  dd if=/dev/mapper/$s of=/dev/disk/by-serial/${s}img bs=65536 count=HOTN seek=$((at / 128)) \
+    iflag=direct oflag=direct conv=notrunc 2>/dev/null || fail "read $s"
+  dmsetup remove $s || fail "remove $s"
+  clean $s "$f"
+  dmsetup remove ${s}meta ${s}cache ${s}orig || fail "remove the slices of $s"
+}
+f="1 writeback"; killed x
+f="2 metadata2 writeback"; killed y
 echo DONE
 "#;
+
+/// A cache `blkstack serve` was killed in, as handed to the guest.
+struct Killed {
+    crash: Crash,
+    /// blkstack's status opening a copy of what the kill left.
+    ours: Vec<String>,
+    /// The hot quarter of the cache device as blkstack reads it there.
+    seen: Vec<u8>,
+    /// Written blocks whose origin copy is not what reads back: they
+    /// must be dirty in the cache.
+    min_dirty: usize,
+}
+
+/// The guest's disk `{name}img`: metadata, cache, origin, then room for
+/// the hot quarter as the guest's dm-cache reads it.
+const SLICES: [(&str, u64); 4] = [
+    ("meta", META_SECTORS),
+    ("cdev", CACHE_SECTORS),
+    ("origin", ORIGIN_SECTORS),
+    ("out", HOT_BLOCKS * BLOCK / 512),
+];
+
+/// `blkstack serve` over a cache in `dir/name`, killed at `at`; what
+/// blkstack reads from a copy, judged against the flushed writes; the
+/// guest's disk image made of it.
+fn killed_in_serve(dir: &Path, name: &str, features: &str, at: KillAt, early: bool) -> Killed {
+    let (set, copy) = (dir.join(name), dir.join(format!("{name}copy")));
+    std::fs::create_dir_all(&set).unwrap();
+    std::fs::create_dir_all(&copy).unwrap();
+    let mut crash = Crash::new(&set, features, 0x5eed_0001 + early as u64);
+    // Armed early, the cache still fills and the commit held is a
+    // migration's; armed later it is full, nothing migrates and it is
+    // mostly a suspend's (cache_crash_support), whose format 2 dirty
+    // bitset is rewritten.
+    let k = crash.round_after(at, if early { 2 } else { 16 });
+    println!(
+        "{name}: killed at {:?} (suspend asked for: {}) after {} flushes ({})",
+        k.at, k.by_suspend, k.flushes, k.status
+    );
+    for f in ["meta", "cdev", "origin"] {
+        std::fs::copy(set.join(f), copy.join(f)).unwrap();
+    }
+    let reg = crash.open_in(&copy, HELD);
+    let ours = status_args(&reg);
+    let dev = reg.device("c").unwrap();
+    let mut seen = vec![0u8; (HOT_BLOCKS * BLOCK) as usize];
+    for (b, chunk) in seen.chunks_mut(BLOCK as usize).enumerate() {
+        let st = submit_and_wait(&*dev, Op::Read, b as u64 * BLOCK, BLOCK, chunk);
+        assert_eq!(st, Status::Ok);
+    }
+    drop(dev);
+    reg.remove_all();
+    let at4k = |v: &[u8], b: u64| v[(b * BLOCK) as usize..(b * BLOCK + 4096) as usize].to_vec();
+    crash.settle(&format!("{name}: blkstack on what kill -9 left"), |b| {
+        at4k(&seen, b)
+    });
+    let origin = std::fs::read(set.join("origin")).unwrap();
+    let min_dirty = crash
+        .blocks()
+        .iter()
+        .filter(|&&b| at4k(&origin, b) != at4k(&seen, b))
+        .count();
+    let mut image = Vec::new();
+    for (f, sectors) in SLICES {
+        let mut v = std::fs::read(set.join(f)).unwrap_or_default();
+        v.resize((sectors * 512) as usize, 0);
+        image.extend(v);
+    }
+    std::fs::write(dir.join(format!("{name}img")), image).unwrap();
+    Killed {
+        crash,
+        ours,
+        seen,
+        min_dirty,
+    }
+}
+
+/// The guest's image split back into the cache's files; the guest's
+/// read of the hot quarter.
+fn unpack(dir: &Path, name: &str, set: &Path) -> Vec<u8> {
+    let image = std::fs::read(dir.join(format!("{name}img"))).unwrap();
+    let mut at = 0;
+    let mut out = Vec::new();
+    for (f, sectors) in SLICES {
+        let part = &image[at..at + (sectors * 512) as usize];
+        at += part.len();
+        if f == "out" {
+            out = part.to_vec();
+        } else {
+            std::fs::write(set.join(f), part).unwrap();
+        }
+    }
+    out
+}
+
+/// What the kernel made of a cache `kill -9` left.
+fn judge_killed(run: &VmRun, dir: &Path, name: &str, k: &Killed) {
+    let kernel = run.section(&format!("{name}status")).unwrap_or_default();
+    let ks: Vec<&str> = kernel.split_whitespace().collect();
+    let o: Vec<&str> = k.ours.iter().map(String::as_str).collect();
+    assert!(ks.len() > 10, "{name}: {kernel}");
+    println!(
+        "{name}: kernel status {kernel}; blkstack's {}; at least {} dirty",
+        o.join(" "),
+        k.min_dirty
+    );
+    let resident = ks[3].split('/').next().unwrap_or("");
+    assert_eq!(
+        ks[10], resident,
+        "{name}: after a crash the kernel loads every cached block dirty"
+    );
+    let dirty: usize = ks[10].parse().unwrap_or(0);
+    assert!(
+        dirty > 0 && dirty >= k.min_dirty,
+        "{name}: {dirty} dirty, but {} written blocks read back what the origin does not hold",
+        k.min_dirty
+    );
+    assert_eq!(
+        (&ks[..1], &ks[2..]),
+        (&o[..1], &o[2..]),
+        "{name}: the kernel's status on what kill -9 left is blkstack's"
+    );
+    assert_eq!(ks[1], o[1], "{name}: metadata blocks used/in all");
+    let set = dir.join(name);
+    let out = unpack(dir, name, &set);
+    assert!(
+        out == k.seen,
+        "{name}: the kernel reads the cache kill -9 left as blkstack does"
+    );
+    cache_check(&k.crash.meta());
+    let origin = std::fs::read(set.join("origin")).unwrap();
+    assert!(
+        origin[..out.len()] == out[..],
+        "{name}: the kernel's cleaner wrote every block back to the origin"
+    );
+    let reg = k.crash.open_here(HELD);
+    assert_eq!(status_args(&reg)[10], "0", "{name}: cleaned by the kernel");
+    reg.remove_all();
+}
 
 #[test]
 fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
@@ -188,6 +356,8 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
     }
     let ours_b = blkstack_writes(dir, "b", "1 metadata2");
     let ours_c = blkstack_writes(dir, "c", "1 writeback");
+    let killed_x = killed_in_serve(dir, "x", "1 writeback", KillAt::HeldWrite, true);
+    let killed_y = killed_in_serve(dir, "y", "2 metadata2 writeback", KillAt::HeldFlush, false);
     // Dirty blocks are in the cache only.
     assert_eq!(origin_byte(dir, "b", 3), vec![fill(3, 1); 4096]);
     for (name, byte) in [("p", b'p'), ("q", b'q')] {
@@ -196,6 +366,9 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
     let hot: Vec<String> = HOT.iter().map(|b| b.to_string()).collect();
     let script = GUEST
         .replace("ORIG", &ORIGIN_SECTORS.to_string())
+        .replace("META", &META_SECTORS.to_string())
+        .replace("CSEC", &CACHE_SECTORS.to_string())
+        .replace("HOTN", &HOT_BLOCKS.to_string())
         .replace("HOT", &hot.join(" "))
         .replace("HELD", HELD);
     let mut vm = Vm::new()
@@ -206,6 +379,10 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
             let name = format!("{set}{dev}");
             vm = vm.disk(&name, &dir.join(&name).display().to_string());
         }
+    }
+    for set in ["x", "y"] {
+        let name = format!("{set}img");
+        vm = vm.disk(&name, &dir.join(&name).display().to_string());
     }
     let run = vm.timeout(300).run(&script);
     println!("{}", run.out);
@@ -258,6 +435,9 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
         assert_eq!(status_args(&reg)[10], "0", "cleaned by the kernel");
         reg.remove_all();
     }
+
+    judge_killed(&run, dir, "x", &killed_x);
+    judge_killed(&run, dir, "y", &killed_y);
 
     // The kernel's own cache, left with dirty blocks.
     let kernel = run.section("kstatus").unwrap_or_default();
