@@ -86,6 +86,45 @@ fn all_replies_arrive(poll_ns: u64) {
     run.stop();
 }
 
+/// Requests keep coming from another thread while replies are read
+/// with pauses: the socket fills and drains over and over, so flushes
+/// meet partial sends while other completers append behind them.
+fn a_stream_of_replies_arrives(poll_ns: u64) {
+    const STREAM: u64 = 3000;
+    let run = serve_polling(vec![Export::new("a", ThreadedDev::new(), false)], poll_ns);
+    let (mut c, _, _) = run.client("a", false);
+    let mut tx = crate::client::RawClient::new(c.s.try_clone().expect("clone the socket"));
+    let sender = std::thread::spawn(move || {
+        for h in 0..STREAM {
+            let off = (h % REQS) * LEN as u64;
+            tx.request(&req(CMD_READ, 0, h, off, LEN), &[]).unwrap();
+        }
+    });
+    let mut seen = vec![false; STREAM as usize];
+    let mut data = vec![0u8; LEN as usize];
+    for i in 0..STREAM {
+        if i % 8 == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let r = c.simple_reply().expect("every reply arrives");
+        assert_eq!(r.error, 0, "handle {}", r.handle);
+        std::io::Read::read_exact(&mut c.s, &mut data).unwrap();
+        let h = r.handle as usize;
+        assert!(h < seen.len() && !seen[h], "handle {h} unknown or twice");
+        seen[h] = true;
+        let want = (r.handle % REQS) as u8;
+        assert!(data.iter().all(|&b| b == want), "data of handle {h}");
+    }
+    sender.join().expect("sender");
+    run.stop();
+}
+
+#[test]
+fn a_stream_of_replies_from_concurrent_completers_arrives() {
+    a_stream_of_replies_arrives(0);
+    a_stream_of_replies_arrives(50_000);
+}
+
 #[test]
 fn replies_from_concurrent_completers_all_arrive() {
     all_replies_arrive(0);
