@@ -26,7 +26,13 @@
 #     connection each, so that the server, not one client thread, is the
 #     bound)
 #   delay 1 ms 4k randread QD1 and QD32 (ours: a `delay` target over `zero`;
-#     nbdkit: null + --filter=delay rdelay=1ms; qemu: null-co latency-ns)
+#     nbdkit: null + --filter=delay rdelay=1ms; qemu: null-co latency-ns).
+#     Ours runs with DELAY_OPTS (default `spin_us=0`): the peers sleep on
+#     a timer and wake when the host wakes them, never spinning; spin_us=0
+#     is that mechanism in our target (a timerfd armed for the deadline, 1 ns
+#     timer slack, every bio due on a wake sent in one pass). DELAY_OPTS=
+#     (empty) benches the target's default, `hybrid`, which also spins to
+#     each deadline for precision and pays for it in CPU.
 #   memory 64 KiB sequential reads QD8 (after the fill), for throughput
 #   any row with -tls appended: the same over TLS (x509 certificates made
 #     here with openssl; every server with TLS required, the client with
@@ -51,6 +57,8 @@
 #        ROWS="null-qd1 null-qd64" scripts/bench-peers.sh
 #        ROWS="null-qd1 null-qd1-tls mem-read64k-qd8 mem-read64k-qd8-tls" scripts/bench-peers.sh
 #        ROWS="leaf-qd1 leaf-qd64" scripts/bench-peers.sh
+#        OURS_OPTS="--poll-us 50" scripts/bench-peers.sh   (extra `serve` flags)
+#        DELAY_OPTS= ROWS="delay1ms-qd1 delay1ms-qd32" scripts/bench-peers.sh
 # Needs root or sudo only to install missing packages (fio, nbdkit,
 # qemu-utils) with apt-get.
 set -euo pipefail
@@ -61,6 +69,8 @@ RAMP=${RAMP:-1}
 LOG_MS=${LOG_MS:-100}
 SAMPLE_MS=${SAMPLE_MS:-10}
 ROWS=${ROWS:-"null-qd1 null-qd64 null-qd64x2 mem-randwrite-qd16 mem-randwrite-qd16x2 delay1ms-qd1 delay1ms-qd32 null-qd1-tls null-qd64-tls mem-read64k-qd8 mem-read64k-qd8-tls leaf-qd1 leaf-qd64"}
+OURS_OPTS=${OURS_OPTS:-}
+DELAY_OPTS=${DELAY_OPTS-spin_us=0}
 SIZE_BYTES=$((1 << 30))
 SECTORS=$((SIZE_BYTES / 512))
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -173,12 +183,15 @@ start_server() {
     fi
     rm -f "$SOCK"
     case "$server:$kind" in
+    # shellcheck disable=SC2086
     ours:null) "$BLKSTACK" serve --concise "d,,,rw,0 $SECTORS null" --export d "${ours_tls[@]}" \
-        --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
+        --listen "nbd+unix:///?socket=$SOCK" $OURS_OPTS >"$WORK/srv.log" 2>&1 & ;;
+    # shellcheck disable=SC2086
     ours:mem) "$BLKSTACK" serve --concise "d,,,rw,0 $SECTORS memory" --export d "${ours_tls[@]}" \
-        --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
-    ours:delay) "$BLKSTACK" serve --concise "z,,,rw,0 $SECTORS zero;d,,,rw,0 $SECTORS delay /dev/mapper/z 0 1" \
-        --export d "${ours_tls[@]}" --listen "nbd+unix:///?socket=$SOCK" >"$WORK/srv.log" 2>&1 & ;;
+        --listen "nbd+unix:///?socket=$SOCK" $OURS_OPTS >"$WORK/srv.log" 2>&1 & ;;
+    # shellcheck disable=SC2086
+    ours:delay) "$BLKSTACK" serve --concise "z,,,rw,0 $SECTORS zero;d,,,rw,0 $SECTORS delay /dev/mapper/z 0 1 $DELAY_OPTS" \
+        --export d "${ours_tls[@]}" --listen "nbd+unix:///?socket=$SOCK" $OURS_OPTS >"$WORK/srv.log" 2>&1 & ;;
     nbdkit:null) nbdkit -f "${kit_tls[@]}" --unix "$SOCK" null size=$SIZE_BYTES >"$WORK/srv.log" 2>&1 & ;;
     nbdkit:mem) nbdkit -f "${kit_tls[@]}" --unix "$SOCK" memory size=$SIZE_BYTES >"$WORK/srv.log" 2>&1 & ;;
     nbdkit:delay) nbdkit -f "${kit_tls[@]}" --unix "$SOCK" --filter=delay null size=$SIZE_BYTES rdelay=1ms \
@@ -409,6 +422,7 @@ for rep in $(seq 1 "$REPS"); do
 done
 
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg) (at the start: $LOAD_START)"
+echo "ours: serve flags '${OURS_OPTS}', delay target options '${DELAY_OPTS}'"
 python3 - "$RESULTS" "$REPS" "$RUNTIME" "$RAMP" <<'EOF'
 import sys, statistics
 from collections import defaultdict

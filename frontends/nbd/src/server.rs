@@ -28,8 +28,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// Default bound of a reader's busy-poll (see `blkstack_core::timing::spin`).
-pub const DEFAULT_POLL_NS: u64 = 50_000;
+/// Default bound of a reader's busy-poll (see `blkstack_core::timing::spin`):
+/// off. A poll buys latency at low queue depth with CPU the peers
+/// (nbdkit, qemu-nbd) do not spend: each empty try is a `recv` and a
+/// `sched_yield`, several per request at QD1, where a blocking reader
+/// makes one `recv` (docs/BENCHMARKS.md, "where the µs go").
+/// `--poll-us 50` turns it back on.
+pub const DEFAULT_POLL_NS: u64 = 0;
 
 enum Listener {
     Tcp(TcpListener),

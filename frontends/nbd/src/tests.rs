@@ -19,6 +19,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 mod comp_batch;
+mod concurrent_flush;
 
 const BLOCK: u64 = 4096;
 
@@ -183,9 +184,15 @@ impl Drop for Running {
 }
 
 fn serve(exports: Vec<Export>) -> Running {
+    serve_polling(exports, crate::server::DEFAULT_POLL_NS)
+}
+
+/// [`serve`] with the readers' socket poll bounded by `poll_ns` (0: off).
+fn serve_polling(exports: Vec<Export>, poll_ns: u64) -> Running {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("nbd.sock");
-    let server = Server::bind(exports, &[ListenUri::Unix(path.clone())]).expect("bind");
+    let mut server = Server::bind(exports, &[ListenUri::Unix(path.clone())]).expect("bind");
+    server.set_poll_ns(poll_ns);
     let stopper = server.stopper();
     let thread = Some(std::thread::spawn(move || server.run()));
     Running {

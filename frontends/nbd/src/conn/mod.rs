@@ -198,6 +198,8 @@ fn new_shared(
             dead: false,
             writer_busy: false,
             in_writer: 0,
+            sending: false,
+            spare: Vec::new(),
             quit: false,
         }),
         dead: AtomicBool::new(false),

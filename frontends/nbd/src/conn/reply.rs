@@ -65,8 +65,15 @@ pub(super) struct Out {
     /// The writer thread owns the socket's sending side: everyone else
     /// appends to `buf` behind what it is sending.
     pub(super) writer_busy: bool,
-    /// Bytes the writer took from `buf` and is still sending.
+    /// Bytes the writer (or a flush, see `sending`) took from `buf` and
+    /// is still sending.
     pub(super) in_writer: usize,
+    /// A [`Shared::flush`] is sending outside the writer lock: nobody
+    /// else sends meanwhile, replies are appended behind and go in its
+    /// next round.
+    pub(super) sending: bool,
+    /// `buf`'s alternate while a flush sends, so neither is reallocated.
+    pub(super) spare: Vec<u8>,
     /// The connection is over: the writer sends what is left and ends.
     pub(super) quit: bool,
 }
@@ -75,6 +82,12 @@ impl Out {
     /// Reply bytes produced and not yet sent.
     pub(super) fn unsent(&self) -> usize {
         self.buf.len() + self.in_writer
+    }
+
+    /// Someone (the writer thread, the reader sending inline, or a flush)
+    /// owns the socket's sending side: append behind it, do not send.
+    fn send_owned(&self) -> bool {
+        self.writer_busy || self.sending
     }
 }
 
@@ -164,31 +177,52 @@ impl IdleWake {
 impl Shared {
     /// Send what is buffered without blocking; what the socket does not
     /// take goes to the writer thread, or, on the connection's own
-    /// reader, is sent there and then. Called with the writer lock held.
+    /// reader, is sent there and then. Called with the writer lock held;
+    /// the `sendmsg` itself runs without it (`Out::sending`): the send
+    /// wakes the client, whose next request can wake the reader on this
+    /// CPU at once, and a reader that then found the lock held would spin
+    /// and yield until this thread ran again. Replies appended meanwhile
+    /// leave in the next round of the loop.
     pub(super) fn flush(&self, out: &mut MutexGuard<'_, Out>) {
-        if out.buf.is_empty() || out.writer_busy {
-            return;
-        }
-        if out.dead {
-            out.buf.clear();
-            return;
-        }
-        match self.sock.send_nowait2(&out.buf, &[]) {
-            Ok(n) if n == out.buf.len() => {
+        while !out.buf.is_empty() && !out.send_owned() {
+            if out.dead {
                 out.buf.clear();
-                if out.buf.capacity() > KEEP_OUT {
-                    out.buf = Vec::new();
-                }
+                return;
             }
-            Ok(n) => {
-                out.buf.drain(..n);
-                if self.on_reader() {
-                    self.send_inline(out);
-                } else {
-                    self.hand_to_writer(out);
+            let spare = std::mem::take(&mut out.spare);
+            let mut chunk = std::mem::replace(&mut out.buf, spare);
+            out.sending = true;
+            out.in_writer = chunk.len();
+            let sent = MutexGuard::unlocked(out, || self.sock.send_nowait2(&chunk, &[]));
+            out.in_writer = 0;
+            out.sending = false;
+            match sent {
+                _ if out.dead => break,
+                Ok(n) if n == chunk.len() => {
+                    chunk.clear();
+                    if chunk.capacity() <= KEEP_OUT {
+                        out.spare = chunk;
+                    }
                 }
+                Ok(n) => {
+                    // The rest goes first, then what was appended meanwhile.
+                    chunk.drain(..n);
+                    chunk.extend_from_slice(&out.buf);
+                    out.buf.clear();
+                    out.spare = std::mem::replace(&mut out.buf, chunk);
+                    if self.on_reader() {
+                        self.send_inline(out);
+                    } else {
+                        self.hand_to_writer(out);
+                    }
+                    return;
+                }
+                Err(_) => return self.kill(out),
             }
-            Err(_) => self.kill(out),
+        }
+        if out.quit {
+            // The writer thread may be waiting for this flush to end.
+            self.writer_wake.notify_one();
         }
     }
 
@@ -392,7 +426,7 @@ impl Shared {
         if out.dead {
             return;
         }
-        if data.len() <= COPY_LIMIT || out.writer_busy {
+        if data.len() <= COPY_LIMIT || out.send_owned() {
             out.buf.extend_from_slice(data);
             return;
         }
@@ -430,10 +464,10 @@ pub(super) fn writer(shared: &Shared) {
             parking_lot::MutexGuard::unlocked(&mut out, || shared.notify_room());
         }
         if !out.writer_busy {
-            if out.quit && (out.buf.is_empty() || out.dead) {
+            if out.quit && (out.buf.is_empty() || out.dead) && !out.sending {
                 return;
             }
-            if out.quit {
+            if out.quit && !out.sending {
                 out.writer_busy = true;
                 continue;
             }

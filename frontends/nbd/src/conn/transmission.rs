@@ -162,6 +162,9 @@ impl Transmission<'_> {
         if out.buf.is_empty() {
             out.buf = Vec::new();
         }
+        if !out.sending {
+            out.spare = Vec::new();
+        }
     }
 
     /// Busy-poll the socket for at most the bound [`SpinPolicy`] allows
