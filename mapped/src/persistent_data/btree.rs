@@ -1,7 +1,8 @@
 //! Copy-on-write btree operations over the transaction manager
 //! (`persistent-data/dm-btree.c`), generic over the tree's value type
-//! (`value_type.rs`): lookup, insert with top-down splits (every node on
-//! the path is shadowed first, as `shadow_step` does), whole-tree
+//! (`value_type.rs`): lookup, insert making room top-down (every node on
+//! the path is shadowed first, as `shadow_step` does; a full non-root
+//! node is made room in by `btree_split.rs`), whole-tree
 //! deletion, and a bulk builder used for the small trees that are
 //! rewritten whole (space map indexes, reference count trees). Removal
 //! in place, with the kernel's rebalancing, is `btree_remove.rs`.
@@ -259,6 +260,12 @@ pub type Update<'a, V, E> = dyn FnMut(&mut Tm, &mut V, Option<<V as ValueType>::
 
 /// Insert or replace `key`; returns the new root. `vt` gives what copies
 /// of shared nodes must reference again; `update` the value.
+///
+/// `btree_insert_raw`: every node on the way down is shadowed, and one
+/// with no room for the key (a full node, unless a leaf that holds the
+/// key already) is made room in before going on: the root is split
+/// beneath itself, any other node moves entries to a sibling or splits
+/// (`rebalance_or_split`).
 pub fn insert<V: ValueType, E: From<PdError>>(
     tm: &mut Tm,
     root: u64,
@@ -268,7 +275,8 @@ pub fn insert<V: ValueType, E: From<PdError>>(
 ) -> Result<u64, E> {
     const { assert!(V::SIZE <= MAX_VALUE_SIZE) };
     let root = shadow(tm, root, vt)?;
-    if tm.node(root)?.len() >= tm.node(root)?.max() {
+    let top = tm.node(root)?;
+    if !has_space_for_insert(&top, key) {
         split_beneath(tm, root)?;
     }
     let mut cur = root;
@@ -303,17 +311,19 @@ pub fn insert<V: ValueType, E: From<PdError>>(
             node.set_value(i, &child.to_le_bytes());
         }
         let c = tm.node(child)?;
-        if c.len() >= c.max() {
-            let right = split_one_into_two(tm, child)?;
-            let right_key = tm.node(right)?.keys[0];
-            tm.node_mut(cur)
-                .insert_at(i + 1, right_key, &right.to_le_bytes());
-            cur = if key >= right_key { right } else { child };
+        cur = if has_space_for_insert(&c, key) {
+            child
         } else {
-            cur = child;
-        }
+            super::btree_split::rebalance_or_split(tm, vt, cur, i, key)?
+        };
     }
     Err(too_deep(root).into())
+}
+
+/// `has_space_for_insert`: a node has room for `key` unless it is full,
+/// and a full leaf that holds `key` has room for its overwrite.
+fn has_space_for_insert(n: &Node, key: u64) -> bool {
+    n.len() < n.max() || (n.leaf && n.keys.binary_search(&key).is_ok())
 }
 
 /// `dm_btree_insert`: store `value` under `key`, which takes over the
@@ -334,15 +344,6 @@ pub fn insert_value<V: ValueType>(
         }
         Ok::<_, PdError>(value)
     })
-}
-
-/// `split_one_into_two`: move the upper half of `b` (made in this
-/// transaction) into a new sibling; returns the sibling.
-fn split_one_into_two(tm: &mut Tm, b: u64) -> Result<u64, PdError> {
-    let node = tm.node_mut(b);
-    let half = node.len() / 2;
-    let right = node.split_off(half);
-    tm.new_node(right)
 }
 
 /// `btree_split_beneath`: a full root moves its entries into two new

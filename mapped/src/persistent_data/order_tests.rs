@@ -84,3 +84,103 @@ fn what_format_and_commit_leave_opens_again() {
     assert_eq!(btree::lookup::<Le64>(&mut tm2, root, 2).unwrap(), Some(20));
     assert_eq!(tm2.meta.get(SUPERBLOCK), 1);
 }
+
+fn put(tm: &mut Tm, root: u64, k: u64) -> u64 {
+    btree::insert_value(tm, root, k, &mut Le64, k).unwrap()
+}
+
+/// The root's children: (block, first key, entries).
+fn children(tm: &mut Tm, root: u64) -> Vec<(u64, u64, usize)> {
+    let r = tm.node(root).unwrap();
+    (0..r.len())
+        .map(|i| {
+            let b = r.value_u64(i);
+            let n = tm.node(b).unwrap();
+            (b, r.keys[i], n.len())
+        })
+        .collect()
+}
+
+#[test]
+fn a_full_leaf_moves_entries_left_then_splits_in_two() {
+    let mut tm = format(dev(), 1024);
+    let mut root = btree::build(&mut tm, &[], &mut Le64).unwrap();
+    commit(&mut tm, sb).unwrap();
+    // 252 keys fill the root leaf (shadowed to 5, the bitmap to 6).
+    for k in 0..252 {
+        root = btree::insert_value(&mut tm, root, k, &mut Le64, k).unwrap();
+    }
+    assert_eq!(root, 5);
+    // The 253rd splits the root beneath itself: the lower half to 7, the
+    // upper to 8.
+    root = btree::insert_value(&mut tm, root, 252, &mut Le64, 252).unwrap();
+    assert_eq!(children(&mut tm, root), vec![(7, 0, 126), (8, 126, 127)]);
+    // Leaf 8 full (126..378): its left sibling has room, so the two share
+    // their entries (`rebalance_left`), nothing new allocated.
+    for k in 253..=378 {
+        root = btree::insert_value(&mut tm, root, k, &mut Le64, k).unwrap();
+    }
+    assert_eq!(children(&mut tm, root), vec![(7, 0, 189), (8, 189, 190)]);
+    // Again and again while the left has 8 free entries: 441 -> 220/221,
+    // 472 -> 236/236, 488 -> 244/244, 496 -> 248/248.
+    for k in 379..=499 {
+        root = btree::insert_value(&mut tm, root, k, &mut Le64, k).unwrap();
+    }
+    assert_eq!(children(&mut tm, root), vec![(7, 0, 248), (8, 248, 252)]);
+    // The left has 4 free, there is no right sibling: one into two, the
+    // upper half to a new block.
+    root = btree::insert_value(&mut tm, root, 500, &mut Le64, 500).unwrap();
+    assert_eq!(
+        children(&mut tm, root),
+        vec![(7, 0, 248), (8, 248, 126), (9, 374, 127)]
+    );
+    // Block 3, the bitmap before its copy to 6, and 4, the root before
+    // its copy to 5, wait for the commit.
+    assert_eq!(used(&tm), vec![0, 1, 2, 5, 6, 7, 8, 9]);
+}
+
+#[test]
+fn a_full_middle_leaf_splits_two_into_three_or_moves_entries_right() {
+    let mut tm = format(dev(), 1024);
+    let mut root = btree::build(&mut tm, &[], &mut Le64).unwrap();
+    // Rising keys (every fourth): each full last leaf fills its left
+    // sibling to 248, then splits in two (the root's halves at 5 and 6,
+    // then 7, 8, 9).
+    for k in 0..=996u64 {
+        root = put(&mut tm, root, 4 * k);
+    }
+    let want = vec![
+        (5, 0, 248),
+        (6, 992, 248),
+        (7, 1984, 248),
+        (8, 2976, 126),
+        (9, 3480, 127),
+    ];
+    assert_eq!(children(&mut tm, root), want);
+    // Leaf 6 filled: both siblings have 4 free entries, under the
+    // threshold, so 5 and 6 share their 500 entries with a new leaf 10
+    // between them, a third each (166, 167, 167), and the key goes to
+    // the middle one.
+    for k in [993, 994, 995, 997] {
+        root = put(&mut tm, root, k);
+    }
+    root = put(&mut tm, root, 998);
+    let want = vec![
+        (5, 0, 166),
+        (10, 664, 168),
+        (6, 1316, 167),
+        (7, 1984, 248),
+        (8, 2976, 126),
+        (9, 3480, 127),
+    ];
+    assert_eq!(children(&mut tm, root), want);
+    // Leaf 8 filled: its left sibling has 4 free, its right 125, so the
+    // two on the right share their entries (189 and 190).
+    for k in 744..870u64 {
+        root = put(&mut tm, root, 4 * k + 1);
+    }
+    root = put(&mut tm, root, 2978);
+    let got = children(&mut tm, root);
+    assert_eq!(got[4..], [(8, 2976, 190), (9, 3353, 190)]);
+    assert_eq!(used(&tm), (0..=10).collect::<Vec<_>>());
+}
