@@ -320,6 +320,42 @@ pub fn insert<V: ValueType, E: From<PdError>>(
     Err(too_deep(root).into())
 }
 
+/// `btree_get_overwrite_leaf` and a write into it: shadow the path to
+/// `key`'s leaf without making room in any node (nothing is inserted)
+/// and store `value` over the one there. A key not in the tree is
+/// corrupt metadata (`dm-space-map-common.c`: "overflow btree is
+/// missing an entry"). Returns the new root.
+pub fn overwrite<V: ValueType>(
+    tm: &mut Tm,
+    root: u64,
+    key: u64,
+    vt: &mut V,
+    value: V::Value,
+) -> Result<u64, PdError> {
+    const { assert!(V::SIZE <= MAX_VALUE_SIZE) };
+    let missing = |b| PdError::corrupt(b, "overflow btree is missing an entry");
+    let root = shadow(tm, root, vt)?;
+    let mut cur = root;
+    for _ in 0..MAX_DEPTH {
+        let n = tm.node(cur)?;
+        let i = n.lower_bound(key).ok_or_else(|| missing(cur))?;
+        if n.leaf {
+            check_leaf::<V>(&n, cur)?;
+            if n.keys[i] != key {
+                return Err(missing(cur));
+            }
+            let mut packed = [0u8; MAX_VALUE_SIZE];
+            V::pack(&value, &mut packed);
+            tm.node_mut(cur).set_value(i, &packed[..V::SIZE]);
+            return Ok(root);
+        }
+        let child = shadow(tm, n.value_u64(i), vt)?;
+        tm.node_mut(cur).set_value(i, &child.to_le_bytes());
+        cur = child;
+    }
+    Err(too_deep(root))
+}
+
 /// `has_space_for_insert`: a node has room for `key` unless it is full,
 /// and a full leaf that holds `key` has room for its overwrite.
 fn has_space_for_insert(n: &Node, key: u64) -> bool {
