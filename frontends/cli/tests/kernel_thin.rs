@@ -600,8 +600,8 @@ fn the_kernel_and_blkstack_refuse_hostile_pools_alike() {
 
 /// Issue 39's steps, done by the kernel and by blkstack on fresh pools:
 /// a pool, thin 1 with 16 blocks written, a snapshot, writes to both,
-/// `set_transaction_id`, `reserve_metadata_snap`, the pool's status
-/// after each (`order`). Both hand out metadata blocks in
+/// [`MANY`] blocks of the snapshot written one by one, the messages of
+/// [`ORDER_MESSAGES`], the pool's status after each (`order`). Both hand out metadata blocks in
 /// `dm-space-map-metadata.c`'s order, so the used counts are the same
 /// and, when no commit timer fired inside a batch of writes, so is the
 /// held metadata snapshot's block; but dm-thin's one-second timer commits
@@ -635,24 +635,104 @@ w ot1 2 4
 st opool
 w ot2 2 20
 st opool
+dd if=/dev/zero of=/dev/mapper/ot2 bs=65536 count=MANY seek=100 oflag=direct conv=fsync 2>/dev/null || fail "many writes"
+st opool
+dmsetup remove ot1; dmsetup remove ot2 || fail "remove ot1, ot2"
 MESSAGES opool
 echo "END order"
-dmsetup remove ot1; dmsetup remove ot2; dmsetup remove opool || fail "remove opool"
+dmsetup remove opool || fail "remove opool"
 echo "BEGIN held"
 dmsetup create hpool --table "0 DATA thin-pool $(dev hmeta) $(dev hdata) 128 0" || fail "pool over blkstack's metadata"
 st hpool
 MESSAGES hpool
 echo "END held"
 dmsetup remove hpool || fail "remove hpool"
+echo "BEGIN grown"
+dmsetup create gm --table "0 GSMALL linear $(dev gmeta) 0" || fail "gm"
+dmsetup create gpool --table "0 GSECTORS thin-pool /dev/mapper/gm $(dev gdata) 128 0" || fail "pool of 66 bitmaps"
+st gpool
+dmsetup message gpool 0 create_thin 1 || fail "create_thin 1"
+st gpool
+dmsetup reload gm --table "0 GBIG linear $(dev gmeta) 0" && dmsetup resume gm || fail "grow gm"
+dmsetup reload gpool --table "0 GSECTORS thin-pool /dev/mapper/gm $(dev gdata) 128 0" && dmsetup resume gpool || fail "reload gpool"
+st gpool
+dmsetup message gpool 0 create_thin 2 || fail "create_thin 2"
+dmsetup message gpool 0 reserve_metadata_snap || fail "reserve"
+st gpool
+echo "END grown"
+dmsetup remove gpool; dmsetup remove gm || fail "remove gpool"
 echo DONE
 "#;
 
-/// The steps after the writes, each a message committed at once.
+/// The grown pool's data device: one block past 65 bitmaps, so the data
+/// space map's index entries (66) are more than its cache holds (64)
+/// and are written into the index tree as the cache evicts them.
+const GDATA_SECTORS: u64 = (65 * 16320 + 1) * 128;
+/// Its metadata device, first short of the first bitmap's end, then
+/// grown past it: the grown metadata space map makes a second bitmap.
+const GSMALL_SECTORS: u64 = 16300 * 8;
+const GBIG_SECTORS: u64 = 17000 * 8;
+
+/// [`ORDER_GUEST`]'s `grown` steps here, on `gmeta-b` and `gdata-b`:
+/// the pool's status after each.
+fn grown_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> String {
+    let reg = Registry::new();
+    let meta = p("gmeta-b");
+    reg.create("gm", &format!("0 {GSMALL_SECTORS} file {}", meta.display()))
+        .unwrap();
+    let gdata = p("gdata-b");
+    reg.create(
+        "gdata",
+        &format!("0 {GDATA_SECTORS} file {}", gdata.display()),
+    )
+    .unwrap();
+    let table = format!("0 {GDATA_SECTORS} thin-pool gm gdata 128 0");
+    reg.create("pool", &table).unwrap();
+    let msg = |m: &str| {
+        let args: Vec<&str> = m.split_whitespace().collect();
+        reg.message("pool", 0, &args).unwrap();
+    };
+    let mut out = vec![status_args(&reg, "pool")];
+    msg("create_thin 1");
+    out.push(status_args(&reg, "pool"));
+    reg.reload("gm", &format!("0 {GBIG_SECTORS} file {}", meta.display()))
+        .unwrap();
+    reg.resume("gm").unwrap();
+    reg.reload("pool", &table).unwrap();
+    reg.resume("pool").unwrap();
+    out.push(status_args(&reg, "pool"));
+    msg("create_thin 2");
+    msg("reserve_metadata_snap");
+    out.push(status_args(&reg, "pool"));
+    reg.remove_all();
+    out.join("\n")
+}
+
+/// The superblock's roots (held metadata snapshot, data and metadata
+/// space maps, mapping and details trees: bytes 56..336), which name
+/// the blocks each side chose.
+fn superblock_roots(meta: &Path) -> Vec<u8> {
+    let b = std::fs::read(meta).unwrap();
+    b[56..336].to_vec()
+}
+
+/// The steps after the writes, each a message committed at once: two
+/// snapshots of thin 2 count its mapping tree's root three times (the
+/// reference count tree takes it), deleting thin 2 takes it back to 2.
 const ORDER_MESSAGES: &[&str] = &[
     "create_thin 3",
+    "create_snap 4 2",
+    "create_snap 5 2",
+    "delete 2",
     "set_transaction_id 0 1",
     "reserve_metadata_snap",
 ];
+
+/// Blocks of thin 2 written one after the other from block 100 after
+/// the small writes: its mapping tree's leaves fill and make room as
+/// dm-btree.c does (entries moved to the left sibling, then a split in
+/// two), which the used metadata blocks show.
+const MANY: usize = 500;
 
 fn order_messages(pool: &str) -> String {
     ORDER_MESSAGES
@@ -700,6 +780,17 @@ fn order_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> (String, String) {
     out.push(status_args(&reg, "pool"));
     write("t2", 2, 20);
     out.push(status_args(&reg, "pool"));
+    let t2 = reg.device("t2").unwrap();
+    let mut zero = vec![0u8; 65536];
+    for k in 0..MANY {
+        let at = (100 + k) as u64 * 65536;
+        let st = submit_and_wait(&*t2, Op::Write, at, 65536, &mut zero);
+        assert_eq!(st, Status::Ok, "write of t2's block {}", 100 + k);
+    }
+    let st = submit_and_wait(&*t2, Op::Flush, 0, 0, &mut []);
+    assert_eq!(st, Status::Ok, "flush of t2");
+    drop(t2);
+    out.push(status_args(&reg, "pool"));
     reg.remove("t1", false).unwrap();
     reg.remove("t2", false).unwrap();
     // The pool as it is now, for the guest's `held` steps and ours.
@@ -743,16 +834,26 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         ("odata", DATA_SECTORS),
         ("ometa-b", META_SECTORS),
         ("odata-b", DATA_SECTORS),
+        ("gmeta", GBIG_SECTORS),
+        ("gdata", GDATA_SECTORS),
+        ("gmeta-b", GBIG_SECTORS),
+        ("gdata-b", GDATA_SECTORS),
     ] {
         let f = std::fs::File::create(p(name)).unwrap();
         f.set_len(sectors * 512).unwrap();
     }
     let (ours, ours_held) = order_here(&p);
+    let ours_grown = grown_here(&p);
     thin_check(&p("ometa-b"));
     thin_check(&p("hmeta-b"));
+    thin_check(&p("gmeta-b"));
     let script = ORDER_GUEST
         .replace("DATA", &DATA_SECTORS.to_string())
         .replace("THIN", &THIN_SECTORS.to_string())
+        .replace("MANY", &MANY.to_string())
+        .replace("GSECTORS", &GDATA_SECTORS.to_string())
+        .replace("GSMALL", &GSMALL_SECTORS.to_string())
+        .replace("GBIG", &GBIG_SECTORS.to_string())
         .replace("MESSAGES opool\n", &order_messages("opool"))
         .replace("MESSAGES hpool\n", &order_messages("hpool"));
     let run = Vm::new()
@@ -760,6 +861,8 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         .disk("odata", &p("odata").display().to_string())
         .disk("hmeta", &p("hmeta").display().to_string())
         .disk("hdata", &p("hdata").display().to_string())
+        .disk("gmeta", &p("gmeta").display().to_string())
+        .disk("gdata", &p("gdata").display().to_string())
         .file(&p("pattern"), "/test/pattern")
         .timeout(300)
         .run(&script);
@@ -768,10 +871,11 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
     assert!(run.out.contains("DONE"), "{}", run.out);
     // Both sides' metadata, kept to compare block by block when they differ.
     if let Ok(dir) = std::env::var("KERNEL_THIN_ORDER_KEEP") {
-        for n in ["ometa", "ometa-b", "hmeta", "hmeta-b"] {
+        for n in ["ometa", "ometa-b", "hmeta", "hmeta-b", "gmeta", "gmeta-b"] {
             std::fs::copy(p(n), Path::new(&dir).join(n)).unwrap();
         }
     }
+    println!("blkstack's grown pool:\n{ours_grown}");
     let order = run.section("order").unwrap_or_default();
     let (k, o) = (used_and_held(order.trim()), used_and_held(&ours));
     println!("used and held, from scratch: kernel {k:?}\nblkstack {o:?}");
@@ -784,5 +888,21 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         ours_held,
         run.section("held").unwrap_or_default().trim(),
         "the pool's status after each message over the same metadata, the held metadata snapshot's block included: blkstack's (left), the kernel's (right)"
+    );
+    assert_eq!(
+        superblock_roots(&p("hmeta-b")),
+        superblock_roots(&p("hmeta")),
+        "the superblocks' roots after the same messages over the same metadata: blkstack's (left), the kernel's (right)"
+    );
+    assert_eq!(
+        ours_grown,
+        run.section("grown").unwrap_or_default().trim(),
+        "a pool of 66 data bitmaps, its metadata device grown past a bitmap: blkstack's status (left), the kernel's (right)"
+    );
+    thin_check(&p("gmeta"));
+    assert_eq!(
+        superblock_roots(&p("gmeta-b")),
+        superblock_roots(&p("gmeta")),
+        "the grown pool's superblock roots: blkstack's (left), the kernel's (right)"
     );
 }
