@@ -1,7 +1,8 @@
 //! Copy-on-write btree operations over the transaction manager
 //! (`persistent-data/dm-btree.c`), generic over the tree's value type
-//! (`value_type.rs`): lookup, insert with top-down splits (every node on
-//! the path is shadowed first, as `shadow_step` does), whole-tree
+//! (`value_type.rs`): lookup, insert making room top-down (every node on
+//! the path is shadowed first, as `shadow_step` does; a full non-root
+//! node is made room in by `btree_split.rs`), whole-tree
 //! deletion, and a bulk builder used for the small trees that are
 //! rewritten whole (space map indexes, reference count trees). Removal
 //! in place, with the kernel's rebalancing, is `btree_remove.rs`.
@@ -259,6 +260,12 @@ pub type Update<'a, V, E> = dyn FnMut(&mut Tm, &mut V, Option<<V as ValueType>::
 
 /// Insert or replace `key`; returns the new root. `vt` gives what copies
 /// of shared nodes must reference again; `update` the value.
+///
+/// `btree_insert_raw`: every node on the way down is shadowed, and one
+/// with no room for the key (a full node, unless a leaf that holds the
+/// key already) is made room in before going on: the root is split
+/// beneath itself, any other node moves entries to a sibling or splits
+/// (`rebalance_or_split`).
 pub fn insert<V: ValueType, E: From<PdError>>(
     tm: &mut Tm,
     root: u64,
@@ -268,7 +275,8 @@ pub fn insert<V: ValueType, E: From<PdError>>(
 ) -> Result<u64, E> {
     const { assert!(V::SIZE <= MAX_VALUE_SIZE) };
     let root = shadow(tm, root, vt)?;
-    if tm.node(root)?.len() >= tm.node(root)?.max() {
+    let top = tm.node(root)?;
+    if !has_space_for_insert(&top, key) {
         split_beneath(tm, root)?;
     }
     let mut cur = root;
@@ -303,17 +311,55 @@ pub fn insert<V: ValueType, E: From<PdError>>(
             node.set_value(i, &child.to_le_bytes());
         }
         let c = tm.node(child)?;
-        if c.len() >= c.max() {
-            let right = split_one_into_two(tm, child)?;
-            let right_key = tm.node(right)?.keys[0];
-            tm.node_mut(cur)
-                .insert_at(i + 1, right_key, &right.to_le_bytes());
-            cur = if key >= right_key { right } else { child };
+        cur = if has_space_for_insert(&c, key) {
+            child
         } else {
-            cur = child;
-        }
+            super::btree_split::rebalance_or_split(tm, vt, cur, i, key)?
+        };
     }
     Err(too_deep(root).into())
+}
+
+/// `btree_get_overwrite_leaf` and a write into it: shadow the path to
+/// `key`'s leaf without making room in any node (nothing is inserted)
+/// and store `value` over the one there. A key not in the tree is
+/// corrupt metadata (`dm-space-map-common.c`: "overflow btree is
+/// missing an entry"). Returns the new root.
+pub fn overwrite<V: ValueType>(
+    tm: &mut Tm,
+    root: u64,
+    key: u64,
+    vt: &mut V,
+    value: V::Value,
+) -> Result<u64, PdError> {
+    const { assert!(V::SIZE <= MAX_VALUE_SIZE) };
+    let missing = |b| PdError::corrupt(b, "overflow btree is missing an entry");
+    let root = shadow(tm, root, vt)?;
+    let mut cur = root;
+    for _ in 0..MAX_DEPTH {
+        let n = tm.node(cur)?;
+        let i = n.lower_bound(key).ok_or_else(|| missing(cur))?;
+        if n.leaf {
+            check_leaf::<V>(&n, cur)?;
+            if n.keys[i] != key {
+                return Err(missing(cur));
+            }
+            let mut packed = [0u8; MAX_VALUE_SIZE];
+            V::pack(&value, &mut packed);
+            tm.node_mut(cur).set_value(i, &packed[..V::SIZE]);
+            return Ok(root);
+        }
+        let child = shadow(tm, n.value_u64(i), vt)?;
+        tm.node_mut(cur).set_value(i, &child.to_le_bytes());
+        cur = child;
+    }
+    Err(too_deep(root))
+}
+
+/// `has_space_for_insert`: a node has room for `key` unless it is full,
+/// and a full leaf that holds `key` has room for its overwrite.
+fn has_space_for_insert(n: &Node, key: u64) -> bool {
+    n.len() < n.max() || (n.leaf && n.keys.binary_search(&key).is_ok())
 }
 
 /// `dm_btree_insert`: store `value` under `key`, which takes over the
@@ -334,15 +380,6 @@ pub fn insert_value<V: ValueType>(
         }
         Ok::<_, PdError>(value)
     })
-}
-
-/// `split_one_into_two`: move the upper half of `b` (made in this
-/// transaction) into a new sibling; returns the sibling.
-fn split_one_into_two(tm: &mut Tm, b: u64) -> Result<u64, PdError> {
-    let node = tm.node_mut(b);
-    let half = node.len() / 2;
-    let right = node.split_off(half);
-    tm.new_node(right)
 }
 
 /// `btree_split_beneath`: a full root moves its entries into two new

@@ -3,8 +3,8 @@
 //! dm-thin's metadata is built from, and dm-cache's and dm-era's after
 //! it. 4 KiB checksummed blocks on a metadata device
 //! (`block_manager.rs`, `checksum.rs`); btree nodes (`node.rs`) and the
-//! btrees over them (`btree.rs`, and `btree_remove.rs` for removal in
-//! place), generic over what their values are
+//! btrees over them (`btree.rs`, `btree_split.rs` for the room an insert makes in a
+//! full node, and `btree_remove.rs` for removal in place), generic over what their values are
 //! (`value_type.rs`, the kernel's `dm_btree_value_type`); the
 //! transaction manager that shadows every committed block before a
 //! change (`tm.rs`); and the space maps that count references to
@@ -38,6 +38,7 @@ pub mod bitset;
 pub mod block_manager;
 pub mod btree;
 pub mod btree_remove;
+mod btree_split;
 pub mod checksum;
 pub mod node;
 pub mod sm_disk;

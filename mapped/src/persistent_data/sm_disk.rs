@@ -1,13 +1,13 @@
 //! A disk space map read back and committed (`persistent-data/
 //! dm-space-map-disk.c`, `dm-space-map-common.c` `sm_ll_open_disk`,
 //! `sm_ll_commit`): its bitmaps, indexed by a btree of index entries,
-//! and a btree of the counts above 2. dm-thin counts its data blocks in
+//! and a btree of the counts above 2, changed as they change. dm-thin counts its data blocks in
 //! one; the metadata blocks it lives in are counted by the metadata
 //! space map (`sm_metadata.rs`).
 
 use super::bitmap::{self, IndexEntry, SmRoot, ENTRIES_PER_BITMAP};
 use super::btree;
-use super::space_map::SpaceMap;
+use super::space_map::{SpaceMap, Todo};
 use super::tm::Tm;
 use super::value_type::{Le32, ValueType};
 use super::PdError;
@@ -73,6 +73,7 @@ pub(super) fn load(
         }
     }
     let mut sm = SpaceMap::loaded(counts, blocks, self_counting);
+    sm.set_none_free_before(index.iter().map(|ie| ie.none_free_before).collect());
     sm.index_root = root.bitmap_root;
     sm.rc_root = root.ref_count_root;
     Ok(sm)
@@ -82,11 +83,10 @@ pub(super) fn load(
 pub(super) fn index_entry(sm: &SpaceMap, i: usize) -> IndexEntry {
     let counts = sm.bitmap_counts(i);
     let used = counts.iter().filter(|&&c| c > 0).count() as u32;
-    let first_free = counts.iter().position(|&c| c == 0).unwrap_or(counts.len());
     IndexEntry {
         blocknr: sm.bitmap_blocks[i],
         nr_free: ENTRIES_PER_BITMAP as u32 - used,
-        none_free_before: first_free as u32,
+        none_free_before: sm.none_free_before(i),
     }
 }
 
@@ -110,50 +110,67 @@ pub fn create(tm: &mut Tm, nr_blocks: u64) -> Result<SpaceMap, PdError> {
     Ok(sm)
 }
 
-/// Give each bitmap of `sm` first changed in this transaction its new
-/// metadata block, the old one let go (`dm_tm_shadow_block` in
-/// `sm_ll_inc`/`sm_ll_dec`; `dm_tm_new_block` in `sm_ll_extend`). Called
-/// right after each change to `sm`, so the blocks are taken in the
-/// kernel's order; a failure leaves the rest for the next call (the
+/// Do what the count changes made to `sm` left to do, in the kernel's
+/// order (`sm_ll_inc`/`sm_ll_dec`: the index entry loaded, the bitmap
+/// copied on its first change in the transaction with `dm_tm_shadow_block`,
+/// the counts above 2 changed in the reference count tree, the entry
+/// saved; `sm_ll_extend`: each new bitmap's block, then its entry). An
+/// entry loaded or saved into a cache slot that held another dirty entry
+/// writes that one into the index tree first (`disk_ll_load_ie`,
+/// `disk_ll_save_ie`). Called right after each change to `sm`, so the
+/// metadata blocks are taken in the kernel's order; a bitmap left
+/// without a block (no metadata space) waits for the next call (the
 /// commit calls it last).
 pub fn shadow_bitmaps(tm: &mut Tm, sm: &mut SpaceMap) -> Result<(), PdError> {
-    let todo = sm.take_unshadowed();
-    for (k, &i) in todo.iter().enumerate() {
-        let Some(new) = tm.meta.alloc() else {
-            for &j in &todo[k..] {
-                sm.requeue_unshadowed(j);
+    super::sm_metadata::flush_rc(tm)?;
+    while let Some(t) = sm.next_todo() {
+        match t {
+            Todo::Load(i) | Todo::Save(i) => {
+                if let Some(j) = sm.ie_touch(i, matches!(t, Todo::Save(_))) {
+                    write_back(tm, sm, j)?;
+                }
             }
-            return Err(PdError::NoMetadataSpace);
-        };
-        let old = sm.set_bitmap_block(i, new);
-        if old != 0 {
-            tm.meta.dec(old)?;
+            Todo::Shadow(i) => {
+                let Ok(new) = tm.alloc() else {
+                    sm.requeue_todo(t);
+                    return Err(PdError::NoMetadataSpace);
+                };
+                let old = sm.set_bitmap_block(i, new);
+                if old != 0 {
+                    tm.meta.dec(old)?;
+                }
+            }
+            Todo::Rc(op) => {
+                sm.rc_root = super::sm_metadata::apply_rc(tm, sm.rc_root, op)?;
+            }
         }
     }
     Ok(())
 }
 
+/// `ie_cache_writeback`: bitmap `i`'s index entry into the index tree.
+fn write_back(tm: &mut Tm, sm: &mut SpaceMap, i: usize) -> Result<(), PdError> {
+    let ie = index_entry(sm, i);
+    sm.index_root = btree::insert_value(tm, sm.index_root, i as u64, &mut IndexEntries, ie)?;
+    Ok(())
+}
+
 /// Commit `sm` (`sm_disk_commit`, `disk_ll_commit`): when a count
-/// changed, each changed bitmap's index entry goes into the index tree
-/// (its path copied once per transaction) and the bitmap is written.
-/// Returns the root the superblock records.
+/// changed, each bitmap changed in the transaction is written and the
+/// cached index entries still dirty go into the index tree, in the
+/// cache's slot order. Returns the root the superblock records.
 pub fn commit(tm: &mut Tm, sm: &mut SpaceMap) -> Result<SmRoot, PdError> {
     shadow_bitmaps(tm, sm)?;
-    let rc_root = super::sm_metadata::rewrite_overflow(tm, Some(sm))?;
+    let rc_root = sm.rc_root;
     if sm.index_changed {
         for i in 0..sm.nr_bitmaps() {
-            if !sm.fresh[i] {
-                continue;
+            if sm.fresh[i] {
+                let b = sm.bitmap_blocks[i];
+                tm.queue_raw(b, bitmap::encode(sm.bitmap_counts(i), b));
             }
-            let b = sm.bitmap_blocks[i];
-            tm.queue_raw(b, bitmap::encode(sm.bitmap_counts(i), b));
-            sm.index_root = btree::insert_value(
-                tm,
-                sm.index_root,
-                i as u64,
-                &mut IndexEntries,
-                index_entry(sm, i),
-            )?;
+        }
+        for i in sm.ie_take_dirty() {
+            write_back(tm, sm, i)?;
         }
     }
     sm.sm_committed();

@@ -3,13 +3,13 @@
 //! counts the metadata device's blocks, its own blocks among them. Its
 //! bitmaps are indexed by one index block (`struct
 //! disk_metadata_index`), not a btree, so committing it changes no
-//! btree but its reference count tree. Its blocks are handed out in the
+//! btree. Its reference count tree changes as counts above 2 do. Its blocks are handed out in the
 //! kernel's order (`space_map.rs`).
 
 use super::bitmap::{self, SmRoot, ENTRIES_PER_BITMAP};
 use super::btree;
 use super::sm_disk::{index_entry, load, sm_root};
-use super::space_map::SpaceMap;
+use super::space_map::{RcOp, SpaceMap, Todo};
 use super::tm::Tm;
 use super::value_type::Le32;
 use super::PdError;
@@ -24,29 +24,49 @@ pub fn open(tm: &mut Tm, root: SmRoot) -> Result<SpaceMap, PdError> {
     load(tm, root, &index, true)
 }
 
-/// The reference count tree anew when a count above 2 changed in this
-/// transaction (the kernel changes it entry by entry as counts change).
-pub(super) fn rewrite_overflow(tm: &mut Tm, sm: Option<&mut SpaceMap>) -> Result<u64, PdError> {
-    let (changed, old, overflow) = match &sm {
-        Some(sm) => (sm.overflow_changed, sm.rc_root, sm.overflow()),
-        None => (
-            tm.meta.overflow_changed,
-            tm.meta.rc_root,
-            tm.meta.overflow(),
-        ),
-    };
-    if !changed && old != 0 {
-        return Ok(old);
+/// Make `op` in the reference count tree at `root` as the kernel's
+/// `sm_ll_inc`/`sm_ll_dec` do; returns the tree's new root. A count
+/// leaving the tree is first looked up through its leaf, which the
+/// kernel shadows before it removes the entry (`__sm_ll_dec_overflow`).
+///
+/// A space map with no tree (root 0: a bare map that was neither
+/// formatted nor opened, which only tests make) keeps its counts in
+/// memory alone.
+pub(super) fn apply_rc(tm: &mut Tm, root: u64, op: RcOp) -> Result<u64, PdError> {
+    if root == 0 {
+        return Ok(0);
     }
-    let new = btree::build(tm, &overflow, &mut Le32)?;
-    if old != 0 {
-        btree::del(tm, old, &mut Le32)?;
+    match op {
+        RcOp::Insert(b) => btree::insert_value(tm, root, b, &mut Le32, 3),
+        RcOp::Set(b, c) => btree::overwrite(tm, root, b, &mut Le32, c),
+        RcOp::Remove(b) => {
+            let root = btree::overwrite(tm, root, b, &mut Le32, 3)?;
+            btree::remove(tm, root, b, &mut Le32)
+        }
     }
-    match sm {
-        Some(sm) => sm.rc_root = new,
-        None => tm.meta.rc_root = new,
+}
+
+/// Make the metadata space map's reference count tree changes still to
+/// be made (the kernel makes each as the count changes; here they wait
+/// for the next block to be handed out, or the commit). The tree's own
+/// blocks change counts too: their changes are made in turn.
+pub fn flush_rc(tm: &mut Tm) -> Result<(), PdError> {
+    if !tm.begin_rc_flush() {
+        return Ok(());
     }
-    Ok(new)
+    let r = (|| {
+        // The metadata space map leaves nothing else to do (its index
+        // is one block, its bitmaps' copies its own).
+        while let Some(t) = tm.meta.next_todo() {
+            if let Todo::Rc(op) = t {
+                let root = tm.meta.rc_root;
+                tm.meta.rc_root = apply_rc(tm, root, op)?;
+            }
+        }
+        Ok(())
+    })();
+    tm.end_rc_flush();
+    r
 }
 
 /// Commit `tm.meta` (`sm_metadata_commit`, `metadata_ll_commit`): when a
@@ -54,7 +74,8 @@ pub(super) fn rewrite_overflow(tm: &mut Tm, sm: Option<&mut SpaceMap>) -> Result
 /// it was made in it), and the bitmaps changed in it are written with
 /// the index. Returns the root the superblock records.
 pub fn commit(tm: &mut Tm) -> Result<SmRoot, PdError> {
-    let rc_root = rewrite_overflow(tm, None)?;
+    flush_rc(tm)?;
+    let rc_root = tm.meta.rc_root;
     let meta = &mut tm.meta;
     if !meta.index_changed && !meta.index_fresh {
         return Ok(sm_root(meta, meta.index_root, rc_root));

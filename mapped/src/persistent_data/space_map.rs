@@ -23,14 +23,20 @@
 //! recursion (the block asked for first, then the bitmap's new block,
 //! their counts applied afterwards as `apply_bops` does); a disk space
 //! map's new bitmap blocks are metadata blocks its owner allocates
-//! ([`SpaceMap::take_unshadowed`], `sm_disk::shadow_bitmaps`).
+//! ([`Todo::Shadow`], `sm_disk::shadow_bitmaps`).
+//!
+//! Counts above 2 live in the space map's reference count btree as the
+//! kernel keeps them (`sm_ll_inc_bitmap`, `sm_ll_dec_bitmap`): a count
+//! going from 2 to 3 is inserted, one changing above 2 is overwritten in
+//! its leaf (`btree_get_overwrite_leaf`), one going from 3 to 2 removed.
+//! The map records each such change ([`RcOp`]) and its owner, who holds
+//! the transaction manager the btree needs, applies them in order
+//! (`sm_metadata::flush_rc`, `sm_disk::shadow_bitmaps`) before the next
+//! metadata block is handed out, so the tree's nodes take the blocks the
+//! kernel's do.
 //!
 //! Where this differs from the kernel: every count is a `u32` in memory
-//! (4 bytes per block of the device, read whole at open); the counts
-//! above 2 are kept here and their btree is rewritten at a commit when
-//! they changed (the kernel inserts and removes them one by one as they
-//! change), so metadata whose blocks are referred to three times or more
-//! may use other blocks than the kernel's.
+//! (4 bytes per block of the device, read whole at open).
 
 use super::bitmap::ENTRIES_PER_BITMAP;
 use std::collections::{HashMap, VecDeque};
@@ -43,6 +49,45 @@ pub enum RefCountError {
     BelowZero(u64),
 }
 
+/// A change to the reference count tree that a count change needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RcOp {
+    /// The block's count went from 2 to 3: insert it with 3.
+    Insert(u64),
+    /// The block's count changed above 2: overwrite it.
+    Set(u64, u32),
+    /// The block's count went from 3 to 2: remove it.
+    Remove(u64),
+}
+
+/// What a disk space map's owner, who holds the transaction manager,
+/// has still to do for the count changes made, in order
+/// ([`SpaceMap::next_todo`]); the metadata space map leaves only
+/// [`Todo::Rc`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Todo {
+    /// `disk_ll_load_ie` of bitmap `i`'s index entry: the cache slot it
+    /// takes may first write another dirty entry into the index tree.
+    Load(usize),
+    /// `disk_ll_save_ie` of bitmap `i`'s index entry, likewise.
+    Save(usize),
+    /// Bitmap `i`'s new block (its first change in the transaction, or
+    /// a bitmap the map grew by).
+    Shadow(usize),
+    /// A reference count tree change.
+    Rc(RcOp),
+}
+
+/// `IE_CACHE_SIZE`: the index entries a disk space map keeps in memory
+/// (`struct ie_cache`), written into the index tree when another entry
+/// takes their slot or at the commit.
+const IE_CACHE_SIZE: usize = 64;
+
+/// `dm_hash_block(index, IE_CACHE_MASK)`.
+fn ie_slot(i: usize) -> usize {
+    ((i as u32).wrapping_mul(4_294_967_291) as usize) & (IE_CACHE_SIZE - 1)
+}
+
 /// The reference counts of one device's blocks (data or metadata), with
 /// what the next commit must write (kernel `struct dm_space_map`).
 pub struct SpaceMap {
@@ -53,17 +98,21 @@ pub struct SpaceMap {
     /// Per bitmap block: its location on disk (0 = not made yet).
     pub(super) bitmap_blocks: Vec<u64>,
     /// Per bitmap block: changed in this transaction, so at a block made
-    /// in it (or waiting for one: [`SpaceMap::take_unshadowed`]) and
-    /// written at the commit.
+    /// in it (or waiting for one: [`Todo::Shadow`]) and written at the
+    /// commit.
     pub(super) fresh: Vec<bool>,
-    /// Bitmaps of a disk space map changed first in this transaction,
-    /// whose new block the owner has still to allocate.
-    unshadowed: Vec<usize>,
+    /// Per bitmap: the index entry's `none_free_before`, kept as the
+    /// kernel keeps it (a block taken at it moves it on, a block freed
+    /// below it moves it back), a lower bound of the first free entry.
+    nfb: Vec<u32>,
+    /// What the owner has still to do, in order.
+    todo: VecDeque<Todo>,
+    /// A disk space map's index entry cache: per slot, the bitmap whose
+    /// entry it holds and whether that entry is newer than the tree's.
+    ie_cache: [Option<(usize, bool)>; IE_CACHE_SIZE],
     /// Some count changed since the last commit
     /// (`ll->bitmap_index_changed`).
     pub(super) index_changed: bool,
-    /// Some count above 2 changed since the last commit.
-    pub(super) overflow_changed: bool,
     /// The index (a btree's root for a disk space map, the index block
     /// for the metadata one); 0 before it is made.
     pub(super) index_root: u64,
@@ -85,6 +134,11 @@ pub struct SpaceMap {
     /// Count changes made while one is being applied (`uncommitted`).
     pending: VecDeque<(u64, bool)>,
     applying: bool,
+    /// The metadata space map is growing (`sm_metadata_extend`'s
+    /// bootstrap mode): new blocks are the next ones, uncounted.
+    bootstrap: bool,
+    /// Blocks the map covered at the last commit (`old_ll.nr_blocks`).
+    blocks_at_commit: u64,
 }
 
 fn nr_bitmaps(nr_blocks: u64) -> usize {
@@ -102,9 +156,12 @@ impl SpaceMap {
             before: HashMap::new(),
             bitmap_blocks: vec![0; n],
             fresh: vec![true; n],
-            unshadowed: (0..n).collect(),
+            nfb: vec![0; n],
+            todo: (0..n)
+                .flat_map(|i| [Todo::Shadow(i), Todo::Save(i)])
+                .collect(),
+            ie_cache: [None; IE_CACHE_SIZE],
             index_changed: true,
-            overflow_changed: false,
             index_root: 0,
             index_fresh: false,
             rc_root: 0,
@@ -115,6 +172,8 @@ impl SpaceMap {
             self_counting: false,
             pending: VecDeque::new(),
             applying: false,
+            bootstrap: false,
+            blocks_at_commit: nr_blocks,
         }
     }
 
@@ -122,15 +181,17 @@ impl SpaceMap {
     /// `self_counting` for the metadata space map.
     pub fn loaded(counts: Vec<u32>, bitmap_blocks: Vec<u64>, self_counting: bool) -> SpaceMap {
         let n = bitmap_blocks.len();
+        let nr = counts.len() as u64;
         let allocated = counts.iter().filter(|&&c| c > 0).count() as u64;
         SpaceMap {
             counts,
             before: HashMap::new(),
             bitmap_blocks,
             fresh: vec![false; n],
-            unshadowed: Vec::new(),
+            nfb: vec![0; n],
+            todo: VecDeque::new(),
+            ie_cache: [None; IE_CACHE_SIZE],
             index_changed: false,
-            overflow_changed: false,
             index_root: 0,
             index_fresh: false,
             rc_root: 0,
@@ -141,6 +202,8 @@ impl SpaceMap {
             self_counting,
             pending: VecDeque::new(),
             applying: false,
+            bootstrap: false,
+            blocks_at_commit: nr,
         }
     }
 
@@ -153,7 +216,7 @@ impl SpaceMap {
     pub(super) fn bootstrap(nr_blocks: u64, superblock: u64) -> (SpaceMap, u64, u64) {
         let mut sm = SpaceMap::new(nr_blocks);
         sm.self_counting = true;
-        sm.unshadowed.clear();
+        sm.todo.clear();
         let index = superblock + 1;
         let rc_root = index + 1;
         let n = sm.nr_bitmaps() as u64;
@@ -194,7 +257,7 @@ impl SpaceMap {
     /// show.
     pub fn nr_free(&self) -> u64 {
         if self.self_counting {
-            self.nr_blocks()
+            self.blocks_at_commit
                 .saturating_sub(self.allocated_at_commit + self.new_this_transaction)
         } else {
             self.nr_blocks() - self.allocated
@@ -253,6 +316,9 @@ impl SpaceMap {
             return;
         };
         let i = (b / ENTRIES_PER_BITMAP) as usize;
+        if !self.self_counting {
+            self.todo.push_back(Todo::Load(i));
+        }
         if !self.fresh[i] {
             self.shadow_bitmap(i);
         }
@@ -263,13 +329,25 @@ impl SpaceMap {
         };
         self.before.entry(b).or_insert(old);
         self.counts[b as usize] = new;
+        let bit = (b % ENTRIES_PER_BITMAP) as u32;
         if old == 0 && new > 0 {
             self.allocated += 1;
+            if self.nfb[i] == bit {
+                self.nfb[i] = bit + 1;
+            }
         } else if old > 0 && new == 0 {
             self.allocated -= 1;
+            self.nfb[i] = self.nfb[i].min(bit);
         }
-        if old > 2 || new > 2 {
-            self.overflow_changed = true;
+        let rc = match (old > 2, new > 2) {
+            (false, true) => Some(RcOp::Insert(b)),
+            (true, true) => Some(RcOp::Set(b, new)),
+            (true, false) => Some(RcOp::Remove(b)),
+            (false, false) => None,
+        };
+        self.todo.extend(rc.map(Todo::Rc));
+        if !self.self_counting {
+            self.todo.push_back(Todo::Save(i));
         }
         self.index_changed = true;
     }
@@ -281,16 +359,24 @@ impl SpaceMap {
     fn shadow_bitmap(&mut self, i: usize) {
         self.fresh[i] = true;
         if !self.self_counting {
-            self.unshadowed.push(i);
+            self.todo.push_back(Todo::Shadow(i));
             return;
         }
-        let Some(new) = self.find_common_free() else {
-            tracing::error!("no free metadata block for a space map bitmap");
-            return;
+        let new = if self.bootstrap {
+            // `sm_bootstrap_new_block`: the next block, counted by the
+            // extend's next round.
+            self.begin += 1;
+            self.begin - 1
+        } else {
+            let Some(new) = self.find_common_free() else {
+                tracing::error!("no free metadata block for a space map bitmap");
+                return;
+            };
+            self.begin = new + 1;
+            self.new_this_transaction += 1;
+            self.pending.push_back((new, true));
+            new
         };
-        self.begin = new + 1;
-        self.new_this_transaction += 1;
-        self.pending.push_back((new, true));
         let old = std::mem::replace(&mut self.bitmap_blocks[i], new);
         if old != 0 {
             self.pending.push_back((old, false));
@@ -303,11 +389,51 @@ impl SpaceMap {
     }
 
     /// `sm_ll_find_common_free_block` from `begin` to the end, then from
-    /// 0 to `begin`.
-    fn find_common_free(&self) -> Option<u64> {
+    /// 0. A disk space map loads the index entry of every bitmap the
+    /// kernel's search looks at (`sm_ll_find_free_block`, whose second
+    /// search runs from 0 to the end), which its cache sees.
+    fn find_common_free(&mut self) -> Option<u64> {
         let n = self.nr_blocks();
         let begin = self.begin.min(n);
-        (begin..n).chain(0..begin).find(|&b| self.free_in_both(b))
+        if self.self_counting {
+            return (begin..n).chain(0..begin).find(|&b| self.free_in_both(b));
+        }
+        self.find_common_from(begin)
+            .or_else(|| self.find_common_from(0))
+    }
+
+    /// One `sm_ll_find_common_free_block` of a disk space map from
+    /// `begin`: a block free now, searched again after it while the
+    /// last commit still used it.
+    fn find_common_from(&mut self, mut begin: u64) -> Option<u64> {
+        loop {
+            let b = self.find_free_from(begin)?;
+            if self.free_in_both(b) {
+                return Some(b);
+            }
+            begin = b + 1;
+        }
+    }
+
+    /// `sm_ll_find_free_block` from `begin` to the end: each bitmap's
+    /// index entry loaded, those with no free entry skipped.
+    fn find_free_from(&mut self, begin: u64) -> Option<u64> {
+        let n = self.nr_blocks();
+        let mut from = begin;
+        for i in (begin / ENTRIES_PER_BITMAP) as usize..self.nr_bitmaps() {
+            self.todo.push_back(Todo::Load(i));
+            let start = i as u64 * ENTRIES_PER_BITMAP;
+            let end = (start + ENTRIES_PER_BITMAP).min(n);
+            let counts = &self.counts[start as usize..end as usize];
+            if counts.len() as u64 == ENTRIES_PER_BITMAP && counts.iter().all(|&c| c > 0) {
+                continue;
+            }
+            if let Some(b) = (from.max(start)..end).find(|&b| self.counts[b as usize] == 0) {
+                return Some(b);
+            }
+            from = end;
+        }
+        None
     }
 
     /// A block free now and at the last commit, with its count set to 1
@@ -320,16 +446,45 @@ impl SpaceMap {
         Some(b)
     }
 
-    /// Bitmaps of a disk space map first changed in this transaction
-    /// whose new block is still to be allocated (in the order they
-    /// changed); the owner gives each one ([`SpaceMap::set_bitmap_block`]).
-    pub fn take_unshadowed(&mut self) -> Vec<usize> {
-        std::mem::take(&mut self.unshadowed)
+    /// The next thing the owner has to do for the changes made, oldest
+    /// first.
+    pub fn next_todo(&mut self) -> Option<Todo> {
+        self.todo.pop_front()
     }
 
-    /// Put bitmap `i` back among those still to be given a block.
-    pub fn requeue_unshadowed(&mut self, i: usize) {
-        self.unshadowed.push(i);
+    /// Put `t` back first (it could not be done now).
+    pub fn requeue_todo(&mut self, t: Todo) {
+        self.todo.push_front(t);
+    }
+
+    /// `disk_ll_load_ie` (`save`: `disk_ll_save_ie`) of bitmap `i`'s
+    /// entry in the cache; returns the bitmap whose dirty entry its slot
+    /// held, which must be written into the index tree first.
+    pub fn ie_touch(&mut self, i: usize, save: bool) -> Option<usize> {
+        let slot = &mut self.ie_cache[ie_slot(i)];
+        match *slot {
+            Some((j, dirty)) if j == i => {
+                *slot = Some((i, dirty || save));
+                None
+            }
+            old => {
+                *slot = Some((i, save));
+                old.and_then(|(j, dirty)| dirty.then_some(j))
+            }
+        }
+    }
+
+    /// `disk_ll_commit`: the bitmaps whose cached entries are dirty, in
+    /// slot order, now clean.
+    pub fn ie_take_dirty(&mut self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for slot in self.ie_cache.iter_mut().flatten() {
+            if slot.1 {
+                slot.1 = false;
+                out.push(slot.0);
+            }
+        }
+        out
     }
 
     /// Bitmap `i` is now at block `b`; returns where it was (0: nowhere).
@@ -338,8 +493,8 @@ impl SpaceMap {
     }
 
     /// Grow to `nr_blocks` (a resized data device): the new bitmaps are
-    /// made at the owner's next [`SpaceMap::take_unshadowed`]
-    /// (`sm_ll_extend`).
+    /// made, and their index entries saved, by the owner's next
+    /// [`SpaceMap::next_todo`]s (`sm_ll_extend`); nothing else changes.
     pub fn extend(&mut self, nr_blocks: u64) {
         if nr_blocks <= self.nr_blocks() {
             return;
@@ -349,43 +504,86 @@ impl SpaceMap {
         let n = nr_bitmaps(nr_blocks);
         self.bitmap_blocks.resize(n, 0);
         self.fresh.resize(n, false);
-        self.index_changed = true;
-        if let Some(last) = old.checked_sub(1) {
-            // The last bitmap counts more blocks: its index entry changes.
-            if !self.fresh[last] {
-                self.fresh[last] = true;
-                self.unshadowed.push(last);
-            }
-        }
+        self.nfb.resize(n, 0);
+        // The last bitmap's block and index entry stay as they are: its
+        // entries past the old end are free already, and an entry's free
+        // count is of the whole bitmap (`sm_ll_extend` makes only the new
+        // bitmaps).
         for i in old..n {
+            self.index_changed = true;
             self.fresh[i] = true;
-            self.unshadowed.push(i);
+            self.todo.push_back(Todo::Shadow(i));
+            self.todo.push_back(Todo::Save(i));
         }
     }
 
-    /// Grow the metadata space map to `nr_blocks` (`sm_metadata_extend`):
-    /// the new bitmaps go at the first new blocks, counted once.
+    /// Grow the metadata space map to `nr_blocks` (`sm_metadata_extend`),
+    /// as the kernel does in its bootstrap mode: blocks are handed out
+    /// one after the other from the old end (the new bitmaps first,
+    /// `sm_ll_extend`), and the blocks handed out are counted, which may
+    /// copy a bitmap or the index block to the next one, until a round
+    /// hands out nothing more. Blocks beyond the old end count as free
+    /// only after the next commit (`old_ll`).
     pub fn extend_metadata(&mut self, nr_blocks: u64) {
-        let old_len = self.nr_blocks();
+        let mut old_len = self.nr_blocks();
         if nr_blocks <= old_len {
             return;
         }
+        self.begin = old_len;
+        self.bootstrap = true;
         let old = self.nr_bitmaps();
         self.counts.resize(nr_blocks as usize, 0);
         let n = nr_bitmaps(nr_blocks);
         self.bitmap_blocks.resize(n, 0);
         self.fresh.resize(n, false);
-        self.index_changed = true;
-        let mut next = old_len;
+        self.nfb.resize(n, 0);
         for i in old..n {
-            self.bitmap_blocks[i] = next;
+            self.bitmap_blocks[i] = self.begin;
             self.fresh[i] = true;
-            next += 1;
+            self.begin += 1;
+            self.index_changed = true;
         }
-        for b in old_len..next {
-            self.inc(b);
+        loop {
+            self.pending
+                .extend((old_len..self.begin).map(|b| (b, true)));
+            old_len = self.begin;
+            self.drain_pending();
+            // `metadata_ll_commit` within the loop: the index copied to
+            // the next block unless it is this transaction's already.
+            if self.index_changed && !self.index_fresh {
+                let new = self.begin;
+                self.begin += 1;
+                let prev = std::mem::replace(&mut self.index_root, new);
+                self.pending.push_back((prev, false));
+                self.index_fresh = true;
+            }
+            if old_len == self.begin {
+                break;
+            }
         }
-        self.begin = next;
+        self.bootstrap = false;
+    }
+
+    /// Apply the count changes waiting, in order (`apply_bops`).
+    fn drain_pending(&mut self) {
+        self.applying = true;
+        while let Some((b, inc)) = self.pending.pop_front() {
+            self.apply(b, inc);
+        }
+        self.applying = false;
+    }
+
+    /// Bitmap `i`'s `none_free_before`.
+    pub fn none_free_before(&self, i: usize) -> u32 {
+        self.nfb[i]
+    }
+
+    /// The `none_free_before` of each bitmap, as read from its index
+    /// entry.
+    pub(super) fn set_none_free_before(&mut self, nfb: Vec<u32>) {
+        if nfb.len() == self.nfb.len() {
+            self.nfb = nfb;
+        }
     }
 
     /// The counts bitmap `i` covers.
@@ -400,27 +598,16 @@ impl SpaceMap {
         self.bitmap_blocks.len()
     }
 
-    /// (block, count) of every block counted above 2, which the reference
-    /// count tree holds.
-    pub fn overflow(&self) -> Vec<(u64, u32)> {
-        self.counts
-            .iter()
-            .enumerate()
-            .filter(|(_, &c)| c > 2)
-            .map(|(b, &c)| (b as u64, c))
-            .collect()
-    }
-
     /// The space map's own commit (`sm_metadata_commit`,
     /// `sm_disk_commit`): the counts now are the committed ones. Its
     /// blocks stay made in this transaction until
     /// [`SpaceMap::committed`].
     pub fn sm_committed(&mut self) {
         self.before.clear();
+        self.blocks_at_commit = self.nr_blocks();
         self.allocated_at_commit = self.allocated;
         self.new_this_transaction = 0;
         self.index_changed = false;
-        self.overflow_changed = false;
     }
 
     /// The transaction is on disk (`dm_tm_commit`): every block is the
@@ -451,6 +638,23 @@ mod tests {
         assert_eq!(sm.nr_free(), 0);
         sm.inc(1);
         sm.inc(1);
-        assert_eq!(sm.overflow(), vec![(1, 3)]);
+        sm.inc(1);
+        assert_eq!(sm.dec(1), Ok(3));
+        assert_eq!(sm.dec(1), Ok(2));
+        let rc: Vec<RcOp> = std::iter::from_fn(|| sm.next_todo())
+            .filter_map(|t| match t {
+                Todo::Rc(op) => Some(op),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            rc,
+            vec![
+                RcOp::Insert(1),
+                RcOp::Set(1, 4),
+                RcOp::Set(1, 3),
+                RcOp::Remove(1)
+            ]
+        );
     }
 }

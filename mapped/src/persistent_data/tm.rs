@@ -60,6 +60,10 @@ pub struct Tm {
     /// Other metadata blocks (bitmaps, index, superblock copies) to
     /// write at commit.
     raw_dirty: HashMap<u64, Vec<u8>>,
+    /// The metadata space map's reference count tree changes are being
+    /// made (`sm_metadata::flush_rc`): the blocks they take do not start
+    /// another round.
+    rc_flushing: bool,
 }
 
 impl Tm {
@@ -72,7 +76,27 @@ impl Tm {
             cache: BlockMap::default(),
             shadows: BlockSet::default(),
             raw_dirty: HashMap::new(),
+            rc_flushing: false,
         }
+    }
+
+    /// Start making the metadata space map's reference count tree
+    /// changes; false when they are being made already.
+    pub(super) fn begin_rc_flush(&mut self) -> bool {
+        !std::mem::replace(&mut self.rc_flushing, true)
+    }
+
+    /// The reference count tree changes are made.
+    pub(super) fn end_rc_flush(&mut self) {
+        self.rc_flushing = false;
+    }
+
+    /// A new metadata block (`dm_sm_new_block`), the reference count
+    /// tree changes waiting made first so their blocks come first, as in
+    /// the kernel.
+    pub fn alloc(&mut self) -> Result<u64, PdError> {
+        super::sm_metadata::flush_rc(self)?;
+        self.meta.alloc().ok_or(PdError::NoMetadataSpace)
     }
 
     /// Read metadata block `b` from the device, bypassing the cache.
@@ -130,7 +154,7 @@ impl Tm {
     /// `dm_tm_new_block` for a non-btree block: a new block holding
     /// `data`, written at commit.
     pub fn new_raw(&mut self, data: Vec<u8>) -> Result<u64, PdError> {
-        let b = self.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+        let b = self.alloc()?;
         self.raw_dirty.insert(b, data);
         Ok(b)
     }
@@ -140,6 +164,7 @@ impl Tm {
     /// (queued, its location still to be sealed in by the caller). The
     /// flag says the original was shared, as [`Self::shadow`]'s does.
     pub fn shadow_raw(&mut self, b: u64, check: &BlockCheck) -> Result<(u64, bool), PdError> {
+        super::sm_metadata::flush_rc(self)?;
         let count = self.meta.get(b);
         if self.raw_dirty.contains_key(&b) && count == 1 {
             return Ok((b, false));
@@ -216,7 +241,7 @@ impl Tm {
 
     /// A new block holding `n`.
     pub fn new_node(&mut self, n: Node) -> Result<u64, PdError> {
-        let b = self.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+        let b = self.alloc()?;
         self.shadows.insert(b);
         self.cache.insert(b, Arc::new(n));
         Ok(b)
@@ -228,6 +253,7 @@ impl Tm {
     /// has one more referrer now (the caller, who knows what the values
     /// are, adds those references: `dm-btree-spine.c` `inc_children`).
     pub fn shadow(&mut self, b: u64) -> Result<(u64, bool), PdError> {
+        super::sm_metadata::flush_rc(self)?;
         let count = self.meta.get(b);
         if self.shadows.contains(&b) && count == 1 {
             return Ok((b, false));
@@ -245,7 +271,7 @@ impl Tm {
     /// copy's block; the caller queues its contents.
     pub fn copy_superblock(&mut self, at: u64) -> Result<u64, PdError> {
         self.meta.inc(at);
-        let copy = self.meta.alloc().ok_or(PdError::NoMetadataSpace)?;
+        let copy = self.alloc()?;
         self.meta.dec(at)?;
         Ok(copy)
     }
@@ -280,6 +306,7 @@ impl Tm {
     /// Forget everything not committed (the kernel's abort): the caller
     /// reloads the space maps from disk.
     pub fn drop_cache(&mut self) {
+        self.rc_flushing = false;
         self.cache.clear();
         self.shadows.clear();
         self.raw_dirty.clear();
