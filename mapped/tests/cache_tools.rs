@@ -9,6 +9,7 @@
 mod thin_support;
 
 use blkstack_mapped::Registry;
+use blkstack_test_support::pdata_tool_ok;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -60,24 +61,9 @@ fn cache(f: &CacheFiles, features: &str, policy: &str) -> Arc<Registry> {
     reg
 }
 
-fn tool_ok(name: &str, args: &[&str], meta: &Path) -> String {
-    let out = Command::new(tool(name))
-        .args(args)
-        .arg(meta)
-        .output()
-        .expect("run the tool");
-    assert!(
-        out.status.success(),
-        "{name} {args:?} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// `cache_dump`'s mappings: (cache block, origin block, dirty).
 fn dumped(meta: &Path) -> Vec<(u64, u64, bool)> {
-    let xml = tool_ok("cache_dump", &[], meta);
+    let xml = pdata_tool_ok("cache_dump", &[], meta);
     let attr = |line: &str, name: &str| -> String {
         let at = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
         line[at..].split('"').next().unwrap().to_string()
@@ -173,7 +159,7 @@ fn round_trip(features: &str) {
     drop(dev);
     reg.remove_all();
 
-    tool_ok("cache_check", &[], &f.meta);
+    pdata_tool_ok("cache_check", &[], &f.meta);
     let maps = dumped(&f.meta);
     assert_eq!(format!("{}/{}", maps.len(), CACHE_SECTORS / BS), resident);
     for b in hot {
@@ -205,7 +191,7 @@ fn round_trip(features: &str) {
     assert_eq!(field(&reg, 10), "4");
     check_data(&reg, &tags);
     reg.remove_all();
-    tool_ok("cache_check", &[], &f.meta);
+    pdata_tool_ok("cache_check", &[], &f.meta);
     if dump_shows_dirty {
         written_back_by_cache_writeback(&f, features, &tags);
     }
@@ -222,7 +208,7 @@ fn round_trip(features: &str) {
         std::thread::sleep(Duration::from_millis(20));
     }
     reg.remove_all();
-    tool_ok("cache_check", &[], &f.meta);
+    pdata_tool_ok("cache_check", &[], &f.meta);
     assert!(dumped(&f.meta).iter().all(|m| !m.2));
     let origin = std::fs::read(&f.origin).unwrap();
     for b in 0..ORIGIN_SECTORS / BS {
@@ -286,7 +272,7 @@ fn written_back_by_cache_writeback(f: &CacheFiles, features: &str, tags: &dyn Fn
         "cache_writeback copied other than the dirty blocks"
     );
     // The metadata is as blkstack left it, and blkstack still opens it.
-    tool_ok("cache_check", &[], &copy.meta);
+    pdata_tool_ok("cache_check", &[], &copy.meta);
     let reg = cache(&copy, features, "smq");
     assert_eq!(field(&reg, 10), "4", "{:?}", status(&reg, "cache"));
     check_data(&reg, tags);
@@ -319,7 +305,7 @@ fn writethrough_keeps_the_origin_current() {
     assert_eq!(field(&reg, 10), "0", "writethrough leaves nothing dirty");
     drop(dev);
     reg.remove_all();
-    tool_ok("cache_check", &[], &f.meta);
+    pdata_tool_ok("cache_check", &[], &f.meta);
     let origin = std::fs::read(&f.origin).unwrap();
     let at = (5 * BLOCK_BYTES) as usize;
     assert_eq!(&origin[at..at + 4096], &block_data(3, 5)[..4096]);
@@ -354,7 +340,7 @@ fn status_table_and_messages_are_the_kernels() {
         "{t}"
     );
     reg.remove_all();
-    tool_ok("cache_check", &[], &f.meta);
+    pdata_tool_ok("cache_check", &[], &f.meta);
 
     // mq accepts its old tunables (and ignores them); passthrough
     // invalidates cblocks on request.
@@ -371,7 +357,7 @@ fn status_table_and_messages_are_the_kernels() {
         .message("cache", 0, &["invalidate_cblocks", "99"])
         .is_err());
     reg.remove_all();
-    tool_ok("cache_check", &[], &f.meta);
+    pdata_tool_ok("cache_check", &[], &f.meta);
 }
 
 #[test]

@@ -22,7 +22,7 @@ mod kernel_vm_support;
 use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{Op, Status};
 use blkstack_mapped::Registry;
-use blkstack_test_support::tool;
+use blkstack_test_support::pdata_tool_ok;
 use cache_crash_support::{
     cache_check, Crash, KillAt, BLOCK, CACHE_SECTORS, HOT_BLOCKS, META_SECTORS, ORIGIN_SECTORS,
 };
@@ -78,21 +78,6 @@ fn read_4k(reg: &Registry, b: u64) -> Vec<u8> {
     buf
 }
 
-fn tool_ok(name: &str, meta: &Path) -> String {
-    let out = Command::new(tool(name))
-        .arg(meta)
-        .output()
-        .expect("run the tool");
-    assert!(
-        out.status.success(),
-        "{name} {} failed:\n{}{}",
-        meta.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 fn md5(byte: u8) -> String {
     let mut c = Command::new("md5sum")
         .stdin(std::process::Stdio::piped())
@@ -130,7 +115,7 @@ fn blkstack_writes(dir: &Path, set: &str, features: &str) -> Vec<String> {
     }
     assert_eq!(status_args(&reg)[10], "4");
     reg.remove_all();
-    tool_ok("cache_check", &dir.join(format!("{set}meta")));
+    pdata_tool_ok("cache_check", &[], &dir.join(format!("{set}meta")));
     for dev in ["meta", "cache", "orig"] {
         let (from, to) = (format!("{set}{dev}"), format!("copy{dev}"));
         std::fs::copy(dir.join(from), dir.join(to)).unwrap();
@@ -430,7 +415,7 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
                 "{set} {b}"
             );
         }
-        tool_ok("cache_check", &dir.join(format!("{set}meta")));
+        pdata_tool_ok("cache_check", &[], &dir.join(format!("{set}meta")));
         let reg = cache_reg(dir, set, "0", HELD);
         assert_eq!(status_args(&reg)[10], "0", "cleaned by the kernel");
         reg.remove_all();
@@ -442,7 +427,7 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
     // The kernel's own cache, left with dirty blocks.
     let kernel = run.section("kstatus").unwrap_or_default();
     let k: Vec<&str> = kernel.split_whitespace().collect();
-    tool_ok("cache_check", &dir.join("kmeta"));
+    pdata_tool_ok("cache_check", &[], &dir.join("kmeta"));
     let reg = cache_reg(dir, "k", "0", HELD);
     let o = status_args(&reg);
     assert_eq!(
@@ -462,7 +447,7 @@ fn the_kernel_reads_blkstacks_cache_metadata_and_blkstack_reads_the_kernels() {
         std::thread::sleep(Duration::from_millis(10));
     }
     reg.remove_all();
-    tool_ok("cache_check", &dir.join("kmeta"));
+    pdata_tool_ok("cache_check", &[], &dir.join("kmeta"));
     assert_eq!(origin_byte(dir, "k", 2), vec![b'q'; 4096]);
     assert_eq!(origin_byte(dir, "k", 50), vec![b'p'; 4096]);
 }

@@ -82,17 +82,7 @@ pub fn data(b: u64, seq: u64) -> Vec<u8> {
 }
 
 pub fn cache_check(meta: &Path) {
-    let out = Command::new(tool("cache_check"))
-        .arg(meta)
-        .output()
-        .expect("run cache_check");
-    assert!(
-        out.status.success(),
-        "cache_check {} failed:\n{}{}",
-        meta.display(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    pdata_tool_ok("cache_check", &[], meta);
 }
 
 /// What the workload wrote, per block.
