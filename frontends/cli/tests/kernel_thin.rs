@@ -192,24 +192,31 @@ dmsetup remove kt1; dmsetup remove kpool || fail "remove kpool"
 echo DONE
 "#;
 
+/// A scratch folder holding the guest's `pattern` file and a sparse file
+/// of each (name, sectors) given: the disks a test hands the guest.
+fn scratch_with_disks(disks: &[(&str, u64)]) -> tempfile::TempDir {
+    let scratch = tempfile::tempdir().expect("scratch");
+    std::fs::write(scratch.path().join("pattern"), pattern()).unwrap();
+    for (name, sectors) in disks {
+        let f = std::fs::File::create(scratch.path().join(name)).unwrap();
+        f.set_len(sectors * 512).unwrap();
+    }
+    scratch
+}
+
 #[test]
 fn the_kernel_reads_blkstacks_pools_and_blkstack_reads_the_kernels() {
     if !vm_available() {
         return;
     }
-    let scratch = tempfile::tempdir().expect("scratch");
-    let p = |n: &str| scratch.path().join(n);
-    let pat = pattern();
-    std::fs::write(p("pattern"), &pat).unwrap();
-    for (name, sectors) in [
+    let scratch = scratch_with_disks(&[
         ("bmeta", META_SECTORS),
         ("bdata", DATA_SECTORS),
         ("kmeta", META_SECTORS),
         ("kdata", DATA_SECTORS),
-    ] {
-        let f = std::fs::File::create(p(name)).unwrap();
-        f.set_len(sectors * 512).unwrap();
-    }
+    ]);
+    let p = |n: &str| scratch.path().join(n);
+    let pat = pattern();
 
     // blkstack writes a pool: thin 1, its snapshot 2, overwrites of 1.
     let reg = pool_reg(&p("bmeta"), &p("bdata"));
@@ -513,20 +520,15 @@ fn the_kernel_and_blkstack_refuse_hostile_pools_alike() {
     if !vm_available() {
         return;
     }
-    let scratch = tempfile::tempdir().expect("scratch");
-    let p = |n: &str| scratch.path().join(n);
-    std::fs::write(p("pattern"), pattern()).unwrap();
-    for (name, sectors) in [
+    let scratch = scratch_with_disks(&[
         ("xmeta", META_SECTORS),
         ("xdata", DATA_SECTORS),
         ("nmeta", META_SECTORS),
         ("ndata", DATA_SECTORS),
         ("pmeta", META_SECTORS),
         ("pdata", DATA_SECTORS),
-    ] {
-        let f = std::fs::File::create(p(name)).unwrap();
-        f.set_len(sectors * 512).unwrap();
-    }
+    ]);
+    let p = |n: &str| scratch.path().join(n);
     hostile_metadata(&p("xmeta"), &p("xdata"), Hostile::Cross);
     hostile_metadata(&p("nmeta"), &p("ndata"), Hostile::NeedsCheck);
     hostile_metadata(&p("pmeta"), &p("pdata"), Hostile::PastData);

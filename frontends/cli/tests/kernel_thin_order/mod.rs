@@ -237,10 +237,7 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
     if !vm_available() {
         return;
     }
-    let scratch = tempfile::tempdir().expect("scratch");
-    let p = |n: &str| scratch.path().join(n);
-    std::fs::write(p("pattern"), pattern()).unwrap();
-    for (name, sectors) in [
+    let scratch = scratch_with_disks(&[
         ("ometa", META_SECTORS),
         ("odata", DATA_SECTORS),
         ("ometa-b", META_SECTORS),
@@ -249,10 +246,8 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         ("gdata", GDATA_SECTORS),
         ("gmeta-b", GBIG_SECTORS),
         ("gdata-b", GDATA_SECTORS),
-    ] {
-        let f = std::fs::File::create(p(name)).unwrap();
-        f.set_len(sectors * 512).unwrap();
-    }
+    ]);
+    let p = |n: &str| scratch.path().join(n);
     let (ours, ours_held) = order_here(&p);
     let ours_grown = grown_here(&p);
     thin_check(&p("ometa-b"));
