@@ -165,3 +165,69 @@ fn mixed_batches_land_as_single_bios_would() {
     reg.remove_all();
     thin_check(&f.meta);
 }
+
+/// A batch longer than the entries the batch loads ahead, on a pool whose
+/// block size (192 KiB) is not a power of two, so offsets are split by
+/// division: overwrites and reads past the look-ahead find their blocks
+/// as the first ones do, a second device's batch sees only its own
+/// mappings, and every byte reads back where a single bio put it.
+#[test]
+fn long_batches_on_a_block_size_not_a_power_of_two() {
+    const BS: u64 = 384 * 512;
+    let f = files();
+    let data_sectors = 1024 * 384;
+    let reg = files_registry(&f, data_sectors);
+    reg.create(
+        "pool",
+        &format!("0 {data_sectors} thin-pool meta data 384 0"),
+    )
+    .unwrap();
+    msg(&reg, "create_thin 1");
+    msg(&reg, "create_thin 2");
+    reg.create("a", "0 49152 thin pool 1").unwrap();
+    reg.create("b", "0 49152 thin pool 2").unwrap();
+    let (a, b) = (reg.device("a").unwrap(), reg.device("b").unwrap());
+    // 4 KiB at a different place in each of 96 blocks: 12 KiB into
+    // block n, plus 4 KiB per n (wrapping inside the block).
+    let at = |n: u64| n * BS + (12 * 1024 + n * 4096) % BS;
+    for n in 0..96 {
+        write(&*a, at(n), &pattern(1, at(n), 4096));
+    }
+    // b maps the even blocks only, provisioned by one long batch.
+    let mut reqs: Vec<Req> = (0..96)
+        .step_by(2)
+        .map(|n| req(Op::Write, at(n), pattern(2, at(n), 4096)))
+        .collect();
+    batch(&*b, &mut reqs);
+    // One batch of 96 overwrites of a's blocks (remaps only), then one
+    // of 96 reads of b: even blocks hold b's data, odd ones zeroes.
+    let mut reqs: Vec<Req> = (0..96)
+        .rev()
+        .map(|n| req(Op::Write, at(n), pattern(3, at(n), 4096)))
+        .collect();
+    batch(&*a, &mut reqs);
+    let mut reqs: Vec<Req> = (0..96)
+        .map(|n| req(Op::Read, at(n), vec![1; 4096]))
+        .collect();
+    batch(&*b, &mut reqs);
+    for (n, r) in reqs.iter().enumerate() {
+        let n = n as u64;
+        let want = if n.is_multiple_of(2) {
+            pattern(2, at(n), 4096)
+        } else {
+            vec![0; 4096]
+        };
+        assert!(r.buf == want, "b's block {n} read in a batch");
+    }
+    for n in 0..96 {
+        assert!(
+            read(&*a, at(n), 4096) == pattern(3, at(n), 4096),
+            "a's block {n}"
+        );
+    }
+    assert_eq!(status(&reg, "a")[0], (96 * 384).to_string());
+    assert_eq!(status(&reg, "b")[0], (48 * 384).to_string());
+    drop((a, b));
+    reg.remove_all();
+    thin_check(&f.meta);
+}

@@ -4,6 +4,7 @@
 //! the first after a snapshot of a block it shares, gets a new data block
 //! from the pool. Status `<mapped sectors> <highest mapped sector|->`.
 
+use super::batch::BlockGeometry;
 use super::discard;
 use super::fill::{self, Fills};
 use super::metadata::read_dev_id;
@@ -152,7 +153,7 @@ impl ThinCore {
             return discard::map(&self.pool, self.clone(), self.dev_id, bio);
         }
         let bs = self.pool.block_bytes();
-        let (vblock, off) = (bio.offset / bs, bio.offset % bs);
+        let (vblock, off) = BlockGeometry::new(bs).split(bio.offset);
         let write = bio.op == Op::Write;
         let me = || self.clone() as Arc<dyn ThinDev>;
         // Counted before the lookup, so a discard that unmaps the block
@@ -250,7 +251,7 @@ impl Target for ThinTarget {
 
     fn max_io_len(&self, offset: u64) -> u64 {
         let bs = self.core.pool.block_bytes();
-        bs - offset % bs
+        bs - BlockGeometry::new(bs).split(offset).1
     }
 
     fn max_discard_len(&self, offset: u64) -> u64 {

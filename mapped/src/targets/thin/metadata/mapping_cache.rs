@@ -55,16 +55,6 @@ impl MappingCache {
         }
     }
 
-    /// Load `vblock`'s entry, if its page is held, and do nothing with
-    /// it: a batch loads all its entries first so that their misses in
-    /// the CPU's caches overlap (see [`super::PoolMetadata::prefetch`]).
-    #[inline]
-    pub fn touch(&self, dev: u64, vblock: u64) -> u64 {
-        self.pages
-            .get(&(dev, vblock / PAGE))
-            .map_or(0, |p| p[(vblock % PAGE) as usize])
-    }
-
     /// Record what `span` says about the keys of `key`'s page.
     pub fn fill(&mut self, dev: u64, key: u64, span: &LeafSpan) {
         let base = key - key % PAGE;

@@ -103,6 +103,18 @@ pub struct Lookup {
     pub shared: bool,
 }
 
+/// What a mapping's packed `block << 24 | time` value means to a device
+/// whose last snapshot was at `snapshotted` (`dm_thin_find_block`'s
+/// `__snapshotted_since`).
+#[inline]
+pub fn lookup_of(packed: u64, snapshotted: u32) -> Lookup {
+    let (data_block, time) = unpack_block_time(packed);
+    Lookup {
+        data_block,
+        shared: snapshotted > time,
+    }
+}
+
 /// A pool's open metadata: the running transaction over the last
 /// committed one (kernel `struct dm_pool_metadata`).
 pub struct PoolMetadata {
@@ -367,11 +379,8 @@ impl PoolMetadata {
     /// `dm_thin_find_block`.
     pub fn find_block(&mut self, dev: u64, vblock: u64) -> Result<Option<Lookup>, MetadataError> {
         let snapshotted = self
-            .devices
-            .get(&dev)
-            .ok_or(MetadataError::NoSuchDevice(dev))?
-            .details
-            .snapshotted_time;
+            .snapshotted_time(dev)
+            .ok_or(MetadataError::NoSuchDevice(dev))?;
         let packed = match self.cache.get(dev, vblock) {
             Some(known) => known,
             None => {
@@ -381,22 +390,24 @@ impl PoolMetadata {
                 span.value::<Le64>(vblock)
             }
         };
-        Ok(packed.map(|v| {
-            let (data_block, time) = unpack_block_time(v);
-            Lookup {
-                data_block,
-                shared: snapshotted > time,
-            }
-        }))
+        Ok(packed.map(|v| lookup_of(v, snapshotted)))
     }
 
-    /// Bring the cached mappings of `vblocks` of `dev` into the CPU's
-    /// caches together, before [`Self::find_block`] asks for them one by
-    /// one: each is a load from a table of megabytes, and independent
-    /// loads issued back to back wait for memory once, not once each.
-    pub fn prefetch(&self, dev: u64, vblocks: impl Iterator<Item = u64>) {
-        let acc = vblocks.fold(0u64, |acc, v| acc ^ self.cache.touch(dev, v));
-        std::hint::black_box(acc);
+    /// The time of `dev`'s last snapshot (`None`: no such device), for
+    /// [`lookup_of`] on what [`Self::cached_block`] found: a batch asks
+    /// for it once, not once per bio as [`Self::find_block`] does.
+    #[inline]
+    pub fn snapshotted_time(&self, dev: u64) -> Option<u32> {
+        self.devices.get(&dev).map(|d| d.details.snapshotted_time)
+    }
+
+    /// `vblock`'s mapping if the mapping cache knows it, without a walk:
+    /// `None` unknown, `Some(None)` unmapped, `Some(Some(packed))` mapped
+    /// (see [`lookup_of`]). A batch loads its bios' entries with this one
+    /// after another, so their misses in the CPU's caches overlap.
+    #[inline]
+    pub fn cached_block(&self, dev: u64, vblock: u64) -> Option<Option<u64>> {
+        self.cache.get(dev, vblock)
     }
 
     /// A free data block, referenced once (`dm_pool_alloc_data_block`).
