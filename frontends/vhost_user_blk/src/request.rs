@@ -111,11 +111,19 @@ fn finish(chain: &Chain, vring: &VringRwLock, data: Filled<'_>, status: u8) {
         }
         Err(e) => tracing::warn!("vhost-user-blk: bad descriptor chain: {e}"),
     }
-    if let Err(e) = vring.add_used(chain.head_index(), used) {
-        tracing::warn!("vhost-user-blk: add_used: {e}");
-        return;
-    }
-    notify(vring, chain);
+    // One lock for the used ring and the queue's name: the completing
+    // thread and the queue's own thread take this lock in turn.
+    let key = {
+        let mut state = vring.get_mut();
+        if let Err(e) = state.add_used(chain.head_index(), used) {
+            tracing::warn!("vhost-user-blk: add_used: {e}");
+            return;
+        }
+        // The queue's state is one allocation for the queue's life: its
+        // address names the queue among the batch's sinks.
+        &*state as *const _ as usize
+    };
+    notify(vring, chain, key);
 }
 
 /// A queue whose used requests the guest has yet to hear about, until
@@ -131,15 +139,7 @@ impl Unplug for Notify {
 
 /// Tell the guest about the requests just put on the used ring: at the
 /// end of the completion batch open on this thread, or now without one.
-fn notify(vring: &VringRwLock, chain: &Chain) {
-    // The queue's state is one allocation for the queue's life: its
-    // address names the queue among the batch's sinks.
-    // (The lock guard must end here: `let x = &*guard as _` would keep it
-    // to the end of the block, and `signal` takes the lock to write.)
-    let key = {
-        let state = vring.get_ref();
-        &*state as *const _ as usize
-    };
+fn notify(vring: &VringRwLock, chain: &Chain, key: usize) {
     if !comp_batch::defer(key, || Some(Arc::new(Notify(vring.clone(), chain.clone())))) {
         signal(vring, chain.memory());
     }
@@ -152,17 +152,12 @@ fn notify(vring: &VringRwLock, chain: &Chain) {
 /// says VRING_AVAIL_F_NO_INTERRUPT (virtio 1.2 section 2.7.7, which
 /// virtio-queue leaves to the device).
 fn signal(vring: &VringRwLock, mem: &GuestMemoryMmap<()>) {
-    let (event_idx, avail) = {
-        let v = vring.get_ref();
-        (
-            v.get_queue().event_idx_enabled(),
-            v.get_queue().avail_ring(),
-        )
-    };
-    if !vring.needs_notification().unwrap_or(true) {
+    let mut v = vring.get_mut();
+    if !v.needs_notification().unwrap_or(true) {
         return;
     }
-    if !event_idx {
+    if !v.get_queue().event_idx_enabled() {
+        let avail = v.get_queue().avail_ring();
         // The used ring's index is written (needs_notification fenced
         // it): the flag read now is the one the guest meant for it.
         let flags: u16 = mem
@@ -172,7 +167,7 @@ fn signal(vring: &VringRwLock, mem: &GuestMemoryMmap<()>) {
             return;
         }
     }
-    let _ = vring.signal_used_queue();
+    let _ = v.signal_used_queue();
 }
 
 impl EndIo for Request {
