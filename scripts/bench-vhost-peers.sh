@@ -29,9 +29,23 @@
 # then per (rw, qd, medium) the medians and `RATIO` lines: blkstack's IOPS
 # over qsd's (goal >= 1.0) and its CPU per I/O over qsd's (goal <= 0.7).
 #
+# With SYSCALLS=1, the work each server does per I/O, which load on the
+# host cannot change: around each point `perf stat` counts the leg's
+# server's system calls (raw_syscalls:sys_enter) and context switches, all
+# threads, and `SYSCALLS <leg> <rw> <qd> <syscalls_per_io> <cs_per_io>`
+# medians follow the RATIO lines (perf's tracepoint costs the servers a
+# little CPU: take CPU figures from a run without it). With STRACE=1 each
+# point's `strace -c -f` summary of the leg's server (which syscalls) is
+# printed instead, prefixed `STRACE <leg> <rw> <qd> <rep>` (strace stops
+# the server at each call: its IOPS and CPU figures mean nothing then).
+#
 # Environment: BLKSTACK_BIN (default target/release/blkstack, built if
 # missing), QSD_BIN (qemu-storage-daemon), BENCH_RUNTIME seconds per point
-# (default 10), REPS (default 3), FILE_MB (default 256), KERNEL_VM_MEM.
+# (default 10), REPS (default 3), FILE_MB (default 256), KERNEL_VM_MEM,
+# SYSCALLS, STRACE, BS_POLL_US (blkstack's `--vhost-poll-us`, default 0:
+# no polling, as qsd's main loop), and to run fewer points LEGS (default "qsd-null
+# bs-null qsd-file bs-file"), RWS (default "randread randwrite"), QDS
+# (default "1 32").
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,12 +55,29 @@ fio_bin=$(command -v fio || true)
 rt=${BENCH_RUNTIME:-10}
 reps=${REPS:-3}
 file_mb=${FILE_MB:-256}
+legs=${LEGS:-qsd-null bs-null qsd-file bs-file}
+rws=${RWS:-randread randwrite}
+qds=${QDS:-1 32}
+syscalls=${SYSCALLS:-0}
+strace_on=${STRACE:-0}
+poll_us=${BS_POLL_US:-0}
 
 die() { echo "bench-vhost-peers: $*" >&2; exit 2; }
 [ -n "$fio_bin" ] || die "fio is not installed (make deps)"
 [ -n "$qsd" ] && [ -x "$qsd" ] || die "qemu-storage-daemon is not installed (qemu-utils)"
 command -v socat >/dev/null || die "socat is not installed (make deps)"
-case $rt$reps$file_mb in *[!0-9]*) die "BENCH_RUNTIME, REPS, FILE_MB want whole numbers" ;; esac
+case $rt$reps$file_mb$poll_us in *[!0-9]*) die "BENCH_RUNTIME, REPS, FILE_MB, BS_POLL_US want whole numbers" ;; esac
+for l in $legs; do
+  case $l in qsd-null | bs-null | qsd-file | bs-file) ;; *) die "LEGS: unknown leg $l" ;; esac
+done
+for r in $rws; do case $r in randread | randwrite) ;; *) die "RWS: unknown $r" ;; esac; done
+for q in $qds; do case $q in *[!0-9]*) die "QDS want whole numbers" ;; esac; done
+if [ "$syscalls" = 1 ]; then
+  command -v perf >/dev/null || die "SYSCALLS=1 needs perf"
+fi
+if [ "$strace_on" = 1 ]; then
+  command -v strace >/dev/null || die "STRACE=1 needs strace"
+fi
 if [ ! -x "$bin" ]; then
   (cd "$top" && cargo build --release -p blkstack >&2)
 fi
@@ -75,9 +106,11 @@ done
   > "$work/qsd.out" 2>&1 &
 qsd_pid=$!; pids+=("$qsd_pid")
 sectors=$((file_mb * 2048))
+poll_args=()
+[ "$poll_us" = 0 ] || poll_args=(--vhost-poll-us "$poll_us")
 "$bin" serve --concise "nul,,,rw,0 2097152 null;fil,,,rw,0 $sectors file $work/bs.img direct" \
   --vhost-user-blk "$work/bs-null.sock:nul" --vhost-user-blk "$work/bs-file.sock:fil" \
-  --control "$work/control.sock" > "$work/serve.out" 2>&1 &
+  ${poll_args[@]+"${poll_args[@]}"} --control "$work/control.sock" > "$work/serve.out" 2>&1 &
 bs_pid=$!; pids+=("$bs_pid")
 for _ in $(seq 600); do
   [ -S "$work/qsd-null.sock" ] && [ -S "$work/qsd-file.sock" ] && grep -q '^ready' "$work/serve.out" && break
@@ -90,12 +123,36 @@ grep -q '^ready' "$work/serve.out" || die "blkstack serve is not ready after 60 
 # The mark listener: one line per connection, "begin|end LEG RW QD REP",
 # recorded with both servers' CPU ticks (utime + stime, fields 14 and 15
 # of /proc/PID/stat; the name in field 2 has no spaces here).
+# With SYSCALLS or STRACE, a begin mark also starts perf stat (or
+# strace) on the leg's server and the end mark stops it (SIGINT: both
+# print their summary then) before the CPU ticks are read.
 cat > "$work/mark.sh" <<EOF
 #!/bin/sh
 read -r line || exit 0
+set -- \$line
+key="\$2.\$3.\$4.\$5"
+case \$2 in qsd-*) pid=$qsd_pid ;; *) pid=$bs_pid ;; esac
+if [ "\$1" = end ] && [ -f "$work/trace.\$key.pid" ]; then
+  t=\$(cat "$work/trace.\$key.pid")
+  kill -INT "\$t" 2>/dev/null
+  i=0; while kill -0 "\$t" 2>/dev/null && [ \$i -lt 100 ]; do sleep 0.05; i=\$((i + 1)); done
+fi
 q=\$(awk '{print \$14 + \$15}' /proc/$qsd_pid/stat)
 b=\$(awk '{print \$14 + \$15}' /proc/$bs_pid/stat)
 echo "\$line \$q \$b" >> "$work/marks"
+if [ "\$1" = begin ]; then
+  if [ "$syscalls" = 1 ]; then
+    setsid perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "\$pid" \\
+      -o "$work/trace.\$key" </dev/null >/dev/null 2>&1 &
+    echo \$! > "$work/trace.\$key.pid"
+  elif [ "$strace_on" = 1 ]; then
+    setsid strace -c -f -p "\$pid" -o "$work/trace.\$key" </dev/null >/dev/null 2>&1 &
+    echo \$! > "$work/trace.\$key.pid"
+  fi
+  # Attached before the guest starts its fio.
+  if [ -f "$work/trace.\$key.pid" ]; then sleep 0.5; fi
+fi
+exit 0
 EOF
 chmod +x "$work/mark.sh"
 : > "$work/marks"
@@ -116,10 +173,11 @@ fiorun() { fio --name=b --filename=\$1 --rw=\$2 --bs=4k --direct=1 --ioengine=li
   --iodepth=\$3 --runtime=$rt --time_based --thread --output-format=terse --terse-version=3 \
   | awk -F';' -v rw=\$2 '{ if (rw == "randread") print \$8, int(\$6 / 4); else print \$49, int(\$47 / 4) }'; }
 for rep in \$(seq $reps); do
-  for rw in randread randwrite; do
-    for qd in 1 32; do
+  for rw in $rws; do
+    for qd in $qds; do
       for ld in qsd-null:vda bs-null:vdb qsd-file:vdc bs-file:vdd; do
         leg=\${ld%:*}; dev=/dev/\${ld#*:}
+        case " $legs " in *" \$leg "*) ;; *) continue ;; esac
         mark begin \$leg \$rw \$qd \$rep
         r=\$(fiorun \$dev \$rw \$qd)
         mark end \$leg \$rw \$qd \$rep
@@ -166,3 +224,31 @@ awk '
       printf "RATIO %s %s qd%s iops %.2f cpu_per_io %.2f\n", med, pq[1], pq[2], (qi > 0 ? bi / qi : 0), (qc > 0 ? bc / qc : 0)
     }
   }' "$work/results" | sort
+
+# The system calls and context switches of each point's server per I/O
+# (perf stat -x, lines: value,unit,event,...), medians per leg and point.
+if [ "$syscalls" = 1 ]; then
+  while read -r _ leg rw qd rep _ ios; do
+    f="$work/trace.$leg.$rw.$qd.$rep"
+    [ -s "$f" ] && [ "$ios" -gt 0 ] || continue
+    awk -F, -v leg="$leg" -v rw="$rw" -v qd="$qd" -v ios="$ios" '
+      $3 ~ /raw_syscalls:sys_enter/ { s = $1 } $3 ~ /context-switches/ { c = $1 }
+      END { printf "SCPOINT %s %s %s %.2f %.2f\n", leg, rw, qd, s / ios, c / ios }' "$f"
+  done < <(grep '^POINT' "$work/guest.out") | awk '
+    function median(s,   a, n, i, j, t) {
+      n = split(s, a, " ")
+      for (i = 2; i <= n; i++) for (j = i; j > 1 && a[j - 1] + 0 > a[j] + 0; j--) { t = a[j]; a[j] = a[j - 1]; a[j - 1] = t }
+      return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+    }
+    { k = $2" "$3" "$4; s[k] = s[k]" "$5; c[k] = c[k]" "$6 }
+    END { for (k in s) printf "SYSCALLS %s %.2f %.2f\n", k, median(s[k]), median(c[k]) }' | sort
+fi
+# Which system calls: each point's strace summary, its table rows.
+if [ "$strace_on" = 1 ]; then
+  while read -r _ leg rw qd rep _ ios; do
+    f="$work/trace.$leg.$rw.$qd.$rep"
+    [ -s "$f" ] || continue
+    echo "STRACE $leg $rw $qd $rep ios=$ios"
+    sed -n '/^------/,$p' "$f" | grep -v '^------' | sed "s/^/STRACE $leg $rw $qd $rep /"
+  done < <(grep '^POINT' "$work/guest.out")
+fi

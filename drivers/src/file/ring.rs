@@ -12,6 +12,15 @@
 //! upper layers resubmit from `end_io`). A bio with PREFLUSH takes two
 //! SQEs (fsync, then its own operation); a short read or write is resumed
 //! where it stopped.
+//!
+//! The completion thread of an interrupt-driven ring sleeps in the kernel
+//! (`io_uring_enter` waiting for one CQE) even when nothing is in flight,
+//! so a submission wakes nobody but the kernel: a request at queue depth
+//! one costs one sleep and one wake of that thread, not a second pair for
+//! parking it and unparking it (two futex calls and a context switch). A
+//! stop wakes it with a NOP. A polled ring's thread still parks when idle:
+//! waiting for a CQE on an IOPOLL ring with nothing in flight returns at
+//! once, and would spin.
 
 use super::backing::{ensure_bounce, Files, Route};
 use super::join_unless_self;
@@ -31,6 +40,10 @@ pub(super) type Fallback = (Arc<RingShared>, Arc<PollRefusal>);
 
 /// The kernel's `IORING_SETUP_CQSIZE` (include/uapi/linux/io_uring.h).
 const SETUP_CQSIZE: u32 = 1 << 3;
+
+/// `user_data` of the NOP that wakes the completion thread at a stop (no
+/// slot has this index).
+const WAKE: u64 = u64::MAX;
 
 /// Which SQE a slot's bio is waiting for.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -163,6 +176,25 @@ impl RingShared {
         self.fallback.is_some()
     }
 
+    /// Wake a completion thread that waits for a CQE with nothing in
+    /// flight (a stop): a NOP whose CQE it reaps and ignores.
+    fn wake_waiter(&self) {
+        let nop = opcode::Nop::new().build().user_data(WAKE);
+        {
+            let _g = self.sq.lock();
+            // SAFETY: the `sq` mutex makes this the only submission queue
+            // handle alive; a NOP carries no buffer.
+            let mut sq = unsafe { self.ring.submission_shared() };
+            // SAFETY: as above.
+            if unsafe { sq.push(&nop) }.is_err() {
+                // A full queue: the SQEs in it wake the thread anyway.
+                return;
+            }
+            sq.sync();
+        }
+        let _ = self.ring.submit();
+    }
+
     pub(super) fn submit(&self, bio: Bio) {
         let idx = {
             let mut f = self.free.lock();
@@ -255,7 +287,7 @@ impl RingShared {
 
     /// Queue one SQE and enter the kernel right away.
     fn push(&self, sqe: squeue::Entry) {
-        if self.inflight.fetch_add(1, Ordering::AcqRel) == 0 {
+        if self.inflight.fetch_add(1, Ordering::AcqRel) == 0 && self.is_polled() {
             if let Some(t) = self.thread.get() {
                 t.unpark();
             }
@@ -307,8 +339,10 @@ impl RingShared {
                 if self.stop.load(Ordering::Acquire) {
                     break;
                 }
-                std::thread::park();
-                continue;
+                if self.is_polled() {
+                    std::thread::park();
+                    continue;
+                }
             }
             if let Err(e) = self.ring.submit_and_wait(1) {
                 if !matches!(
@@ -332,6 +366,9 @@ impl RingShared {
             // per-batch work (an NBD connection's send) does it once.
             let _batch = blkstack_core::comp_batch::CompletionBatch::start();
             for (idx, res) in batch.drain(..) {
+                if idx == WAKE {
+                    continue;
+                }
                 self.inflight.fetch_sub(1, Ordering::AcqRel);
                 self.on_cqe(idx as u32, res);
             }
@@ -492,6 +529,9 @@ impl Ring {
 impl Drop for Ring {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        if !self.shared.is_polled() {
+            self.shared.wake_waiter();
+        }
         if let Some(t) = self.thread.take() {
             t.thread().unpark();
             join_unless_self(t);

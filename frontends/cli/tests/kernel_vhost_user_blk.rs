@@ -2,7 +2,10 @@
 //! (Linux 6.12 under qemu) boots with blkstack's vhost-user-blk disk as
 //! /dev/vda (blkstack serve on the host, the guest's RAM a shared memfd),
 //! and its virtio_blk driver uses it: the config it read (serial, two
-//! queues, size, block size, write cache, discard), ext4 with e2fsck -fn
+//! queues, size, block size, write cache, discard), the event index
+//! (VIRTIO_RING_F_EVENT_IDX) negotiated, so every request below runs with
+//! its notification suppression and with the queues' adaptive polling on
+//! (`--vhost-poll-us`), ext4 with e2fsck -fn
 //! clean, a verified random-write pass, and blkstack killed with SIGKILL
 //! and restarted in the middle of an fsyncing writer: qemu reconnects
 //! (`reconnect-ms`), the guest's I/O goes on, every file is intact.
@@ -26,6 +29,7 @@ cat /sys/block/vda/serial; echo
 cat /sys/block/vda/size /sys/block/vda/queue/logical_block_size /sys/block/vda/queue/write_cache
 ls /sys/block/vda/mq | wc -l
 echo "END config"
+echo "FEATURES $(cat /sys/block/vda/device/features)"
 verify_pass /dev/vda 24 || fail "verify pass"
 echo "PASS verify"
 mkfs.ext4 -q -F /dev/vda && mount -t ext4 /dev/vda /mnt || fail "mkfs/mount"
@@ -71,7 +75,14 @@ fn vhost_user_blk_disk_survives_a_backend_restart() {
     let sock = scratch.path().join("vhost.sock");
     let stack = format!("vd,,,rw,0 {SECTORS} file {} create", img.display());
     let vhost = format!("{}:vd", sock.display());
-    let extra = ["--vhost-user-blk", vhost.as_str(), "--vhost-queues", "2"];
+    let extra = [
+        "--vhost-user-blk",
+        vhost.as_str(),
+        "--vhost-queues",
+        "2",
+        "--vhost-poll-us",
+        "50",
+    ];
     let srv = Arc::new(Mutex::new(
         Serve::options()
             .args(&["--concise", &stack, "--export", "vd"])
@@ -133,6 +144,17 @@ fn vhost_user_blk_disk_survives_a_backend_restart() {
         ["blkstack-vd", "65536", "512", "write back", "2"],
         "{}",
         run.out
+    );
+    // The negotiated features, bit 0 first: 29 is VIRTIO_RING_F_EVENT_IDX.
+    let features = run
+        .out
+        .lines()
+        .find_map(|l| l.strip_prefix("FEATURES "))
+        .expect("the guest's negotiated features");
+    assert_eq!(
+        features.as_bytes().get(29),
+        Some(&b'1'),
+        "event index not negotiated: {features}"
     );
     assert!(run.out.contains("PASS verify"), "{}", run.out);
     assert!(run.out.contains("PASS restart"), "{}", run.out);

@@ -5,8 +5,10 @@
 //! is refused; a file shrunk under a live queue fails that connection
 //! only; a silent connection is dropped at the handshake deadline and
 //! never holds up another VMM; a crowd beyond the connection cap is
-//! closed at once. Through all of it serve stays up and its NBD export
-//! and control socket keep answering.
+//! closed at once; a guest's event index (`used_event`) at any value
+//! decides only whether it is called, never whether its requests are
+//! answered. Through all of it serve stays up and its NBD export and
+//! control socket keep answering.
 
 use blkstack_nbd::client::RawClient;
 use blkstack_test_support::*;
@@ -36,6 +38,7 @@ const VERSION: u32 = 1;
 const NEED_REPLY: u32 = 1 << 3;
 const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 const F_VERSION_1: u64 = 1 << 32;
+const F_EVENT_IDX: u64 = 1 << 29;
 const PROTOCOL_REPLY_ACK: u64 = 1 << 3;
 
 /// Where the VMM pretends the memory sits in its address space.
@@ -110,6 +113,11 @@ impl Vu {
     /// The setup every VMM starts with: owner, features, protocol
     /// features with REPLY_ACK.
     fn setup(&mut self) -> std::io::Result<()> {
+        self.setup_with(0)
+    }
+
+    /// [`Vu::setup`] with the virtio features `extra` on top.
+    fn setup_with(&mut self, extra: u64) -> std::io::Result<()> {
         self.send(SET_OWNER, 0, &[], &[])?;
         self.send(GET_FEATURES, 0, &[], &[])?;
         self.reply_u64().ok_or(std::io::ErrorKind::UnexpectedEof)?;
@@ -121,7 +129,7 @@ impl Vu {
             &PROTOCOL_REPLY_ACK.to_le_bytes(),
             &[],
         )?;
-        let f = F_VERSION_1 | F_PROTOCOL_FEATURES;
+        let f = F_VERSION_1 | F_PROTOCOL_FEATURES | extra;
         self.send(SET_FEATURES, 0, &f.to_le_bytes(), &[])
     }
 
@@ -242,6 +250,19 @@ fn write_request(mem: &OwnedFd, data: u64) {
     pwrite(mem, STATUS, &[0xff]);
     // avail: flags 0, idx 1, ring[0] = head 0.
     pwrite(mem, AVAIL, &[0, 0, 1, 0, 0, 0]);
+}
+
+fn pread(fd: &OwnedFd, off: u64, buf: &mut [u8]) {
+    // SAFETY: buf is a live mutable slice; fd is our memfd.
+    let n = unsafe {
+        libc::pread(
+            fd.as_raw_fd(),
+            buf.as_mut_ptr() as *mut libc::c_void,
+            buf.len(),
+            off as i64,
+        )
+    };
+    assert_eq!(n, buf.len() as isize);
 }
 
 fn kick(fd: &OwnedFd) {
@@ -400,4 +421,56 @@ fn reconnecting_vmms_leave_no_descriptors_behind() {
         after < before + 5,
         "serve had {before} descriptors before 20 VMM connections, {after} after"
     );
+}
+
+/// With EVENT_IDX negotiated, the guest's `used_event` (after the avail
+/// ring) says when it wants a call; whatever it holds (behind, far
+/// ahead, the wrap point), each request is answered, only the call may
+/// be skipped, and the connection and serve live on.
+#[test]
+fn any_used_event_value_only_decides_the_call() {
+    let (mut srv, sock, _dir) = serve();
+    let mem = memfd();
+    let (k, c) = (eventfd(), eventfd());
+    let mut vu = Vu::connect(&sock);
+    vu.setup_with(F_EVENT_IDX).expect("setup");
+    assert_eq!(vu.mem_table(mem.as_raw_fd(), MEMFD_LEN), Some(0));
+    write_request(&mem, DATA);
+    // No request yet: idx 0 (write_request made it 1).
+    pwrite(&mem, AVAIL + 2, &0u16.to_le_bytes());
+    vu.queue(k.as_raw_fd(), c.as_raw_fd());
+    // used_event sits after the 16 ring entries of the avail ring.
+    let used_event = AVAIL + 4 + 2 * 16;
+    for (n, ev) in [0xffffu16, 0x8000, 0x7fff, 0, 1, 0xfffe]
+        .into_iter()
+        .enumerate()
+    {
+        let n = n as u16;
+        pwrite(&mem, STATUS, &[0xff]);
+        pwrite(&mem, used_event, &ev.to_le_bytes());
+        // The same chain again: ring[n] = head 0, then idx n + 1.
+        pwrite(&mem, AVAIL + 4 + 2 * u64::from(n), &0u16.to_le_bytes());
+        pwrite(&mem, AVAIL + 2, &(n + 1).to_le_bytes());
+        kick(&k);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (mut status, mut used) = ([0xffu8], [0u8; 2]);
+        while Instant::now() < deadline {
+            pread(&mem, STATUS, &mut status);
+            pread(&mem, USED + 2, &mut used);
+            if status[0] == 0 && u16::from_le_bytes(used) == n + 1 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            (status[0], u16::from_le_bytes(used)),
+            (0, n + 1),
+            "request {n} with used_event {ev:#x} was not answered"
+        );
+    }
+    assert!(
+        !vu.closed_within(Duration::from_millis(300)),
+        "the connection was closed"
+    );
+    others_still_served(&mut srv);
 }

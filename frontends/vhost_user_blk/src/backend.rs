@@ -5,6 +5,12 @@
 //! [`crate::request`]. Follows the device model of qemu's
 //! hw/block/vhost-user-blk.c and the virtio-blk device of virtio 1.2.
 //!
+//! The requests a round takes from the ring run under one completion
+//! batch, so those that complete inline call the guest once for the
+//! round ([`crate::request`]). With the event index, a queue may poll
+//! its ring a bounded, adaptive while after a round before it sleeps
+//! ([`crate::poll`]; off unless `--vhost-poll-us` asks for it).
+//!
 //! One backend serves one connection. Its guest memory is checked and
 //! watched by [`crate::guard`]: a memory table whose regions overrun
 //! their files is refused, and once a region has lost its pages the
@@ -14,13 +20,15 @@
 
 use crate::config::{BlkGeometry, CONFIG_LEN};
 use crate::guard::{self, Regions};
+use crate::poll::{self, PollWindow};
 use crate::request::{self, Limits, Mem, ID_LEN};
+use blkstack_core::comp_batch::CompletionBatch;
 use blkstack_core::DeviceRef;
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::ShutdownHandle;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
@@ -43,6 +51,8 @@ pub struct BlkBackend {
     geo: BlkGeometry,
     limits: Limits,
     event_idx: AtomicBool,
+    /// Each queue's polling window (a queue is served by one thread).
+    polls: Vec<Mutex<PollWindow>>,
     mem: RwLock<Option<(AtomicMem, Arc<Regions>)>>,
     /// The connection failed for good (a refused memory table, guest
     /// memory that vanished): serve nothing more on it.
@@ -64,11 +74,24 @@ pub struct BlkBackend {
 }
 
 impl BlkBackend {
+    /// A backend whose queues never poll; see [`BlkBackend::with_poll`].
     pub fn new(
         name: &str,
         dev: DeviceRef,
         read_only: bool,
         queues: u16,
+    ) -> std::io::Result<Arc<BlkBackend>> {
+        Self::with_poll(name, dev, read_only, queues, Duration::ZERO)
+    }
+
+    /// A backend whose queues poll their rings up to `poll_limit` after
+    /// a round of requests before they sleep (adaptive; zero: never).
+    pub fn with_poll(
+        name: &str,
+        dev: DeviceRef,
+        read_only: bool,
+        queues: u16,
+        poll_limit: Duration,
     ) -> std::io::Result<Arc<BlkBackend>> {
         let geo = BlkGeometry::of(&*dev, read_only, queues);
         let mut id = [0u8; ID_LEN];
@@ -84,6 +107,9 @@ impl BlkBackend {
             },
             geo,
             event_idx: AtomicBool::new(false),
+            polls: (0..queues)
+                .map(|_| Mutex::new(PollWindow::new(poll_limit)))
+                .collect(),
             mem: RwLock::new(None),
             dead: AtomicBool::new(false),
             setup: Mutex::new(false),
@@ -298,31 +324,73 @@ impl VhostUserBackend for BlkBackend {
             return Ok(());
         };
         if self.event_idx.load(Ordering::Relaxed) {
-            // Work until the guest has added nothing new since notifications
-            // were turned back on (the event-index protocol, virtio 2.7.10).
-            // A ring that keeps saying "more" but gives nothing (an avail
-            // index beyond the queue's length, which virtio-queue refuses
-            // to walk) is broken: fail it, as qemu's virtio_error and the
-            // kernel's vq_err do, instead of spinning on it for ever. One
-            // empty round is allowed: the guest may add a request just
-            // before notifications come back on.
-            let mut empty_rounds = 0;
-            loop {
-                let _ = vring.disable_notification();
-                let taken = self.process(vring);
-                empty_rounds = if taken == 0 { empty_rounds + 1 } else { 0 };
-                match vring.enable_notification() {
-                    Ok(true) if empty_rounds < 2 => continue,
-                    Ok(true) => {
-                        self.fail("the guest's available ring announces requests it does not hold (a corrupt avail index)");
-                        break;
-                    }
-                    _ => break,
-                }
-            }
+            let Some(window) = self.polls.get(device_event as usize) else {
+                return Ok(());
+            };
+            let mut window = window.lock();
+            window.woke(Instant::now());
+            self.serve_kick(vring, &window);
+            window.sleeping(Instant::now());
         } else {
+            let _batch = CompletionBatch::start();
             self.process(vring);
         }
         Ok(())
+    }
+}
+
+impl BlkBackend {
+    /// A kick with the event index: take requests in rounds until the
+    /// guest has added nothing new since notifications were turned back
+    /// on, polling the ring `window`'s while after each round that took
+    /// some, notifications still off.
+    fn serve_kick(&self, vring: &VringRwLock, window: &PollWindow) {
+        // Work until the guest has added nothing new since notifications
+        // were turned back on (the event-index protocol, virtio 2.7.10).
+        // A ring that keeps saying "more" but gives nothing (an avail
+        // index beyond the queue's length, which virtio-queue refuses
+        // to walk) is broken: fail it, as qemu's virtio_error and the
+        // kernel's vq_err do, instead of spinning on it for ever. One
+        // empty round is allowed: the guest may add a request just
+        // before notifications come back on.
+        let mut empty_rounds = 0;
+        loop {
+            let _ = vring.disable_notification();
+            let taken = {
+                // The round's inline completions call the guest once.
+                let _batch = CompletionBatch::start();
+                self.process(vring)
+            };
+            empty_rounds = if taken == 0 { empty_rounds + 1 } else { 0 };
+            if taken > 0 && self.poll_ring(vring, window) {
+                continue;
+            }
+            match vring.enable_notification() {
+                Ok(true) if empty_rounds < 2 => continue,
+                Ok(true) => {
+                    self.fail("the guest's available ring announces requests it does not hold (a corrupt avail index)");
+                    break;
+                }
+                _ => break,
+            }
+        }
+    }
+
+    /// Watch the avail ring for the window's while: true as soon as the
+    /// guest has added a request (notifications are still off, so it
+    /// did not kick), false once the window has passed (or is closed).
+    fn poll_ring(&self, vring: &VringRwLock, window: &PollWindow) -> bool {
+        if window.window().is_zero() || self.dead.load(Ordering::Relaxed) {
+            return false;
+        }
+        let Some((mem, _)) = self.memory() else {
+            return false;
+        };
+        poll::spin(window.window(), || {
+            let v = vring.get_ref();
+            let q = v.get_queue();
+            q.avail_idx(&*mem, Ordering::Acquire)
+                .is_ok_and(|idx| idx.0 != q.next_avail())
+        })
     }
 }

@@ -4,7 +4,8 @@
 //! straight from its shared memory. The vhost-user protocol and the
 //! virtqueues come from rust-vmm (`vhost-user-backend`, `vhost`,
 //! `virtio-queue`, `vm-memory`); here are only the virtio-blk device
-//! ([`config`], [`request`]), its backend ([`backend`]), the guard that
+//! ([`config`], [`request`]), its backend ([`backend`]) and the bounded
+//! polling of its rings between kicks ([`poll`]), the guard that
 //! keeps a VMM's shrunk memory from killing the process ([`guard`]), the
 //! socket's life ([`server`]), and the disk as one of `serve`'s export
 //! frontends ([`export_driver`]).
@@ -14,6 +15,7 @@ pub mod config;
 pub mod export_driver;
 pub mod fuzzing;
 pub mod guard;
+pub mod poll;
 pub mod request;
 pub mod server;
 

@@ -16,16 +16,28 @@
 //! on whichever thread completes the bio. Either way the request then
 //! goes on the used ring and the guest is notified if it asked to be
 //! (event index).
+//!
+//! One notification per batch, not per request: a thread that completes
+//! several requests in a row (the queue's own thread answering a kick's
+//! requests inline, a driver's completion thread reaping a ring) has a
+//! [`blkstack_core::comp_batch::CompletionBatch`] open, and the call to
+//! the guest (an eventfd write, an interrupt) is put off to the batch's
+//! end, where the event index decides once for every request it added
+//! (virtio 1.2 section 2.7.10; the kernel's `virtqueue_kick_prepare` and
+//! qemu's `virtio_notify` after a batch of `virtqueue_fill`s do the same).
 
 use crate::guard::Regions;
+use blkstack_core::comp_batch::{self, Unplug};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, DeviceRef, EndIo, IoBuf, Op, Status};
 use std::io::{Read, Write};
 use std::sync::Arc;
 use vhost_user_backend::{VringRwLock, VringT};
 use virtio_bindings::virtio_blk::*;
+use virtio_bindings::virtio_ring::VRING_AVAIL_F_NO_INTERRUPT;
 use virtio_queue::DescriptorChain;
+use virtio_queue::QueueT;
 use vm_memory::GuestMemoryMmap;
-use vm_memory::{GuestAddress, GuestMemoryBackend};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 pub type Mem = Arc<GuestMemoryMmap<()>>;
 pub type Chain = DescriptorChain<Mem>;
@@ -99,13 +111,63 @@ fn finish(chain: &Chain, vring: &VringRwLock, data: Filled<'_>, status: u8) {
         }
         Err(e) => tracing::warn!("vhost-user-blk: bad descriptor chain: {e}"),
     }
-    if let Err(e) = vring.add_used(chain.head_index(), used) {
-        tracing::warn!("vhost-user-blk: add_used: {e}");
+    // One lock for the used ring and the queue's name: the completing
+    // thread and the queue's own thread take this lock in turn.
+    let key = {
+        let mut state = vring.get_mut();
+        if let Err(e) = state.add_used(chain.head_index(), used) {
+            tracing::warn!("vhost-user-blk: add_used: {e}");
+            return;
+        }
+        // The queue's state is one allocation for the queue's life: its
+        // address names the queue among the batch's sinks.
+        &*state as *const _ as usize
+    };
+    notify(vring, chain, key);
+}
+
+/// A queue whose used requests the guest has yet to hear about, until
+/// the completion batch that put them there ends (with a chain of its,
+/// for the guest memory its avail ring is in).
+struct Notify(VringRwLock, Chain);
+
+impl Unplug for Notify {
+    fn unplug(&self) {
+        signal(&self.0, self.1.memory());
+    }
+}
+
+/// Tell the guest about the requests just put on the used ring: at the
+/// end of the completion batch open on this thread, or now without one.
+fn notify(vring: &VringRwLock, chain: &Chain, key: usize) {
+    if !comp_batch::defer(key, || Some(Arc::new(Notify(vring.clone(), chain.clone())))) {
+        signal(vring, chain.memory());
+    }
+}
+
+/// Call the guest if it wants to be called: with the event index, if
+/// the requests added to the used ring since the last check cross the
+/// index it asked to be called at (all of them count: virtio-queue
+/// keeps how many were added since); without it, unless its avail ring
+/// says VRING_AVAIL_F_NO_INTERRUPT (virtio 1.2 section 2.7.7, which
+/// virtio-queue leaves to the device).
+fn signal(vring: &VringRwLock, mem: &GuestMemoryMmap<()>) {
+    let mut v = vring.get_mut();
+    if !v.needs_notification().unwrap_or(true) {
         return;
     }
-    if vring.needs_notification().unwrap_or(true) {
-        let _ = vring.signal_used_queue();
+    if !v.get_queue().event_idx_enabled() {
+        let avail = v.get_queue().avail_ring();
+        // The used ring's index is written (needs_notification fenced
+        // it): the flag read now is the one the guest meant for it.
+        let flags: u16 = mem
+            .load(GuestAddress(avail), std::sync::atomic::Ordering::Acquire)
+            .unwrap_or(0);
+        if u32::from(u16::from_le(flags)) & VRING_AVAIL_F_NO_INTERRUPT != 0 {
+            return;
+        }
     }
+    let _ = v.signal_used_queue();
 }
 
 impl EndIo for Request {
@@ -523,5 +585,103 @@ mod tests {
         let mut id = [0u8; 10];
         mem.read_slice(&mut id, GuestAddress(DATA)).unwrap();
         assert_eq!(&id, b"blkstack-x");
+    }
+
+    /// The eventfd the queue calls the guest through (what a VMM hands
+    /// over with SET_VRING_CALL).
+    fn call_fd(vring: &VringRwLock) -> std::fs::File {
+        use std::os::fd::FromRawFd;
+        // SAFETY: creates a new eventfd that nothing else owns.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        assert!(fd >= 0, "eventfd");
+        // SAFETY: `fd` was just created and is ours alone.
+        let f = unsafe { std::fs::File::from_raw_fd(fd) };
+        vring.set_call(Some(f.try_clone().unwrap()));
+        f
+    }
+
+    /// How many calls the eventfd counted since it was last read.
+    fn calls(f: &std::fs::File) -> u64 {
+        let mut b = [0u8; 8];
+        match (&*f).read(&mut b) {
+            Ok(8) => u64::from_ne_bytes(b),
+            _ => 0,
+        }
+    }
+
+    #[test]
+    fn completions_in_one_batch_call_the_guest_once() {
+        const N: u16 = 4;
+        let mem =
+            Arc::new(GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap());
+        let q = MockSplitQueue::create(&*mem, GuestAddress(0x8000), 32);
+        let vring = VringRwLock::new(GuestMemoryAtomic::from(mem.clone()), 32).unwrap();
+        vring.set_queue_size(32);
+        vring
+            .set_queue_info(q.desc_table_addr().0, q.avail_addr().0, q.used_addr().0)
+            .unwrap();
+        vring.set_queue_ready(true);
+        vring.set_enabled(true);
+        let call = call_fd(&vring);
+        let mut hdr = [0u8; 16];
+        hdr[0..4].copy_from_slice(&VIRTIO_BLK_T_GET_ID.to_le_bytes());
+        mem.write_slice(&hdr, GuestAddress(HDR)).unwrap();
+        // 2N + 2 GET_ID requests: header, the serial's room, status.
+        let (next, w) = (VRING_DESC_F_NEXT as u16, VRING_DESC_F_WRITE as u16);
+        let mut descs = Vec::new();
+        for k in 0..2 * N + 2 {
+            let (d, st) = (DATA + u64::from(k) * 64, STATUS + u64::from(k));
+            descs.push(RawDescriptor::from(SplitDescriptor::new(
+                HDR,
+                16,
+                next,
+                3 * k + 1,
+            )));
+            descs.push(RawDescriptor::from(SplitDescriptor::new(
+                d,
+                ID_LEN as u32,
+                w | next,
+                3 * k + 2,
+            )));
+            descs.push(RawDescriptor::from(SplitDescriptor::new(st, 1, w, 0)));
+        }
+        q.add_desc_chains(&descs, 0).unwrap();
+        let dev: DeviceRef = Arc::new(Fill(parking_lot::Mutex::new(Vec::new())));
+        let lim = Limits {
+            max_bytes: 64 << 10,
+            read_only: false,
+            id: [b'x'; ID_LEN],
+        };
+        let pop = || {
+            vring
+                .get_mut()
+                .get_queue_mut()
+                .pop_descriptor_chain(mem.clone())
+                .unwrap()
+        };
+        // Without a batch, each request calls (no event index: every
+        // completion wants a call).
+        for _ in 0..N {
+            start(pop(), &vring, &dev, &lim, None);
+        }
+        assert_eq!(calls(&call), u64::from(N));
+        // In a batch, the requests go on the used ring at once and the
+        // call waits for the batch's end.
+        let batch = comp_batch::CompletionBatch::start();
+        for _ in 0..N {
+            start(pop(), &vring, &dev, &lim, None);
+        }
+        let used_idx: u16 = mem.read_obj(GuestAddress(q.used_addr().0 + 2)).unwrap();
+        assert_eq!(used_idx, 2 * N, "every request is on the used ring");
+        assert_eq!(calls(&call), 0, "no call before the batch ends");
+        drop(batch);
+        assert_eq!(calls(&call), 1, "one call for the batch");
+        // A guest that says VRING_AVAIL_F_NO_INTERRUPT is not called.
+        mem.write_obj(1u16.to_le(), q.avail_addr()).unwrap();
+        start(pop(), &vring, &dev, &lim, None);
+        assert_eq!(calls(&call), 0, "called despite NO_INTERRUPT");
+        mem.write_obj(0u16, q.avail_addr()).unwrap();
+        start(pop(), &vring, &dev, &lim, None);
+        assert_eq!(calls(&call), 1);
     }
 }

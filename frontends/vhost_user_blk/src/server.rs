@@ -67,6 +67,8 @@ struct Shared {
     dev: DeviceRef,
     read_only: bool,
     queues: u16,
+    /// How long a queue may poll its ring before it sleeps (adaptive).
+    poll_limit: Duration,
     stop: AtomicBool,
     /// Connections being served (accepted, not yet ended).
     busy: AtomicUsize,
@@ -85,13 +87,14 @@ pub struct VhostExport {
 
 impl VhostExport {
     /// Listen on `socket` for VMMs and serve `dev` to each as a
-    /// virtio-blk disk with `queues` virtqueues.
+    /// virtio-blk disk with `queues` virtqueues, each polling its ring
+    /// up to `poll_limit` between kicks ([`crate::poll`]; zero: never).
     pub fn start(
         socket: &Path,
         name: &str,
         dev: DeviceRef,
         read_only: bool,
-        queues: u16,
+        (queues, poll_limit): (u16, Duration),
     ) -> Result<VhostExport, VhostError> {
         let err = |what: String| VhostError::Setup {
             socket: socket.display().to_string(),
@@ -99,6 +102,12 @@ impl VhostExport {
         };
         if queues == 0 || queues > 64 {
             return Err(err(format!("{queues} queues: must be 1..=64")));
+        }
+        if poll_limit > crate::poll::MAX_LIMIT {
+            return Err(err(format!(
+                "a polling limit of {poll_limit:?}: at most {:?}",
+                crate::poll::MAX_LIMIT
+            )));
         }
         blkstack_control::remove_stale_socket(socket, "vhost-user socket")
             .map_err(|e| err(e.to_string()))?;
@@ -112,6 +121,7 @@ impl VhostExport {
             dev,
             read_only,
             queues,
+            poll_limit,
             stop: AtomicBool::new(false),
             busy: AtomicUsize::new(0),
         });
@@ -220,13 +230,14 @@ fn serve_loop(sh: &Shared, acc: &Acceptor, mut listener: Listener) {
 /// or setting up failed.
 fn serve_one(sh: &Shared, acc: &Acceptor, listener: &mut Listener) -> bool {
     let name = sh.name.as_str();
-    let backend = match BlkBackend::new(name, sh.dev.clone(), sh.read_only, sh.queues) {
-        Ok(b) => b,
-        Err(e) => {
-            tracing::error!(export = name, "vhost-user-blk: {e}");
-            return false;
-        }
-    };
+    let backend =
+        match BlkBackend::with_poll(name, sh.dev.clone(), sh.read_only, sh.queues, sh.poll_limit) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(export = name, "vhost-user-blk: {e}");
+                return false;
+            }
+        };
     *acc.backend.lock() = Some(backend.clone());
     let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
     let mut daemon = match VhostUserDaemon::new(format!("blkstack-{name}"), backend.clone(), mem) {
