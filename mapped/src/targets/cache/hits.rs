@@ -24,8 +24,11 @@
 //! again after (both sequentially consistent): the target's quiesce
 //! reads the in-flight count after the policy marked the block pending,
 //! so either the reader sees `PENDING` and backs off, or the migration
-//! sees the I/O and waits for it. Written by hand: no crate offers an
-//! index-chained table with this read protocol.
+//! sees the I/O and waits for it. A block's word, its chain link and
+//! its in-flight count share one cache line, so a hit touches two lines
+//! here (the bucket and the block), where the I/O's data copy keeps
+//! evicting them. Written by hand: no crate offers an index-chained
+//! table with this read protocol.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -42,13 +45,22 @@ const MAX_WALK: u32 = 32;
 /// "No block", in bucket heads and links (cache blocks are below it).
 const NONE: u32 = u32::MAX;
 
+/// One cache block's entry.
+#[derive(Default)]
+struct Slot {
+    /// 0 if it maps nothing, else `(oblock + 1) << FLAG_BITS | flags`.
+    word: AtomicU64,
+    /// The next block in its bucket's chain.
+    next: AtomicU32,
+    /// Bios in flight to the block (the target's; a migration waits for
+    /// them to drain).
+    inflight: AtomicU32,
+}
+
 /// See the module documentation.
 pub struct HitIndex {
-    /// Per cache block: 0 if it maps nothing, else `(oblock + 1) <<
-    /// FLAG_BITS | flags`.
-    state: Box<[AtomicU64]>,
-    /// Per cache block: the next block in its bucket's chain.
-    next: Box<[AtomicU32]>,
+    /// Per cache block.
+    slots: Box<[Slot]>,
     /// Per bucket: the first block of its chain.
     buckets: Box<[AtomicU32]>,
     hash_shift: u32,
@@ -76,8 +88,12 @@ impl HitIndex {
     pub fn new(nr_cblocks: u32) -> HitIndex {
         let nr_buckets = (nr_cblocks.max(16) as usize).next_power_of_two();
         HitIndex {
-            state: (0..nr_cblocks).map(|_| AtomicU64::new(0)).collect(),
-            next: (0..nr_cblocks).map(|_| AtomicU32::new(NONE)).collect(),
+            slots: (0..nr_cblocks)
+                .map(|_| Slot {
+                    next: AtomicU32::new(NONE),
+                    ..Slot::default()
+                })
+                .collect(),
             buckets: (0..nr_buckets).map(|_| AtomicU32::new(NONE)).collect(),
             hash_shift: 64 - nr_buckets.trailing_zeros(),
             fast_hot: AtomicU64::new(0),
@@ -97,10 +113,10 @@ impl HitIndex {
         let want = key(oblock);
         let mut cb = self.bucket(oblock).load(Ordering::Relaxed);
         while cb != NONE {
-            if self.state[cb as usize].load(Ordering::Relaxed) & !FLAGS == want {
+            if self.slots[cb as usize].word.load(Ordering::Relaxed) & !FLAGS == want {
                 return Some(cb);
             }
-            cb = self.next[cb as usize].load(Ordering::Relaxed);
+            cb = self.slots[cb as usize].next.load(Ordering::Relaxed);
         }
         None
     }
@@ -108,8 +124,12 @@ impl HitIndex {
     /// Map `oblock` to `cblock` (the policy, under its lock).
     pub(super) fn insert(&self, oblock: u64, cblock: u32, flags: u64) {
         let head = self.bucket(oblock);
-        self.next[cblock as usize].store(head.load(Ordering::Relaxed), Ordering::Relaxed);
-        self.state[cblock as usize].store(key(oblock) | (flags & FLAGS), Ordering::SeqCst);
+        self.slots[cblock as usize]
+            .next
+            .store(head.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.slots[cblock as usize]
+            .word
+            .store(key(oblock) | (flags & FLAGS), Ordering::SeqCst);
         head.store(cblock, Ordering::Release);
     }
 
@@ -117,7 +137,7 @@ impl HitIndex {
     /// Its link is left as it was, so a walk standing on it goes on.
     pub(super) fn remove(&self, oblock: u64, cblock: u32) {
         let head = self.bucket(oblock);
-        let next = self.next[cblock as usize].load(Ordering::Relaxed);
+        let next = self.slots[cblock as usize].next.load(Ordering::Relaxed);
         let mut at = head;
         loop {
             let cb = at.load(Ordering::Relaxed);
@@ -129,15 +149,15 @@ impl HitIndex {
                 at.store(next, Ordering::Release);
                 break;
             }
-            at = &self.next[cb as usize];
+            at = &self.slots[cb as usize].next;
         }
-        self.state[cblock as usize].store(0, Ordering::SeqCst);
+        self.slots[cblock as usize].word.store(0, Ordering::SeqCst);
     }
 
     /// Set or clear `flag` of a mapped `cblock` (the policy, under its
     /// lock; an unmapped block stays unmapped).
     pub(super) fn set_flag(&self, cblock: u32, flag: u64, on: bool) {
-        let s = &self.state[cblock as usize];
+        let s = &self.slots[cblock as usize].word;
         let w = s.load(Ordering::Relaxed);
         if w == 0 {
             return;
@@ -150,12 +170,18 @@ impl HitIndex {
 
     /// Clear `flag` on every block (the policy, under its lock).
     pub(super) fn clear_all(&self, flag: u64) {
-        for s in self.state.iter() {
+        for s in self.slots.iter().map(|s| &s.word) {
             let w = s.load(Ordering::Relaxed);
             if w & flag != 0 {
                 s.store(w & !flag, Ordering::SeqCst);
             }
         }
+    }
+
+    /// The in-flight count of `cblock`, if there is such a block.
+    #[inline]
+    pub fn inflight(&self, cblock: u64) -> Option<&AtomicU32> {
+        self.slots.get(cblock as usize).map(|s| &s.inflight)
     }
 
     /// A read of `oblock` the fast path may serve, without the lock: the
@@ -169,11 +195,11 @@ impl HitIndex {
             if cb == NONE {
                 return None;
             }
-            let word = self.state.get(cb as usize)?.load(Ordering::Acquire);
+            let word = self.slots.get(cb as usize)?.word.load(Ordering::Acquire);
             if word & !FLAGS == want {
                 return (word & (PENDING | HIT) == HIT).then_some(FastHit { cblock: cb, word });
             }
-            cb = self.next[cb as usize].load(Ordering::Acquire);
+            cb = self.slots[cb as usize].next.load(Ordering::Acquire);
         }
         None
     }
@@ -184,7 +210,7 @@ impl HitIndex {
     /// On true, the hit is counted in the stats by the block's level.
     #[inline]
     pub fn confirm(&self, hit: FastHit) -> bool {
-        let word = self.state[hit.cblock as usize].load(Ordering::SeqCst);
+        let word = self.slots[hit.cblock as usize].word.load(Ordering::SeqCst);
         if word & !FLAGS != hit.word & !FLAGS || word & (PENDING | HIT) != HIT {
             return false;
         }
@@ -248,7 +274,6 @@ mod tests {
         const CB: u32 = 4;
         const OB: u64 = 6;
         let ix = Arc::new(HitIndex::new(CB));
-        let inflight: Arc<Vec<AtomicU32>> = Arc::new((0..CB).map(|_| AtomicU32::new(0)).collect());
         let data: Arc<Vec<AtomicU64>> = Arc::new((0..CB).map(|_| AtomicU64::new(0)).collect());
         let stop = Arc::new(AtomicBool::new(false));
         // Origin block cb (of 0..CB) starts in cache block cb.
@@ -258,15 +283,14 @@ mod tests {
         }
         let readers: Vec<_> = (0..3)
             .map(|t| {
-                let (ix, inflight, data, stop) =
-                    (ix.clone(), inflight.clone(), data.clone(), stop.clone());
+                let (ix, data, stop) = (ix.clone(), data.clone(), stop.clone());
                 std::thread::spawn(move || {
                     let mut hits = 0u64;
                     let mut ob = t as u64;
                     while !stop.load(Ordering::Relaxed) {
                         ob = (ob * 7 + 3) % OB;
                         let Some(h) = ix.find_fast(ob) else { continue };
-                        let n = &inflight[h.cblock as usize];
+                        let n = ix.inflight(h.cblock as u64).unwrap();
                         n.fetch_add(1, Ordering::SeqCst);
                         if ix.confirm(h) {
                             assert_eq!(data[h.cblock as usize].load(Ordering::SeqCst), ob);
@@ -287,7 +311,7 @@ mod tests {
             let cb = (i * 5 % CB as u64) as u32;
             if let Some(ob) = owner[cb as usize] {
                 ix.set_flag(cb, PENDING, true);
-                while inflight[cb as usize].load(Ordering::SeqCst) != 0 {
+                while ix.inflight(cb as u64).unwrap().load(Ordering::SeqCst) != 0 {
                     std::hint::spin_loop();
                 }
                 ix.remove(ob, cb);
@@ -298,7 +322,7 @@ mod tests {
                 let Some(ob) = ob.or_else(|| (0..OB).find(|o| !taken.contains(o))) else {
                     continue;
                 };
-                while inflight[cb as usize].load(Ordering::SeqCst) != 0 {
+                while ix.inflight(cb as u64).unwrap().load(Ordering::SeqCst) != 0 {
                     std::hint::spin_loop();
                 }
                 data[cb as usize].store(ob, Ordering::SeqCst);

@@ -112,8 +112,8 @@ pub struct Shared {
     cv: Condvar,
     /// The metadata, locked after `core` when both are held.
     pub md: Mutex<CacheMetadata>,
-    inflight: Vec<AtomicU32>,
-    /// The policy's mapping table, for read hits without the lock.
+    /// The policy's mapping table, for read hits without the lock, and
+    /// the bios in flight to each cache block.
     index: Arc<HitIndex>,
     need_tick: AtomicBool,
     /// The worker holds a block (completions wake it when its I/O drains).
@@ -158,13 +158,11 @@ impl Shared {
         mode: IoMode,
         discard_passdown: bool,
     ) -> Shared {
-        let n = core.dirty.len();
         let index = core.policy.index();
         Shared {
             core: Mutex::new(core),
             cv: Condvar::new(),
             md: Mutex::new(md),
-            inflight: (0..n).map(|_| AtomicU32::new(0)).collect(),
             index,
             need_tick: AtomicBool::new(true),
             migrating: AtomicBool::new(false),
@@ -277,7 +275,7 @@ impl Shared {
         let cb = hit.cblock;
         // Counted in flight before the check, which a migration's quiesce
         // pairs with (both sequentially consistent).
-        self.inflight[cb as usize].fetch_add(1, Ordering::SeqCst);
+        self.inflight(cb).fetch_add(1, Ordering::SeqCst);
         if !self.index.confirm(hit) {
             self.put_inflight(cb as u64);
             return None;
@@ -299,10 +297,19 @@ impl Shared {
         }
     }
 
+    /// The in-flight count of cache block `cb` (a block of the cache).
+    #[inline]
+    fn inflight(&self, cb: u32) -> &AtomicU32 {
+        match self.index.inflight(cb as u64) {
+            Some(n) => n,
+            None => panic!("cache block {cb} out of range"),
+        }
+    }
+
     /// One I/O to cache block `cb` is done; a waiting migration is woken
     /// when it was the last.
     fn put_inflight(&self, cb: u64) {
-        if let Some(n) = self.inflight.get(cb as usize) {
+        if let Some(n) = self.index.inflight(cb) {
             if n.fetch_sub(1, Ordering::AcqRel) == 1 && self.migrating.load(Ordering::SeqCst) {
                 self.cv.notify_all();
             }
@@ -384,7 +391,7 @@ impl Shared {
                     core.set_dirty(cb, true);
                     clear_discard(&mut core, ob * self.block_bytes, self.discard_bytes);
                 }
-                self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
+                self.inflight(cb).fetch_add(1, Ordering::AcqRel);
                 drop(core);
                 bio.push_end(self.clone(), KIND_HIT | tick | cb as u64);
                 bio.offset = cb as u64 * self.block_bytes + bio.offset % self.block_bytes;
@@ -421,7 +428,7 @@ impl Shared {
     }
 
     fn map_cache(self: &Arc<Self>, mut bio: Bio, cb: u32) {
-        self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
+        self.inflight(cb).fetch_add(1, Ordering::AcqRel);
         bio.push_end(self.clone(), KIND_HIT | cb as u64);
         bio.offset = cb as u64 * self.block_bytes + bio.offset % self.block_bytes;
         self.cache.submit(bio);
@@ -450,7 +457,7 @@ impl Shared {
         let deadline = Instant::now() + QUIESCE_LIMIT;
         let mut core = self.core.lock();
         loop {
-            let busy = self.inflight[cb as usize].load(Ordering::SeqCst) != 0
+            let busy = self.inflight(cb).load(Ordering::SeqCst) != 0
                 || core.origin_writes.get(&ob).is_some_and(|&n| n > 0);
             if !busy {
                 return true;
