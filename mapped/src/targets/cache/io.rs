@@ -3,7 +3,9 @@
 //! migration state machine `mg_*`).
 //!
 //! Hits are remapped to the cache device and misses to the origin on the
-//! submitter's thread, under the policy lock (the kernel's `mq->lock`).
+//! submitter's thread, under the policy lock (the kernel's `mq->lock`),
+//! except a read hit that would change nothing in the policy but its
+//! stats, which is remapped without the lock (`hits.rs`).
 //! Everything that must wait goes to one worker thread: flushes and FUA
 //! writes (committed first, as `issue_after_commit`), discards,
 //! writethrough and passthrough write hits. Bios for a block under
@@ -18,6 +20,7 @@
 //! than written to the cache directly.
 
 use super::cell::Cells;
+use super::hits::HitIndex;
 use super::metadata::{CacheMetadata, Stats};
 use super::smq::{Smq, Work};
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
@@ -43,7 +46,8 @@ const TICK: u64 = 1 << 61;
 /// completion, which a real device spaces by its latency and smq's
 /// periods count in jiffies; an in-memory cache device completes at
 /// once, so without this nearly every hit would also tick (a second
-/// policy lock and a clock read), for no change in what smq decides.
+/// policy lock), for no change in what smq decides. On the coarse
+/// clock, so ticks are also at least one of its ticks apart.
 const TICK_EVERY_NS: u64 = 1_000_000;
 /// The block index in a completion's private word; all ones for none.
 const INDEX_MASK: u64 = (1 << 61) - 1;
@@ -115,8 +119,9 @@ pub struct Shared {
     pub(super) pool: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The metadata, locked after `core` when both are held.
     pub md: Mutex<CacheMetadata>,
-    /// Bios in flight per cache block.
-    pub(super) inflight: Vec<AtomicU32>,
+    /// The policy's mapping table, for read hits without the lock, and
+    /// the bios in flight to each cache block.
+    index: Arc<HitIndex>,
     need_tick: AtomicBool,
     /// Blocks locked by migrations (completions wake them when I/O drains).
     pub(super) migrating: AtomicU32,
@@ -126,6 +131,8 @@ pub struct Shared {
     pub cache: DeviceRef,
     /// Bytes per cache block.
     pub block_bytes: u64,
+    /// Its log2, when it is a power of two.
+    block_shift: Option<u32>,
     /// Whole origin blocks the cache covers.
     pub origin_blocks: u64,
     /// Bytes per discard block.
@@ -138,9 +145,9 @@ pub struct Shared {
     pub migration_threshold: AtomicU64,
     /// Hit/miss/migration counters.
     pub counters: Counters,
-    /// When the last bio arrived, in `clock::now_ns` nanoseconds.
+    /// When the last bio arrived, in [`coarse_now_ns`] nanoseconds.
     last_io: AtomicU64,
-    /// No tick bio before this time, in `clock::now_ns` nanoseconds.
+    /// No tick bio before this time, in [`coarse_now_ns`] nanoseconds.
     next_tick: AtomicU64,
 }
 
@@ -158,26 +165,29 @@ impl Shared {
         mode: IoMode,
         discard_passdown: bool,
     ) -> Shared {
-        let n = core.dirty.len();
+        let index = core.policy.index();
         Shared {
             core: Mutex::new(core),
             cv: Condvar::new(),
             mg_cv: Condvar::new(),
             pool: Mutex::new(Vec::new()),
             md: Mutex::new(md),
-            inflight: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            index,
             need_tick: AtomicBool::new(true),
             migrating: AtomicU32::new(0),
             origin,
             cache,
             block_bytes,
+            block_shift: block_bytes
+                .is_power_of_two()
+                .then_some(block_bytes.trailing_zeros()),
             origin_blocks,
             discard_bytes,
             mode,
             discard_passdown,
             migration_threshold: AtomicU64::new(2048),
             counters: Counters::default(),
-            last_io: AtomicU64::new(blkstack_core::clock::now_ns()),
+            last_io: AtomicU64::new(coarse_now_ns()),
             next_tick: AtomicU64::new(0),
         }
     }
@@ -216,6 +226,20 @@ impl Core {
     }
 }
 
+/// `CLOCK_MONOTONIC_COARSE`: the time at the clock's last tick, as the
+/// kernel's jiffies that `iot_io_begin` and the tick spacing go by. Every
+/// bio stamps it, and it costs a fraction of a precise clock read.
+fn coarse_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid pointer to a timespec; CLOCK_MONOTONIC_COARSE exists
+    // on every Linux blkstack runs on.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 fn needs_worker(bio: &Bio) -> bool {
     matches!(bio.op, Op::Flush | Op::Discard | Op::WriteZeroes)
         || bio.flags.contains(BioFlags::PREFLUSH)
@@ -224,13 +248,83 @@ fn needs_worker(bio: &Bio) -> bool {
 
 impl Shared {
     /// `cache_map`.
-    pub fn map(self: &Arc<Self>, bio: Bio) {
-        self.last_io
-            .store(blkstack_core::clock::now_ns(), Ordering::Relaxed);
+    pub fn map(self: &Arc<Self>, mut bio: Bio) {
+        self.last_io.store(coarse_now_ns(), Ordering::Relaxed);
         if needs_worker(&bio) {
             return self.defer(bio);
         }
+        if bio.op == Op::Read && self.mode != IoMode::Passthrough {
+            if let Some((cb, within)) = self.fast_read_hit(bio.offset) {
+                bio.push_end(self.clone(), KIND_HIT | self.tick_flag() | cb as u64);
+                bio.offset = cb as u64 * self.block_bytes + within;
+                return self.cache.submit(bio);
+            }
+        }
         self.map_bio(bio, false);
+    }
+
+    /// The origin block of a byte offset and the offset within it.
+    #[inline]
+    fn split(&self, offset: u64) -> (u64, u64) {
+        match self.block_shift {
+            Some(s) => (offset >> s, offset & (self.block_bytes - 1)),
+            None => (offset / self.block_bytes, offset % self.block_bytes),
+        }
+    }
+
+    /// A read at `offset` of a block that is cached, not pending and was
+    /// hit this period (see `hits.rs`): counted as a read hit and in
+    /// flight to its cache block, which is returned with the offset
+    /// within it, all without the policy lock. `None`: `map_bio` decides.
+    #[inline]
+    fn fast_read_hit(&self, offset: u64) -> Option<(u32, u64)> {
+        let (ob, within) = self.split(offset);
+        if ob >= self.origin_blocks {
+            return None;
+        }
+        let hit = self.index.find_fast(ob)?;
+        let cb = hit.cblock;
+        // Counted in flight before the check, which a migration's quiesce
+        // pairs with (both sequentially consistent).
+        self.inflight(cb).fetch_add(1, Ordering::SeqCst);
+        if !self.index.confirm(hit) {
+            self.put_inflight(cb as u64);
+            return None;
+        }
+        self.counters.read_hit.fetch_add(1, Ordering::Relaxed);
+        Some((cb, within))
+    }
+
+    /// `check_if_tick_bio_needed`: `TICK` for the first bio at least
+    /// [`TICK_EVERY_NS`] after the last tick.
+    #[inline]
+    fn tick_flag(&self) -> u64 {
+        if self.last_io.load(Ordering::Relaxed) >= self.next_tick.load(Ordering::Relaxed)
+            && self.need_tick.swap(false, Ordering::Relaxed)
+        {
+            TICK
+        } else {
+            0
+        }
+    }
+
+    /// The in-flight count of cache block `cb` (a block of the cache).
+    #[inline]
+    pub(super) fn inflight(&self, cb: u32) -> &AtomicU32 {
+        match self.index.inflight(cb as u64) {
+            Some(n) => n,
+            None => panic!("cache block {cb} out of range"),
+        }
+    }
+
+    /// One I/O to cache block `cb` is done; a waiting migration is woken
+    /// when it was the last.
+    fn put_inflight(&self, cb: u64) {
+        if let Some(n) = self.index.inflight(cb) {
+            if n.fetch_sub(1, Ordering::AcqRel) == 1 && self.migrating.load(Ordering::SeqCst) != 0 {
+                self.cv.notify_all();
+            }
+        }
     }
 
     fn defer(&self, bio: Bio) {
@@ -267,13 +361,7 @@ impl Shared {
             self.cv.notify_all();
         }
         let c = &self.counters;
-        let tick = if self.last_io.load(Ordering::Relaxed) >= self.next_tick.load(Ordering::Relaxed)
-            && self.need_tick.swap(false, Ordering::Relaxed)
-        {
-            TICK
-        } else {
-            0
-        };
+        let tick = self.tick_flag();
         match hit {
             None => {
                 if write { &c.write_miss } else { &c.read_miss }.fetch_add(1, Ordering::Relaxed);
@@ -305,7 +393,7 @@ impl Shared {
                 if to_worker {
                     // Counted in flight from here, so that a migration of
                     // the block waits for both writes.
-                    self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
+                    self.inflight(cb).fetch_add(1, Ordering::AcqRel);
                     drop(core);
                     return self.worker_write_hit(bio, ob, cb);
                 }
@@ -320,7 +408,7 @@ impl Shared {
                     core.set_dirty(cb, true);
                     clear_discard(&mut core, ob * self.block_bytes, self.discard_bytes);
                 }
-                self.inflight[cb as usize].fetch_add(1, Ordering::AcqRel);
+                self.inflight(cb).fetch_add(1, Ordering::AcqRel);
                 drop(core);
                 bio.push_end(self.clone(), KIND_HIT | tick | cb as u64);
                 bio.offset = cb as u64 * self.block_bytes + bio.offset % self.block_bytes;
@@ -333,7 +421,7 @@ impl Shared {
     /// (the block is invalidated, then the write goes to the origin) mode.
     fn worker_write_hit(self: &Arc<Self>, bio: Bio, ob: u64, cb: u32) {
         if self.mode == IoMode::Passthrough {
-            self.end_inflight(cb);
+            self.put_inflight(cb as u64);
             self.lock_block(ob);
             let ok = self.quiesce(ob, cb) && {
                 let mut core = self.core.lock();
@@ -352,19 +440,10 @@ impl Shared {
         let mut data = bio.data().to_vec();
         let st = submit_and_wait(&*self.origin, Op::Write, bio.offset, bio.len, &mut data);
         if st != Status::Ok {
-            self.end_inflight(cb);
+            self.put_inflight(cb as u64);
             return bio.complete(st);
         }
         self.map_cache(bio, cb);
-    }
-
-    /// A bio counted in flight to `cb` is done; wake a quiesce.
-    fn end_inflight(&self, cb: u32) {
-        if self.inflight[cb as usize].fetch_sub(1, Ordering::AcqRel) == 1
-            && self.migrating.load(Ordering::SeqCst) != 0
-        {
-            self.cv.notify_all();
-        }
     }
 
     /// Send a write hit already counted in flight to the cache device.
@@ -438,7 +517,7 @@ impl Shared {
 
     pub(super) fn idle(&self) -> bool {
         let last = self.last_io.load(Ordering::Relaxed);
-        blkstack_core::clock::now_ns().saturating_sub(last) >= IDLE_AFTER.as_nanos() as u64
+        coarse_now_ns().saturating_sub(last) >= IDLE_AFTER.as_nanos() as u64
     }
 
     /// The worker (`do_worker` + `check_migrations` + `do_waker`).
@@ -459,6 +538,14 @@ impl Shared {
             if last_commit.elapsed() >= COMMIT_PERIOD {
                 self.commit_if_changed();
                 last_commit = Instant::now();
+                let c = &self.counters;
+                tracing::trace!(
+                    read_hits = c.read_hit.load(Ordering::Relaxed),
+                    read_misses = c.read_miss.load(Ordering::Relaxed),
+                    promotions = c.promotion.load(Ordering::Relaxed),
+                    demotions = c.demotion.load(Ordering::Relaxed),
+                    "cache: counters"
+                );
             }
             let mut core = self.core.lock();
             // Go round again at once if a migration ended since (its
@@ -552,22 +639,12 @@ impl EndIo for Shared {
                     self.cv.notify_all();
                 }
             }
-            _ => {
-                if let Some(n) = self.inflight.get(index as usize) {
-                    if n.fetch_sub(1, Ordering::AcqRel) == 1
-                        && self.migrating.load(Ordering::SeqCst) != 0
-                    {
-                        self.cv.notify_all();
-                    }
-                }
-            }
+            _ => self.put_inflight(index),
         }
         if private & TICK != 0 {
             self.core.lock().policy.tick();
-            self.next_tick.store(
-                blkstack_core::clock::now_ns() + TICK_EVERY_NS,
-                Ordering::Relaxed,
-            );
+            self.next_tick
+                .store(coarse_now_ns() + TICK_EVERY_NS, Ordering::Relaxed);
             self.need_tick.store(true, Ordering::Relaxed);
         }
         bio.complete(status);

@@ -195,7 +195,7 @@ impl Shared {
         let deadline = Instant::now() + QUIESCE_LIMIT;
         let mut core = self.core.lock();
         loop {
-            let busy = self.inflight[cb as usize].load(Ordering::Acquire) != 0
+            let busy = self.inflight(cb).load(Ordering::SeqCst) != 0
                 || core.origin_writes.get(&ob).is_some_and(|&n| n > 0);
             if !busy {
                 return true;

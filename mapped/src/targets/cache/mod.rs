@@ -5,10 +5,12 @@
 //! errors, status and messages are the kernel's; `metadata.rs` is the
 //! on-disk format (`dm-cache-metadata.c`, formats 1 and 2), `smq.rs` the
 //! policies (`dm-cache-policy-smq.c`: smq, its `mq` alias and the
-//! cleaner), `io.rs` the I/O path and migrations. Judged by
+//! cleaner), `hits.rs` their mapping table, which read hits consult
+//! without the policy lock, `io.rs` the I/O path and migrations. Judged by
 //! `cache_check`/`cache_dump` and by the kernel's own dm-cache.
 
 mod cell;
+pub mod hits;
 pub mod io;
 pub mod metadata;
 mod migrate;

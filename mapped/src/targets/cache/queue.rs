@@ -241,10 +241,18 @@ impl Queue {
         }
     }
     /// `q_requeue`: move `e` up `extra` levels, swapping an entry of the
-    /// new level down into its place (before the sentinels `s`).
-    pub(super) fn requeue(&mut self, es: &mut Space, e: u32, extra: u32, s: Option<(u32, u32)>) {
+    /// new level down into its place (before the sentinels `s`); returns
+    /// the entry swapped down.
+    pub(super) fn requeue(
+        &mut self,
+        es: &mut Space,
+        e: u32,
+        extra: u32,
+        s: Option<(u32, u32)>,
+    ) -> Option<u32> {
         let level = es.0[e as usize].level;
         let new_level = (self.nr_levels() - 1).min(level + extra);
+        let mut swapped = None;
         if extra > 0 && level < self.nr_levels() - 1 {
             let mut passed = 0;
             let mut de = self.qs[new_level as usize].head;
@@ -260,11 +268,13 @@ impl Queue {
                     (Some((_, s2)), 1) => self.push_before(es, s2, de),
                     _ => self.push(es, de),
                 }
+                swapped = Some(de);
             }
         }
         self.del(es, e);
         es.0[e as usize].level = new_level;
         self.push(es, e);
+        swapped
     }
 }
 

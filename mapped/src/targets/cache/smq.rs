@@ -13,14 +13,21 @@
 //! which entries have not been hit for a period, so busy writeback only
 //! cleans entries older than that.
 //!
-//! Differences: the hash tables are `HashMap`s with a fast non-keyed
-//! hash (foldhash) rather than the kernel's index-chained buckets (the
-//! lookup is the same, and a hit pays for one hash as the kernel's does), and the background
-//! tracker is a bounded queue inside the policy.
+//! The mapping table is [`HitIndex`], index-chained as the kernel's, and
+//! mirrors each cache block's pending bit, hit bit and whether its level
+//! counts as a hit, so that a read hit that would change nothing here
+//! but the cache stats is served without the policy lock and counted in
+//! at the next tick (`hits.rs`).
+//!
+//! Differences: the hotspot table is a `HashMap` with a fast non-keyed
+//! hash (foldhash) rather than the kernel's index-chained buckets, and
+//! the background tracker is a bounded queue inside the policy.
 
+use super::hits::{HitIndex, HIT, HOT, PENDING};
 use super::queue::{Alloc, Entry, Perf, Queue, Space, Stats};
 use foldhash::{HashMap, HashSet};
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const NR_HOTSPOT_LEVELS: u32 = 64;
@@ -77,7 +84,7 @@ pub struct Smq {
     dirty: Queue,
     hotspot_stats: Stats,
     cache_stats: Stats,
-    table: HashMap<u64, u32>,
+    table: Arc<HitIndex>,
     hotspot_table: HashMap<u64, u32>,
     current_wb_sentinels: bool,
     next_wb_period: Instant,
@@ -151,7 +158,7 @@ impl Smq {
             dirty: Queue::new(NR_CACHE_LEVELS),
             hotspot_stats: Stats::new(NR_HOTSPOT_LEVELS),
             cache_stats: Stats::new(NR_CACHE_LEVELS),
-            table: HashMap::default(),
+            table: Arc::new(HitIndex::new(cache_size)),
             hotspot_table: HashMap::default(),
             current_wb_sentinels: false,
             next_wb_period: now + WRITEBACK_PERIOD,
@@ -288,17 +295,61 @@ impl Smq {
         if self.es.0[e as usize].pending {
             return;
         }
-        let cb = self.cblock_of(e) as usize;
-        if std::mem::replace(&mut self.cache_hit_bits[cb], true) {
+        let cb = self.cblock_of(e);
+        if std::mem::replace(&mut self.cache_hit_bits[cb as usize], true) {
             return;
         }
-        if !self.es.0[e as usize].dirty {
-            return self.clean.requeue(&mut self.es, e, 1, None);
+        self.table.set_flag(cb, HIT, true);
+        let swapped = if !self.es.0[e as usize].dirty {
+            self.clean.requeue(&mut self.es, e, 1, None)
+        } else {
+            let level = self.es.0[e as usize].level;
+            let s1 = self.sentinel(true, level, !self.current_wb_sentinels);
+            let s2 = self.sentinel(true, level, self.current_wb_sentinels);
+            self.dirty.requeue(&mut self.es, e, 1, Some((s1, s2)))
+        };
+        self.sync_hot(e);
+        if let Some(d) = swapped {
+            self.sync_hot(d);
         }
-        let level = self.es.0[e as usize].level;
-        let s1 = self.sentinel(true, level, !self.current_wb_sentinels);
-        let s2 = self.sentinel(true, level, self.current_wb_sentinels);
-        self.dirty.requeue(&mut self.es, e, 1, Some((s1, s2)));
+    }
+
+    /// The table's flags of a cache entry as the kernel's state of it
+    /// has them (set on insertion).
+    fn flags_of(&self, e: u32) -> u64 {
+        let en = &self.es.0[e as usize];
+        let mut f = 0;
+        if en.pending {
+            f |= PENDING;
+        }
+        if self.cache_hit_bits[self.cblock_of(e) as usize] {
+            f |= HIT;
+        }
+        if en.level >= self.cache_stats.hit_threshold {
+            f |= HOT;
+        }
+        f
+    }
+
+    /// Mirror a cache entry's level into the table's `HOT` flag.
+    fn sync_hot(&self, e: u32) {
+        if e >= self.cache_alloc.begin && self.es.0[e as usize].allocated {
+            let hot = self.es.0[e as usize].level >= self.cache_stats.hit_threshold;
+            self.table.set_flag(self.cblock_of(e), HOT, hot);
+        }
+    }
+
+    /// Mark a cache entry pending (or not), in the table too.
+    fn set_pending(&mut self, e: u32, pending: bool) {
+        self.es.0[e as usize].pending = pending;
+        if e >= self.cache_alloc.begin {
+            self.table.set_flag(self.cblock_of(e), PENDING, pending);
+        }
+    }
+
+    /// The mapping table, which the target reads without the lock.
+    pub fn index(&self) -> Arc<HitIndex> {
+        self.table.clone()
     }
 
     fn default_promote_level(&self) -> u32 {
@@ -328,6 +379,9 @@ impl Smq {
     /// the previous tick).
     pub fn tick(&mut self) {
         let now = Instant::now();
+        let (hits, misses) = self.table.take_fast_stats();
+        self.cache_stats.hits += hits;
+        self.cache_stats.misses += misses;
         self.update_sentinels(now);
         self.hotspot_hit_bits.iter_mut().for_each(|b| *b = false);
         self.update_promote_levels();
@@ -344,8 +398,12 @@ impl Smq {
         }
         if now > self.next_cache_period {
             self.cache_hit_bits.iter_mut().for_each(|b| *b = false);
+            self.table.clear_all(HIT);
             self.dirty.redistribute(&mut self.es);
             self.clean.redistribute(&mut self.es);
+            for e in self.cache_alloc.begin..self.es.0.len() as u32 {
+                self.sync_hot(e);
+            }
             self.cache_stats.hits = 0;
             self.cache_stats.misses = 0;
             self.next_cache_period = now + CACHE_UPDATE_PERIOD;
@@ -383,7 +441,7 @@ impl Smq {
         let Some(e) = self.dirty.peek(&self.es, NR_CACHE_LEVELS, idle) else {
             return;
         };
-        self.es.0[e as usize].pending = true;
+        self.set_pending(e, true);
         self.dirty.del(&mut self.es, e);
         let w = Work {
             op: WorkOp::Writeback,
@@ -391,7 +449,7 @@ impl Smq {
             cblock: self.cblock_of(e),
         };
         if !self.queue_work(w) {
-            self.es.0[e as usize].pending = false;
+            self.set_pending(e, false);
             self.dirty.push_front(&mut self.es, e);
         }
     }
@@ -406,7 +464,7 @@ impl Smq {
             }
             return;
         };
-        self.es.0[e as usize].pending = true;
+        self.set_pending(e, true);
         self.clean.del(&mut self.es, e);
         let w = Work {
             op: WorkOp::Demote,
@@ -414,7 +472,7 @@ impl Smq {
             cblock: self.cblock_of(e),
         };
         if !self.queue_work(w) {
-            self.es.0[e as usize].pending = false;
+            self.set_pending(e, false);
             self.clean.push_front(&mut self.es, e);
         }
     }
@@ -478,7 +536,8 @@ impl Smq {
     /// `smq_lookup`: the cache block holding `oblock`, counting the hit;
     /// on a miss, feed the hotspot queue and maybe queue a promotion.
     pub fn lookup(&mut self, oblock: u64, write: bool, fast_promote: bool) -> Option<u32> {
-        if let Some(&e) = self.table.get(&oblock) {
+        if let Some(cb) = self.table.lookup(oblock) {
+            let e = self.entry_of(cb);
             self.cache_stats.accessed(self.es.0[e as usize].level);
             self.requeue(e);
             return Some(self.cblock_of(e));
@@ -500,7 +559,7 @@ impl Smq {
     /// The cache block holding `oblock`, without counting anything (the
     /// target's own bookkeeping).
     pub fn peek_mapping(&self, oblock: u64) -> Option<u32> {
-        self.table.get(&oblock).map(|&e| self.cblock_of(e))
+        self.table.lookup(oblock)
     }
 
     /// Background work is queued for the worker.
@@ -528,7 +587,7 @@ impl Smq {
                     en.oblock = w.oblock;
                     en.level = NR_CACHE_LEVELS - 1;
                     en.dirty = false;
-                    self.table.insert(w.oblock, e);
+                    self.table.insert(w.oblock, w.cblock, self.flags_of(e));
                     self.push_queue(e);
                 } else {
                     self.cache_alloc.free(&mut self.es, e);
@@ -537,15 +596,16 @@ impl Smq {
             WorkOp::Demote => {
                 self.demotions_queued = self.demotions_queued.saturating_sub(1);
                 if success {
-                    self.table.remove(&w.oblock);
+                    self.table.remove(w.oblock, w.cblock);
+                    self.es.0[e as usize].pending = false;
                     self.cache_alloc.free(&mut self.es, e);
                 } else {
-                    self.es.0[e as usize].pending = false;
+                    self.set_pending(e, false);
                     self.push_queue(e);
                 }
             }
             WorkOp::Writeback => {
-                self.es.0[e as usize].pending = false;
+                self.set_pending(e, false);
                 self.push_queue(e);
             }
         }
@@ -577,7 +637,7 @@ impl Smq {
             Some(h) => h.min(NR_CACHE_LEVELS - 1),
             None => random_level(cblock),
         };
-        self.table.insert(oblock, e);
+        self.table.insert(oblock, cblock, self.flags_of(e));
         self.with_queue(e, |q, es| q.push_front(es, e));
     }
 
@@ -589,7 +649,7 @@ impl Smq {
             return false;
         }
         self.with_queue(e, |q, es| q.del(es, e));
-        self.table.remove(&en.oblock);
+        self.table.remove(en.oblock, cblock);
         self.cache_alloc.free(&mut self.es, e);
         true
     }
