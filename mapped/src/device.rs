@@ -313,7 +313,7 @@ impl Device for MappedDevice {
         // One table load serves both the range check and the mapping: the
         // table cannot change under us while this bio is counted in flight.
         let table = core.live.load();
-        let (lbs, ro) = (self.logical_block_size(), self.is_read_only());
+        let (lbs, ro) = (table.logical_block_size(), self.is_read_only());
         if let Err(s) = core.admission(&table, lbs, ro, &bio) {
             core.put_inflight();
             bio.complete(s);
@@ -345,7 +345,7 @@ impl Device for MappedDevice {
             return;
         }
         let table = core.live.load();
-        let (lbs, ro) = (self.logical_block_size(), self.is_read_only());
+        let (lbs, ro) = (table.logical_block_size(), self.is_read_only());
         for bio in bios.extract_if(.., |b| core.admission(&table, lbs, ro, b).is_err()) {
             let status = core
                 .admission(&table, lbs, ro, &bio)
