@@ -2,7 +2,7 @@
 # work-per-io.sh — what one I/O costs an NBD server, counted as work
 # (system calls, context switches, instructions), not as time.
 #
-# Why: CPU time per I/O on a shared 2-vCPU machine moves with the load
+# Why: CPU time per I/O on a shared machine moves with its load
 # (wake-up latency, preemption, cache), so a change that saves 10 % cannot
 # be seen in it. The counts here barely move with load: the system calls
 # and voluntary context switches (sleeps) the server makes per request,
