@@ -2,7 +2,7 @@
 //! tag is held by one owner at a time and freed exactly once, every sleeping
 //! waiter is woken (a rescue timeout turns a lost wakeup into a counted
 //! failure instead of a hang), and every bio completes exactly once. Sized
-//! to finish in a few seconds in debug builds on 2 vCPUs.
+//! to finish in a few seconds in debug builds on a small machine.
 #![cfg(not(loom))]
 
 use blkstack_core::{Bio, EndIo, IoBuf, Op, Status};

@@ -8,7 +8,7 @@
 //! Polling the socket for a short while instead of sleeping keeps the vCPU
 //! awake for the next request; it is a loss whenever the next request does
 //! not come soon (a 1 ms device, an idle client) or when another runnable
-//! thread — the client itself, on a 2-vCPU machine — needs the CPU the
+//! thread — the client itself, on a machine with few CPUs — needs the CPU the
 //! poller holds.
 //!
 //! The policy follows the kernel's `net.core.busy_read` / `SO_BUSY_POLL`

@@ -71,7 +71,7 @@ struct Workload {
     rw: RwMode,
     bs: u64,
     /// Jobs: upstream's sequential jobs run 1; the random ones run "many"
-    /// (16 on upstream's 8-core VM), here `--jobs` (default 2 on 2 vCPUs).
+    /// (16 on upstream's 8-core VM), here `--jobs` (default 2).
     many_jobs: bool,
     /// Bandwidth (MB/s) for sequential jobs, kIOPS for random ones, as the
     /// upstream's table reports them.
@@ -574,7 +574,7 @@ fn measure_point(cfg: &Config, w: &Workload, jobs: u32, svc: u64) -> Result<Poin
     let mut runs: [Vec<Figures>; 3] = Default::default();
     for round in 0..cfg.repeats {
         // Modes interleaved, so slow drift of the machine (other tenants
-        // on the 2 vCPUs) hits all three alike, and the order rotated
+        // of a shared host) hits all three alike, and the order rotated
         // each round, so no mode always runs first or always right after
         // another.
         for k in 0..WAITS.len() {
