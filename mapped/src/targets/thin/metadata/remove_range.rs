@@ -43,7 +43,7 @@ impl PoolMetadata {
         self.cache.forget_range(dev, begin, end);
         // The top-level tree lets go of the mapping tree, whose root
         // this reference keeps alive until it goes back in.
-        self.tm.meta.inc(sub);
+        self.tm.inc(sub)?;
         let root = self.root;
         self.root = btree::remove(&mut self.tm, root, dev, &mut device_trees(&mut self.data))?;
         let mut gone = Vec::with_capacity(end.saturating_sub(begin).min(REPORT_ROOM) as usize);
