@@ -350,6 +350,21 @@ fn more_than_64_bitmaps_write_index_entries_back_as_the_cache_evicts_them() {
     // now, changed in place).
     let entries = btree::walk::<IndexEntries>(&mut tm, data.index_root).unwrap();
     assert_eq!(entries.iter().map(|e| e.0).collect::<Vec<_>>(), vec![0, 1]);
+    // A lookup goes through the cache as `sm_ll_lookup` does (the
+    // discard passdown's `dm_pool_block_is_shared`): bitmap 0's entry
+    // takes its slot back, so bitmap 64's dirty one goes into the tree;
+    // a second lookup in bitmap 0 finds its entry cached.
+    assert_eq!(data.lookup(5), 0);
+    sm_disk::shadow_bitmaps(&mut tm, &mut data).unwrap();
+    let entries = btree::walk::<IndexEntries>(&mut tm, data.index_root).unwrap();
+    assert_eq!(
+        entries.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec![0, 1, 64]
+    );
+    let root = data.index_root;
+    assert_eq!(data.lookup(6), 0);
+    sm_disk::shadow_bitmaps(&mut tm, &mut data).unwrap();
+    assert_eq!(data.index_root, root);
     // The commit writes the other 64 back, in slot order.
     let r = sm_disk::commit(&mut tm, &mut data).unwrap();
     let entries = btree::walk::<IndexEntries>(&mut tm, r.bitmap_root).unwrap();

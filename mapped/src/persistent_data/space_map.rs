@@ -296,6 +296,17 @@ impl SpaceMap {
         (c as i64 + adj).clamp(0, u32::MAX as i64) as u32
     }
 
+    /// Block `b`'s count as the kernel's `sm_ll_lookup` reads it: a disk
+    /// space map loads the bitmap's index entry through its cache
+    /// ([`Todo::Load`]), which may write another dirty entry back.
+    pub fn lookup(&mut self, b: u64) -> u32 {
+        if !self.self_counting && b < self.nr_blocks() {
+            self.todo
+                .push_back(Todo::Load((b / ENTRIES_PER_BITMAP) as usize));
+        }
+        self.get(b)
+    }
+
     /// Whether this is the metadata space map, which counts the blocks
     /// it is stored in.
     pub fn is_self_counting(&self) -> bool {
