@@ -107,14 +107,19 @@ fn read_all(dev: &dyn Device) -> Vec<u8> {
 }
 
 fn pool_reg(meta: &Path, data: &Path) -> Arc<Registry> {
+    pool_reg_sized(meta, data, DATA_SECTORS)
+}
+
+/// [`pool_reg`] over a data device of `data_sectors`.
+fn pool_reg_sized(meta: &Path, data: &Path, data_sectors: u64) -> Arc<Registry> {
     let reg = Registry::new();
     reg.create("meta", &format!("0 {META_SECTORS} file {}", meta.display()))
         .unwrap();
-    reg.create("data", &format!("0 {DATA_SECTORS} file {}", data.display()))
+    reg.create("data", &format!("0 {data_sectors} file {}", data.display()))
         .unwrap();
     reg.create(
         "pool",
-        &format!("0 {DATA_SECTORS} thin-pool meta data 128 0"),
+        &format!("0 {data_sectors} thin-pool meta data 128 0"),
     )
     .unwrap();
     reg

@@ -91,8 +91,8 @@ impl<V: ValueType> ValueType for Blocks<'_, V> {
     fn pack(v: &u64, out: &mut [u8]) {
         out[..8].copy_from_slice(&v.to_le_bytes());
     }
-    fn inc(&mut self, tm: &mut Tm, b: &u64) {
-        tm.meta.inc(*b);
+    fn inc(&mut self, tm: &mut Tm, b: &u64) -> Result<(), PdError> {
+        tm.inc(*b)
     }
     fn dec(&mut self, tm: &mut Tm, b: &u64) -> Result<(), PdError> {
         if tm.meta.get(*b) == 1 {
@@ -104,7 +104,7 @@ impl<V: ValueType> ValueType for Blocks<'_, V> {
             }
             tm.unqueue_raw(*b);
         }
-        tm.meta.dec(*b)?;
+        tm.dec(*b)?;
         Ok(())
     }
 }
@@ -132,22 +132,29 @@ fn insert_new<V: ValueType>(
     let mut raw = vec![0u8; BLOCK_SIZE];
     put32(&mut raw, 4, max_entries(V::SIZE));
     put32(&mut raw, 12, V::SIZE as u32);
-    fill(tm, &mut raw, nr, vt, value);
+    fill(tm, &mut raw, nr, vt, value)?;
     let b = tm.new_raw(raw)?;
     reseal(tm, b);
     btree::insert_value(tm, root, index, &mut Blocks(vt), b)
 }
 
 /// `fill_ablock`: pad the block out to `new_nr` copies of `value`.
-fn fill<V: ValueType>(tm: &mut Tm, raw: &mut [u8], new_nr: u32, vt: &mut V, value: &V::Value) {
+fn fill<V: ValueType>(
+    tm: &mut Tm,
+    raw: &mut [u8],
+    new_nr: u32,
+    vt: &mut V,
+    value: &V::Value,
+) -> Result<(), PdError> {
     let mut packed = [0u8; MAX_VALUE_SIZE];
     V::pack(value, &mut packed);
     for i in nr_entries(raw)..new_nr {
-        vt.inc(tm, value);
+        vt.inc(tm, value)?;
         let at = entry(i, V::SIZE);
         raw[at..at + V::SIZE].copy_from_slice(&packed[..V::SIZE]);
     }
     put32(raw, 8, new_nr);
+    Ok(())
 }
 
 /// `shadow_ablock`: the array block at block index `index`, made this
@@ -166,7 +173,7 @@ fn shadow_ablock<V: ValueType>(
     check_shape::<V>(&raw, b)?;
     if shared {
         for i in 0..nr_entries(&raw) {
-            vt.inc(tm, &V::unpack(&raw[entry(i, V::SIZE)..]));
+            vt.inc(tm, &V::unpack(&raw[entry(i, V::SIZE)..]))?;
         }
     }
     if copy == b {
@@ -175,7 +182,7 @@ fn shadow_ablock<V: ValueType>(
     reseal(tm, copy);
     // The shadow dropped the btree's reference to `b`; the insert below
     // drops it again when it overwrites the value (`__reinsert_ablock`).
-    tm.meta.inc(b);
+    tm.inc(b)?;
     let root = btree::insert_value(tm, root, index, &mut Blocks(vt), copy)?;
     Ok((root, copy))
 }
@@ -266,7 +273,7 @@ fn extend_tail<V: ValueType>(
 ) -> Result<u64, PdError> {
     let (root, b) = shadow_ablock(tm, root, index, vt)?;
     let mut raw = tm.raw_block(b, &check_nothing)?;
-    fill(tm, &mut raw, new_nr, vt, value);
+    fill(tm, &mut raw, new_nr, vt, value)?;
     seal_at(&mut raw, b);
     if let Some(slot) = tm.raw_mut(b) {
         *slot = raw;
@@ -323,7 +330,7 @@ pub fn set<V: ValueType>(
     let old = V::unpack(&raw[at..]);
     if !vt.equal(&old, value) {
         vt.dec(tm, &old)?;
-        vt.inc(tm, value);
+        vt.inc(tm, value)?;
     }
     let mut packed = [0u8; MAX_VALUE_SIZE];
     V::pack(value, &mut packed);

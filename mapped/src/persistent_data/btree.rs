@@ -244,9 +244,9 @@ pub(super) fn inc_children<V: ValueType>(
     }
     for i in 0..n.len() {
         if n.leaf {
-            vt.inc(tm, &value_of::<V>(n, i));
+            vt.inc(tm, &value_of::<V>(n, i))?;
         } else {
-            tm.meta.inc(n.value_u64(i));
+            tm.inc(n.value_u64(i))?;
         }
     }
     Ok(())
@@ -407,7 +407,7 @@ pub fn build<V: ValueType>(
 ) -> Result<u64, PdError> {
     const { assert!(V::SIZE <= MAX_VALUE_SIZE) };
     for (_, v) in entries {
-        vt.inc(tm, v);
+        vt.inc(tm, v)?;
     }
     let mut level: Vec<(u64, u64)> = Vec::new();
     let mut packed = [0u8; MAX_VALUE_SIZE];
@@ -463,7 +463,7 @@ fn del_at<V: ValueType>(tm: &mut Tm, root: u64, vt: &mut V, depth: usize) -> Res
         return Err(too_deep(root));
     }
     if tm.meta.get(root) > 1 {
-        tm.meta.dec(root)?;
+        tm.dec(root)?;
         return Ok(());
     }
     let n = tm.node(root)?;
@@ -477,7 +477,7 @@ fn del_at<V: ValueType>(tm: &mut Tm, root: u64, vt: &mut V, depth: usize) -> Res
             del_at(tm, n.value_u64(i), vt, depth + 1)?;
         }
     }
-    tm.meta.dec(root)?;
+    tm.dec(root)?;
     tm.forget(root);
     Ok(())
 }

@@ -59,7 +59,7 @@ fn put(tm: &mut Tm, b: u64, n: Node) {
 /// Drop a reference to node `b`; the last one frees it (its children
 /// are referred to elsewhere by now).
 fn dec_node(tm: &mut Tm, b: u64) -> Result<(), PdError> {
-    if tm.meta.dec(b)? == 0 {
+    if tm.dec(b)? == 0 {
         tm.forget(b);
     }
     Ok(())

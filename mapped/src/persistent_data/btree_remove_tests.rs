@@ -41,8 +41,9 @@ impl<const N: usize> ValueType for Counted<N> {
         out[..8].copy_from_slice(&v.to_le_bytes());
         out[8..N].fill(0);
     }
-    fn inc(&mut self, _tm: &mut Tm, v: &u64) {
+    fn inc(&mut self, _tm: &mut Tm, v: &u64) -> Result<(), PdError> {
         *self.0.entry(*v).or_default() += 1;
+        Ok(())
     }
     fn dec(&mut self, _tm: &mut Tm, v: &u64) -> Result<(), PdError> {
         let c = self.0.entry(*v).or_default();
@@ -201,7 +202,7 @@ impl<const N: usize> World<N> {
         let v = self.next_value;
         self.next_value += 1;
         // The caller's reference, which the tree takes over.
-        self.vt.inc(&mut self.tm, &v);
+        self.vt.inc(&mut self.tm, &v).expect("inc");
         self.root =
             btree::insert_value(&mut self.tm, self.root, k, &mut self.vt, v).expect("insert");
         self.model.insert(k, v);

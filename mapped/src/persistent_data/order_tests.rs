@@ -195,8 +195,8 @@ fn a_count_above_two_goes_into_the_reference_count_tree_as_it_changes() {
     // Two more references to 4: the first copies the bitmap (3 to 5), the
     // second takes the count to 3, which the reference count tree takes:
     // its root (2, committed) copied to 6.
-    tm.meta.inc(4);
-    tm.meta.inc(4);
+    tm.inc(4).unwrap();
+    tm.inc(4).unwrap();
     let mut kept = None;
     commit(&mut tm, |r| {
         kept = Some(r);
@@ -215,7 +215,7 @@ fn a_count_above_two_goes_into_the_reference_count_tree_as_it_changes() {
     assert_eq!(again.meta.get(4), 3);
     // Back to 2: the bitmap copied first (5 to 8), then the entry's leaf
     // (6 to 9) before the entry is removed; the index to 10.
-    tm.meta.dec(4).unwrap();
+    tm.dec(4).unwrap();
     commit(&mut tm, |r| {
         kept = Some(r);
         sb(r)
@@ -228,6 +228,53 @@ fn a_count_above_two_goes_into_the_reference_count_tree_as_it_changes() {
         .unwrap()
         .is_empty());
     assert_eq!(open(dev, r).unwrap().meta.get(4), 2);
+}
+
+#[test]
+fn the_reference_count_tree_changes_before_a_block_freed_after_it() {
+    let dev = dev();
+    let mut tm = format(dev.clone(), 16);
+    commit(&mut tm, sb).unwrap();
+    assert_eq!(used(&tm), vec![0, 1, 2, 3]);
+    // 4, its bitmap's copy (3 to 5), then 6 to 15: the cursor at the end.
+    let raw = || vec![0u8; super::BLOCK_SIZE];
+    let a = tm.new_raw(raw()).unwrap();
+    assert_eq!(a, 4);
+    let rest: Vec<u64> = (0..10).map(|_| tm.new_raw(raw()).unwrap()).collect();
+    assert_eq!(rest, (6..16).collect::<Vec<_>>());
+    // 9, made and freed in this transaction, is free at once.
+    tm.unqueue_raw(9);
+    assert_eq!(tm.dec(9).unwrap(), 0);
+    // Block 4 counted 3: `sm_ll_inc_bitmap` inserts it into the reference
+    // count tree at once, whose root (2, committed) is copied to the
+    // first block free now and at the commit from the cursor, wrapped:
+    // 9.
+    tm.inc(a).unwrap();
+    tm.inc(a).unwrap();
+    assert_eq!(tm.meta.rc_root, 9);
+    assert_eq!(tm.meta.get(2), 0, "the old root let go");
+    // 7 freed after it: the next block is 7 (the cursor past 9 wraps
+    // again). Were the tree changed at the next block handed out instead,
+    // its root would take 7 and this block 9.
+    tm.unqueue_raw(7);
+    tm.dec(7).unwrap();
+    assert_eq!(tm.new_raw(raw()).unwrap(), 7);
+    // Room for the commit's copy of the index block.
+    tm.unqueue_raw(12);
+    tm.dec(12).unwrap();
+    let mut kept = None;
+    commit(&mut tm, |r| {
+        kept = Some(r);
+        sb(r)
+    })
+    .unwrap();
+    let r = kept.unwrap();
+    assert_eq!((r.ref_count_root, r.bitmap_root), (9, 12));
+    assert_eq!(
+        btree::walk::<super::value_type::Le32>(&mut tm, 9).unwrap(),
+        vec![(4, 3)]
+    );
+    assert_eq!(open(dev, r).unwrap().meta.get(4), 3);
 }
 
 #[test]
@@ -303,6 +350,21 @@ fn more_than_64_bitmaps_write_index_entries_back_as_the_cache_evicts_them() {
     // now, changed in place).
     let entries = btree::walk::<IndexEntries>(&mut tm, data.index_root).unwrap();
     assert_eq!(entries.iter().map(|e| e.0).collect::<Vec<_>>(), vec![0, 1]);
+    // A lookup goes through the cache as `sm_ll_lookup` does (the
+    // discard passdown's `dm_pool_block_is_shared`): bitmap 0's entry
+    // takes its slot back, so bitmap 64's dirty one goes into the tree;
+    // a second lookup in bitmap 0 finds its entry cached.
+    assert_eq!(data.lookup(5), 0);
+    sm_disk::shadow_bitmaps(&mut tm, &mut data).unwrap();
+    let entries = btree::walk::<IndexEntries>(&mut tm, data.index_root).unwrap();
+    assert_eq!(
+        entries.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec![0, 1, 64]
+    );
+    let root = data.index_root;
+    assert_eq!(data.lookup(6), 0);
+    sm_disk::shadow_bitmaps(&mut tm, &mut data).unwrap();
+    assert_eq!(data.index_root, root);
     // The commit writes the other 64 back, in slot order.
     let r = sm_disk::commit(&mut tm, &mut data).unwrap();
     let entries = btree::walk::<IndexEntries>(&mut tm, r.bitmap_root).unwrap();

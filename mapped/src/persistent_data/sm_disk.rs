@@ -137,7 +137,7 @@ pub fn shadow_bitmaps(tm: &mut Tm, sm: &mut SpaceMap) -> Result<(), PdError> {
                 };
                 let old = sm.set_bitmap_block(i, new);
                 if old != 0 {
-                    tm.meta.dec(old)?;
+                    tm.dec(old)?;
                 }
             }
             Todo::Rc(op) => {

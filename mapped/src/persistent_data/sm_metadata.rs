@@ -3,8 +3,10 @@
 //! counts the metadata device's blocks, its own blocks among them. Its
 //! bitmaps are indexed by one index block (`struct
 //! disk_metadata_index`), not a btree, so committing it changes no
-//! btree. Its reference count tree changes as counts above 2 do. Its blocks are handed out in the
-//! kernel's order (`space_map.rs`).
+//! btree. Its reference count tree changes as counts above 2 do, inside
+//! the count change as the kernel's `sm_ll_inc`/`sm_ll_dec` make them
+//! (`Tm::inc`). Its blocks are handed out in the kernel's order
+//! (`space_map.rs`).
 
 use super::bitmap::{self, SmRoot, ENTRIES_PER_BITMAP};
 use super::btree;
@@ -46,9 +48,10 @@ pub(super) fn apply_rc(tm: &mut Tm, root: u64, op: RcOp) -> Result<u64, PdError>
     }
 }
 
-/// Make the metadata space map's reference count tree changes still to
-/// be made (the kernel makes each as the count changes; here they wait
-/// for the next block to be handed out, or the commit). The tree's own
+/// Make the reference count tree changes a bare count change left
+/// waiting: a change made on the map itself rather than through the
+/// transaction manager (which makes them at once, `Tm::inc`), as a
+/// growth of the map or a bare map in tests does. The tree's own
 /// blocks change counts too: their changes are made in turn.
 pub fn flush_rc(tm: &mut Tm) -> Result<(), PdError> {
     if !tm.begin_rc_flush() {
@@ -76,15 +79,17 @@ pub fn flush_rc(tm: &mut Tm) -> Result<(), PdError> {
 pub fn commit(tm: &mut Tm) -> Result<SmRoot, PdError> {
     flush_rc(tm)?;
     let rc_root = tm.meta.rc_root;
-    let meta = &mut tm.meta;
+    let meta = &tm.meta;
     if !meta.index_changed && !meta.index_fresh {
         return Ok(sm_root(meta, meta.index_root, rc_root));
     }
-    if !meta.index_fresh {
-        let new = meta.alloc().ok_or(PdError::NoMetadataSpace)?;
-        let old = std::mem::replace(&mut meta.index_root, new);
-        meta.dec(old)?;
-        meta.index_fresh = true;
+    if !tm.meta.index_fresh {
+        // `metadata_ll_commit`'s `dm_tm_shadow_block`: the new block,
+        // then the old one let go.
+        let new = tm.alloc()?;
+        let old = std::mem::replace(&mut tm.meta.index_root, new);
+        tm.dec(old)?;
+        tm.meta.index_fresh = true;
     }
     let index_block = tm.meta.index_root;
     let mut index = Vec::with_capacity(tm.meta.nr_bitmaps());

@@ -29,11 +29,15 @@
 //! kernel keeps them (`sm_ll_inc_bitmap`, `sm_ll_dec_bitmap`): a count
 //! going from 2 to 3 is inserted, one changing above 2 is overwritten in
 //! its leaf (`btree_get_overwrite_leaf`), one going from 3 to 2 removed.
-//! The map records each such change ([`RcOp`]) and its owner, who holds
-//! the transaction manager the btree needs, applies them in order
-//! (`sm_metadata::flush_rc`, `sm_disk::shadow_bitmaps`) before the next
-//! metadata block is handed out, so the tree's nodes take the blocks the
-//! kernel's do.
+//! The map hands each such change ([`RcOp`]) to its owner, who holds the
+//! transaction manager the btree needs. The metadata space map's owner,
+//! the transaction manager, makes it at once, inside the count change,
+//! with the map recursing (`Tm::inc`, `Tm::dec`, `Tm::alloc`: the
+//! kernel's `in()`/`out()`): the counts the tree's own blocks change
+//! wait in the map's queue of block operations (`add_bop`) and are
+//! applied when the outermost change ends (`apply_bops`). A disk space
+//! map's owner makes them right after each change
+//! (`sm_disk::shadow_bitmaps`).
 //!
 //! Where this differs from the kernel: every count is a `u32` in memory
 //! (4 bytes per block of the device, read whole at open).
@@ -47,7 +51,15 @@ pub enum RefCountError {
     /// The block's count is already 0 (the kernel's -EINVAL).
     #[error("space map common: unable to decrement block {0}: its reference count is 0")]
     BelowZero(u64),
+    /// More count changes wait inside one change than the kernel's
+    /// ring of block operations holds (`add_bop`'s -ENOMEM).
+    #[error("space map metadata: too many recursive allocations")]
+    TooManyRecursive,
 }
+
+/// `MAX_RECURSIVE_ALLOCATIONS`: the count changes that may wait inside
+/// one change of the metadata space map.
+const MAX_RECURSIVE_ALLOCATIONS: usize = 1024;
 
 /// A change to the reference count tree that a count change needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,8 +143,10 @@ pub struct SpaceMap {
     /// The map counts the blocks it is stored in (the metadata space
     /// map): its bitmaps' new blocks are its own.
     self_counting: bool,
-    /// Count changes made while one is being applied (`uncommitted`).
+    /// Count changes made while one is being applied (`uncommitted`,
+    /// the kernel's `bop_ring_buffer`).
     pending: VecDeque<(u64, bool)>,
+    /// A change is being applied (`recursion_count` above 0).
     applying: bool,
     /// The metadata space map is growing (`sm_metadata_extend`'s
     /// bootstrap mode): new blocks are the next ones, uncounted.
@@ -266,8 +280,95 @@ impl SpaceMap {
 
     /// Block `b`'s reference count (kernel `sm_get_count`); 0 beyond the
     /// map.
+    /// For the metadata space map inside a change, the changes still
+    /// waiting count (`sm_metadata_get_count` adds them).
     pub fn get(&self, b: u64) -> u32 {
-        self.counts.get(b as usize).copied().unwrap_or(0)
+        let c = self.counts.get(b as usize).copied().unwrap_or(0);
+        if self.pending.is_empty() {
+            return c;
+        }
+        let adj: i64 = self
+            .pending
+            .iter()
+            .filter(|&&(p, _)| p == b)
+            .map(|&(_, inc)| if inc { 1 } else { -1 })
+            .sum();
+        (c as i64 + adj).clamp(0, u32::MAX as i64) as u32
+    }
+
+    /// Block `b`'s count as the kernel's `sm_ll_lookup` reads it: a disk
+    /// space map loads the bitmap's index entry through its cache
+    /// ([`Todo::Load`]), which may write another dirty entry back.
+    pub fn lookup(&mut self, b: u64) -> u32 {
+        if !self.self_counting && b < self.nr_blocks() {
+            self.todo
+                .push_back(Todo::Load((b / ENTRIES_PER_BITMAP) as usize));
+        }
+        self.get(b)
+    }
+
+    /// Whether this is the metadata space map, which counts the blocks
+    /// it is stored in.
+    pub fn is_self_counting(&self) -> bool {
+        self.self_counting
+    }
+
+    /// `in()`: a change starts; false when one is being applied already
+    /// (the caller is recursing and queues with [`Self::add_bop`]).
+    pub(super) fn enter(&mut self) -> bool {
+        !std::mem::replace(&mut self.applying, true)
+    }
+
+    /// The outermost change ended (`out()` after `apply_bops`).
+    pub(super) fn leave(&mut self) {
+        self.applying = false;
+        // Left over only when a change failed; the transaction is
+        // aborted and the map read again.
+        self.pending.clear();
+    }
+
+    /// `add_bop`: a count change made inside another waits for it;
+    /// returns the count it leaves as [`Self::get`] sees it.
+    pub(super) fn add_bop(&mut self, b: u64, inc: bool) -> Result<u32, RefCountError> {
+        if self.pending.len() >= MAX_RECURSIVE_ALLOCATIONS {
+            tracing::error!("too many recursive allocations");
+            return Err(RefCountError::TooManyRecursive);
+        }
+        let now = self.get(b);
+        if !inc && now == 0 {
+            tracing::error!(block = b, "space map common: unable to decrement block");
+            return Err(RefCountError::BelowZero(b));
+        }
+        self.pending.push_back((b, inc));
+        Ok(if inc { now.saturating_add(1) } else { now - 1 })
+    }
+
+    /// The oldest count change waiting (`apply_bops`' `brb_peek` and
+    /// `brb_pop`).
+    pub(super) fn pop_bop(&mut self) -> Option<(u64, bool)> {
+        self.pending.pop_front()
+    }
+
+    /// `sm_ll_inc`/`sm_ll_dec` of one block of the metadata space map,
+    /// inside a change ([`Self::enter`]): its bitmap copied on its first
+    /// change (the copy's count and the old block's drop queued), the
+    /// count changed; returns the reference count tree change the owner
+    /// makes now, before anything queued.
+    pub(super) fn ll_change(&mut self, b: u64, inc: bool) -> Result<Option<RcOp>, RefCountError> {
+        if !inc && self.counts.get(b as usize).copied().unwrap_or(0) == 0 {
+            tracing::error!(block = b, "space map common: unable to decrement block");
+            return Err(RefCountError::BelowZero(b));
+        }
+        Ok(self.apply(b, inc))
+    }
+
+    /// `sm_ll_find_common_free_block` for `sm_metadata_new_block_`: the
+    /// block to hand out, the cursor moved past it; the caller counts it.
+    pub(super) fn find_new(&mut self) -> Option<u64> {
+        let b = self.find_common_free()?;
+        self.begin = b + 1;
+        self.new_this_transaction += 1;
+        Some(b)
     }
 
     /// Every block's count, in block order.
@@ -303,17 +404,18 @@ impl SpaceMap {
             return;
         }
         self.applying = true;
-        self.apply(b, inc);
-        while let Some((b, inc)) = self.pending.pop_front() {
-            self.apply(b, inc);
-        }
-        self.applying = false;
+        let rc = self.apply(b, inc);
+        self.todo.extend(rc.map(Todo::Rc));
+        self.drain_pending();
     }
 
-    fn apply(&mut self, b: u64, inc: bool) {
+    /// One count change; returns the reference count tree change it
+    /// needs. A disk space map queues its index entry's load and save
+    /// around it.
+    fn apply(&mut self, b: u64, inc: bool) -> Option<RcOp> {
         let Some(&old) = self.counts.get(b as usize) else {
             tracing::error!(block = b, "reference count of a block beyond the space map");
-            return;
+            return None;
         };
         let i = (b / ENTRIES_PER_BITMAP) as usize;
         if !self.self_counting {
@@ -345,11 +447,14 @@ impl SpaceMap {
             (true, false) => Some(RcOp::Remove(b)),
             (false, false) => None,
         };
-        self.todo.extend(rc.map(Todo::Rc));
         if !self.self_counting {
+            self.todo.extend(rc.map(Todo::Rc));
             self.todo.push_back(Todo::Save(i));
+            self.index_changed = true;
+            return None;
         }
         self.index_changed = true;
+        rc
     }
 
     /// The first change to bitmap `i` in this transaction: it moves to a
@@ -565,10 +670,15 @@ impl SpaceMap {
     }
 
     /// Apply the count changes waiting, in order (`apply_bops`).
+    /// Without an owner to make them (a change made on the map itself,
+    /// or its growth), reference count tree changes wait for the next
+    /// [`Self::next_todo`]; the metadata space map's owner makes them at
+    /// once instead (`Tm::inc`).
     fn drain_pending(&mut self) {
         self.applying = true;
         while let Some((b, inc)) = self.pending.pop_front() {
-            self.apply(b, inc);
+            let rc = self.apply(b, inc);
+            self.todo.extend(rc.map(Todo::Rc));
         }
         self.applying = false;
     }

@@ -65,8 +65,9 @@ impl ValueType for Counted {
     fn pack(v: &u64, out: &mut [u8]) {
         out[..8].copy_from_slice(&v.to_le_bytes());
     }
-    fn inc(&mut self, _tm: &mut Tm, v: &u64) {
+    fn inc(&mut self, _tm: &mut Tm, v: &u64) -> Result<(), PdError> {
         *self.0.entry(*v).or_default() += 1;
+        Ok(())
     }
     fn dec(&mut self, _tm: &mut Tm, v: &u64) -> Result<(), PdError> {
         *self.0.entry(*v).or_default() -= 1;

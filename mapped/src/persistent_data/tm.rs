@@ -91,12 +91,75 @@ impl Tm {
         self.rc_flushing = false;
     }
 
-    /// A new metadata block (`dm_sm_new_block`), the reference count
-    /// tree changes waiting made first so their blocks come first, as in
-    /// the kernel.
+    /// A new metadata block (`dm_sm_new_block`,
+    /// `sm_metadata_new_block_`): the first free one from the cursor,
+    /// counted as [`Self::inc`] counts.
     pub fn alloc(&mut self) -> Result<u64, PdError> {
-        super::sm_metadata::flush_rc(self)?;
-        self.meta.alloc().ok_or(PdError::NoMetadataSpace)
+        if !self.meta.is_self_counting() {
+            super::sm_metadata::flush_rc(self)?;
+            return self.meta.alloc().ok_or(PdError::NoMetadataSpace);
+        }
+        let b = self.meta.find_new().ok_or(PdError::NoMetadataSpace)?;
+        self.sm_change(b, true)?;
+        Ok(b)
+    }
+
+    /// One more reference to metadata block `b` (`dm_tm_inc`,
+    /// `sm_metadata_inc_block`).
+    pub fn inc(&mut self, b: u64) -> Result<(), PdError> {
+        self.sm_change(b, true).map(|_| ())
+    }
+
+    /// One reference less to metadata block `b` (`dm_tm_dec`,
+    /// `sm_metadata_dec_block`); returns the count left. A block whose
+    /// count is 0 is refused ([`super::space_map::RefCountError`]).
+    pub fn dec(&mut self, b: u64) -> Result<u32, PdError> {
+        self.sm_change(b, false)
+    }
+
+    /// A count change of the metadata space map as the kernel makes it.
+    /// Outside any other change (`in()`), the bitmap entry changes and a
+    /// count above 2 changes in the reference count tree at once; the
+    /// blocks that tree change and the bitmap's copy take and let go are
+    /// counted after it, in order (`out()`, `apply_bops`), each of those
+    /// changes made the same way. Inside another change (the tree's own
+    /// node copies), the change waits in that queue (`add_bop`). So a
+    /// block freed after a change is never one the change's tree nodes
+    /// could take.
+    fn sm_change(&mut self, b: u64, inc: bool) -> Result<u32, PdError> {
+        if !self.meta.is_self_counting() {
+            // A bare map (tests): no tree to change.
+            let left = if inc {
+                self.meta.inc(b);
+                self.meta.get(b)
+            } else {
+                self.meta.dec(b)?
+            };
+            super::sm_metadata::flush_rc(self)?;
+            return Ok(left);
+        }
+        if !self.meta.enter() {
+            return Ok(self.meta.add_bop(b, inc)?);
+        }
+        let r = self.ll_change(b, inc).and_then(|_| {
+            while let Some((b, inc)) = self.meta.pop_bop() {
+                self.ll_change(b, inc)?;
+            }
+            Ok(())
+        });
+        self.meta.leave();
+        r?;
+        Ok(self.meta.get(b))
+    }
+
+    /// `sm_ll_inc`/`sm_ll_dec` of one metadata block, inside a change:
+    /// the bitmap, then the reference count tree.
+    fn ll_change(&mut self, b: u64, inc: bool) -> Result<(), PdError> {
+        if let Some(op) = self.meta.ll_change(b, inc)? {
+            let root = self.meta.rc_root;
+            self.meta.rc_root = super::sm_metadata::apply_rc(self, root, op)?;
+        }
+        Ok(())
     }
 
     /// Read metadata block `b` from the device, bypassing the cache.
@@ -164,14 +227,13 @@ impl Tm {
     /// (queued, its location still to be sealed in by the caller). The
     /// flag says the original was shared, as [`Self::shadow`]'s does.
     pub fn shadow_raw(&mut self, b: u64, check: &BlockCheck) -> Result<(u64, bool), PdError> {
-        super::sm_metadata::flush_rc(self)?;
         let count = self.meta.get(b);
         if self.raw_dirty.contains_key(&b) && count == 1 {
             return Ok((b, false));
         }
         let data = self.raw_block(b, check)?;
         let copy = self.new_raw(data)?;
-        if self.meta.dec(b)? == 0 {
+        if self.dec(b)? == 0 {
             self.raw_dirty.remove(&b);
         }
         Ok((copy, count > 1))
@@ -253,14 +315,13 @@ impl Tm {
     /// has one more referrer now (the caller, who knows what the values
     /// are, adds those references: `dm-btree-spine.c` `inc_children`).
     pub fn shadow(&mut self, b: u64) -> Result<(u64, bool), PdError> {
-        super::sm_metadata::flush_rc(self)?;
         let count = self.meta.get(b);
         if self.shadows.contains(&b) && count == 1 {
             return Ok((b, false));
         }
         let n = self.node(b)?;
         let copy = self.new_node((*n).clone())?;
-        self.meta.dec(b)?;
+        self.dec(b)?;
         Ok((copy, count > 1))
     }
 
@@ -270,9 +331,9 @@ impl Tm {
     /// block, then the reference dropped, as the kernel does. Returns the
     /// copy's block; the caller queues its contents.
     pub fn copy_superblock(&mut self, at: u64) -> Result<u64, PdError> {
-        self.meta.inc(at);
+        self.inc(at)?;
         let copy = self.alloc()?;
-        self.meta.dec(at)?;
+        self.dec(at)?;
         Ok(copy)
     }
 

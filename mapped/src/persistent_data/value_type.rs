@@ -26,7 +26,9 @@ pub trait ValueType {
     fn pack(v: &Self::Value, out: &mut [u8]);
     /// One more copy of `v` exists (a shared leaf was copied): take the
     /// reference it holds.
-    fn inc(&mut self, _tm: &mut Tm, _v: &Self::Value) {}
+    fn inc(&mut self, _tm: &mut Tm, _v: &Self::Value) -> Result<(), PdError> {
+        Ok(())
+    }
     /// A copy of `v` is gone: drop the reference it held.
     fn dec(&mut self, _tm: &mut Tm, _v: &Self::Value) -> Result<(), PdError> {
         Ok(())
@@ -87,8 +89,8 @@ impl<V: ValueType> ValueType for Subtrees<V> {
     fn pack(v: &u64, out: &mut [u8]) {
         out[..8].copy_from_slice(&v.to_le_bytes());
     }
-    fn inc(&mut self, tm: &mut Tm, root: &u64) {
-        tm.meta.inc(*root);
+    fn inc(&mut self, tm: &mut Tm, root: &u64) -> Result<(), PdError> {
+        tm.inc(*root)
     }
     fn dec(&mut self, tm: &mut Tm, root: &u64) -> Result<(), PdError> {
         btree::del(tm, *root, &mut self.0)

@@ -3,9 +3,12 @@
 //! `dm-btree.c` of 6.12). Both run the same steps on fresh pools and
 //! compare the used metadata blocks after each; over the same metadata,
 //! the same messages must leave the same status and superblock roots;
-//! and a pool of more data bitmaps than the index entry cache holds has
-//! its metadata device grown, with the same status and roots. A module
-//! of `kernel_thin.rs`, whose helpers it uses, to keep both files short.
+//! a pool of more data bitmaps than the index entry cache holds has
+//! its metadata device grown, with the same status and roots; and over
+//! a pool blkstack filled, one write each makes a full leaf split two
+//! into three and another move entries to its right sibling, with the
+//! same status and roots. A module of `kernel_thin.rs`, whose helpers
+//! it uses, to keep both files short.
 
 use super::*;
 
@@ -72,6 +75,17 @@ dmsetup message gpool 0 reserve_metadata_snap || fail "reserve"
 st gpool
 echo "END grown"
 dmsetup remove gpool; dmsetup remove gm || fail "remove gpool"
+echo "BEGIN split"
+dmsetup create spool --table "0 SSECTORS thin-pool $(dev smeta) $(dev sdata) 128 0" || fail "pool over blkstack's full leaves"
+st spool
+dmsetup create st1 --table "0 SLEN thin /dev/mapper/spool 1" || fail "st1"
+w st1 1 TWO_INTO_THREE
+st spool
+dmsetup create st2 --table "0 SLEN thin /dev/mapper/spool 2" || fail "st2"
+w st2 1 MOVE_RIGHT
+st spool
+echo "END split"
+dmsetup remove st1; dmsetup remove st2; dmsetup remove spool || fail "remove spool"
 echo DONE
 "#;
 
@@ -115,6 +129,75 @@ fn grown_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> String {
     msg("create_thin 2");
     msg("reserve_metadata_snap");
     out.push(status_args(&reg, "pool"));
+    reg.remove_all();
+    out.join("\n")
+}
+
+/// The split pool's data device: room for both thins' mappings.
+const SDATA_SECTORS: u64 = 2048 * 128;
+/// Its thins' size.
+const STHIN_SECTORS: u64 = 1024 * 128;
+/// Thin 1's blocks written in ascending runs before the guest: three
+/// leaves, the first full but for 4 entries, the second (its range
+/// 248..514 with 300..330 left out, then 300..316 written) full, the
+/// third but for 6.
+const TWO_INTO_THREE_RUNS: &[(u64, u64)] = &[(0, 300), (330, 760), (300, 316)];
+/// The block that then goes into thin 1's full middle leaf: neither
+/// sibling has `SPACE_THRESHOLD` free entries, so `rebalance_or_split`
+/// splits two nodes into three.
+const TWO_INTO_THREE: u64 = 316;
+/// Thin 2's runs: the root leaf split in two by the ascending run, then
+/// the first leaf filled up from the gap left in its range.
+const MOVE_RIGHT_RUNS: &[(u64, u64)] = &[(0, 100), (300, 560), (100, 226)];
+/// The block that then goes into thin 2's full first leaf: it has no
+/// left sibling and its right one room, so entries move right.
+const MOVE_RIGHT: u64 = 226;
+
+/// The `split` steps: blkstack maps the runs (thin 1's
+/// [`TWO_INTO_THREE_RUNS`], thin 2's [`MOVE_RIGHT_RUNS`]) one block at a
+/// time in ascending order, straight into the pool's metadata (the data
+/// is never read, so none is written); `smeta` gets that metadata for
+/// the guest. Then each side writes the one block that makes room in a
+/// full leaf, each committed by its flush, so dm-thin's commit timer
+/// cannot fall inside (one change per transaction): the pool's status
+/// after each, here on `smeta-b`/`sdata-b`.
+fn split_here(p: &dyn Fn(&str) -> std::path::PathBuf) -> String {
+    use blkstack_mapped::targets::thin::metadata::PoolMetadata;
+    let reg = Registry::new();
+    let meta = p("smeta-b");
+    reg.create("meta", &format!("0 {META_SECTORS} file {}", meta.display()))
+        .unwrap();
+    let arg = blkstack_mapped::DevArg {
+        name: "meta".into(),
+        minor: 0,
+        dev: reg.get("meta").unwrap(),
+    };
+    let mut md = PoolMetadata::open(arg, SDATA_SECTORS / 128, 128).unwrap();
+    for (dev, runs) in [(1, TWO_INTO_THREE_RUNS), (2, MOVE_RIGHT_RUNS)] {
+        md.create_thin(dev).unwrap();
+        for &(from, to) in runs {
+            for b in from..to {
+                let data = md.alloc_data_block().unwrap();
+                md.insert_block(dev, b, data).unwrap();
+            }
+        }
+    }
+    md.commit().unwrap();
+    drop(md);
+    reg.remove_all();
+    std::fs::copy(&meta, p("smeta")).unwrap();
+    let pat = pattern();
+    let reg = pool_reg_sized(&p("smeta-b"), &p("sdata-b"), SDATA_SECTORS);
+    let mut out = vec![status_args(&reg, "pool")];
+    for (dev, b) in [(1, TWO_INTO_THREE), (2, MOVE_RIGHT)] {
+        let name = format!("st{dev}");
+        reg.create(&name, &format!("0 {STHIN_SECTORS} thin pool {dev}"))
+            .unwrap();
+        let t = reg.device(&name).unwrap();
+        dev_write(&*t, &pat, &[(65536, 1, b as usize)]);
+        assert_eq!(submit_and_wait(&*t, Op::Flush, 0, 0, &mut []), Status::Ok);
+        out.push(status_args(&reg, "pool"));
+    }
     reg.remove_all();
     out.join("\n")
 }
@@ -246,11 +329,16 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         ("gdata", GDATA_SECTORS),
         ("gmeta-b", GBIG_SECTORS),
         ("gdata-b", GDATA_SECTORS),
+        ("smeta-b", META_SECTORS),
+        ("sdata-b", SDATA_SECTORS),
+        ("sdata", SDATA_SECTORS),
     ]);
     let p = |n: &str| scratch.path().join(n);
     let (ours, ours_held) = order_here(&p);
     let ours_grown = grown_here(&p);
+    let ours_split = split_here(&p);
     thin_check(&p("ometa-b"));
+    thin_check(&p("smeta-b"));
     thin_check(&p("hmeta-b"));
     thin_check(&p("gmeta-b"));
     let script = ORDER_GUEST
@@ -260,6 +348,10 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         .replace("GSECTORS", &GDATA_SECTORS.to_string())
         .replace("GSMALL", &GSMALL_SECTORS.to_string())
         .replace("GBIG", &GBIG_SECTORS.to_string())
+        .replace("SSECTORS", &SDATA_SECTORS.to_string())
+        .replace("SLEN", &STHIN_SECTORS.to_string())
+        .replace("TWO_INTO_THREE", &TWO_INTO_THREE.to_string())
+        .replace("MOVE_RIGHT", &MOVE_RIGHT.to_string())
         .replace("MESSAGES opool\n", &order_messages("opool"))
         .replace("MESSAGES hpool\n", &order_messages("hpool"));
     let run = Vm::new()
@@ -269,6 +361,8 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         .disk("hdata", &p("hdata").display().to_string())
         .disk("gmeta", &p("gmeta").display().to_string())
         .disk("gdata", &p("gdata").display().to_string())
+        .disk("smeta", &p("smeta").display().to_string())
+        .disk("sdata", &p("sdata").display().to_string())
         .file(&p("pattern"), "/test/pattern")
         .timeout(300)
         .run(&script);
@@ -277,7 +371,9 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
     assert!(run.out.contains("DONE"), "{}", run.out);
     // Both sides' metadata, kept to compare block by block when they differ.
     if let Ok(dir) = std::env::var("KERNEL_THIN_ORDER_KEEP") {
-        for n in ["ometa", "ometa-b", "hmeta", "hmeta-b", "gmeta", "gmeta-b"] {
+        for n in [
+            "ometa", "ometa-b", "hmeta", "hmeta-b", "gmeta", "gmeta-b", "smeta", "smeta-b",
+        ] {
             std::fs::copy(p(n), Path::new(&dir).join(n)).unwrap();
         }
     }
@@ -310,5 +406,16 @@ fn the_kernel_and_blkstack_allocate_metadata_blocks_alike() {
         superblock_roots(&p("gmeta-b")),
         superblock_roots(&p("gmeta")),
         "the grown pool's superblock roots: blkstack's (left), the kernel's (right)"
+    );
+    assert_eq!(
+        ours_split,
+        run.section("split").unwrap_or_default().trim(),
+        "a full middle leaf split two into three, a full first leaf's entries moved right: blkstack's status (left), the kernel's (right)"
+    );
+    thin_check(&p("smeta"));
+    assert_eq!(
+        superblock_roots(&p("smeta-b")),
+        superblock_roots(&p("smeta")),
+        "the split pool's superblock roots: blkstack's (left), the kernel's (right)"
     );
 }

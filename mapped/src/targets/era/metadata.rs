@@ -73,8 +73,8 @@ impl ValueType for Writesets {
         put32(out, 0, v.nr_bits);
         put64(out, 4, v.root);
     }
-    fn inc(&mut self, tm: &mut Tm, v: &Writeset) {
-        tm.meta.inc(v.root);
+    fn inc(&mut self, tm: &mut Tm, v: &Writeset) -> Result<(), PdError> {
+        tm.inc(v.root)
     }
     fn dec(&mut self, tm: &mut Tm, v: &Writeset) -> Result<(), PdError> {
         bitset::del(tm, v.root)
@@ -385,8 +385,8 @@ impl EraMetadata {
         put64(&mut raw, 8, clone);
         seal(&mut raw, SB_CSUM_XOR);
         self.tm.queue_raw(clone, raw);
-        self.tm.meta.inc(self.writeset_tree_root);
-        self.tm.meta.inc(self.era_array_root);
+        self.tm.inc(self.writeset_tree_root)?;
+        self.tm.inc(self.era_array_root)?;
         self.metadata_snap = clone;
         Ok(())
     }
@@ -407,7 +407,7 @@ impl EraMetadata {
         btree::del(&mut self.tm, sb.writeset_tree_root, &mut Writesets)?;
         array::del(&mut self.tm, sb.era_array_root, &mut Le32)?;
         self.tm.unqueue_raw(snap);
-        self.tm.meta.dec(snap).map_err(PdError::from)?;
+        self.tm.dec(snap)?;
         Ok(())
     }
 

@@ -126,11 +126,9 @@ impl ThinCore {
 /// let a bio through at once); false leaves it untouched. `known` is its
 /// entry in the mapping cache, if it was loaded ahead and held one.
 fn remap(st: &mut PoolState, b: &Batch, known: Option<Option<u64>>, bio: &mut Bio) -> bool {
-    let write = match bio.op {
-        Op::Read => false,
-        Op::Write => true,
-        _ => return false,
-    };
+    if !matches!(bio.op, Op::Read | Op::Write) {
+        return false;
+    }
     if bio.len == 0
         || bio.flags.contains(BioFlags::PREFLUSH)
         || bio.flags.contains(BioFlags::FUA)
@@ -158,7 +156,9 @@ fn remap(st: &mut PoolState, b: &Batch, known: Option<Option<u64>>, bio: &mut Bi
         .checked_add(1)
         .and_then(|n| n.checked_mul(b.geo.bytes))
         .is_some_and(|end| end <= b.data_size);
-    if (write && l.shared) || !in_device {
+    // A shared block's bios take the pool's path: a read of one is
+    // counted (`shared_read_ds`), a write breaks the sharing.
+    if l.shared || !in_device {
         return false;
     }
     bio.offset = l.data_block * b.geo.bytes + off;

@@ -13,6 +13,12 @@
 //! an older one still waits switches the epoch when that one is done.
 //! Every counter operation is `SeqCst`, so an I/O that saw the new epoch
 //! also sees the discard's unmapping.
+//!
+//! The pool keeps a second set for the reads of shared blocks (dm-thin's
+//! `shared_read_ds`): a write that breaks a snapshot's sharing is mapped
+//! only after the reads of that block counted before it, so the block
+//! the mapping lets go (which a snapshot's deletion may free and the
+//! next commit hand out again) is never written under such a read.
 
 use blkstack_core::{Bio, EndIo, Status};
 use parking_lot::Mutex;
@@ -138,6 +144,38 @@ impl EndIo for DeferredSet {
     fn end_io(&self, bio: Bio, status: Status, epoch: u64) {
         self.exit(epoch as usize & 1);
         bio.complete(status);
+    }
+}
+
+/// `shared_read_ds`: a write that breaks a snapshot's sharing is mapped
+/// only after the reads of the shared block counted before it.
+impl super::pool::PoolShared {
+    /// `schedule_copy`'s `dm_deferred_set_add_work(shared_read_ds)`:
+    /// provisioning `id` breaks sharing while reads of the shared block
+    /// are in flight; it is mapped once they are done.
+    pub(super) fn wait_for_shared_reads(&self, st: &mut super::pool::PoolState, id: u64) {
+        if let Some(p) = st.pending.get_mut(&id) {
+            p.quiesced = false;
+        }
+        let me = self.me.clone();
+        self.shared_reads.add_work(Box::new(move || {
+            if let Some(pool) = me.upgrade() {
+                pool.push(super::pool::Job::Quiesced(id));
+            }
+        }));
+    }
+
+    /// The reads before provisioning `id` are done: map it if its write
+    /// is done too.
+    pub(super) fn quiesced(&self, id: u64) {
+        let mut st = self.state.lock();
+        let Some(p) = st.pending.get_mut(&id) else {
+            return;
+        };
+        p.quiesced = true;
+        if let Some((bio, status)) = p.done.take() {
+            self.finish_provisioning(st, bio, status, id, false);
+        }
     }
 }
 

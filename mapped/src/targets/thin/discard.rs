@@ -5,13 +5,15 @@
 //! Only whole pool blocks are unmapped: the range is rounded inwards
 //! (`get_bio_block_range`), and a discard inside one block completes
 //! with nothing done. The unmapping drops one reference to each data
-//! block; a block a snapshot still maps keeps its data. The blocks
-//! nothing maps any more are held (counted once more, as the kernel's
+//! block; a block a snapshot still maps keeps its data. Every block
+//! unmapped is held (counted once more, as the kernel's
 //! `dm_pool_inc_data_range`) until every read and write that looked
 //! them up before the discard is done (the pool's `all_io` set), then,
-//! unless `no_discard_passdown`, discarded on the data device, and only
-//! then let go, so no block is handed out again while old I/O or the
-//! passdown may still reach it. A commit meanwhile writes them as free:
+//! unless `no_discard_passdown`, the ones nothing else maps (looked up
+//! through the data space map's index entry cache, as
+//! `dm_pool_block_is_shared`) are discarded on the data device, and
+//! only then all let go, so no block is handed out again while old I/O
+//! or the passdown may still reach it. A commit meanwhile writes them as free:
 //! a crash finds them unmapped and free, as after the kernel's pt2.
 //!
 //! A discard that meets a block being provisioned in its range waits for
@@ -59,33 +61,59 @@ pub fn map(pool: &Arc<PoolShared>, thin: Arc<dyn ThinDev>, dev: u64, bio: Bio) {
             return bio.complete(Status::IoError);
         }
     };
-    let mut freed: Vec<u64> = removed
-        .into_iter()
-        .filter(|&b| st.md.data_ref_count(b) == 0)
-        .collect();
-    freed.sort_unstable();
-    freed.dedup();
-    for &b in &freed {
-        st.md.hold_data_block(b);
-    }
+    let mut held = removed;
+    held.sort_unstable();
+    held.dedup();
+    let passdown = st.pf.discard_passdown;
+    let unshared = match hold_and_check(&mut st.md, &held, passdown) {
+        Ok(u) => u,
+        Err(e) => {
+            pool.metadata_failed(&mut st, "dm_pool_inc_data_range", &e);
+            drop(st);
+            return bio.complete(Status::IoError);
+        }
+    };
     let id = st.next_id();
     let generation = st.generation();
-    st.discard_holds.insert(id, (freed, generation));
-    let passdown = st.pf.discard_passdown;
+    st.discard_holds.insert(id, (held, generation));
     drop(st);
     let p = pool.clone();
     pool.all_io.add_work(Box::new(move || {
         let q = p.clone();
-        p.defer_work(Box::new(move || quiesced(&q, id, bio, passdown)));
+        p.defer_work(Box::new(move || quiesced(&q, id, bio, unshared)));
     }));
 }
 
-/// The I/O from before the discard is done: pass it down (pt1), or let
-/// the blocks go at once.
-fn quiesced(pool: &Arc<PoolShared>, id: u64, bio: Bio, passdown: bool) {
+/// `dm_pool_inc_data_range` of every block unmapped, then, when passing
+/// down, `passdown_double_checking_shared_status`: the blocks counted
+/// once (nothing but the hold refers to them), each looked up through
+/// the data space map's index entry cache as the kernel's
+/// `dm_pool_block_is_shared` does.
+fn hold_and_check(
+    md: &mut super::metadata::PoolMetadata,
+    held: &[u64],
+    passdown: bool,
+) -> Result<Vec<u64>, super::metadata::MetadataError> {
+    for &b in held {
+        md.hold_data_block(b)?;
+    }
+    let mut unshared = Vec::new();
+    if passdown {
+        for &b in held {
+            if !md.data_block_is_shared(b)? {
+                unshared.push(b);
+            }
+        }
+    }
+    Ok(unshared)
+}
+
+/// The I/O from before the discard is done: pass the unshared blocks
+/// down (pt1), or let the blocks go at once.
+fn quiesced(pool: &Arc<PoolShared>, id: u64, bio: Bio, unshared: Vec<u64>) {
     let blocks = match pool.state.lock().discard_holds.get(&id) {
-        Some((b, _)) if passdown => b.clone(),
-        _ => Vec::new(),
+        Some(_) => unshared,
+        None => Vec::new(),
     };
     if blocks.is_empty() {
         return release(pool, id, bio);

@@ -18,7 +18,7 @@ use blkstack_core::sync::submit_and_wait;
 use blkstack_core::{clock, Bio, EndIo, Op, Status, SECTOR_SIZE};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 /// `COMMIT_PERIOD`: the longest a change waits for a commit.
@@ -102,13 +102,18 @@ pub trait ThinDev: Send + Sync {
 type Waiters = Vec<(Bio, Arc<dyn ThinDev>)>;
 
 /// A provisioning write in flight: where its data goes.
-struct Pending {
+pub(super) struct Pending {
     thin: Arc<dyn ThinDev>,
     vblock: u64,
     block: u64,
     /// The metadata generation it was allocated in (an abort starts a new
     /// one, whose space map never saw the block).
     generation: u64,
+    /// No read of the shared block it replaces, counted before it, is
+    /// in flight any more (`m->quiesced` of `shared_read_ds`).
+    pub(super) quiesced: bool,
+    /// Its write, done before it was quiesced: mapped once it is.
+    pub(super) done: Option<(Bio, Status)>,
 }
 
 /// The pool's mutable state under one lock (kernel `struct pool`'s
@@ -136,7 +141,7 @@ pub struct PoolState {
     pub events: Events,
     /// Virtual blocks being provisioned, with the bios that wait for them.
     pub(super) cells: HashMap<(u64, u64), Waiters>,
-    pending: HashMap<u64, Pending>,
+    pub(super) pending: HashMap<u64, Pending>,
     next_id: u64,
     generation: u64,
     /// Bios waiting for data space, with when they started waiting.
@@ -192,12 +197,13 @@ impl PoolState {
     }
 }
 
-enum Job {
+pub(super) enum Job {
     Flush(Bio),
     Preflush(Bio, Arc<dyn ThinDev>),
     Fua(Bio, Status),
     Provisioned(Bio, Status, u64),
     Remap(Bio, Arc<dyn ThinDev>),
+    Quiesced(u64),
     Run(Work),
 }
 
@@ -220,6 +226,10 @@ pub struct PoolShared {
     pub state: Mutex<PoolState>,
     /// Reads and writes in flight to data blocks (`all_io_ds`).
     pub all_io: Arc<DeferredSet>,
+    /// Reads in flight of shared data blocks (`shared_read_ds`, see
+    /// `deferred.rs`).
+    pub(super) shared_reads: Arc<DeferredSet>,
+    pub(super) me: Weak<PoolShared>,
     jobs: Mutex<Jobs>,
     cv: Condvar,
 }
@@ -271,7 +281,7 @@ impl PoolShared {
         } else {
             Mode::Write
         };
-        Arc::new(PoolShared {
+        Arc::new_cyclic(|me| PoolShared {
             metadata_dev,
             data_dev,
             block_sectors,
@@ -294,6 +304,8 @@ impl PoolShared {
                 discard_holds: HashMap::new(),
             }),
             all_io: Arc::new(DeferredSet::default()),
+            shared_reads: Arc::new(DeferredSet::default()),
+            me: me.clone(),
             jobs: Mutex::new(Jobs::default()),
             cv: Condvar::new(),
         })
@@ -304,7 +316,7 @@ impl PoolShared {
         self.block_sectors * SECTOR_SIZE
     }
 
-    fn push(&self, job: Job) {
+    pub(super) fn push(&self, job: Job) {
         self.jobs.lock().queue.push(job);
         self.cv.notify_one();
     }
@@ -340,7 +352,7 @@ impl PoolShared {
         thin: &dyn Fn() -> Arc<dyn ThinDev>,
         dev_id: u64,
         vblock: u64,
-        bio: Bio,
+        mut bio: Bio,
         write: bool,
     ) -> (Prepared, Option<Bio>) {
         let mut st = self.state.lock();
@@ -360,7 +372,15 @@ impl PoolShared {
             }
         };
         match found {
-            Some(l) if !write || !l.shared => return (Prepared::Mapped(l.data_block), Some(bio)),
+            Some(l) if !write || !l.shared => {
+                if l.shared {
+                    // `process_shared_bio`: counted under the lock, so a
+                    // write breaking the sharing after it waits for it.
+                    let e = self.shared_reads.enter();
+                    self.shared_reads.track(&mut bio, e);
+                }
+                return (Prepared::Mapped(l.data_block), Some(bio));
+            }
             None if !write => return (Prepared::Unmapped, Some(bio)),
             _ => {}
         }
@@ -383,8 +403,13 @@ impl PoolShared {
                 vblock,
                 block,
                 generation,
+                quiesced: true,
+                done: None,
             },
         );
+        if found.as_ref().is_some_and(|l| l.shared) && self.shared_reads.in_flight() > 0 {
+            self.wait_for_shared_reads(&mut st, id);
+        }
         let copy_from = found.map(|l| l.data_block);
         (
             Prepared::Provision {
@@ -660,6 +685,7 @@ impl PoolShared {
             }
             Job::Provisioned(bio, status, id) => self.provisioned(bio, status, id),
             Job::Remap(bio, thin) => thin.map_io(bio),
+            Job::Quiesced(id) => self.quiesced(id),
             Job::Run(work) => work(),
         }
     }
@@ -677,14 +703,15 @@ impl PoolShared {
         let Some(p) = st.pending.get(&id) else {
             return false;
         };
-        status.is_ok()
+        p.quiesced
+            && status.is_ok()
             && p.generation == st.generation
             && matches!(st.mode, Mode::Write | Mode::OutOfDataSpace)
             && st.md.metadata_free() >= INLINE_METADATA_RESERVE
             && st.md.insert_is_cached(p.thin.dev_id(), p.vblock)
     }
 
-    fn finish_provisioning(
+    pub(super) fn finish_provisioning(
         &self,
         mut st: MutexGuard<'_, PoolState>,
         bio: Bio,
@@ -692,6 +719,10 @@ impl PoolShared {
         id: u64,
         in_completion: bool,
     ) {
+        if let Some(p) = st.pending.get_mut(&id).filter(|p| !p.quiesced) {
+            p.done = Some((bio, status));
+            return;
+        }
         let Some(p) = st.pending.remove(&id) else {
             drop(st);
             bio.complete(Status::IoError);

@@ -321,7 +321,7 @@ impl PoolMetadata {
         let origin_root = self.subtree(origin)?;
         self.dirty = true;
         self.cache.forget(dev);
-        self.tm.meta.inc(origin_root);
+        self.tm.inc(origin_root)?;
         self.root = btree::insert(
             &mut self.tm,
             self.root,
@@ -561,8 +561,8 @@ impl PoolMetadata {
             metadata_nr_blocks: self.tm.meta.nr_blocks(),
         };
         self.tm.queue_raw(copy, sb.encode());
-        self.tm.meta.inc(self.root);
-        self.tm.meta.inc(self.details_root);
+        self.tm.inc(self.root)?;
+        self.tm.inc(self.details_root)?;
         self.held_root = copy;
         self.dirty = true;
         Ok(())
@@ -585,7 +585,7 @@ impl PoolMetadata {
         let trees = &mut device_trees(&mut self.data);
         btree::del(&mut self.tm, sb.data_mapping_root, trees)?;
         btree::del(&mut self.tm, sb.device_details_root, &mut Details)?;
-        self.tm.meta.dec(held)?;
+        self.tm.dec(held)?;
         self.held_root = 0;
         self.dirty = true;
         Ok(())

@@ -15,7 +15,7 @@
 use super::super::format::details::unpack_block_time;
 use super::values::{device_trees, BlockTimes};
 use super::{MetadataError, PoolMetadata};
-use crate::persistent_data::{btree, btree_remove};
+use crate::persistent_data::{btree, btree_remove, sm_disk};
 
 /// Most blocks one unmapping reports up front room for (a discard is
 /// split at `discard::MAX_RANGE_BLOCKS`, the same number).
@@ -43,7 +43,7 @@ impl PoolMetadata {
         self.cache.forget_range(dev, begin, end);
         // The top-level tree lets go of the mapping tree, whose root
         // this reference keeps alive until it goes back in.
-        self.tm.meta.inc(sub);
+        self.tm.inc(sub)?;
         let root = self.root;
         self.root = btree::remove(&mut self.tm, root, dev, &mut device_trees(&mut self.data))?;
         let mut gone = Vec::with_capacity(end.saturating_sub(begin).min(REPORT_ROOM) as usize);
@@ -73,9 +73,22 @@ impl PoolMetadata {
     }
 
     /// Take a reference to data block `b` (which a discard unmapped), so
-    /// it is not handed out again while I/O to it may be in flight.
-    pub fn hold_data_block(&mut self, b: u64) {
+    /// it is not handed out again while I/O to it may be in flight
+    /// (`dm_pool_inc_data_range`: through the index entry cache, a count
+    /// above 2 into the reference count tree).
+    pub fn hold_data_block(&mut self, b: u64) -> Result<(), MetadataError> {
         self.data.inc(b);
         self.dirty = true;
+        Ok(sm_disk::shadow_bitmaps(&mut self.tm, &mut self.data)?)
+    }
+
+    /// `dm_pool_block_is_shared`: whether data block `b` counts more
+    /// than one reference, looked up as the kernel's `sm_ll_lookup` does,
+    /// through the index entry cache (a miss may write another entry
+    /// into the index tree, which takes metadata blocks).
+    pub fn data_block_is_shared(&mut self, b: u64) -> Result<bool, MetadataError> {
+        let count = self.data.lookup(b);
+        sm_disk::shadow_bitmaps(&mut self.tm, &mut self.data)?;
+        Ok(count > 1)
     }
 }

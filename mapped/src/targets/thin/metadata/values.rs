@@ -28,11 +28,9 @@ impl ValueType for BlockTimes<'_> {
     fn pack(v: &u64, out: &mut [u8]) {
         out[..8].copy_from_slice(&v.to_le_bytes());
     }
-    fn inc(&mut self, tm: &mut Tm, v: &u64) {
+    fn inc(&mut self, tm: &mut Tm, v: &u64) -> Result<(), PdError> {
         self.data.inc(v >> 24);
-        // A bitmap left without its block (no metadata space) gets it at
-        // the next change or the commit, which report the failure.
-        let _ = sm_disk::shadow_bitmaps(tm, self.data);
+        sm_disk::shadow_bitmaps(tm, self.data)
     }
     fn dec(&mut self, tm: &mut Tm, v: &u64) -> Result<(), PdError> {
         self.data.dec(v >> 24)?;
