@@ -364,7 +364,7 @@ fn cache_stress_with_concurrent_migrations_keeps_every_write() {
 /// The writeback-drain benchmark (`scripts/bench-cache-migrate.sh`):
 /// 256 dirty blocks written back to an origin whose writes take 10 ms,
 /// with `migration_threshold` one block (one at a time, as before issue
-/// 39) and then the default 2048 sectors (16 at once); prints the time
+/// 39) and then the default 2048 sectors (32 at once); prints the time
 /// from the first block cleaned to the last, each way. Not a test: run
 /// it on a quiet machine.
 #[test]

@@ -14,10 +14,10 @@
 //! which only a commit issues (`__commit_transaction` in
 //! `drivers/md/dm-cache-metadata.c`: shadows, flush, superblock, flush),
 //! and once the delay's status shows it held the process is killed with
-//! that commit half done (a migration's or a flush's; once the cache is
-//! full of hot dirty blocks nothing migrates, and a `blkstack suspend`
-//! brings its clean-shutdown commit). A kill after a random time is the
-//! third kind.
+//! that commit half done (a flush's after promotions, a demotion's, or
+//! the periodic one; once the cache is full of hot dirty blocks nothing
+//! migrates, and a `blkstack suspend` brings its clean-shutdown commit).
+//! A kill after a random time is the third kind.
 
 #![allow(dead_code)] // each test file uses a different part
 
@@ -112,7 +112,8 @@ impl History {
                 // One write in four covers its whole block (the rest
                 // zeroes, as the others leave it): a miss so is promoted
                 // at once while the cache has free blocks, so migrations,
-                // and so metadata commits, keep coming.
+                // and so metadata changes for the flushes to commit, keep
+                // coming.
                 if next(&mut self.seed).is_multiple_of(4) {
                     buf.resize(BLOCK as usize, 0);
                 }
@@ -279,8 +280,8 @@ impl Crash {
 
     /// As [`Crash::round`], the kill armed once the workload completed
     /// `min_flushes` flushes (and two blocks are cached): a fresh cache
-    /// armed early still has free blocks, so the commit held is a
-    /// migration's.
+    /// armed early still has free blocks, so the commit held carries a
+    /// promotion (committed by the next flush, as the kernel's).
     pub fn round_after(&mut self, at: KillAt, min_flushes: u64) -> Killed {
         let srv = Serve::start(&self.stack("smq"), "c");
         let reg = connect(&srv);
@@ -373,9 +374,9 @@ impl Crash {
 /// Holds the metadata's next `class` (`write` or `flush`) bio, which
 /// only a commit issues, and returns once one is held, with what issued
 /// it, the workload still running (its writes in flight, its next flush
-/// waiting for the commit). A commit comes after each migration and on
-/// a flush after one; but once the cache is full of dirty blocks the
-/// workload keeps hitting, nothing migrates (as in the kernel: smq
+/// waiting for the commit). A commit comes after each demotion and on a
+/// flush or the periodic commit after any migration; but once the cache
+/// is full of dirty blocks the workload keeps hitting, nothing migrates (as in the kernel: smq
 /// writes back only blocks not hit for a while, or when idle, and
 /// demotes only clean ones) and so nothing commits. If none comes in a
 /// second, `blkstack suspend` does: its clean-shutdown commit (dirty

@@ -12,17 +12,21 @@
 //! migration wait in its cell (`cell.rs`) and are mapped again when it
 //! is unlocked. The worker also starts the policy's background work,
 //! which migration threads run several at a time (`migrate.rs`).
-//! Metadata commits on FLUSH/FUA, after each migration, and every
-//! [`COMMIT_PERIOD`].
+//! Metadata commits on FLUSH/FUA, every [`COMMIT_PERIOD`], and before a
+//! demotion or an invalidation goes on (`batcher.rs`, one commit for all
+//! that wait at once).
 //!
 //! Differences: a whole block write miss promoted at once
 //! (`optimisable_bio`) goes to the origin and is then copied, rather
 //! than written to the cache directly.
 
+use super::batcher::Batcher;
 use super::cell::Cells;
+use super::copier::Copier;
 use super::hits::HitIndex;
 use super::metadata::{CacheMetadata, Stats};
-use super::smq::{Smq, Work};
+use super::migrate::Step;
+use super::smq::Smq;
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
 use blkstack_core::{Bio, BioFlags, DeviceRef, EndIo, Op, Status};
 use foldhash::HashMap;
@@ -81,9 +85,10 @@ pub struct Core {
     deferred: VecDeque<Bio>,
     /// Migrations started and not yet complete (`nr_io_migrations`).
     pub(super) nr_migrations: u32,
-    /// Migrations started, waiting for a migration thread (at most
+    /// Steps of the migrations in flight, waiting for a migration thread
+    /// (at most one per migration, so at most
     /// [`super::migrate::MAX_MIGRATIONS`]).
-    pub(super) mg_queue: VecDeque<Work>,
+    pub(super) mg_queue: VecDeque<Step>,
     /// The worker stops.
     pub(super) stop: bool,
     /// Background work is held off (suspended).
@@ -119,6 +124,10 @@ pub struct Shared {
     pub(super) pool: Mutex<Vec<std::thread::JoinHandle<()>>>,
     /// The metadata, locked after `core` when both are held.
     pub md: Mutex<CacheMetadata>,
+    /// Demotions and invalidations waiting for a commit (`cache->committer`).
+    pub(super) committer: Batcher,
+    /// The migrations' copies in flight (`cache->copier`).
+    pub(super) copier: Arc<Copier>,
     /// The policy's mapping table, for read hits without the lock, and
     /// the bios in flight to each cache block.
     index: Arc<HitIndex>,
@@ -172,6 +181,8 @@ impl Shared {
             mg_cv: Condvar::new(),
             pool: Mutex::new(Vec::new()),
             md: Mutex::new(md),
+            committer: Batcher::default(),
+            copier: Copier::new(),
             index,
             need_tick: AtomicBool::new(true),
             migrating: AtomicU32::new(0),
@@ -427,15 +438,30 @@ impl Shared {
                 let mut core = self.core.lock();
                 core.policy.invalidate(cb)
             };
-            if ok {
-                let r = self.md.lock().remove(cb);
-                if let Err(e) = r {
-                    tracing::error!(error = %e, "cache: dm_cache_remove_mapping failed");
-                }
-                self.counters.demotion.fetch_add(1, Ordering::Relaxed);
+            if !ok {
+                self.unlock_block(ob);
+                return self.origin.submit(bio);
             }
-            self.unlock_block(ob);
-            return self.origin.submit(bio);
+            if let Err(e) = self.md.lock().remove(cb) {
+                tracing::error!(error = %e, "cache: dm_cache_remove_mapping failed");
+                self.unlock_block(ob);
+                return bio.complete(Status::IoError);
+            }
+            self.counters.demotion.fetch_add(1, Ordering::Relaxed);
+            // `invalidate_remove`: the block is unlocked and the write
+            // sent once the removal is committed.
+            let s = self.clone();
+            let k = Box::new(move |committed: bool| {
+                s.unlock_block(ob);
+                if committed {
+                    s.origin.submit(bio);
+                } else {
+                    bio.complete(Status::IoError);
+                }
+            });
+            return self
+                .committer
+                .continue_after_commit(k, || self.commit_if_changed());
         }
         let mut data = bio.data().to_vec();
         let st = submit_and_wait(&*self.origin, Op::Write, bio.offset, bio.len, &mut data);
@@ -544,6 +570,7 @@ impl Shared {
                     read_misses = c.read_miss.load(Ordering::Relaxed),
                     promotions = c.promotion.load(Ordering::Relaxed),
                     demotions = c.demotion.load(Ordering::Relaxed),
+                    demotion_commits = self.committer.commits(),
                     "cache: counters"
                 );
             }

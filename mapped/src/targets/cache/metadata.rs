@@ -218,6 +218,8 @@ pub struct CacheMetadata {
     sb: Superblock,
     clean_when_opened: bool,
     changed: bool,
+    /// Commits since it was opened (the kernel's `stats.commit_count`).
+    commits: u64,
 }
 
 /// What status shows of the metadata device.
@@ -270,6 +272,7 @@ impl CacheMetadata {
                 sb,
                 clean_when_opened: true,
                 changed: true,
+                commits: 0,
             };
             md.commit(false)?;
             return Ok(md);
@@ -305,6 +308,7 @@ impl CacheMetadata {
             sb,
             clean_when_opened,
             changed: false,
+            commits: 0,
         })
     }
 
@@ -341,6 +345,11 @@ impl CacheMetadata {
     /// `dm_cache_changed_this_transaction`.
     pub fn changed(&self) -> bool {
         self.changed
+    }
+
+    /// Commits since it was opened.
+    pub fn commits(&self) -> u64 {
+        self.commits
     }
 
     /// Metadata blocks used / in all.
@@ -610,6 +619,7 @@ impl CacheMetadata {
         })?;
         self.sb.flags &= !CLEAN_SHUTDOWN;
         self.changed = false;
+        self.commits += 1;
         Ok(())
     }
 }

@@ -6,10 +6,14 @@
 //! on-disk format (`dm-cache-metadata.c`, formats 1 and 2), `smq.rs` the
 //! policies (`dm-cache-policy-smq.c`: smq, its `mq` alias and the
 //! cleaner), `hits.rs` their mapping table, which read hits consult
-//! without the policy lock, `io.rs` the I/O path and migrations. Judged by
-//! `cache_check`/`cache_dump` and by the kernel's own dm-cache.
+//! without the policy lock, `io.rs` the I/O path, `migrate.rs` the
+//! migrations (their copies in `copier.rs`, their commits in
+//! `batcher.rs`). Judged by `cache_check`/`cache_dump` and by the
+//! kernel's own dm-cache.
 
+mod batcher;
 mod cell;
+mod copier;
 pub mod hits;
 pub mod io;
 pub mod metadata;
