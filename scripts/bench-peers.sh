@@ -58,6 +58,7 @@
 #        ROWS="null-qd1 null-qd1-tls mem-read64k-qd8 mem-read64k-qd8-tls" scripts/bench-peers.sh
 #        ROWS="leaf-qd1 leaf-qd64" scripts/bench-peers.sh
 #        OURS_OPTS="--poll-us 50" scripts/bench-peers.sh   (extra `serve` flags)
+#        OURS_OPTS="--poll-us auto" scripts/bench-peers.sh  (adaptive poll window)
 #        DELAY_OPTS= ROWS="delay1ms-qd1 delay1ms-qd32" scripts/bench-peers.sh
 # Needs root or sudo only to install missing packages (fio, nbdkit,
 # qemu-utils) with apt-get.

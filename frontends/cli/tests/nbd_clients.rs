@@ -63,6 +63,78 @@ fn fio_nbd_engine_randrw_with_crc32c_verify() {
     assert!(st.success(), "server exit {st}: {err}");
 }
 
+/// `--poll-us auto`: fio writes and reads back with crc32c verify at
+/// QD1, where the adaptive window opens, and at QD64 with two jobs, where
+/// it shuts, over the Unix socket; the server then stops cleanly on
+/// SIGTERM. (Fixed bounds: the nbd crate's concurrent_flush tests; one
+/// setting here keeps `make test` short.)
+#[test]
+fn adaptive_polling_serves_qd1_and_qd64_with_verify_and_stops() {
+    let fio = tool("fio");
+    let poll = "auto";
+    let srv = Serve::options()
+        .args(&["--concise", STACK, "--export", "mem", "--poll-us", poll])
+        .start();
+    for (qd, jobs) in [("1", "1"), ("64", "2")] {
+        let out = run_ok(
+            Command::new(&fio).args([
+                "--name=poll",
+                "--ioengine=nbd",
+                &format!("--uri={}", srv.uri("mem")),
+                "--rw=randwrite",
+                "--bs=4k",
+                &format!("--iodepth={qd}"),
+                &format!("--numjobs={jobs}"),
+                "--size=4m",
+                "--offset_increment=8m",
+                "--verify=crc32c",
+                "--do_verify=1",
+                "--verify_fatal=1",
+                "--randrepeat=0",
+                "--verify_state_save=0",
+                "--group_reporting",
+            ]),
+            T,
+        );
+        let t = text(&out);
+        assert!(t.contains("err= 0"), "--poll-us {poll} QD{qd}:\n{t}");
+        assert!(
+            !t.contains("verify failed") && !t.contains("bad magic"),
+            "--poll-us {poll} QD{qd} verify failure:\n{t}"
+        );
+        assert!(
+            t.contains("READ: bw="),
+            "--poll-us {poll} QD{qd} read nothing:\n{t}"
+        );
+    }
+    let (st, err) = srv.terminate();
+    assert!(st.success(), "--poll-us {poll}: server exit {st}: {err}");
+}
+
+#[test]
+fn bad_poll_settings_are_refused_by_name() {
+    for (bad, says) in [("auto:0", "auto:0"), ("soon", "soon"), ("20000", "at most")] {
+        let out = run(
+            Command::new(env!("CARGO_BIN_EXE_blkstack")).args([
+                "serve",
+                "--concise",
+                STACK,
+                "--export",
+                "mem",
+                "--poll-us",
+                bad,
+            ]),
+            T,
+        );
+        assert!(!out.status.success(), "--poll-us {bad} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--poll-us") && err.contains(says),
+            "--poll-us {bad}: {err}"
+        );
+    }
+}
+
 #[test]
 fn qemu_img_info_convert_and_compare_both_ways() {
     let qemu_img = tool("qemu-img");

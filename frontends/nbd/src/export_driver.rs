@@ -16,6 +16,7 @@ use crate::{limits, server, tls};
 use anyhow::{bail, Context};
 use blkstack_control::proto::{EBUSY, EINVAL};
 use blkstack_control::{not_exported, ExportDriver, ExportHost, ExportInfo, RpcError};
+use blkstack_core::timing::spin::PollSetting;
 use blkstack_core::DeviceRef;
 use blkstack_mapped::{MappedDevice, Registry};
 use parking_lot::Mutex;
@@ -46,13 +47,16 @@ pub struct NbdArgs {
     #[arg(long, value_name = "URI")]
     pub listen: Vec<String>,
 
-    /// Longest busy-poll of a connection's socket before its reader blocks,
-    /// in microseconds (0: never poll). Polling is adaptive: it stops after
-    /// polls that find nothing or lose the CPU to another thread, and
-    /// resumes when it pays again. Off by default: it buys latency at low
-    /// queue depth with CPU (e.g. 50 for a latency-bound client).
-    #[arg(long, value_name = "US", default_value_t = server::DEFAULT_POLL_NS / 1000)]
-    pub poll_us: u64,
+    /// Busy-poll of a connection's socket before its reader blocks: US
+    /// microseconds at most (0: never poll; at most 10000), backing off
+    /// after polls that find nothing or lose the CPU to another thread;
+    /// or `auto[:MAX]`, a window per connection that grows while the
+    /// waits for requests are shorter than MAX µs (default 50) and closes
+    /// when one is longer, the client pipelines or a poll loses the CPU,
+    /// as qemu's poll-max-ns.
+    /// Off by default: it buys latency at low queue depth with CPU.
+    #[arg(long, value_name = "US|auto[:MAX]", default_value_t = server::DEFAULT_POLL)]
+    pub poll_us: PollSetting,
 
     /// Most connections served at once; more are closed as soon as they
     /// are accepted.
@@ -164,7 +168,7 @@ impl NbdArgs {
     /// Bind the listeners and set the server up as the flags say.
     fn bind(&self, exports: Vec<Export>) -> anyhow::Result<Server> {
         let mut server = Server::bind(exports, &self.listen_uris()?)?;
-        server.set_poll_ns(self.poll_us.saturating_mul(1000));
+        server.set_poll(self.poll_us);
         server.set_socket_mode(self.socket_mode)?;
         server.set_tls(
             tls::TlsPolicy::load(

@@ -16,6 +16,7 @@ use crate::limits::Limits;
 use crate::proto::*;
 use crate::sock::Sock;
 use crate::tls::TlsPolicy;
+use blkstack_core::timing::spin::PollSetting;
 use blkstack_core::DeviceRef;
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
@@ -96,7 +97,14 @@ fn session<T>(exports: &[Export], client: impl FnOnce(UnixStream) -> T) -> T {
     std::thread::scope(|s| {
         let server = s.spawn(|| {
             // An I/O error here is the client's doing (it hung up).
-            let _ = conn::serve(sock, exports, 0, &limits, &TlsPolicy::default(), None);
+            let _ = conn::serve(
+                sock,
+                exports,
+                PollSetting::Off,
+                &limits,
+                &TlsPolicy::default(),
+                None,
+            );
         });
         let r = client(client_end);
         server.join().expect("nbd server thread panicked");

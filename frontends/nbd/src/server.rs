@@ -16,6 +16,7 @@ use crate::sock::Sock;
 use crate::tls::{TlsMode, TlsPolicy};
 use crate::uri::ListenUri;
 use blkstack_core::sync::submit_and_wait;
+use blkstack_core::timing::spin::PollSetting;
 use blkstack_core::Op;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -33,8 +34,12 @@ use std::time::{Duration, Instant};
 /// (nbdkit, qemu-nbd) do not spend: each empty try is a `recv` and a
 /// `sched_yield`, several per request at QD1, where a blocking reader
 /// makes one `recv` (docs/BENCHMARKS.md, "where the µs go").
-/// `--poll-us 50` turns it back on.
+/// `--poll-us 50` turns it back on, `--poll-us auto` sizes it per
+/// connection from the gaps between requests.
 pub const DEFAULT_POLL_NS: u64 = 0;
+
+/// [`DEFAULT_POLL_NS`] as a [`PollSetting`].
+pub const DEFAULT_POLL: PollSetting = PollSetting::Off;
 
 enum Listener {
     Tcp(TcpListener),
@@ -88,9 +93,9 @@ pub struct Server {
     listeners: Vec<(ListenUri, Listener)>,
     stop_r: OwnedFd,
     stop_w: Arc<OwnedFd>,
-    /// Bound of each connection reader's busy-poll before it blocks
-    /// (see `blkstack_core::timing::spin`); 0 disables polling.
-    poll_ns: u64,
+    /// How each connection reader busy-polls before it blocks (see
+    /// `blkstack_core::timing::spin`).
+    poll: PollSetting,
     limits: Limits,
     tls: TlsPolicy,
 }
@@ -154,7 +159,7 @@ impl Server {
             listeners,
             stop_r,
             stop_w: Arc::new(stop_w),
-            poll_ns: DEFAULT_POLL_NS,
+            poll: DEFAULT_POLL,
             limits: Limits::default(),
             tls: TlsPolicy::default(),
         })
@@ -178,7 +183,16 @@ impl Server {
     /// Bound each connection reader's busy-poll of its socket (0: never
     /// poll, always block).
     pub fn set_poll_ns(&mut self, ns: u64) {
-        self.poll_ns = ns;
+        self.poll = match ns {
+            0 => PollSetting::Off,
+            ns => PollSetting::Fixed(ns),
+        };
+    }
+
+    /// How each connection reader polls its socket: off, a fixed bound,
+    /// or a window sized from the waits it sees (`--poll-us auto`).
+    pub fn set_poll(&mut self, poll: PollSetting) {
+        self.poll = poll;
     }
 
     /// Permissions of the Unix sockets (default [`DEFAULT_SOCKET_MODE`]):
@@ -337,14 +351,14 @@ impl Server {
         live.lock().insert(id, sock.clone());
         let exports = self.exports.snapshot();
         let live2 = live.clone();
-        let poll_ns = self.poll_ns;
+        let poll = self.poll;
         let limits = self.limits;
         let tls = self.tls.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .spawn(move || {
                 let live = live2;
-                let r = conn::serve(sock, &exports, poll_ns, &limits, &tls, Some(ticket));
+                let r = conn::serve(sock, &exports, poll, &limits, &tls, Some(ticket));
                 if let Err(e) = r {
                     if !matches!(
                         e.kind(),

@@ -9,6 +9,7 @@ use crate::proto::*;
 use crate::server::{ServeSummary, Server, Stopper};
 use crate::{Export, ListenUri};
 use blkstack_core::device::{check_bio, Extent};
+use blkstack_core::timing::spin::PollSetting;
 use blkstack_core::{Bio, Device, Features, Op, Status};
 use parking_lot::Mutex;
 use std::os::unix::net::UnixStream;
@@ -184,15 +185,15 @@ impl Drop for Running {
 }
 
 fn serve(exports: Vec<Export>) -> Running {
-    serve_polling(exports, crate::server::DEFAULT_POLL_NS)
+    serve_with_poll(exports, crate::server::DEFAULT_POLL)
 }
 
-/// [`serve`] with the readers' socket poll bounded by `poll_ns` (0: off).
-fn serve_polling(exports: Vec<Export>, poll_ns: u64) -> Running {
+/// [`serve`] with the readers polling as `poll` says.
+fn serve_with_poll(exports: Vec<Export>, poll: PollSetting) -> Running {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("nbd.sock");
     let mut server = Server::bind(exports, &[ListenUri::Unix(path.clone())]).expect("bind");
-    server.set_poll_ns(poll_ns);
+    server.set_poll(poll);
     let stopper = server.stopper();
     let thread = Some(std::thread::spawn(move || server.run()));
     Running {

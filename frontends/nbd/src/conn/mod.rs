@@ -37,7 +37,9 @@
 //! while a completer is busy sending a large reply. Before blocking for
 //! input the reader may poll the socket for a bounded time, yielding the
 //! CPU between polls, and only while such polls keep finding requests
-//! (`blkstack_core::timing::spin`); it also asks the scheduler for a short slice so that
+//! (`blkstack_core::timing::spin`; with `--poll-us auto` the bound is a
+//! window sized from the gaps between requests, as qemu's event loop
+//! sizes its poll); it also asks the scheduler for a short slice so that
 //! its wake-up is not queued behind a CPU-bound thread. While requests are
 //! in flight it sleeps on the socket and an eventfd that the completer of
 //! the last of them signals (`IdleWake`). A fixed poll without
@@ -61,7 +63,7 @@ use crate::export::Export;
 use crate::limits::{HandshakeTicket, Limits};
 use crate::sock::Sock;
 use crate::tls::TlsPolicy;
-use blkstack_core::timing::spin::SpinPolicy;
+use blkstack_core::timing::spin::{PollSetting, SpinPolicy};
 use inbuf::InBuf;
 use parking_lot::{Condvar, Mutex};
 use reply::{IdleWake, Out, Shared, Slot, SlotMeta, Slots};
@@ -104,12 +106,13 @@ const MAX_DESCRIPTORS: usize = 1024;
 /// beyond recovery, or the server stops (which shuts the socket's read
 /// side). Returns once every request it submitted has completed.
 ///
-/// `poll_ns` bounds the reader's busy-poll of the socket before it blocks
-/// (0: never poll); [`SpinPolicy`] decides when polling is worth it.
+/// `poll` says how the reader busy-polls the socket before it blocks
+/// (off, a fixed bound or an adaptive window); [`SpinPolicy`] decides
+/// when polling is worth it.
 pub fn serve(
     sock: Arc<Sock>,
     exports: &[Export],
-    poll_ns: u64,
+    poll: PollSetting,
     limits: &Limits,
     tls: &TlsPolicy,
     ticket: Option<HandshakeTicket>,
@@ -136,7 +139,7 @@ pub fn serve(
     let export = &exports[neg.export];
     // Live control: lets `unexport` see and disconnect this client.
     let _listed = export.attach(&sock);
-    let shared = new_shared(&sock, neg.structured, poll_ns, limits)?;
+    let shared = new_shared(&sock, neg.structured, poll, limits)?;
     let mut t = Transmission {
         owner: shared.clone(),
         shared: shared.clone(),
@@ -148,8 +151,9 @@ pub fn serve(
         max_request: export.max_request(),
         size: export.dev.size(),
         features: export.dev.features(),
-        spin: SpinPolicy::new(poll_ns),
-        wake_spin: SpinPolicy::new(poll_ns),
+        spin: SpinPolicy::from_setting(poll),
+        wake_spin: SpinPolicy::from_setting(poll),
+        round: 0,
         idle_trim: limits.idle_trim,
         trimmed: false,
     };
@@ -164,7 +168,7 @@ pub fn serve(
 fn new_shared(
     sock: &Arc<Sock>,
     structured: bool,
-    poll_ns: u64,
+    poll: PollSetting,
     limits: &Limits,
 ) -> io::Result<Arc<Shared>> {
     let slots: Box<[Slot]> = (0..MAX_INFLIGHT)
@@ -182,7 +186,7 @@ fn new_shared(
             err: AtomicU8::new(0),
         })
         .collect();
-    let idle_wake = if poll_ns > 0 {
+    let idle_wake = if poll != PollSetting::Off {
         Some(IdleWake::new()?)
     } else {
         None

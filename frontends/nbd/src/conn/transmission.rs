@@ -9,6 +9,7 @@ use super::reply::{Shared, SlotMeta};
 use super::{BASE_ALLOCATION_ID, BUDGET, MAX_DESCRIPTORS};
 use crate::export::Export;
 use crate::proto::*;
+use blkstack_core::clock::now_ns;
 use blkstack_core::device::Extent;
 use blkstack_core::timing::spin::{self, SpinPolicy};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, EndIo, IoBuf, Op};
@@ -67,11 +68,16 @@ pub(super) struct Transmission<'a> {
     pub(super) max_request: u32,
     pub(super) size: u64,
     pub(super) features: blkstack_core::Features,
-    /// Polls right after the reader blocked, when input is due.
+    /// Polls right after the reader blocked, when input is due; when
+    /// adaptive, every poll of a wait (the window is sized from whole
+    /// waits).
     pub(super) spin: SpinPolicy,
-    /// Polls after an [`IdleWake`]: kept apart because at a high device
-    /// latency the first kind always misses while this one pays.
+    /// Fixed bound: polls after an [`IdleWake`], kept apart because at a
+    /// high device latency the first kind always misses while this one
+    /// pays. Unused when adaptive.
     pub(super) wake_spin: SpinPolicy,
+    /// Requests read since the reader last waited for input.
+    pub(super) round: u32,
     /// Idle this long with nothing in flight, the connection frees its
     /// buffers ([`Transmission::trim`]).
     pub(super) idle_trim: std::time::Duration,
@@ -88,13 +94,24 @@ impl Transmission<'_> {
         self.shared.set_batching(on);
     }
 
-    /// Block for more input, sending buffered replies first.
+    /// Block for more input, sending buffered replies first. An adaptive
+    /// poll learns from how long the whole wait took, from here (replies
+    /// sent) to input: the gap a poll would have had to cover, and the
+    /// requests read since the last wait (see [`SpinPolicy::record_wait`]:
+    /// a pipelining client is not polled for). The rest of a message
+    /// already begun comes at once and teaches nothing.
     fn fill(&mut self) -> io::Result<bool> {
         self.set_batching(false);
+        let learn = self.spin.is_adaptive() && self.inb.available() == 0;
+        let start = learn.then(now_ns);
         let more = match self.poll(false)? {
             Some(more) => more,
             None => self.wait_input()?,
         };
+        if let Some(start) = start {
+            let round = std::mem::take(&mut self.round);
+            self.spin.record_wait(now_ns().saturating_sub(start), round);
+        }
         if more {
             self.set_batching(true);
         }
@@ -106,7 +123,10 @@ impl Transmission<'_> {
     /// is answered first, poll for the client's next request.
     fn wait_input(&mut self) -> io::Result<bool> {
         let shared = self.shared.clone();
-        if let Some(w) = &shared.idle_wake {
+        // A shut adaptive window would poll nothing after the wake: sleep
+        // on the socket alone, and completers send no wake.
+        let wake = !self.spin.is_adaptive() || self.spin.window_ns() > 0;
+        if let Some(w) = shared.idle_wake.as_ref().filter(|_| wake) {
             w.parked.store(true, Ordering::SeqCst);
             // Checked after `parked` is set: a completion that empties the
             // connection from here on sees it and signals.
@@ -171,7 +191,7 @@ impl Transmission<'_> {
     /// (see `blkstack_core::timing::spin` for why); `None` when the caller
     /// must block.
     fn poll(&mut self, after_wake: bool) -> io::Result<Option<bool>> {
-        let policy = if after_wake {
+        let policy = if after_wake && !self.spin.is_adaptive() {
             &mut self.wake_spin
         } else {
             &mut self.spin
@@ -235,6 +255,7 @@ impl Transmission<'_> {
                 return Ok(());
             }
             let hdr = self.inb.take::<{ Request::SIZE }>();
+            self.round = self.round.saturating_add(1);
             let req = match Request::parse(&hdr) {
                 Ok(r) => r,
                 // Without a valid header the stream cannot be resynchronised:

@@ -2,11 +2,12 @@
 //! several threads at once, with more reply bytes than the socket holds,
 //! so flushes overlap, meet partial sends and hand over to the writer
 //! thread; every reply must arrive once, whole and with its own data, with
-//! the reader's poll off (the default) and on.
+//! the reader's poll off (the default), fixed and adaptive.
 
-use super::{req, serve_polling};
+use super::{req, serve_with_poll};
 use crate::proto::*;
 use crate::Export;
+use blkstack_core::timing::spin::PollSetting;
 use blkstack_core::{Bio, Device, Op, Status};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -63,8 +64,8 @@ impl Device for ThreadedDev {
     }
 }
 
-fn all_replies_arrive(poll_ns: u64) {
-    let run = serve_polling(vec![Export::new("a", ThreadedDev::new(), false)], poll_ns);
+fn all_replies_arrive(poll: PollSetting) {
+    let run = serve_with_poll(vec![Export::new("a", ThreadedDev::new(), false)], poll);
     let (mut c, _, _) = run.client("a", false);
     // Requests first, replies after: the replies outgrow the socket buffer
     // while nobody reads them.
@@ -89,9 +90,9 @@ fn all_replies_arrive(poll_ns: u64) {
 /// Requests keep coming from another thread while replies are read
 /// with pauses: the socket fills and drains over and over, so flushes
 /// meet partial sends while other completers append behind them.
-fn a_stream_of_replies_arrives(poll_ns: u64) {
+fn a_stream_of_replies_arrives(poll: PollSetting) {
     const STREAM: u64 = 3000;
-    let run = serve_polling(vec![Export::new("a", ThreadedDev::new(), false)], poll_ns);
+    let run = serve_with_poll(vec![Export::new("a", ThreadedDev::new(), false)], poll);
     let (mut c, _, _) = run.client("a", false);
     let mut tx = crate::client::RawClient::new(c.s.try_clone().expect("clone the socket"));
     let sender = std::thread::spawn(move || {
@@ -121,16 +122,18 @@ fn a_stream_of_replies_arrives(poll_ns: u64) {
 
 #[test]
 fn a_stream_of_replies_from_concurrent_completers_arrives() {
-    a_stream_of_replies_arrives(0);
-    a_stream_of_replies_arrives(50_000);
+    a_stream_of_replies_arrives(PollSetting::Off);
+    a_stream_of_replies_arrives(PollSetting::Fixed(50_000));
+    a_stream_of_replies_arrives(PollSetting::Adaptive(50_000));
 }
 
 #[test]
 fn replies_from_concurrent_completers_all_arrive() {
-    all_replies_arrive(0);
+    all_replies_arrive(PollSetting::Off);
 }
 
 #[test]
 fn replies_from_concurrent_completers_all_arrive_with_polling() {
-    all_replies_arrive(50_000);
+    all_replies_arrive(PollSetting::Fixed(50_000));
+    all_replies_arrive(PollSetting::Adaptive(50_000));
 }
