@@ -213,6 +213,37 @@ pub trait Device: Send + Sync {
     fn extents(&self, _offset: u64, _len: u64) -> Option<Vec<Extent>> {
         None
     }
+
+    /// Let the caller reap this device's completions on its own thread
+    /// (see [`Reaper`]), if the device has a completion queue a thread
+    /// can wait on; `None` (the default) when completions only come from
+    /// the device's own threads or inline.
+    fn reaper(&self) -> Option<Box<dyn Reaper>> {
+        None
+    }
+}
+
+/// A claim on a device's completions by a submitter with an event loop
+/// of its own (a vhost-user queue's thread): it waits for [`Reaper::fd`]
+/// to poll readable beside its other descriptors and then calls
+/// [`Reaper::reap`], so a request is submitted and completed on one
+/// thread, without a wake of the device's completion thread. This is
+/// qemu's block/io_uring.c, which hands its ring's descriptor to the
+/// AioContext that submits. While a claim lives, the device's own
+/// completion thread stands aside and reaps only as a backstop, what a
+/// claimant has left waiting a while (a busy or stalled claimant never
+/// holds completions back without bound); dropping the claim gives the
+/// completions back to that thread at once. Several claims may live at
+/// once: any claimant's `reap` completes every bio that is ready,
+/// whoever submitted it.
+pub trait Reaper: Send + Sync {
+    /// A descriptor that polls readable (level-triggered) while
+    /// completions wait to be reaped.
+    fn fd(&self) -> std::os::fd::RawFd;
+
+    /// Complete, on the calling thread, every completion ready now; how
+    /// many bios it completed or continued. Never blocks for I/O.
+    fn reap(&self) -> usize;
 }
 
 /// A shared handle to a device: how tables, stacks and frontends hold

@@ -26,7 +26,7 @@ pub mod testing;
 pub mod timing;
 
 pub use bio::{AlignedBuf, Bio, BioFlags, EndIo, IoBuf, Op};
-pub use device::{Device, DeviceRef, Features, QueueShape};
+pub use device::{Device, DeviceRef, Features, QueueShape, Reaper};
 pub use status::Status;
 pub use sync::{submit_and_wait, Completion};
 

@@ -393,6 +393,13 @@ impl Device for MappedDevice {
         }
     }
 
+    /// The live table's sole device may let the caller reap its
+    /// completions. The claim stays on that device: after a reload to
+    /// another one, the new device's own thread completes its bios.
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        self.core.live.load().sole_poll_device()?.reaper()
+    }
+
     fn size(&self) -> u64 {
         self.core.live.load().size_bytes()
     }

@@ -348,6 +348,18 @@ impl Device for FileDevice {
         let end = offset.checked_add(len)?.min(self.size);
         self.files.extents(offset, end)
     }
+
+    /// The interrupt-driven ring's completions (see `ring`), when it is
+    /// the only ring: a polled ring's CQEs never show on a descriptor.
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        match &self.backend {
+            Backend::Uring {
+                normal,
+                polled: None,
+            } => Some(normal.shared.claim()),
+            _ => None,
+        }
+    }
 }
 
 impl Drop for FileDevice {

@@ -21,6 +21,15 @@
 //! stop wakes it with a NOP. A polled ring's thread still parks when idle:
 //! waiting for a CQE on an IOPOLL ring with nothing in flight returns at
 //! once, and would spin.
+//!
+//! A submitter with an event loop may claim the interrupt-driven ring's
+//! completions ([`blkstack_core::Reaper`], as qemu's block/io_uring.c
+//! hands its ring fd to its AioContext): it waits for the ring's
+//! descriptor to poll readable (a CQE is posted) and reaps on its own
+//! thread, so a request is submitted and completed there, with no wake of
+//! the completion thread. While a claim lives that thread parks with a
+//! timeout ([`BACKSTOP`]) and reaps only what nobody has reaped for a
+//! whole tick; CQ readers take the `cq` lock.
 
 use super::backing::{ensure_bounce, Files, Route};
 use super::join_unless_self;
@@ -30,9 +39,10 @@ use io_uring::{opcode, squeue, types, IoUring};
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// The interrupt-driven ring a polled ring falls back to, and the
 /// refusal it records (`Arc` so the polled ring can name both).
@@ -44,6 +54,14 @@ const SETUP_CQSIZE: u32 = 1 << 3;
 /// `user_data` of the NOP that wakes the completion thread at a stop (no
 /// slot has this index).
 const WAKE: u64 = u64::MAX;
+
+/// While a claimant reaps, how often the completion thread looks for
+/// CQEs nobody reaped since its last look (a claimant busy elsewhere or
+/// stalled): the longest such a CQE waits is two of these.
+const BACKSTOP: Duration = Duration::from_millis(20);
+
+/// CQEs copied out of the ring per turn of the `cq` lock.
+const REAP_CHUNK: usize = 32;
 
 /// Which SQE a slot's bio is waiting for.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -128,6 +146,13 @@ pub(super) struct RingShared {
     free: Mutex<FreeList>,
     /// SQEs submitted and not yet reaped.
     inflight: AtomicU32,
+    /// Serializes completion queue readers (the completion thread and
+    /// claimants; see [`blkstack_core::Reaper`]).
+    cq: Mutex<()>,
+    /// Live claims on this ring's completions.
+    reapers: AtomicU32,
+    /// Reaps that found CQEs (the backstop's sign of progress).
+    reaps: AtomicU64,
     pub(super) files: Arc<Files>,
     /// Set for a polled ring: where refused I/O goes, and the shared flag
     /// that says polling was refused.
@@ -165,6 +190,9 @@ impl RingShared {
                 backlog: VecDeque::with_capacity(depth as usize),
             }),
             inflight: AtomicU32::new(0),
+            cq: Mutex::new(()),
+            reapers: AtomicU32::new(0),
+            reaps: AtomicU64::new(0),
             files,
             fallback,
             stop: AtomicBool::new(false),
@@ -333,10 +361,13 @@ impl RingShared {
 
     /// The completion thread: reap CQEs, finish or continue their bios.
     fn run_completions(self: Arc<Self>) {
-        let mut batch: Vec<(u64, i32)> = Vec::with_capacity(self.slots.len() * 2);
+        // The reap count at the backstop's last look, and whether CQEs
+        // were waiting then.
+        let mut last: Option<u64> = None;
         loop {
+            let stopping = self.stop.load(Ordering::Acquire);
             if self.inflight.load(Ordering::Acquire) == 0 {
-                if self.stop.load(Ordering::Acquire) {
+                if stopping {
                     break;
                 }
                 if self.is_polled() {
@@ -344,6 +375,11 @@ impl RingShared {
                     continue;
                 }
             }
+            if !stopping && self.reapers.load(Ordering::Acquire) > 0 {
+                last = self.backstop(last);
+                continue;
+            }
+            last = None;
             if let Err(e) = self.ring.submit_and_wait(1) {
                 if !matches!(
                     e.raw_os_error(),
@@ -357,22 +393,83 @@ impl RingShared {
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
             }
-            {
-                // SAFETY: this thread is the only completion queue reader.
+            self.reap_ready();
+        }
+    }
+
+    /// One tick of the backstop while a claimant reaps: sleep a tick (a
+    /// dropped claim or a stop wakes it early), then reap only if CQEs
+    /// were waiting at the last tick too and nobody has reaped since.
+    /// Returns what this tick saw, for the next.
+    fn backstop(&self, last: Option<u64>) -> Option<u64> {
+        std::thread::park_timeout(BACKSTOP);
+        if self.reapers.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let reaps = self.reaps.load(Ordering::Acquire);
+        if last == Some(reaps) && self.cq_pending() {
+            self.reap_ready();
+            return None;
+        }
+        self.cq_pending().then_some(reaps)
+    }
+
+    /// Whether CQEs wait in the ring.
+    fn cq_pending(&self) -> bool {
+        let _g = self.cq.lock();
+        // SAFETY: the `cq` mutex makes this the only completion queue
+        // reader; dropping it without consuming moves nothing.
+        let cq = unsafe { self.ring.completion_shared() };
+        !cq.is_empty()
+    }
+
+    /// Complete every CQE the ring holds now, on the calling thread, in
+    /// one completion batch (a completer above with per-batch work, an
+    /// NBD connection's send or a virtqueue's call, does it once); how
+    /// many bios it finished or continued.
+    pub(super) fn reap_ready(&self) -> usize {
+        let _batch = blkstack_core::comp_batch::CompletionBatch::start();
+        let mut done = 0;
+        loop {
+            let mut buf = [(0u64, 0i32); REAP_CHUNK];
+            let got = {
+                let _g = self.cq.lock();
+                // SAFETY: the `cq` mutex makes this the only completion
+                // queue reader; the CQEs are copied out before the head
+                // moves past them (when `cq` drops).
                 let cq = unsafe { self.ring.completion_shared() };
-                batch.extend(cq.map(|c| (c.user_data(), c.result())));
+                let mut n = 0;
+                for (slot, c) in buf.iter_mut().zip(cq) {
+                    *slot = (c.user_data(), c.result());
+                    n += 1;
+                }
+                n
+            };
+            if got == 0 {
+                return done;
             }
-            // One completion batch per reap: a completer above with
-            // per-batch work (an NBD connection's send) does it once.
-            let _batch = blkstack_core::comp_batch::CompletionBatch::start();
-            for (idx, res) in batch.drain(..) {
+            self.reaps.fetch_add(1, Ordering::AcqRel);
+            for &(idx, res) in &buf[..got] {
                 if idx == WAKE {
                     continue;
                 }
                 self.inflight.fetch_sub(1, Ordering::AcqRel);
                 self.on_cqe(idx as u32, res);
+                done += 1;
             }
         }
+    }
+
+    /// Claim this ring's completions for the caller's thread (see
+    /// [`blkstack_core::Reaper`]). Not for a polled ring: its CQEs are
+    /// only found by polling, never by its descriptor.
+    pub(super) fn claim(self: &Arc<Self>) -> Box<dyn blkstack_core::Reaper> {
+        if self.reapers.fetch_add(1, Ordering::AcqRel) == 0 {
+            // The completion thread waits in the ring: wake it, so that it
+            // stands aside before the claimant's first completion.
+            self.wake_waiter();
+        }
+        Box::new(Claim(self.clone()))
     }
 
     fn on_cqe(&self, idx: u32, res: i32) {
@@ -535,6 +632,29 @@ impl Drop for Ring {
         if let Some(t) = self.thread.take() {
             t.thread().unpark();
             join_unless_self(t);
+        }
+    }
+}
+
+/// One claim on a ring's completions; dropping it hands them back to the
+/// completion thread (woken so that it waits in the ring again at once).
+struct Claim(Arc<RingShared>);
+
+impl blkstack_core::Reaper for Claim {
+    fn fd(&self) -> RawFd {
+        self.0.ring.as_raw_fd()
+    }
+
+    fn reap(&self) -> usize {
+        self.0.reap_ready()
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.0.reapers.fetch_sub(1, Ordering::AcqRel);
+        if let Some(t) = self.0.thread.get() {
+            t.unpark();
         }
     }
 }

@@ -11,6 +11,13 @@
 //! its ring a bounded, adaptive while after a round before it sleeps
 //! ([`crate::poll`]; off unless `--vhost-poll-us` asks for it).
 //!
+//! A device whose completions a thread can wait for (the `file` device's
+//! io_uring, [`blkstack_core::Reaper`]) is reaped by the queues' own
+//! threads: its descriptor sits in each queue thread's epoll beside the
+//! kicks ([`BlkBackend::attach_reaper`]), so a request is taken, submitted
+//! and completed on one thread and the guest called once per reap, as
+//! qemu-storage-daemon's one AioContext does with its ring.
+//!
 //! One backend serves one connection. Its guest memory is checked and
 //! watched by [`crate::guard`]: a memory table whose regions overrun
 //! their files is refused, and once a region has lost its pages the
@@ -23,7 +30,7 @@ use crate::guard::{self, Regions};
 use crate::poll::{self, PollWindow};
 use crate::request::{self, Limits, Mem, ID_LEN};
 use blkstack_core::comp_batch::CompletionBatch;
-use blkstack_core::DeviceRef;
+use blkstack_core::{DeviceRef, Reaper};
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,6 +78,9 @@ pub struct BlkBackend {
     /// connection, so a VMM that reconnects would exhaust the process's
     /// descriptors. Closed here once the connection's workers are gone.
     exit_consumers: parking_lot::Mutex<Vec<std::os::fd::RawFd>>,
+    /// This connection's claim on the device's completions, if it has
+    /// one ([`BlkBackend::attach_reaper`]).
+    reaper: Mutex<Option<Box<dyn Reaper>>>,
 }
 
 impl BlkBackend {
@@ -117,6 +127,7 @@ impl BlkBackend {
             conn: Mutex::new(None),
             exits: parking_lot::Mutex::new(Vec::new()),
             exit_consumers: parking_lot::Mutex::new(Vec::new()),
+            reaper: Mutex::new(None),
         }))
     }
 
@@ -140,10 +151,45 @@ impl BlkBackend {
             drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
         }
         *self.conn.lock() = None;
+        // The device's own thread completes what is still in flight.
+        self.detach_reaper();
         *self.mem.write() = None;
         guard::release_unused();
         *self.setup.lock() = false;
         self.dead.store(false, Ordering::SeqCst);
+    }
+
+    /// The epoll event id of the device's completions: past the queues'
+    /// ids and the exit event's (`num_queues`), which vhost-user-backend
+    /// keeps for itself.
+    pub fn reap_event(&self) -> u16 {
+        self.geo.num_queues + 1
+    }
+
+    /// Claim the device's completions for the queues' threads, if the
+    /// device offers that; the descriptor to add to each queue thread's
+    /// epoll (level-triggered, exclusive: one idle thread wakes per
+    /// completion) under [`BlkBackend::reap_event`]. The claim ends with
+    /// the connection ([`BlkBackend::end_connection`]); until then the
+    /// device's own thread reaps only what the queue threads leave
+    /// waiting (a bounded backstop).
+    pub fn attach_reaper(&self) -> Option<std::os::fd::RawFd> {
+        let r = self.dev.reaper()?;
+        let fd = r.fd();
+        *self.reaper.lock() = Some(r);
+        Some(fd)
+    }
+
+    /// Give the device's completions back to its own thread.
+    pub fn detach_reaper(&self) {
+        *self.reaper.lock() = None;
+    }
+
+    /// Complete the device's ready completions on this thread.
+    fn reap(&self) {
+        if let Some(r) = self.reaper.lock().as_ref() {
+            r.reap();
+        }
     }
 
     /// The connection this backend serves, to shut down if it fails.
@@ -319,6 +365,10 @@ impl VhostUserBackend for BlkBackend {
     ) -> std::io::Result<()> {
         if evset != EventSet::IN {
             return Err(std::io::Error::other("vhost-user-blk: unexpected event"));
+        }
+        if device_event == self.reap_event() {
+            self.reap();
+            return Ok(());
         }
         let Some(vring) = vrings.get(device_event as usize) else {
             return Ok(());

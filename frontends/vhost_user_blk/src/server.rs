@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 use vhost::vhost_user::Listener;
 use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
 
 /// VMM connections one vhost-user-blk socket serves at once.
 pub const MAX_SESSIONS: usize = 4;
@@ -226,6 +227,31 @@ fn serve_loop(sh: &Shared, acc: &Acceptor, mut listener: Listener) {
     tracing::debug!(export = name, "vhost-user-blk: acceptor stopped");
 }
 
+/// Let the queues' threads reap the device's completions themselves
+/// (see [`BlkBackend::attach_reaper`]). A thread whose epoll refused the
+/// descriptor leaves its completions to the others; if every one refused
+/// it, the claim is dropped and the device's own thread reaps as before.
+fn attach_reaper(name: &str, backend: &Arc<BlkBackend>, daemon: &VhostUserDaemon<Arc<BlkBackend>>) {
+    let Some(fd) = backend.attach_reaper() else {
+        return;
+    };
+    let ev = EventSet::IN | EventSet::EXCLUSIVE;
+    let id = u64::from(backend.reap_event());
+    let mut added = 0;
+    for h in daemon.get_epoll_handlers() {
+        match h.register_listener(fd, ev, id) {
+            Ok(()) => added += 1,
+            Err(e) => tracing::warn!(
+                export = name,
+                "vhost-user-blk: a queue thread cannot reap the device's completions: {e}"
+            ),
+        }
+    }
+    if added == 0 {
+        backend.detach_reaper();
+    }
+}
+
 /// Accept one connection and serve it to its end. False if accepting
 /// or setting up failed.
 fn serve_one(sh: &Shared, acc: &Acceptor, listener: &mut Listener) -> bool {
@@ -254,6 +280,7 @@ fn serve_one(sh: &Shared, acc: &Acceptor, listener: &mut Listener) -> bool {
         return false;
     }
     let handle = daemon.shutdown_handle();
+    attach_reaper(name, &backend, &daemon);
     let _busy = Busy(&sh.busy);
     if sh.busy.fetch_add(1, Ordering::SeqCst) >= MAX_SESSIONS {
         tracing::warn!(
