@@ -3,7 +3,7 @@
 //! `LO_FLAGS_DIRECT_IO` or nbdkit's file plugin.
 //!
 //! Table line: `file PATH [direct] [iopoll|hybrid_iopoll] [create]
-//! [queue_depth=N] [engine=uring|psync]`. The device is the line's length;
+//! [queue_depth=N] [engine=uring|psync] [reap_backstop_ms=N]`. The device is the line's length;
 //! the file must already hold that many bytes (a longer file is fine: only
 //! the first `length` bytes are exposed, as `losetup --sizelimit` does). A
 //! missing or shorter file is refused unless `create` is given, in which
@@ -263,14 +263,9 @@ fn start_uring(
     refusal: &Arc<PollRefusal>,
 ) -> Result<Started, FileError> {
     let depth = opts.queue_depth;
-    let normal = Ring::spawn(RingShared::new(
-        name.to_string(),
-        ring,
-        depth,
-        files.clone(),
-        None,
-    ))
-    .map_err(thread_error("a completion thread"))?;
+    let mut shared = RingShared::new(name.to_string(), ring, depth, files.clone(), None);
+    shared.backstop = std::time::Duration::from_millis(opts.reap_backstop_ms);
+    let normal = Ring::spawn(shared).map_err(thread_error("a completion thread"))?;
     let mut poll_setup = PollMode::Interrupt;
     let mut poll_setup_fallback = None;
     let mut polled = None;

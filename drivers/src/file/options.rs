@@ -1,5 +1,5 @@
 //! The `file` table line's words: `PATH [direct] [iopoll|hybrid_iopoll]
-//! [create] [queue_depth=N] [engine=uring|psync]`, parsed into
+//! [create] [queue_depth=N] [engine=uring|psync] [reap_backstop_ms=N]`, parsed into
 //! [`FileOptions`] and printed back canonically, so that `dmsetup table`
 //! output parses back to the same device (as dm targets' `status`
 //! STATUSTYPE_TABLE prints their constructor arguments).
@@ -11,6 +11,9 @@ use std::path::PathBuf;
 /// Default number of requests one ring keeps in flight.
 pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
 const MAX_QUEUE_DEPTH: u64 = 4096;
+/// Default of `reap_backstop_ms=` (the ring's `BACKSTOP`).
+pub const DEFAULT_REAP_BACKSTOP_MS: u64 = 20;
+const MAX_REAP_BACKSTOP_MS: u64 = 60_000;
 
 /// How completions of O_DIRECT reads and writes are found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,6 +62,10 @@ pub struct FileOptions {
     pub create: bool,
     pub queue_depth: u32,
     pub engine: EngineKind,
+    /// While an event loop reaps the ring's completions itself (a
+    /// vhost-user-blk queue thread), how long the ring's own thread lets
+    /// a completion wait unreaped before it takes it.
+    pub reap_backstop_ms: u64,
 }
 
 impl FileOptions {
@@ -112,6 +119,12 @@ impl FileOptions {
             EngineKind::Uring,
             &[("uring", EngineKind::Uring), ("psync", EngineKind::Psync)],
         )?;
+        let reap_backstop_ms = kv.take_u64(
+            "reap_backstop_ms",
+            DEFAULT_REAP_BACKSTOP_MS,
+            1,
+            MAX_REAP_BACKSTOP_MS,
+        )?;
         kv.finish()?;
         let poll = poll.unwrap_or(PollMode::Interrupt);
         if poll != PollMode::Interrupt && !direct {
@@ -127,6 +140,7 @@ impl FileOptions {
             create,
             queue_depth,
             engine,
+            reap_backstop_ms,
         })
     }
 
@@ -146,6 +160,9 @@ impl FileOptions {
         if self.queue_depth != DEFAULT_QUEUE_DEPTH {
             words.push(format!("queue_depth={}", self.queue_depth));
         }
+        if self.reap_backstop_ms != DEFAULT_REAP_BACKSTOP_MS {
+            words.push(format!("reap_backstop_ms={}", self.reap_backstop_ms));
+        }
         if self.engine != EngineKind::Uring {
             words.push(format!("engine={}", self.engine.name()));
         }
@@ -159,9 +176,16 @@ mod tests {
 
     #[test]
     fn options_parse_and_round_trip() {
-        let o =
-            FileOptions::parse(&["/tmp/x", "direct", "hybrid_iopoll", "queue_depth=32"]).unwrap();
+        let o = FileOptions::parse(&[
+            "/tmp/x",
+            "direct",
+            "hybrid_iopoll",
+            "queue_depth=32",
+            "reap_backstop_ms=5",
+        ])
+        .unwrap();
         assert!(o.direct);
+        assert_eq!(o.reap_backstop_ms, 5);
         assert_eq!(o.poll, PollMode::Hybrid);
         assert_eq!(o.queue_depth, 32);
         let text = o.table_args();
@@ -182,6 +206,7 @@ mod tests {
         assert!(e(&["/x", "direct", "iopoll", "hybrid_iopoll"]).contains("conflicts"));
         assert!(e(&["/x", "fast"]).contains("unknown flag 'fast'"));
         assert!(e(&["/x", "queue_depth=0"]).contains("queue_depth=0"));
+        assert!(e(&["/x", "reap_backstop_ms=0"]).contains("reap_backstop_ms=0"));
         assert!(e(&["/x", "engine=aio"]).contains("engine='aio'"));
         assert!(e(&["/x", "direct", "direct"]).contains("twice"));
         assert!(e(&["/x", "direct", "iopoll", "engine=psync"]).contains("engine=uring"));

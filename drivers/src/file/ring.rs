@@ -28,7 +28,7 @@
 //! descriptor to poll readable (a CQE is posted) and reaps on its own
 //! thread, so a request is submitted and completed there, with no wake of
 //! the completion thread. While a claim lives that thread parks with a
-//! timeout ([`BACKSTOP`]) and reaps only what nobody has reaped for a
+//! timeout (`reap_backstop_ms=`, [`BACKSTOP`] by default) and reaps only what nobody has reaped for a
 //! whole tick; CQ readers take the `cq` lock.
 
 use super::backing::{ensure_bounce, Files, Route};
@@ -57,8 +57,10 @@ const WAKE: u64 = u64::MAX;
 
 /// While a claimant reaps, how often the completion thread looks for
 /// CQEs nobody reaped since its last look (a claimant busy elsewhere or
-/// stalled): the longest such a CQE waits is two of these.
-const BACKSTOP: Duration = Duration::from_millis(20);
+/// stalled): the longest such a CQE waits is two of these. The table's
+/// `reap_backstop_ms=` sets it.
+pub(super) const BACKSTOP: Duration =
+    Duration::from_millis(super::options::DEFAULT_REAP_BACKSTOP_MS);
 
 /// CQEs copied out of the ring per turn of the `cq` lock.
 const REAP_CHUNK: usize = 32;
@@ -159,6 +161,8 @@ pub(super) struct RingShared {
     fallback: Option<Fallback>,
     stop: AtomicBool,
     thread: OnceLock<std::thread::Thread>,
+    /// The backstop's tick ([`BACKSTOP`] unless the table sets it).
+    pub(super) backstop: Duration,
 }
 
 impl RingShared {
@@ -197,6 +201,7 @@ impl RingShared {
             fallback,
             stop: AtomicBool::new(false),
             thread: OnceLock::new(),
+            backstop: BACKSTOP,
         }
     }
 
@@ -402,7 +407,7 @@ impl RingShared {
     /// were waiting at the last tick too and nobody has reaped since.
     /// Returns what this tick saw, for the next.
     fn backstop(&self, last: Option<u64>) -> Option<u64> {
-        std::thread::park_timeout(BACKSTOP);
+        std::thread::park_timeout(self.backstop);
         if self.reapers.load(Ordering::Acquire) == 0 {
             return None;
         }
