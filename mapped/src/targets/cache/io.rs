@@ -5,7 +5,8 @@
 //! Hits are remapped to the cache device and misses to the origin on the
 //! submitter's thread, under the policy lock (the kernel's `mq->lock`),
 //! except a read hit that would change nothing in the policy but its
-//! stats, which is remapped without the lock (`hits.rs`).
+//! stats, which is remapped without the lock (`hits.rs`); a plugged
+//! batch's such hits go to the cache device as one batch (`map_batch`).
 //! Everything that must wait goes to one worker thread: flushes and FUA
 //! writes (committed first, as `issue_after_commit`), discards,
 //! writethrough and passthrough write hits. Bios for a block under
