@@ -5,7 +5,8 @@
 # bench-cache.sh's with a 16 MiB hot set (valgrind runs threads one at a
 # time, so the warm-up must stay short): the cache row warms for WARM
 # seconds, then the counters are zeroed (callgrind_control -z) and what
-# follows is all warm hits; the linear row reads a filled hot set. Per
+# follows is all warm hits; the linear row and the raw cache device's
+# (`cdev`) read a filled hot set. Per
 # row, over the I/Os completed to the bench after the zeroing: the
 # instructions of the bench's submissions to the device, inclusive (the
 # whole stack down to the memory device and every completion back up
@@ -79,3 +80,4 @@ EOF3
 }
 row c "$WARM"
 row lin 0 --name=fill --rw=write --bs=1m --size=16m
+row cdev 0 --name=fill --rw=write --bs=1m --size=16m

@@ -5,7 +5,8 @@
 //! Hits are remapped to the cache device and misses to the origin on the
 //! submitter's thread, under the policy lock (the kernel's `mq->lock`),
 //! except a read hit that would change nothing in the policy but its
-//! stats, which is remapped without the lock (`hits.rs`).
+//! stats, which is remapped without the lock (`hits.rs`); a plugged
+//! batch's such hits go to the cache device as one batch (`map_batch`).
 //! Everything that must wait goes to one worker thread: flushes and FUA
 //! writes (committed first, as `issue_after_commit`), discards,
 //! writethrough and passthrough write hits. Bios for a block under
@@ -259,19 +260,68 @@ fn needs_worker(bio: &Bio) -> bool {
 
 impl Shared {
     /// `cache_map`.
-    pub fn map(self: &Arc<Self>, mut bio: Bio) {
+    pub fn map(self: &Arc<Self>, bio: Bio) {
         self.last_io.store(coarse_now_ns(), Ordering::Relaxed);
+        self.map_one(bio);
+    }
+
+    /// `cache_map` for a plugged batch: the fast read hits are remapped
+    /// in place and go to the cache device as one batch, so the layers
+    /// below pay their per-submission costs once; every other bio takes
+    /// [`Shared::map`]'s path after them. Bios of one batch are all in
+    /// flight at once, so nothing orders them against each other (a
+    /// flush covers only writes completed before it was submitted).
+    /// Leaves `bios` empty.
+    pub fn map_batch(self: &Arc<Self>, bios: &mut Vec<Bio>) {
+        self.last_io.store(coarse_now_ns(), Ordering::Relaxed);
+        if self.mode != IoMode::Passthrough {
+            // Each lookup loads a bucket, then the block its chain starts
+            // at. Ask for all the buckets, then all the blocks, before the
+            // first lookup: the lookups' in-flight counts are full
+            // barriers, behind which a miss would be waited for alone.
+            let reads = || bios.iter().filter(|b| b.op == Op::Read);
+            for bio in reads() {
+                self.index.prefetch_bucket(self.split(bio.offset).0);
+            }
+            for bio in reads() {
+                self.index.prefetch_head(self.split(bio.offset).0);
+            }
+        }
+        let mut slow = Vec::new();
+        slow.extend(bios.extract_if(.., |b| !self.remap_fast_hit(b)));
+        if !bios.is_empty() {
+            self.cache.submit_batch(bios);
+        }
+        for bio in slow {
+            self.map_one(bio);
+        }
+    }
+
+    /// `cache_map` without the idle clock's stamp.
+    fn map_one(self: &Arc<Self>, mut bio: Bio) {
         if needs_worker(&bio) {
             return self.defer(bio);
         }
-        if bio.op == Op::Read && self.mode != IoMode::Passthrough {
-            if let Some((cb, within)) = self.fast_read_hit(bio.offset) {
-                bio.push_end(self.clone(), KIND_HIT | self.tick_flag() | cb as u64);
-                bio.offset = cb as u64 * self.block_bytes + within;
-                return self.cache.submit(bio);
-            }
+        if self.remap_fast_hit(&mut bio) {
+            return self.cache.submit(bio);
         }
         self.map_bio(bio, false);
+    }
+
+    /// Remap `bio` to the cache device if it is a fast read hit (see
+    /// [`Shared::fast_read_hit`]), with the completion frame that uncounts
+    /// it; false leaves it as it was, for `map_bio` or the worker.
+    #[inline]
+    fn remap_fast_hit(self: &Arc<Self>, bio: &mut Bio) -> bool {
+        if bio.op != Op::Read || self.mode == IoMode::Passthrough || needs_worker(bio) {
+            return false;
+        }
+        let Some((cb, within)) = self.fast_read_hit(bio.offset) else {
+            return false;
+        };
+        bio.push_end(self.clone(), KIND_HIT | self.tick_flag() | cb as u64);
+        bio.offset = cb as u64 * self.block_bytes + within;
+        true
     }
 
     /// The origin block of a byte offset and the offset within it.

@@ -401,6 +401,10 @@ impl Target for CacheTarget {
         self.shared.map(bio);
     }
 
+    fn map_batch(&self, bios: &mut Vec<Bio>) {
+        self.shared.map_batch(bios);
+    }
+
     fn status(&self) -> String {
         let s = &self.shared;
         if !self.suspended.load(Ordering::SeqCst) {
