@@ -42,7 +42,9 @@
 # per I/O, io_uring_enter among them. The I/Os are fio's own totals.
 # Lines: `COUNTS <dev> <rw> <qd> ios=N cpu_us_per_io=.. (usr .. sys ..)
 # vcsw_per_io=.. ivcsw_per_io=..`, `THREAD <dev> <rw> <qd> <comm> cpu_us_per_io=..`,
-# `SYSCALLS <dev> <rw> <qd> <syscall> per_io=..`. Both servers run under
+# `SYSCALLS <dev> <rw> <qd> <syscall> per_io=..`, and the guest's
+# clocksource at the end (`CLOCKSOURCE`: one without a vDSO read turns
+# every clock_gettime into a system call). Both servers run under
 # the same TCG, so their ratio is fair even where the absolute µs are not.
 #
 # Environment: BLKSTACK_BIN (default target/release/blkstack, built if
@@ -165,6 +167,9 @@ if [ $counts = 1 ]; then
       [ -z "\$KID" ] || countrun kublk \$K \$rw \$qd \$KP
     done
   done
+  # a clocksource without a vDSO read makes every clock_gettime a
+  # system call: say which one this boot ended with
+  echo "CLOCKSOURCE \$(cat /sys/devices/system/clocksource/clocksource0/current_clocksource 2>/dev/null || echo unknown)"
   R=0
 fi
 for rep in \$(seq \$R); do
@@ -188,7 +193,7 @@ KERNEL_VM_MEM=${KERNEL_VM_MEM:-1024} "$top/scripts/kernel-vm.sh" run --bin "$bin
   "$work/guest.sh" > "$work/guest.out" || { cat "$work/guest.out" >&2; die "the guest failed"; }
 if [ "$counts" = 1 ]; then
   [ -n "$strace_bin" ] || echo "bench-ublk-peers: no strace on the host: no SYSCALLS lines" >&2
-  grep -E '^(COUNTS|THREAD|SYSCALLS) ' "$work/guest.out"
+  grep -E '^(COUNTS|THREAD|SYSCALLS|CLOCKSOURCE) ' "$work/guest.out"
   exit 0
 fi
 grep '^RESULT' "$work/guest.out" | tee "$work/results"
