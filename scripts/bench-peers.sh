@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
 # bench-peers.sh — blkstack's NBD server against the two usual peers,
-# nbdkit and qemu-nbd, with the same fio nbd-engine jobs (libnbd client).
+# nbdkit and qemu-nbd, with the same fio nbd-engine jobs (libnbd client),
+# and against the floor: nbd-floor (frontends/nbd/examples/nbd-floor), a
+# one-thread server that does only what each row physically requires
+# (read the requests a poll reports, answer the batch with one writev;
+# null from static zeros, memory straight into a Vec, delay on one
+# timerfd, TLS with rustls). Its CPU per I/O is what this host charges
+# for serving the row at all: a goal of 0.5x the best peer below it is
+# below what the host can do.
 #
 # Why this shape: one fio job file per row, the three servers run one
 # after the other inside every repetition (interleaved, so a noisy moment
@@ -60,6 +67,8 @@
 #        OURS_OPTS="--poll-us 50" scripts/bench-peers.sh   (extra `serve` flags)
 #        OURS_OPTS="--poll-us auto" scripts/bench-peers.sh  (adaptive poll window)
 #        DELAY_OPTS= ROWS="delay1ms-qd1 delay1ms-qd32" scripts/bench-peers.sh
+#        FLOOR=path/to/nbd-floor scripts/bench-peers.sh   (skip its build)
+#        SERVERS="ours floor" scripts/bench-peers.sh      (default: all four)
 # Needs root or sudo only to install missing packages (fio, nbdkit,
 # qemu-utils) with apt-get.
 set -euo pipefail
@@ -72,6 +81,7 @@ SAMPLE_MS=${SAMPLE_MS:-10}
 ROWS=${ROWS:-"null-qd1 null-qd64 null-qd64x2 mem-randwrite-qd16 mem-randwrite-qd16x2 delay1ms-qd1 delay1ms-qd32 null-qd1-tls null-qd64-tls mem-read64k-qd8 mem-read64k-qd8-tls leaf-qd1 leaf-qd64"}
 OURS_OPTS=${OURS_OPTS:-}
 DELAY_OPTS=${DELAY_OPTS-spin_us=0}
+SERVERS=${SERVERS:-"ours nbdkit qemu floor"}
 SIZE_BYTES=$((1 << 30))
 SECTORS=$((SIZE_BYTES / 512))
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -113,6 +123,11 @@ if [ -z "${BLKSTACK:-}" ]; then
     echo "building blkstack (release)..." >&2
     (cd "$ROOT" && cargo build --release -q -p blkstack)
     BLKSTACK="$ROOT/target/release/blkstack"
+fi
+if [[ " $SERVERS " == *" floor "* ]] && [ -z "${FLOOR:-}" ]; then
+    echo "building the floor probe (release)..." >&2
+    (cd "$ROOT" && cargo build --release -q -p blkstack-nbd --example nbd-floor)
+    FLOOR="$ROOT/target/release/examples/nbd-floor"
 fi
 
 # ---- servers ------------------------------------------------------------------
@@ -175,9 +190,10 @@ client_uri() {
 # the server require TLS. Sets SERVER_PID.
 start_server() {
     local server=$1 kind=$2 tls=${3:-0}
-    local ours_tls=() kit_tls=() qemu_tls=()
+    local ours_tls=() kit_tls=() qemu_tls=() floor_tls=()
     if [ "$tls" = 1 ]; then
         make_certs
+        floor_tls=(--tls-certificates="$CERTS")
         ours_tls=(--tls=require --tls-certificates="$CERTS")
         kit_tls=(--tls=require --tls-certificates="$CERTS")
         qemu_tls=(--object "tls-creds-x509,id=tls0,endpoint=server,dir=$CERTS,verify-peer=off" --tls-creds=tls0)
@@ -206,6 +222,10 @@ start_server() {
             "$QEMU_IMG" >"$WORK/srv.log" 2>&1 & ;;
     qemu:delay) qemu-nbd -t --shared=8 -x d --socket="$SOCK" "${qemu_tls[@]}" --image-opts \
         "driver=null-co,size=$SIZE_BYTES,latency-ns=1000000,read-zeroes=off" >"$WORK/srv.log" 2>&1 & ;;
+    floor:null | floor:delay) "$FLOOR" --kind "$kind" --size $SIZE_BYTES --socket "$SOCK" "${floor_tls[@]}" \
+        >"$WORK/srv.log" 2>&1 & ;;
+    floor:mem) "$FLOOR" --kind memory --size $SIZE_BYTES --socket "$SOCK" "${floor_tls[@]}" \
+        >"$WORK/srv.log" 2>&1 & ;;
     *) echo "unknown server/kind $server:$kind" >&2; return 1 ;;
     esac
     SERVER_PID=$!
@@ -345,7 +365,7 @@ server_row() {
     kind=$(row_kind "$row")
     tls=$(row_tls "$row")
     uri=$(client_uri "$tls")
-    for server in ours nbdkit qemu; do
+    for server in $SERVERS; do
         start_server "$server" "$kind" "$tls" || continue
         if [ "$kind" = mem ]; then
             # Precondition: write the whole device once, unmeasured, so
@@ -439,21 +459,27 @@ servers = [r for r in rows if not r.startswith("leaf-")]
 clients = [r for r in rows if r.startswith("leaf-")]
 if servers:
     print(f"\nmedians of {reps} interleaved repetitions, {runtime} s each after a {ramp} s ramp, fio --ioengine=nbd, Unix socket;"
-          " CPU is the server's (user+system, all threads) over fio's measured window; best = the peer with the most IOPS / the least CPU per I/O")
-    print(f"{'row':<20} {'IOPS: ours':>10} {'nbdkit':>9} {'qemu-nbd':>9} {'ours/best':>9}   {'CPU us/IO: ours':>15} {'nbdkit':>7} {'qemu':>7} {'ours/best':>9}")
+          " CPU is the server's (user+system, all threads) over fio's measured window; best = the peer with the most IOPS / the least CPU per I/O;"
+          " floor = nbd-floor, the least a server can spend on the row here")
+    print(f"{'row':<20} {'IOPS: ours':>10} {'nbdkit':>9} {'qemu-nbd':>9} {'floor':>9} {'ours/best':>9}   {'CPU us/IO: ours':>15} {'nbdkit':>7} {'qemu':>7} {'floor':>7} {'ours/best':>9} {'ours/floor':>10}   goal 0.5x best")
     for row in servers:
-        o, n, q = (med(iops[row, s]) for s in ("ours", "nbdkit", "qemu"))
-        co, cn, cq = (med(cpu[row, s]) for s in ("ours", "nbdkit", "qemu"))
+        o, n, q, f = (med(iops[row, s]) for s in ("ours", "nbdkit", "qemu", "floor"))
+        co, cn, cq, cf = (med(cpu[row, s]) for s in ("ours", "nbdkit", "qemu", "floor"))
         best = max((v for v in (n, q) if v == v), default=float("nan"))
         cbest = min((v for v in (cn, cq) if v == v), default=float("nan"))
-        print(f"{row:<20} {o:>10.0f} {n:>9.0f} {q:>9.0f} {div(o, best):>9.2f}   {co:>15.2f} {cn:>7.2f} {cq:>7.2f} {div(co, cbest):>9.2f}")
+        goal = 0.5 * cbest
+        # Below the floor: not even the floor server reaches the goal.
+        verdict = ("met" if co <= goal else "BELOW FLOOR" if cf > goal else "missed") if goal == goal and co == co else "-"
+        if verdict == "BELOW FLOOR":
+            verdict += f" ({goal:.2f} < {cf:.2f})"
+        print(f"{row:<20} {o:>10.0f} {n:>9.0f} {q:>9.0f} {f:>9.0f} {div(o, best):>9.2f}   {co:>15.2f} {cn:>7.2f} {cq:>7.2f} {cf:>7.2f} {div(co, cbest):>9.2f} {div(co, cf):>10.2f}   {verdict}")
     tls = [r for r in servers if r.endswith("-tls") and r[:-4] in servers]
     if tls:
         print("\nTLS against plain, same server: IOPS TLS/plain (CPU us/IO plain -> TLS)")
         for row in tls:
             plain = row[:-4]
             cells = [f"{s} {div(med(iops[row, s]), med(iops[plain, s])):.2f} ({med(cpu[plain, s]):.2f} -> {med(cpu[row, s]):.2f})"
-                     for s in ("ours", "nbdkit", "qemu")]
+                     for s in ("ours", "nbdkit", "qemu", "floor")]
             print(f"{row:<20} " + "   ".join(cells))
 if clients:
     who = [c for c in ("libnbd", "leaf", "leafpq", "leafpqpoll", "leafpoll") if any((r, c) in iops for r in clients)]

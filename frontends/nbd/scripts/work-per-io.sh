@@ -22,9 +22,18 @@
 #   ROW: null-qd1 null-qd64 null-qd64x2 mem-qd16 mem-read64k-qd8 delay-qd1 delay-qd32
 #   DELAY_OPTS: options of our delay target (e.g. spin_us=0), as in
 #   bench-peers.sh (here empty by default: the target's defaults).
-#   VARIANT: "nbdkit", "qemu", or a command that runs blkstack (as in
-#   ab-servers.sh: a binary path, or a wrapper that execs it with extra
-#   flags, e.g. `exec /path/blkstack "$@" --poll-us 0`).
+#   VARIANT: "nbdkit", "qemu", "floor" (the floor probe,
+#   frontends/nbd/examples/nbd-floor: $FLOOR, default
+#   target/release/examples/nbd-floor, built with `cargo build --release
+#   -p blkstack-nbd --example nbd-floor`), or a command that runs blkstack
+#   (as in ab-servers.sh: a binary path, or a wrapper that execs it with
+#   extra flags, e.g. `exec /path/blkstack "$@" --poll-us 0`).
+# Every mode also prints the server's context switches per I/O from
+# /proc/PID/task/*/status (voluntary: it slept; involuntary: preempted),
+# summed over its threads 0.5 s into fio's run and 0.5 s before its end
+# (a connection's threads are gone once it closes, and their counts with
+# them), divided by the I/Os of that span at fio's mean rate; under
+# strace they include strace's stops, under callgrind valgrind's.
 set -u
 mode=$1 row=$2 rt=$3
 shift 3
@@ -33,6 +42,7 @@ SOCK=$WORK/nbd.sock
 SECTORS=$((1 << 21))
 SIZE=$((1 << 30))
 pid=""
+FLOOR=${FLOOR:-$(cd "$(dirname "$0")/../../.." && pwd)/target/release/examples/nbd-floor}
 cleanup() {
     [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null
     rm -rf "$WORK"
@@ -62,6 +72,8 @@ start() {
     qemu:delay) "${pre[@]}" qemu-nbd -t --shared=8 -x d --socket="$SOCK" --image-opts \
         "driver=null-co,size=$SIZE,latency-ns=1000000,read-zeroes=off" & ;;
     qemu:mem) echo "qemu has no RAM device here; use bench-peers.sh" >&2; return 1 ;;
+    floor:mem) "${pre[@]}" "$FLOOR" --kind memory --size $SIZE --socket "$SOCK" 2>/dev/null & ;;
+    floor:*) "${pre[@]}" "$FLOOR" --kind $kind --size $SIZE --socket "$SOCK" 2>/dev/null & ;;
     *)
         local t
         case $kind in
@@ -96,6 +108,29 @@ print(j["read"]["total_ios"] + j["write"]["total_ios"])
 PY
 }
 
+# Voluntary and involuntary context switches of every thread of $pid.
+switches() {
+    cat /proc/"$pid"/task/*/status 2>/dev/null |
+        awk '/^voluntary_ctxt_switches/ { v += $2 } /^nonvoluntary_ctxt_switches/ { n += $2 } END { print v + 0, n + 0 }'
+}
+# fio for $1 seconds, the server's switches sampled inside its run.
+runfio_sw() {
+    runfio "$1" &
+    local f=$!
+    sleep 0.5
+    sw0=$(switches)
+    sleep "$(echo "$1" | awk '{ print $1 - 1 }')"
+    sw1=$(switches)
+    wait $f
+}
+# The switches between the two samples, per I/O of that span ($1 I/Os in
+# $2 seconds of fio).
+switches_per_io() {
+    echo "$sw0 $sw1" | awk -v n="$1" -v rt="$2" -v row="$row" -v name="$name" '
+        { ios = n * (rt - 1) / rt
+          printf "%s %-12s /proc status: voluntary switches/IO %.3f  involuntary/IO %.3f\n", row, name, ($3 - $1) / ios, ($4 - $2) / ios }'
+}
+
 for v in "$@"; do
     start "$v" || continue
     name=$(basename "${v%% *}")
@@ -107,10 +142,11 @@ for v in "$@"; do
             -p "$pid" &
         spid=$!
         sleep 0.5
-        runfio "$rt"
+        runfio_sw "$rt"
         kill -INT $spid
         wait $spid 2>/dev/null
         n=$(ios)
+        switches_per_io "$n" "$rt"
         # perf -x, lines: value,unit,event,...; sched_switch counts every
         # switch away, voluntary (sleep) or not.
         awk -F, -v n="$n" -v row="$row" -v name="$name" '
@@ -128,10 +164,11 @@ for v in "$@"; do
         strace -c -f -o "$WORK/strace.txt" -p "$pid" 2>/dev/null &
         spid=$!
         sleep 1
-        runfio "$rt"
+        runfio_sw "$rt"
         kill -INT $spid
         wait $spid 2>/dev/null
         n=$(ios)
+        switches_per_io "$n" "$rt"
         awk -v n="$n" -v row="$row" -v name="$name" '
             $1 ~ /^[0-9.]+$/ && NF >= 5 { c = $4; s = $NF; if (s != "total") { tot += c; by[s] = c } }
             END {
@@ -145,8 +182,9 @@ for v in "$@"; do
         # second run's dump, minus its own handshake, is the figure.
         runfio 1
         callgrind_control -d "$pid" >/dev/null 2>&1
-        runfio "$rt"
+        runfio_sw "$rt"
         n=$(ios)
+        switches_per_io "$n" "$rt"
         callgrind_control -d "$pid" >/dev/null 2>&1
         sleep 1
         last=$(ls -t "$WORK"/cg.* | head -1)
