@@ -11,7 +11,7 @@
 #
 # Why this shape: one fio job file per row, the three servers run one
 # after the other inside every repetition (interleaved, so a noisy moment
-# on this shared 2-vCPU machine hits all three alike), medians over the
+# on a shared host hits all three alike), medians over the
 # repetitions, and the server's own CPU time per I/O: utime+stime of all
 # its threads from /proc/PID/stat, over fio's measured window only.
 #
