@@ -10,10 +10,8 @@
 
 mod thin_support;
 
-use blkstack_core::clock::now_ns;
-use blkstack_core::{Bio, BioFlags, Device, EndIo, IoBuf, Op, Status};
+use blkstack_core::{BioFlags, Device, Op};
 use blkstack_mapped::Registry;
-use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thin_support::*;
@@ -57,60 +55,6 @@ fn stack() -> Arc<Registry> {
 fn counts(reg: &Registry) -> [u64; 4] {
     let s = status(reg, "cache");
     [4, 5, 6, 7].map(|i| s[i].parse().unwrap())
-}
-
-/// Records each bio's status by its cookie.
-struct Done {
-    status: Mutex<Vec<Option<Status>>>,
-}
-
-impl EndIo for Done {
-    fn end_io(&self, bio: Bio, status: Status, _private: u64) {
-        let mut s = self.status.lock();
-        assert!(s[bio.cookie as usize].is_none(), "bio {} twice", bio.cookie);
-        s[bio.cookie as usize] = Some(status);
-    }
-}
-
-/// One request of a batch, with the buffer it lends.
-struct Req {
-    op: Op,
-    flags: BioFlags,
-    off: u64,
-    buf: Vec<u8>,
-}
-
-/// Submit `reqs` as one batch and wait for every bio to succeed; reads
-/// land in their `buf`.
-fn batch(dev: &dyn Device, reqs: &mut [Req]) {
-    let done = Arc::new(Done {
-        status: Mutex::new(vec![None; reqs.len()]),
-    });
-    let mut bios: Vec<Bio> = reqs
-        .iter_mut()
-        .enumerate()
-        .map(|(i, r)| {
-            // SAFETY: each buffer outlives its bio: this function waits
-            // below for every bio to complete before `reqs` can be touched.
-            let buf = unsafe { IoBuf::from_slice(&mut r.buf) };
-            let len = r.buf.len() as u64;
-            Bio::new(r.op, r.off, len, buf, done.clone(), i as u64).with_flags(r.flags)
-        })
-        .collect();
-    dev.submit_batch(&mut bios);
-    assert!(bios.is_empty(), "submit_batch left bios behind");
-    let deadline = now_ns() + 30_000_000_000;
-    loop {
-        let s = done.status.lock().clone();
-        if s.iter().all(Option::is_some) {
-            for (i, st) in s.iter().enumerate() {
-                assert_eq!(*st, Some(Status::Ok), "bio {i} ({:?})", reqs[i].op);
-            }
-            return;
-        }
-        assert!(now_ns() < deadline, "batch not done: {s:?}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 /// Read the linear's hot blocks one by one until the cache serves them

@@ -8,32 +8,8 @@
 
 mod thin_support;
 
-use blkstack_core::clock::now_ns;
-use blkstack_core::{Bio, BioFlags, Device, EndIo, IoBuf, Op, Status};
-use parking_lot::Mutex;
-use std::sync::Arc;
+use blkstack_core::{BioFlags, Op};
 use thin_support::*;
-
-/// Records each bio's status by its cookie.
-struct Done {
-    status: Mutex<Vec<Option<Status>>>,
-}
-
-impl EndIo for Done {
-    fn end_io(&self, bio: Bio, status: Status, _private: u64) {
-        let mut s = self.status.lock();
-        assert!(s[bio.cookie as usize].is_none(), "bio {} twice", bio.cookie);
-        s[bio.cookie as usize] = Some(status);
-    }
-}
-
-/// One request of a batch, with the buffer it lends.
-struct Req {
-    op: Op,
-    flags: BioFlags,
-    off: u64,
-    buf: Vec<u8>,
-}
 
 fn req(op: Op, off: u64, buf: Vec<u8>) -> Req {
     Req {
@@ -41,44 +17,6 @@ fn req(op: Op, off: u64, buf: Vec<u8>) -> Req {
         flags: BioFlags::NONE,
         off,
         buf,
-    }
-}
-
-/// Submit `reqs` as one batch and wait for every bio; reads land in
-/// their `buf`.
-fn batch(dev: &dyn Device, reqs: &mut [Req]) {
-    let done = Arc::new(Done {
-        status: Mutex::new(vec![None; reqs.len()]),
-    });
-    let mut bios: Vec<Bio> = reqs
-        .iter_mut()
-        .enumerate()
-        .map(|(i, r)| {
-            let len = if r.op == Op::Discard {
-                BLOCK
-            } else {
-                r.buf.len() as u64
-            };
-            // SAFETY: each buffer outlives its bio: this function waits
-            // below for every bio to complete before `reqs` can be touched.
-            let buf = unsafe { IoBuf::from_slice(&mut r.buf) };
-            let mut b = Bio::new(r.op, r.off, len, buf, done.clone(), i as u64);
-            b.flags = r.flags;
-            b
-        })
-        .collect();
-    dev.submit_batch(&mut bios);
-    let deadline = now_ns() + 30_000_000_000;
-    loop {
-        let s = done.status.lock().clone();
-        if s.iter().all(Option::is_some) {
-            for (i, st) in s.iter().enumerate() {
-                assert_eq!(*st, Some(Status::Ok), "bio {i} ({:?})", reqs[i].op);
-            }
-            return;
-        }
-        assert!(now_ns() < deadline, "batch not done: {s:?}");
-        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 

@@ -3,11 +3,13 @@
 //! judge every pool the tests make.
 #![allow(dead_code)]
 
+use blkstack_core::clock::now_ns;
 use blkstack_core::sync::{submit_and_wait, submit_and_wait_flags};
-use blkstack_core::{BioFlags, Device, Op, Status};
+use blkstack_core::{Bio, BioFlags, Device, EndIo, IoBuf, Op, Status};
 use blkstack_mapped::Registry;
 #[allow(unused_imports)] // each test file uses a different part
 pub use blkstack_test_support::{thin_check, thin_dump, tool};
+use parking_lot::Mutex;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -134,4 +136,63 @@ pub fn refused(reg: &Registry, name: &str, table: &str) -> String {
 pub fn try_write(dev: &dyn Device, off: u64) -> Status {
     let mut b = pattern(7, off, 4096);
     submit_and_wait(dev, Op::Write, off, 4096, &mut b)
+}
+
+/// Records each bio's status by its cookie.
+pub struct Done {
+    status: Mutex<Vec<Option<Status>>>,
+}
+
+impl EndIo for Done {
+    fn end_io(&self, bio: Bio, status: Status, _private: u64) {
+        let mut s = self.status.lock();
+        assert!(s[bio.cookie as usize].is_none(), "bio {} twice", bio.cookie);
+        s[bio.cookie as usize] = Some(status);
+    }
+}
+
+/// One request of a batch, with the buffer it lends (a discard lends
+/// none and covers one pool block).
+pub struct Req {
+    pub op: Op,
+    pub flags: BioFlags,
+    pub off: u64,
+    pub buf: Vec<u8>,
+}
+
+/// Submit `reqs` as one batch (`submit_batch`) and wait for every bio to
+/// succeed; reads land in their `buf`.
+pub fn batch(dev: &dyn Device, reqs: &mut [Req]) {
+    let done = Arc::new(Done {
+        status: Mutex::new(vec![None; reqs.len()]),
+    });
+    let mut bios: Vec<Bio> = reqs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, r)| {
+            let len = if r.op == Op::Discard {
+                BLOCK
+            } else {
+                r.buf.len() as u64
+            };
+            // SAFETY: each buffer outlives its bio: this function waits
+            // below for every bio to complete before `reqs` can be touched.
+            let buf = unsafe { IoBuf::from_slice(&mut r.buf) };
+            Bio::new(r.op, r.off, len, buf, done.clone(), i as u64).with_flags(r.flags)
+        })
+        .collect();
+    dev.submit_batch(&mut bios);
+    assert!(bios.is_empty(), "submit_batch left bios behind");
+    let deadline = now_ns() + 30_000_000_000;
+    loop {
+        let s = done.status.lock().clone();
+        if s.iter().all(Option::is_some) {
+            for (i, st) in s.iter().enumerate() {
+                assert_eq!(*st, Some(Status::Ok), "bio {i} ({:?})", reqs[i].op);
+            }
+            return;
+        }
+        assert!(now_ns() < deadline, "batch not done: {s:?}");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }

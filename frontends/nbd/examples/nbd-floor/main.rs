@@ -255,16 +255,8 @@ fn accept(
     }
 }
 
-/// Monotonic time in nanoseconds (the timerfd's clock).
-pub fn now_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// Monotonic time in nanoseconds (the timerfd's clock, CLOCK_MONOTONIC).
+pub use blkstack_core::clock::now_ns;
 
 fn timerfd() -> anyhow::Result<OwnedFd> {
     // SAFETY: plain syscall; the fd is owned on success.
