@@ -17,6 +17,7 @@ mod discard;
 mod fill;
 pub mod format;
 pub mod metadata;
+mod mode;
 mod params;
 pub mod pool;
 mod pool_table;
