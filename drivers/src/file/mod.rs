@@ -36,6 +36,8 @@
 //! fallback is logged once through `tracing` and shown by `status`.
 
 mod backing;
+#[cfg(test)]
+mod idle_tests;
 mod options;
 mod poll;
 mod psync;

@@ -29,7 +29,11 @@
 //! thread, so a request is submitted and completed there, with no wake of
 //! the completion thread. While a claim lives that thread parks with a
 //! timeout (`reap_backstop_ms=`, [`BACKSTOP`] by default) and reaps only what nobody has reaped for a
-//! whole tick; CQ readers take the `cq` lock.
+//! whole tick; CQ readers take the `cq` lock. After [`IDLE_TICKS`] ticks in
+//! a row with nothing in flight it parks without a timeout, so a claimed
+//! but idle device (a VM that does no I/O) costs no wake-ups; the next
+//! submission unparks it (one wake per idle period, not per request: at
+//! any queue depth a busy device never reaches that many idle ticks).
 
 use super::backing::{ensure_bounce, Files, Route};
 use super::join_unless_self;
@@ -61,6 +65,10 @@ const WAKE: u64 = u64::MAX;
 /// `reap_backstop_ms=` sets it.
 pub(super) const BACKSTOP: Duration =
     Duration::from_millis(super::options::DEFAULT_REAP_BACKSTOP_MS);
+
+/// Backstop ticks in a row that found nothing in flight before the
+/// completion thread parks until the next submission.
+pub(super) const IDLE_TICKS: u32 = 5;
 
 /// CQEs copied out of the ring per turn of the `cq` lock.
 const REAP_CHUNK: usize = 32;
@@ -155,6 +163,13 @@ pub(super) struct RingShared {
     reapers: AtomicU32,
     /// Reaps that found CQEs (the backstop's sign of progress).
     reaps: AtomicU64,
+    /// The backstop parked without a timeout (nothing in flight for
+    /// [`IDLE_TICKS`] ticks): the next submission takes the flag and
+    /// unparks it. Paired with `inflight` in SeqCst on both sides, so
+    /// either the submitter sees the flag or the thread sees the I/O.
+    pub(super) idle_parked: AtomicBool,
+    /// Backstop ticks taken (tests check an idle claim takes none).
+    pub(super) backstop_ticks: AtomicU64,
     pub(super) files: Arc<Files>,
     /// Set for a polled ring: where refused I/O goes, and the shared flag
     /// that says polling was refused.
@@ -197,6 +212,8 @@ impl RingShared {
             cq: Mutex::new(()),
             reapers: AtomicU32::new(0),
             reaps: AtomicU64::new(0),
+            idle_parked: AtomicBool::new(false),
+            backstop_ticks: AtomicU64::new(0),
             files,
             fallback,
             stop: AtomicBool::new(false),
@@ -320,7 +337,10 @@ impl RingShared {
 
     /// Queue one SQE and enter the kernel right away.
     fn push(&self, sqe: squeue::Entry) {
-        if self.inflight.fetch_add(1, Ordering::AcqRel) == 0 && self.is_polled() {
+        let was = self.inflight.fetch_add(1, Ordering::SeqCst);
+        let idle = self.idle_parked.load(Ordering::SeqCst)
+            && self.idle_parked.swap(false, Ordering::SeqCst);
+        if (was == 0 && self.is_polled()) || idle {
             if let Some(t) = self.thread.get() {
                 t.unpark();
             }
@@ -369,6 +389,9 @@ impl RingShared {
         // The reap count at the backstop's last look, and whether CQEs
         // were waiting then.
         let mut last: Option<u64> = None;
+        // Backstop ticks in a row that found nothing in flight, and the
+        // reap count the last of them saw.
+        let (mut idle, mut seen) = (0u32, 0u64);
         loop {
             let stopping = self.stop.load(Ordering::Acquire);
             if self.inflight.load(Ordering::Acquire) == 0 {
@@ -381,9 +404,18 @@ impl RingShared {
                 }
             }
             if !stopping && self.reapers.load(Ordering::Acquire) > 0 {
-                last = self.backstop(last);
+                let parked = idle == IDLE_TICKS;
+                (idle, seen) = self.backstop_idle(idle, seen);
+                if parked {
+                    // A new period of I/O: the last look is stale.
+                    last = None;
+                }
+                if idle < IDLE_TICKS {
+                    last = self.backstop(last);
+                }
                 continue;
             }
+            idle = 0;
             last = None;
             if let Err(e) = self.ring.submit_and_wait(1) {
                 if !matches!(
@@ -407,6 +439,7 @@ impl RingShared {
     /// were waiting at the last tick too and nobody has reaped since.
     /// Returns what this tick saw, for the next.
     fn backstop(&self, last: Option<u64>) -> Option<u64> {
+        self.backstop_ticks.fetch_add(1, Ordering::Relaxed);
         std::thread::park_timeout(self.backstop);
         if self.reapers.load(Ordering::Acquire) == 0 {
             return None;
@@ -417,6 +450,31 @@ impl RingShared {
             return None;
         }
         self.cq_pending().then_some(reaps)
+    }
+
+    /// Count a backstop tick that finds nothing in flight and no reap
+    /// since the last one; at [`IDLE_TICKS`] of them in a row, park until
+    /// a submission, a dropped claim or a stop unparks. Returns the new
+    /// count and the reap count it saw (any I/O resets the count).
+    fn backstop_idle(&self, idle: u32, seen: u64) -> (u32, u64) {
+        let reaps = self.reaps.load(Ordering::Acquire);
+        if self.inflight.load(Ordering::SeqCst) != 0 || reaps != seen {
+            return (0, reaps);
+        }
+        if idle < IDLE_TICKS {
+            return (idle + 1, reaps);
+        }
+        self.idle_parked.store(true, Ordering::SeqCst);
+        // A submission between the flag and this load unparks us (or we
+        // see its I/O here): no wake is lost.
+        if self.inflight.load(Ordering::SeqCst) == 0 && self.reapers.load(Ordering::Acquire) > 0 {
+            std::thread::park();
+        }
+        self.idle_parked.store(false, Ordering::SeqCst);
+        if self.inflight.load(Ordering::SeqCst) != 0 {
+            return (0, reaps);
+        }
+        (idle, reaps)
     }
 
     /// Whether CQEs wait in the ring.
