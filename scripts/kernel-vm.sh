@@ -35,7 +35,10 @@
 # (no udev: dmsetup makes its own nodes), the modules in $PRELOAD loaded and
 # the rest one `modprobe` away. Its stdout and stderr come back on the
 # guest's second serial port; the kernel's console (dmesg) is saved to
-# target/kernel-vm/console.log (the last run's). Environment: KERNEL_VM_DIR
+# target/kernel-vm/console.log (the last run's); a guest killed at its
+# timeout leaves its console and qemu's view of each vCPU (`info lapic`,
+# asked over QMP before the kill) in target/kernel-vm/killed-*.log, and
+# prints the kernel's warnings and that state. Environment: KERNEL_VM_DIR
 # (artifacts, default target/kernel-vm under the checkout), KERNEL_VM_PKG (the kernel
 # package, default the pinned one below; falls back to the newest 6.12
 # build the archive offers if the pinned one is gone), KERNEL_VM_SMP,
@@ -255,7 +258,8 @@ run() {
   # loaded host fails it and panics at boot ("IO-APIC + timer doesn't
   # work"); the check has nothing to say about an emulated machine.
   local args=(-accel tcg -cpu max -smp "$smp" -m "$mem" -nodefaults -no-reboot
-    -display none -monitor none -kernel "$dir/vmlinuz" -initrd "$work/initrd"
+    -display none -monitor none -qmp "unix:$work/qmp.sock,server=on,wait=off"
+    -kernel "$dir/vmlinuz" -initrd "$work/initrd"
     -append "console=ttyS0 panic=-1 quiet loglevel=4 rdinit=/init no_timer_check"
     -serial "file:$work/console.log" -chardev "file,id=out,path=$work/out"
     -device isa-serial,chardev=out)
@@ -314,6 +318,7 @@ run() {
       say "the guest reported but did not power off: stopping it"
       kill -9 "$qemu" 2>/dev/null || true
     elif [ $t -ge $((timeout * 5)) ]; then
+      guest_state > "$work/state.txt" 2>&1 || true
       kill -9 "$qemu" 2>/dev/null || true; rc=124
     fi
     sleep 0.2; t=$((t + 1))
@@ -323,13 +328,31 @@ run() {
   grep -v '^KERNEL-VM-EXIT=' "$work/out.txt" || true
   local st; st=$(grep -o '^KERNEL-VM-EXIT=[0-9]*' "$work/out.txt" | tail -n1 | cut -d= -f2 || true)
   if [ -z "$st" ] && [ "$rc" = 124 ]; then
-    say "guest killed after ${timeout}s; console tail:"; tail -n 30 "$work/console.log" >&2; exit 124
+    local keep; keep="$dir/killed-$(date +%Y%m%d-%H%M%S)-$$.log"
+    cat "$work/console.log" "$work/state.txt" > "$keep" 2>/dev/null || true
+    say "guest killed after ${timeout}s (console and vCPU state kept in $keep)"
+    say "kernel warnings:"; grep -E 'rcu:|INFO:|BUG:|hung_task|blocked for|timer' "$work/console.log" | head -n 20 >&2 || true
+    say "vCPU state:"; cat "$work/state.txt" >&2 || true
+    say "console tail:"; tail -n 30 "$work/console.log" >&2; exit 124
   fi
   if [ -z "$st" ]; then
     say "guest ended without an exit status (qemu rc $rc); qemu said:"; cat "$work/qemu.log" >&2
     say "console tail:"; tail -n 40 "$work/console.log" >&2; exit 125
   fi
   exit "$st"
+}
+
+# What qemu says about a guest that is about to be killed: each vCPU's
+# registers' summary and local APIC (timer mode, count, pending vectors),
+# so that a guest hung in boot says which vCPU stopped taking interrupts.
+guest_state() {
+  local q=(); local c
+  q+=('{"execute":"qmp_capabilities"}' '{"execute":"human-monitor-command","arguments":{"command-line":"info cpus"}}')
+  for c in $(seq 0 $((smp - 1))); do
+    q+=("{\"execute\":\"human-monitor-command\",\"arguments\":{\"command-line\":\"info lapic $c\"}}")
+  done
+  printf '%s\n' "${q[@]}" | timeout 5 socat -t 2 - "UNIX-CONNECT:$work/qmp.sock" \
+    | grep -o '"return": "[^"]*"' | sed 's/^"return": "//; s/"$//; s/\\r\\n/\n/g; s/\\n/\n/g; s/\\t/\t/g'
 }
 
 case ${1:-} in
