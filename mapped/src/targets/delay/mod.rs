@@ -61,6 +61,7 @@ pub mod hybrid;
 pub mod kthread;
 pub mod latency;
 pub mod options;
+mod reaper;
 pub mod timer;
 
 use self::held::Held;
@@ -274,6 +275,13 @@ trait Flusher: Send + Sync {
     fn stats_words(&self, _sent: u64) -> String {
         String::new()
     }
+
+    /// A claim on the held bios for a submitter that sends them on
+    /// itself (`reaper.rs`); `None` for a mechanism that keeps that to
+    /// its own workers.
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        None
+    }
 }
 
 /// What `map` reads and `message` and suspend change.
@@ -326,6 +334,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             o.spin_us * 1000,
             o.affinity,
             o.wake_pct,
+            o.reap_backstop_ns,
         )?),
     };
     Ok(Arc::new(DelayTarget {
@@ -522,6 +531,12 @@ impl Target for DelayTarget {
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
         let dc = &self.shared.classes[READ];
         extents_from(&dc.dev, dc.start, offset, len)
+    }
+
+    /// `hybrid` lets a submitter send on the bios it holds (`reaper.rs`);
+    /// `timer` and `kthread` keep to their workers, as dm-delay does.
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        self.flusher.reaper()
     }
 }
 
