@@ -141,6 +141,11 @@ fn stat(reg: &Registry, key: &str) -> u64 {
 fn a_claimant_sends_on_every_bio_itself_never_early() {
     // A minute of backstop: only the claimant sends anything on.
     let (reg, dev) = setup("0 8192 delay z 0 1 reap_backstop_ms=60000");
+    let table = reg.table_text("d").expect("table");
+    assert!(
+        table.ends_with(" 0 1 reap_backstop_ms=60000\n"),
+        "{table:?}"
+    );
     let claims: Vec<Box<dyn Reaper>> = (0..2)
         .map(|_| dev.reaper().expect("a hybrid delay table offers a claim"))
         .collect();

@@ -28,7 +28,8 @@
 //!   the largest sleep margin, default 100), `wake_pct=P` (the percentile
 //!   of observed wake lateness the margin covers, default 80) and
 //!   `affinity=cpu|none` (a worker per submitting CPU, default, or one
-//!   unpinned worker).
+//!   unpinned worker), and `reap_backstop_ms=MS` (default 4: how late a
+//!   bio may go, unreaped by a claimant, before a worker sends it on).
 //! * `p99=MS`, `read_p99=MS`, `write_p99=MS`, `flush_p99=MS` and
 //!   `load_k=K`, `read_load_k=K`, ...: the latency models of [`latency`].
 //!   `inflight` for the load model is the number of I/Os accepted by this
@@ -55,6 +56,10 @@
 //! to 1 ns and ask the scheduler for a short slice (EEVDF
 //! `sched_runtime`) so that a busy CPU does not hold their wake-up for a
 //! whole default slice (`core::timing::prepare_precise_worker`).
+//!
+//! A submitter with an event loop may claim the hybrid mechanism's held
+//! bios ([`Target::reaper`], `reaper.rs`) and send them on itself, on its
+//! own thread, at their deadlines; the workers then only back it up.
 
 mod held;
 pub mod hybrid;
