@@ -393,11 +393,13 @@ impl Device for MappedDevice {
         }
     }
 
-    /// The live table's sole device may let the caller reap its
-    /// completions. The claim stays on that device: after a reload to
-    /// another one, the new device's own thread completes its bios.
+    /// The live table's sole line may let the caller reap what it holds
+    /// (a `delay` target), or else its sole device may (see
+    /// `Table::reaper`). The claim stays where it was made: after a
+    /// reload to another target or device, the new one's own threads
+    /// complete its bios.
     fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
-        self.core.live.load().sole_poll_device()?.reaper()
+        self.core.live.load().reaper()
     }
 
     fn size(&self) -> u64 {

@@ -179,6 +179,18 @@ impl Table {
         sole.filter(|_| count == 1)
     }
 
+    /// A claim on the completions of a one-line table: its target's own
+    /// ([`Target::reaper`]: `delay` hands out the bios it holds), else
+    /// its sole poll device's (a `file` ring under `linear`).
+    pub(crate) fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        let [one] = &self.entries[..] else {
+            return None;
+        };
+        one.target
+            .reaper()
+            .or_else(|| self.sole_poll_device()?.reaper())
+    }
+
     /// Map device-relative bios that passed the admission check: a
     /// one-line table hands the whole batch to its target when no bio
     /// needs splitting (the common leaf device), anything else is mapped

@@ -117,6 +117,16 @@ pub trait Target: Send + Sync {
     /// a polled bio never waits below a layer that would not poll it; one
     /// that gives some must pass every polled bio to one of them.
     fn poll_devices<'a>(&'a self, _f: &mut dyn FnMut(&'a dyn Device)) {}
+
+    /// Let a submitter with an event loop of its own complete, on its own
+    /// thread, the bios this target holds and sends on from a thread of
+    /// its own (see [`blkstack_core::Reaper`]; `delay` offers one). The
+    /// mapped device of a one-line table asks its line first, then the
+    /// device below ([`Device::reaper`]). `None` (the default) for a
+    /// target that holds nothing on a thread.
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        None
+    }
 }
 
 /// A shared handle to a built target, as a table holds it.

@@ -7,6 +7,11 @@
 //! bio is due before the armed time re-arms it, so the worker wakes once
 //! per deadline and is never woken merely to be told about a bio, as an
 //! hrtimer's `hrtimer_start_range_ns` moves a pending timer.
+//!
+//! A thread with an event loop of its own may instead poll the timer's
+//! descriptor ([`DeadlineTimer::fd`]): it polls readable once the armed
+//! time has passed, until the timer is armed again or disarmed (either
+//! resets the expiry count), so it needs no `read`.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -59,6 +64,34 @@ impl DeadlineTimer {
                 std::ptr::null_mut(),
             );
         }
+    }
+
+    /// Stop the timer: it will not fire, and a fire not yet waited for
+    /// is forgotten (the descriptor no longer polls readable).
+    pub fn disarm(&self) {
+        let zero = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        let spec = libc::itimerspec {
+            it_interval: zero,
+            it_value: zero,
+        };
+        // SAFETY: valid descriptor and itimerspec (a zero value disarms).
+        unsafe {
+            libc::timerfd_settime(
+                self.fd.as_raw_fd(),
+                libc::TFD_TIMER_ABSTIME,
+                &spec,
+                std::ptr::null_mut(),
+            );
+        }
+    }
+
+    /// The timerfd, for a caller that polls it beside other descriptors
+    /// (readable once the armed time has passed).
+    pub fn fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
     }
 
     /// Block until the timer fires (or has fired since the last wait).

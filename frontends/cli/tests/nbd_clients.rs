@@ -2,9 +2,15 @@
 //! fio's nbd engine (libnbd), qemu-img and qemu-io (qemu's own NBD client),
 //! nbdinfo and nbdcopy (libnbd) each talk to the server over TCP or a Unix
 //! socket; data is checked end to end (fio's crc32c verify, qemu-img
-//! compare, byte comparison of copies).
+//! compare, byte comparison of copies). A `delay` table's held bios are
+//! reaped by the connections' readers, and backed up by the target's
+//! workers while one reader is stalled.
 
+use blkstack_nbd::client::RawClient;
+use blkstack_nbd::proto::*;
 use blkstack_test_support::*;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
 use std::process::Command;
 use std::time::Duration;
 
@@ -322,4 +328,149 @@ fn nbdcopy_round_trip_over_multiple_connections() {
     let (st, err) = srv.terminate();
     assert!(st.success(), "server exit {st}: {err}");
     assert!(err.contains("devices flushed"), "{err}");
+}
+
+/// A client on the Unix socket that negotiated `name` with NBD_OPT_GO.
+fn raw_client(srv: &Serve, name: &str) -> RawClient<UnixStream> {
+    let s = UnixStream::connect(&srv.nbd_socket).expect("connect unix");
+    s.set_read_timeout(Some(T)).expect("timeout");
+    let mut c = RawClient::new(s);
+    c.start().expect("greeting");
+    c.go(name).expect("go");
+    c
+}
+
+/// A `delay` stat of device `d` (see docs/TARGETS.md).
+fn delay_stat(srv: &Serve, key: &str) -> u64 {
+    let text = srv.ok("message", &["d", "0", "stats"]);
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {text:?}"))
+}
+
+/// A `delay` table (hybrid, as scripts/bench-peers.sh runs it) over
+/// memory, served to three connections: one idle, one stalled (its reader
+/// blocked in the middle of a WRITE's payload with eight READs held in
+/// the target), and fio with crc32c verify. Every connection claims the
+/// target's held bios; the stalled one's READs are answered all the same
+/// (by the workers' backstop: nobody else reaps them), fio's data checks
+/// out while it is stalled, fio's bios are sent on by its own reader,
+/// and the stalled WRITE completes once its payload comes.
+#[test]
+fn delay_bios_are_reaped_by_readers_and_a_stalled_one_is_backed_up() {
+    let fio = tool("fio");
+    let stack = "mem,,,rw,0 65536 memory;d,,,rw,0 65536 delay /dev/mapper/mem 0 1 spin_us=0";
+    let srv = Serve::options()
+        .args(&["--concise", stack, "--export", "d"])
+        .start();
+    let mut idle = raw_client(&srv, "d");
+    let mut stalled = raw_client(&srv, "d");
+    // Eight READs at 16 MiB, then a 64 KiB WRITE at 20 MiB with only its
+    // first 4 KiB, in one send: the reader submits the READs, then blocks
+    // for the rest of the payload.
+    let mut burst = Vec::new();
+    for h in 0..8u64 {
+        let r = Request {
+            flags: 0,
+            cmd: CMD_READ,
+            handle: h,
+            offset: (16 << 20) + h * 4096,
+            len: 4096,
+        };
+        burst.extend_from_slice(&r.encode());
+    }
+    let payload: Vec<u8> = (0..64 << 10).map(|i: u32| (i * 7 % 251) as u8).collect();
+    let write = Request {
+        flags: 0,
+        cmd: CMD_WRITE,
+        handle: 100,
+        offset: 20 << 20,
+        len: 64 << 10,
+    };
+    burst.extend_from_slice(&write.encode());
+    burst.extend_from_slice(&payload[..4096]);
+    stalled.s.write_all(&burst).expect("send the burst");
+    let mut data = vec![0u8; 4096];
+    let mut handles = Vec::new();
+    for _ in 0..8 {
+        let rep = stalled.simple_reply().expect("a READ reply while stalled");
+        assert_eq!(rep.error, 0, "READ {}", rep.handle);
+        stalled.s.read_exact(&mut data).expect("READ data");
+        assert!(data.iter().all(|&b| b == 0), "fresh memory reads zeroes");
+        handles.push(rep.handle);
+    }
+    handles.sort_unstable();
+    assert_eq!(handles, (0..8).collect::<Vec<_>>());
+    // Only the backstop could send them on: the stalled reader waits for
+    // its payload and the idle one has nothing in flight.
+    assert_eq!(delay_stat(&srv, "backstop"), 8);
+    assert_eq!(delay_stat(&srv, "reaped"), 0);
+
+    let out = run_ok(
+        Command::new(&fio).args([
+            "--name=delayed",
+            "--ioengine=nbd",
+            &format!("--uri={}", srv.uri("d")),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=4m",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--randrepeat=0",
+            "--verify_state_save=0",
+        ]),
+        T,
+    );
+    let t = text(&out);
+    assert!(t.contains("err= 0"), "fio reported an error:\n{t}");
+    assert!(
+        !t.contains("verify failed") && !t.contains("bad magic"),
+        "fio verify failure:\n{t}"
+    );
+    assert!(t.contains("READ: bw="), "fio read nothing back:\n{t}");
+    // fio's reader reaps its bios (the backstop takes one only after it
+    // has waited half a tick past its deadline, which load may make
+    // happen now and then: no share is asserted).
+    let reaped = delay_stat(&srv, "reaped");
+    assert!(reaped > 0, "fio's reader reaped none of its bios");
+
+    // The stalled WRITE completes with the rest of its payload, and reads
+    // back.
+    stalled
+        .s
+        .write_all(&payload[4096..])
+        .expect("rest of the payload");
+    let rep = stalled.simple_reply().expect("WRITE reply");
+    assert_eq!((rep.handle, rep.error), (100, 0));
+    let back = Request {
+        flags: 0,
+        cmd: CMD_READ,
+        handle: 101,
+        offset: 20 << 20,
+        len: 64 << 10,
+    };
+    stalled.request(&back, &[]).expect("read back");
+    let rep = stalled.simple_reply().expect("READ reply");
+    assert_eq!((rep.handle, rep.error), (101, 0));
+    let mut got = vec![0u8; 64 << 10];
+    stalled.s.read_exact(&mut got).expect("data");
+    assert!(got == payload, "the stalled WRITE's data did not read back");
+    // The idle connection is served too.
+    let r = Request {
+        flags: 0,
+        cmd: CMD_READ,
+        handle: 7,
+        offset: 20 << 20,
+        len: 4096,
+    };
+    idle.request(&r, &[]).expect("idle read");
+    let rep = idle.simple_reply().expect("idle reply");
+    assert_eq!((rep.handle, rep.error), (7, 0));
+    idle.s.read_exact(&mut data).expect("data");
+    assert!(data[..] == payload[..4096]);
+    drop((idle, stalled));
+    let (st, err) = srv.terminate();
+    assert!(st.success(), "server exit {st}: {err}");
 }

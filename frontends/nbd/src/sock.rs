@@ -179,9 +179,11 @@ impl Sock {
         }
     }
 
-    /// Sleep until this socket or `other` is readable (or hung up);
-    /// `Ok(true)` when the socket is. Retries on EINTR.
-    pub fn wait_readable(&self, other: RawFd) -> io::Result<bool> {
+    /// Sleep until this socket or one of `others` is readable (a negative
+    /// descriptor is left out); which of them are, the socket first (also
+    /// when it hung up, or holds decrypted bytes already). Retries on
+    /// EINTR.
+    pub fn wait_ready(&self, others: [RawFd; 2]) -> io::Result<[bool; 3]> {
         if let Some(t) = self.tls.get() {
             let mut conn = t.conn.lock();
             let buffered = conn
@@ -189,26 +191,21 @@ impl Sock {
                 .map(|s| s.plaintext_bytes_to_read() > 0)
                 .unwrap_or(true); // an error: let the reader see it
             if buffered {
-                return Ok(true);
+                return Ok([true, false, false]);
             }
         }
-        let mut fds = [
-            libc::pollfd {
-                fd: self.raw(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: other,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
+        let fd = |fd: RawFd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let mut fds = [fd(self.raw()), fd(others[0]), fd(others[1])];
         loop {
-            // SAFETY: fds is a valid array of two pollfd.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            // SAFETY: fds is a valid array of three pollfd (poll skips
+            // negative descriptors).
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 3, -1) };
             if n >= 0 {
-                return Ok(fds[0].revents != 0);
+                return Ok(fds.map(|f| f.revents != 0));
             }
             let e = io::Error::last_os_error();
             if e.kind() != io::ErrorKind::Interrupted {

@@ -41,8 +41,11 @@
 //! window sized from the gaps between requests, as qemu's event loop
 //! sizes its poll); it also asks the scheduler for a short slice so that
 //! its wake-up is not queued behind a CPU-bound thread. While requests are
-//! in flight it sleeps on the socket and an eventfd that the completer of
-//! the last of them signals (`IdleWake`). A fixed poll without
+//! in flight it sleeps on the socket, an eventfd that the completer of
+//! the last of them signals (`IdleWake`), and, when the export's device
+//! lets a submitter reap its completions (a `delay` table's held bios, a
+//! `file` ring), that claim's descriptor, completing what is ready on its
+//! own thread (`claim.rs`). A fixed poll without
 //! those rules loses whenever the next request is slow to come, and costs
 //! CPU per I/O. When every slot is busy, or the data of the requests in
 //! flight plus the replies produced but not yet sent reach [`BUDGET`],
@@ -51,6 +54,7 @@
 //! client whose replies pile up the same way), and it bounds the memory
 //! one client can make the server hold, whatever it sends.
 
+mod claim;
 mod handshake;
 mod inbuf;
 mod reply;
@@ -156,6 +160,7 @@ pub fn serve(
         round: 0,
         idle_trim: limits.idle_trim,
         trimmed: false,
+        claim: claim::Claim::new(&export.dev),
     };
     let r = t.run();
     t.drain();

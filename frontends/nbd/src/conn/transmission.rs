@@ -4,6 +4,7 @@
 //! parent module for the threading model). Replies are written by whoever
 //! completes the bio ([`super::reply`]).
 
+use super::claim::Claim;
 use super::inbuf::InBuf;
 use super::reply::{Shared, SlotMeta};
 use super::{BASE_ALLOCATION_ID, BUDGET, MAX_DESCRIPTORS};
@@ -84,6 +85,9 @@ pub(super) struct Transmission<'a> {
     /// Buffers were freed and the socket's idle timeout is off until the
     /// next request arrives.
     pub(super) trimmed: bool,
+    /// The claim on the device's completions the reader reaps while it
+    /// waits for input.
+    pub(super) claim: Claim,
 }
 
 /// A request refused before it reaches the device.
@@ -119,28 +123,53 @@ impl Transmission<'_> {
     }
 
     /// Block until input arrives. While requests are in flight, sleep on
-    /// the socket and the [`IdleWake`] together, and when the last of them
-    /// is answered first, poll for the client's next request.
+    /// the socket, the [`IdleWake`] and the device's claim together
+    /// ([`super::claim`]), completing what the claim has ready on this
+    /// thread; when the last of them is answered first, poll for the
+    /// client's next request.
     fn wait_input(&mut self) -> io::Result<bool> {
         let shared = self.shared.clone();
         // A shut adaptive window would poll nothing after the wake: sleep
         // on the socket alone, and completers send no wake.
         let wake = !self.spin.is_adaptive() || self.spin.window_ns() > 0;
-        if let Some(w) = shared.idle_wake.as_ref().filter(|_| wake) {
-            w.parked.store(true, Ordering::SeqCst);
+        let idle = shared.idle_wake.as_ref().filter(|_| wake);
+        let mut waited = false;
+        loop {
+            let claim = self.claim.fd();
+            if idle.is_none() && claim.is_none() {
+                break;
+            }
+            if let Some(w) = idle {
+                w.parked.store(true, Ordering::SeqCst);
+            }
             // Checked after `parked` is set: a completion that empties the
             // connection from here on sees it and signals.
-            let busy = shared.accounting.lock().inflight > 0;
-            let mut input = true;
-            if busy {
-                input = shared.sock.wait_readable(w.efd.as_raw_fd())?;
-                w.clear();
-            }
-            w.parked.store(false, Ordering::SeqCst);
-            if !input {
-                if let Some(more) = self.poll(true)? {
-                    return Ok(more);
+            if shared.accounting.lock().inflight == 0 {
+                if let Some(w) = idle {
+                    w.parked.store(false, Ordering::SeqCst);
                 }
+                break;
+            }
+            let efd = idle.map_or(-1, |w| w.efd.as_raw_fd());
+            let [input, woken, ready] = shared.sock.wait_ready([efd, claim.unwrap_or(-1)])?;
+            waited = true;
+            if let Some(w) = idle {
+                if woken {
+                    w.clear();
+                }
+                w.parked.store(false, Ordering::SeqCst);
+            }
+            if input {
+                return self.fill_or_trim();
+            }
+            if ready {
+                // Replies leave in one send when the reap's batch ends.
+                self.claim.reap();
+            }
+        }
+        if waited && idle.is_some() {
+            if let Some(more) = self.poll(true)? {
+                return Ok(more);
             }
         }
         self.fill_or_trim()
@@ -234,6 +263,9 @@ impl Transmission<'_> {
             return Ok(());
         }
         self.set_batching(false);
+        // Waiting for completions, not input: the device's threads send
+        // them (see `claim.rs`).
+        self.claim.hand_back();
         let mut a = self.shared.accounting.lock();
         loop {
             if self.shared.dead.load(Ordering::Acquire) {
@@ -278,6 +310,8 @@ impl Transmission<'_> {
                 continue;
             }
             if self.is_emulated_unaligned(&req) {
+                // It waits for its own bios: the device's threads end them.
+                self.claim.hand_back();
                 self.serve_unaligned(&req)?;
                 continue;
             }
@@ -385,6 +419,9 @@ impl Transmission<'_> {
                 // (without holding the accounting lock across a send).
                 drop(a);
                 self.set_batching(false);
+                // Waiting for completions, not input: the device's
+                // threads send them (see `claim.rs`).
+                self.claim.hand_back();
                 flushed = true;
                 a = self.shared.accounting.lock();
                 continue;
@@ -575,6 +612,8 @@ impl Transmission<'_> {
     /// closing).
     pub(super) fn drain(&mut self) {
         self.set_batching(false);
+        // Nobody reaps from here on: the device's threads end what is left.
+        self.claim.hand_back();
         let mut a = self.shared.accounting.lock();
         while a.inflight > 0 {
             self.shared.freed.wait(&mut a);

@@ -23,6 +23,10 @@
 //! both sides far more (`lab delay` measures both). `affinity=none` keeps
 //! one unpinned worker, which suits a submitter that polls for
 //! completions on its own CPU.
+//!
+//! A submitter with an event loop may claim the held bios and send them
+//! on itself (`reaper.rs`); while a claim lives the workers only back it
+//! up, whatever the affinity.
 
 use super::held::{pop_due, Held};
 use super::{Flusher, Shared, WORKER_SLICE_NS};
@@ -31,6 +35,7 @@ use blkstack_core::clock;
 use blkstack_core::timing::{self, DeadlineTimer, WakeMargin, WakeMarginConfig};
 use parking_lot::Mutex;
 use std::collections::BinaryHeap;
+use std::ops::{Index, IndexMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -40,16 +45,17 @@ const MAX_CPUS: usize = 1024;
 /// Before the first sleeps have been measured, assume this wake latency.
 const INITIAL_MARGIN_NS: u64 = 50_000;
 
-pub(super) struct HybridFlusher(Arc<Hybrid>);
+pub(super) struct HybridFlusher(pub(super) Arc<Hybrid>);
 
-struct Hybrid {
-    sh: Arc<Shared>,
-    /// The held bios of each worker, indexed like `shards`.
-    lanes: Mutex<Vec<Lane>>,
+pub(super) struct Hybrid {
+    pub(super) sh: Arc<Shared>,
+    /// The held bios of each worker, indexed like `shards`, and the
+    /// claims on them.
+    pub(super) lanes: Mutex<Lanes>,
     /// The workers, one per CPU that has submitted (slot `cpu`), started
     /// on first use, plus the unpinned one (last slot) that serves
     /// `affinity=none` and any CPU whose worker cannot start.
-    shards: Box<[OnceLock<Arc<Shard>>]>,
+    pub(super) shards: Box<[OnceLock<Arc<Shard>>]>,
     /// Queue a bio to the worker of the CPU it was submitted on
     /// (`affinity=cpu`), else to the unpinned one.
     affinity: bool,
@@ -63,17 +69,43 @@ struct Hybrid {
     wakes: AtomicU64,
     wake_late_ns: AtomicU64,
     spin_ns: AtomicU64,
+    /// Claims on the held bios, and the timer their holders poll.
+    pub(super) claim: super::reaper::ClaimState,
+}
+
+/// Every worker's queue, and the claims on them (`reaper.rs`).
+pub(super) struct Lanes {
+    lane: Vec<Lane>,
+    /// The slots whose worker has started: the only lanes that hold bios.
+    pub(super) used: Vec<usize>,
+    /// Live claims: while any, the workers only back the claimants up.
+    pub(super) claims: usize,
+    /// When the claimants' timer fires (`u64::MAX`: not armed).
+    pub(super) claim_armed_ns: u64,
+}
+
+impl Index<usize> for Lanes {
+    type Output = Lane;
+    fn index(&self, i: usize) -> &Lane {
+        &self.lane[i]
+    }
+}
+
+impl IndexMut<usize> for Lanes {
+    fn index_mut(&mut self, i: usize) -> &mut Lane {
+        &mut self.lane[i]
+    }
 }
 
 /// One worker's queue.
-struct Lane {
-    heap: BinaryHeap<Held>,
+pub(super) struct Lane {
+    pub(super) heap: BinaryHeap<Held>,
     /// When its timerfd is armed to fire (`u64::MAX`: not).
-    armed_ns: u64,
+    pub(super) armed_ns: u64,
     /// The worker is running (not blocked on its timer) and will look at
     /// the heap again before it sleeps, so a submitter need not arm the
     /// timer: at high queue depth that saves a timer reprogramming per bio.
-    awake: bool,
+    pub(super) awake: bool,
 }
 
 impl Lane {
@@ -90,13 +122,14 @@ impl Lane {
 
 /// A worker: pinned to the CPU its bios were submitted on (or unpinned),
 /// with its own timer and learnt margin.
-struct Shard {
+pub(super) struct Shard {
     /// Its index in `shards` and `lanes`.
-    idx: usize,
+    pub(super) idx: usize,
     /// The CPU it runs on, `None` for the unpinned worker.
     cpu: Option<usize>,
-    /// Its sleep, armed by submitters and by the worker itself.
-    timer: DeadlineTimer,
+    /// Its sleep, armed by submitters and by the worker itself (and, while
+    /// claimed, by claimants: `reaper.rs`).
+    pub(super) timer: DeadlineTimer,
     /// How far short of a deadline to sleep: learnt from the worker's
     /// own wake lateness.
     margin_ns: AtomicU64,
@@ -113,6 +146,7 @@ impl HybridFlusher {
         spin_max_ns: u64,
         affinity: bool,
         wake_pct: u32,
+        reap_backstop_ns: u64,
     ) -> Result<HybridFlusher, TargetError> {
         // SAFETY: plain call.
         let cpus = usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) })
@@ -121,7 +155,12 @@ impl HybridFlusher {
         let slots = cpus + 1;
         let h = Arc::new(Hybrid {
             sh: sh.clone(),
-            lanes: Mutex::new((0..slots).map(|_| Lane::new()).collect()),
+            lanes: Mutex::new(Lanes {
+                lane: (0..slots).map(|_| Lane::new()).collect(),
+                used: Vec::new(),
+                claims: 0,
+                claim_armed_ns: u64::MAX,
+            }),
             shards: (0..slots).map(|_| OnceLock::new()).collect(),
             affinity,
             wake_pct,
@@ -130,6 +169,7 @@ impl HybridFlusher {
             wakes: AtomicU64::new(0),
             wake_late_ns: AtomicU64::new(0),
             spin_ns: AtomicU64::new(0),
+            claim: super::reaper::ClaimState::new(reap_backstop_ns),
         });
         h.start_shard(slots - 1).ok_or_else(|| {
             TargetError::invalid("cannot start the delay worker or create its timer (timerfd)")
@@ -181,6 +221,9 @@ impl Hybrid {
         let (h, sd) = (self.clone(), shard.clone());
         self.sh.spawn(name, move || h.run(&sd)).ok()?;
         let _ = self.shards[idx].set(shard.clone());
+        // Before any bio can land in its lane (the caller queues only
+        // once this returns).
+        self.lanes.lock().used.push(idx);
         Some(shard)
     }
 
@@ -217,6 +260,7 @@ impl Hybrid {
         let mut sent = false;
         while !sh.stop.load(Ordering::Acquire) {
             let mut lanes = self.lanes.lock();
+            let claimed = lanes.claims > 0;
             let lane = &mut lanes[shard.idx];
             lane.awake = true;
             let now = clock::now_ns();
@@ -229,6 +273,11 @@ impl Hybrid {
                 lane.armed_ns = u64::MAX;
             }
             slept = false;
+            if claimed {
+                // A claimant sends the bios on: only back it up.
+                slept = self.stand_aside(shard, lanes, &mut batch);
+                continue;
+            }
             pop_due(sh, &mut lane.heap, now, |d| d, &mut batch);
             let head = lane.heap.peek().map(|h| h.key);
             shard
@@ -312,13 +361,16 @@ impl Flusher for HybridFlusher {
         let h = &self.0;
         let deadline_ns = held.deadline_ns;
         let mut lanes = h.lanes.lock();
-        let lane = &mut lanes[queue];
-        lane.heap.push(held);
+        lanes[queue].heap.push(held);
         // The constructor starts the unpinned worker, so a shard exists;
         // were it missing, the bio would wait for teardown, not be lost.
         let Some(shard) = h.shards[queue].get() else {
             return;
         };
+        if lanes.claims > 0 {
+            return h.hold_claimed(&mut lanes, shard, deadline_ns);
+        }
+        let lane = &mut lanes[queue];
         shard.head_ns.fetch_min(deadline_ns, Ordering::AcqRel);
         // Arm the worker's timer for this bio if it sleeps and would wake
         // later; the worker itself need not wake now.
@@ -331,7 +383,7 @@ impl Flusher for HybridFlusher {
 
     fn take_all(&self) -> Vec<Held> {
         let mut all = Vec::new();
-        for lane in self.0.lanes.lock().iter_mut() {
+        for lane in self.0.lanes.lock().lane.iter_mut() {
             all.extend(std::mem::take(&mut lane.heap).into_vec());
         }
         all
@@ -341,6 +393,10 @@ impl Flusher for HybridFlusher {
         for s in self.0.shards.iter().filter_map(OnceLock::get) {
             s.timer.arm(1);
         }
+    }
+
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        self.0.claim()
     }
 
     /// `wakes=` timed wakes, `wake_late_mean_ns=` how late they were,
@@ -364,10 +420,11 @@ impl Flusher for HybridFlusher {
             })
             .collect();
         format!(
-            " wakes={wakes} wake_late_mean_ns={} spin_ns_per_io={} margins_ns={}",
+            " wakes={wakes} wake_late_mean_ns={} spin_ns_per_io={} margins_ns={}{}",
             per(get(&h.wake_late_ns), wakes),
             per(get(&h.spin_ns), sent),
-            margins.join(",")
+            margins.join(","),
+            h.claim.stats_words()
         )
     }
 }

@@ -28,7 +28,8 @@
 //!   the largest sleep margin, default 100), `wake_pct=P` (the percentile
 //!   of observed wake lateness the margin covers, default 80) and
 //!   `affinity=cpu|none` (a worker per submitting CPU, default, or one
-//!   unpinned worker).
+//!   unpinned worker), and `reap_backstop_ms=MS` (default 4: how late a
+//!   bio may go, unreaped by a claimant, before a worker sends it on).
 //! * `p99=MS`, `read_p99=MS`, `write_p99=MS`, `flush_p99=MS` and
 //!   `load_k=K`, `read_load_k=K`, ...: the latency models of [`latency`].
 //!   `inflight` for the load model is the number of I/Os accepted by this
@@ -55,12 +56,17 @@
 //! to 1 ns and ask the scheduler for a short slice (EEVDF
 //! `sched_runtime`) so that a busy CPU does not hold their wake-up for a
 //! whole default slice (`core::timing::prepare_precise_worker`).
+//!
+//! A submitter with an event loop may claim the hybrid mechanism's held
+//! bios ([`Target::reaper`], `reaper.rs`) and send them on itself, on its
+//! own thread, at their deadlines; the workers then only back it up.
 
 mod held;
 pub mod hybrid;
 pub mod kthread;
 pub mod latency;
 pub mod options;
+mod reaper;
 pub mod timer;
 
 use self::held::Held;
@@ -274,6 +280,13 @@ trait Flusher: Send + Sync {
     fn stats_words(&self, _sent: u64) -> String {
         String::new()
     }
+
+    /// A claim on the held bios for a submitter that sends them on
+    /// itself (`reaper.rs`); `None` for a mechanism that keeps that to
+    /// its own workers.
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        None
+    }
 }
 
 /// What `map` reads and `message` and suspend change.
@@ -326,6 +339,7 @@ fn ctr(ctx: &mut CtrContext<'_>, args: &[&str]) -> Result<TargetRef, TargetError
             o.spin_us * 1000,
             o.affinity,
             o.wake_pct,
+            o.reap_backstop_ns,
         )?),
     };
     Ok(Arc::new(DelayTarget {
@@ -522,6 +536,12 @@ impl Target for DelayTarget {
     fn extents(&self, offset: u64, len: u64) -> Option<Vec<Extent>> {
         let dc = &self.shared.classes[READ];
         extents_from(&dc.dev, dc.start, offset, len)
+    }
+
+    /// `hybrid` lets a submitter send on the bios it holds (`reaper.rs`);
+    /// `timer` and `kthread` keep to their workers, as dm-delay does.
+    fn reaper(&self) -> Option<Box<dyn blkstack_core::Reaper>> {
+        self.flusher.reaper()
     }
 }
 

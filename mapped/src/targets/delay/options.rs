@@ -10,8 +10,8 @@ use crate::target::parse_arg;
 
 pub(super) const SYNTAX: &str = "<dev> <offset> <delay_ms> [<wdev> <woffset> <wdelay_ms> \
                       [<fdev> <foffset> <fdelay_ms>]] [mode=timer|kthread|hybrid] [hz=N] \
-                      [spin_us=N] [affinity=cpu|none] [wake_pct=P] [p99=MS] [<class>_p99=MS] \
-                      [load_k=K] [<class>_load_k=K]";
+                      [spin_us=N] [affinity=cpu|none] [wake_pct=P] [reap_backstop_ms=MS] \
+                      [p99=MS] [<class>_p99=MS] [load_k=K] [<class>_load_k=K]";
 
 /// The default HZ of the emulated timer (x86 distribution kernels).
 pub const DEFAULT_HZ: u32 = 250;
@@ -23,6 +23,14 @@ pub const DEFAULT_SPIN_US: u64 = 100;
 /// spins, which use up the worker's short scheduler slice so that its next
 /// wake is held back (docs/BENCHMARKS.md compares them).
 pub const DEFAULT_WAKE_PCT: u32 = 80;
+/// Hybrid mode's default backstop while a submitter reaps the held bios
+/// itself (`reap_backstop_ms=`, see `reaper.rs`): one tick of the
+/// default [`DEFAULT_HZ`], the most dm-delay's own timer mechanism is
+/// late by, so a stalled claimant costs a bio no more than the kernel's
+/// timer would.
+pub const DEFAULT_REAP_BACKSTOP_NS: u64 = 1_000_000_000 / DEFAULT_HZ as u64;
+/// The longest `reap_backstop_ms=` accepted: a minute.
+const MAX_REAP_BACKSTOP_NS: u64 = 60_000_000_000;
 
 /// The mechanism options of one table line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +40,9 @@ pub(super) struct Options {
     pub spin_us: u64,
     pub affinity: bool,
     pub wake_pct: u32,
+    /// Hybrid: how late a bio may go, past its deadline, while claimed
+    /// and left unreaped, before a worker sends it on itself.
+    pub reap_backstop_ns: u64,
 }
 
 impl Default for Options {
@@ -42,6 +53,7 @@ impl Default for Options {
             spin_us: DEFAULT_SPIN_US,
             affinity: true,
             wake_pct: DEFAULT_WAKE_PCT,
+            reap_backstop_ns: DEFAULT_REAP_BACKSTOP_NS,
         }
     }
 }
@@ -63,6 +75,12 @@ impl Options {
         }
         if self.mode == Mode::Hybrid && self.wake_pct != DEFAULT_WAKE_PCT {
             parts.push(format!("wake_pct={}", self.wake_pct));
+        }
+        if self.reap_backstop_ns != DEFAULT_REAP_BACKSTOP_NS {
+            parts.push(format!(
+                "reap_backstop_ms={}",
+                format_ms(self.reap_backstop_ns)
+            ));
         }
     }
 
@@ -90,6 +108,15 @@ impl Options {
                 }
             }
             "wake_pct" => self.wake_pct = parse_in_range("wake_pct", v, 1, 100, "1..100")?,
+            "reap_backstop_ms" => {
+                let ns = parse_ms(v).map_err(|e| e.within(format!("invalid {k} '{v}'")))?;
+                if ns == 0 || ns > MAX_REAP_BACKSTOP_NS {
+                    return Err(TargetError::invalid(format!(
+                        "invalid {k} '{v}': must be more than 0 and at most 60000"
+                    )));
+                }
+                self.reap_backstop_ns = ns;
+            }
             _ => apply_latency_option(latency, k, v)?,
         }
         Ok(())
@@ -128,7 +155,8 @@ fn apply_latency_option(latency: &mut [Latency; 3], k: &str, v: &str) -> Result<
         }
     } else {
         return Err(TargetError::invalid(format!(
-            "unknown option '{k}={v}' (known: mode, hz, spin_us, affinity, wake_pct, p99, \
+            "unknown option '{k}={v}' (known: mode, hz, spin_us, affinity, wake_pct, \
+             reap_backstop_ms, p99, \
              read_p99, write_p99, flush_p99, load_k, read_load_k, write_load_k, flush_load_k)"
         )));
     }
@@ -288,5 +316,14 @@ mod tests {
             "invalid wake_pct '101': must be 1..100"
         );
         assert_eq!(err(&mut o, &mut l, "hz", "x"), "invalid hz 'x'");
+        assert_eq!(
+            err(&mut o, &mut l, "reap_backstop_ms", "0"),
+            "invalid reap_backstop_ms '0': must be more than 0 and at most 60000"
+        );
+        assert!(err(&mut o, &mut l, "reap_backstop_ms", "soon")
+            .starts_with("invalid reap_backstop_ms 'soon'"));
+        o.apply(&mut l, "reap_backstop_ms", "0.5")
+            .expect("half a millisecond");
+        assert_eq!(o.reap_backstop_ns, 500_000);
     }
 }
