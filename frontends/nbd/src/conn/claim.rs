@@ -16,7 +16,11 @@
 //! backstop; it claims again the next time it waits for input. Where it
 //! blocks on the client (the rest of a WRITE's payload, its own overflow
 //! sent under the send timeout) the device's backstop bounds how long a
-//! ready bio waits.
+//! ready bio waits. A connection idle for its trim time (nothing in
+//! flight, no input) hands the claim back too: while any claim lives, a
+//! `delay` device's workers stand aside, so a bio from a submitter that
+//! reaps nothing (another frontend on the same device) would leave at the
+//! backstop bound, late, for as long as an idle client stayed connected.
 
 use blkstack_core::{DeviceRef, Reaper};
 use std::cell::{Cell, RefCell};

@@ -183,6 +183,11 @@ impl Transmission<'_> {
             match self.inb.fill(&self.shared.sock) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if self.shared.accounting.lock().inflight == 0 {
+                        // An idle connection holds no claim: while one
+                        // lives, the device's own threads only back
+                        // claimants up, and other submitters would wait
+                        // for that backstop (see `claim.rs`).
+                        self.claim.hand_back();
                         self.trim();
                         self.shared.sock.set_recv_timeout(None)?;
                         self.trimmed = true;
