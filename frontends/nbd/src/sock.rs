@@ -312,6 +312,60 @@ impl Sock {
         }
     }
 
+    /// One `sendmsg` of `iov` (the output queue's run of segments);
+    /// `block` false adds `MSG_DONTWAIT`. Blocking, it is bounded by the
+    /// send timeout (then WouldBlock). Plain sockets only: over TLS use
+    /// [`Sock::send_all_iov`]. Retries on EINTR.
+    pub fn send_iov(&self, iov: &[io::IoSlice<'_>], block: bool) -> io::Result<usize> {
+        let mut flags = libc::MSG_NOSIGNAL;
+        if !block {
+            flags |= libc::MSG_DONTWAIT;
+        }
+        // SAFETY: zeroed msghdr is a valid "no name, no control" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // IoSlice is ABI-compatible with iovec on Unix (std guarantees it).
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = iov.len() as _;
+        loop {
+            // SAFETY: msg_iov points at `iov`, live slices, for the call.
+            let n = unsafe { libc::sendmsg(self.raw(), &msg, flags) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Send every byte of `iov`, blocking (bounded by the send timeout
+    /// without progress). Over TLS the slices are encrypted into records
+    /// and the records sent at once.
+    pub fn send_all_iov(&self, iov: &[io::IoSlice<'_>]) -> io::Result<()> {
+        let Some(t) = self.tls.get() else {
+            for s in iov {
+                self.raw_send_all2(s, &[])?;
+            }
+            return Ok(());
+        };
+        let mut conn = t.conn.lock();
+        let mut w = conn.writer();
+        // One vectored write: rustls fills its records across the slices
+        // (a reply header does not get a record of its own).
+        let mut skip = std::io::Write::write_vectored(&mut w, iov)?;
+        for s in iov {
+            if skip >= s.len() {
+                skip -= s.len();
+                continue;
+            }
+            // Only if rustls took less (it has no send limit here).
+            std::io::Write::write_all(&mut w, &s[skip..])?;
+            skip = 0;
+        }
+        t.flush(conn, |d| self.raw_send_all2(d, &[]))
+    }
+
     pub fn send_all(&self, a: &[u8]) -> io::Result<()> {
         self.send_all2(a, &[])
     }
