@@ -5,10 +5,11 @@
 //! writer lock). Going through `recv`/`send`/`sendmsg` directly, instead of
 //! `TcpStream`/`UnixStream`, gives one type for both families, lets replies
 //! go out with `MSG_NOSIGNAL` (a vanished client must not kill the server
-//! with SIGPIPE) and lets a header and a read's data leave in one
-//! `sendmsg` without copying the data. Completers send with
-//! `MSG_DONTWAIT` only ([`Sock::send_nowait2`]); blocking sends, bounded
-//! by the send timeout, are left to the connection's own threads. After
+//! with SIGPIPE) and lets the output queue's headers and READ data leave
+//! in one `sendmsg` of many iovecs without copying the data
+//! ([`Sock::send_iov`]). Completers send with `MSG_DONTWAIT` only;
+//! blocking sends, bounded by the send timeout, are left to the
+//! connection's own threads. After
 //! STARTTLS the same calls go through the connection's TLS session
 //! (`tls.rs`).
 
@@ -256,31 +257,6 @@ impl Sock {
             b = &b[n..];
         }
         Ok(())
-    }
-
-    /// Send as much of `a` then `b` as the socket takes without blocking
-    /// (`MSG_DONTWAIT`); how many bytes went. Over TLS nothing is sent
-    /// here (0): the records go out from the connection's writer thread,
-    /// which may block.
-    pub fn send_nowait2(&self, a: &[u8], b: &[u8]) -> io::Result<usize> {
-        if self.tls.get().is_some() {
-            return Ok(0);
-        }
-        let mut sent = 0;
-        while sent < a.len() + b.len() {
-            let (ra, rb) = if sent < a.len() {
-                (&a[sent..], b)
-            } else {
-                (&[][..], &b[sent - a.len()..])
-            };
-            match self.sendmsg(ra, rb, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => sent += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(sent)
     }
 
     /// One `sendmsg` of `a` then `b`; retries on EINTR.
