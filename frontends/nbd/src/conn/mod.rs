@@ -28,9 +28,10 @@
 //!
 //! Each request in flight owns a slot (its index is the bio's cookie, as a
 //! blk-mq tag is a request's index): a reusable, page-aligned data buffer
-//! and the few fields needed to write the reply; a READ's slot is freed
-//! when its reply's data has been sent, not when the device completed it
-//! (the reply is sent from the slot's buffer). The [`MAX_INFLIGHT`] slots
+//! and the few fields needed to write the reply; the slot of a READ
+//! larger than [`COPY_LIMIT`] is freed when its reply's data has been
+//! sent, not when the device completed it (the reply is sent from the
+//! slot's buffer). The [`MAX_INFLIGHT`] slots
 //! of a connection exist from the start, but a slot's buffer is allocated
 //! when a request first needs it and kept for the next one; a connection
 //! idle for [`Limits::idle_trim`] gives every buffer back, so an idle
@@ -45,8 +46,8 @@
 //! window sized from the gaps between requests, as qemu's event loop
 //! sizes its poll); it also asks the scheduler for a short slice so that
 //! its wake-up is not queued behind a CPU-bound thread. While requests are
-//! in flight it sleeps on the socket and an eventfd that the completer of
-//! the last of them signals (`IdleWake`). A fixed poll without
+//! in flight it sleeps on the socket and an eventfd that whoever frees
+//! the last of their slots signals (`IdleWake`). A fixed poll without
 //! those rules loses whenever the next request is slow to come, and costs
 //! CPU per I/O. When every slot is busy, or the data of the requests in
 //! flight (a READ's until its reply is sent) plus the other reply bytes
