@@ -69,6 +69,9 @@
 #        DELAY_OPTS= ROWS="delay1ms-qd1 delay1ms-qd32" scripts/bench-peers.sh
 #        FLOOR=path/to/nbd-floor scripts/bench-peers.sh   (skip its build)
 #        SERVERS="ours floor" scripts/bench-peers.sh      (default: all four)
+#        COUNT=1 RAMP=0 ROWS=... scripts/bench-peers.sh   (also count, with
+#          perf stat on the server over each fio run, its system calls and
+#          context switches per I/O: counts a loaded host barely moves)
 # Needs root or sudo only to install missing packages (fio, nbdkit,
 # qemu-utils) with apt-get.
 set -euo pipefail
@@ -305,6 +308,34 @@ EOF
     SAMPLER_PID=$!
 }
 
+# COUNT=1: perf stat (software tracepoints, no hardware counters) on the
+# server for the whole fio run; per I/O over fio's total_ios, so run with
+# RAMP=0 (ramp I/Os are not in total_ios).
+start_counter() {
+    perf stat -x, -e raw_syscalls:sys_enter,context-switches -p "$1" \
+        -o "$WORK/perf.txt" 2>/dev/null &
+    COUNTER_PID=$!
+}
+stop_counter() {
+    kill -INT "$COUNTER_PID" 2>/dev/null || true
+    wait "$COUNTER_PID" 2>/dev/null || true
+    python3 - "$WORK/fio.json" "$WORK/perf.txt" "$@" <<'EOF' >&2
+import json, sys
+path, perf, rep, row, who = sys.argv[1:6]
+text = open(path).read()
+j = json.loads(text[text.index("{"):])["jobs"][0]
+ios = max(j["read"]["total_ios"] + j["write"]["total_ios"], 1)
+counts = {}
+for line in open(perf):
+    f = line.strip().split(",")
+    if len(f) > 2 and f[0].replace(".", "").isdigit():
+        counts[f[2]] = float(f[0])
+sc = counts.get("raw_syscalls:sys_enter", 0) / ios
+cs = counts.get("context-switches", 0) / ios
+print(f"rep {rep} {row:<20} {who:<7} counts: {ios} I/Os, {sc:.3f} syscalls/IO, {cs:.3f} context-switches/IO")
+EOF
+}
+
 # fio's JSON, its IOPS logs and the sampler's log to one TSV line: rep,
 # row, who, IOPS (fio's, over its measured window), CPU us per I/O (over
 # the span every job's IOPS log covers, see the header).
@@ -376,6 +407,7 @@ server_row() {
         fi
         rm -f "$WORK"/iops_iops.*.log
         start_sampler "$SERVER_PID"
+        [ "${COUNT:-0}" = 1 ] && start_counter "$SERVER_PID"
         ok=1
         # shellcheck disable=SC2046
         fio --name=bench --ioengine=nbd --uri="$uri" \
@@ -384,6 +416,7 @@ server_row() {
             --group_reporting --output-format=json >"$WORK/fio.json" 2>"$WORK/fio.err" || ok=0
         kill "$SAMPLER_PID" 2>/dev/null || true
         wait "$SAMPLER_PID" 2>/dev/null || true
+        [ "${COUNT:-0}" = 1 ] && stop_counter "$rep" "$row" "$server"
         stop_server
         if [ "$ok" = 0 ]; then
             echo "fio failed on $server $row:" >&2

@@ -36,6 +36,12 @@ fn fio_nbd_engine_randrw_with_crc32c_verify() {
             srv.uri("mem"),
             vec!["--bsrange=512-64k", "--iodepth=8", "--numjobs=1"],
         ),
+        // Small reads copied into the reply beside large ones sent from
+        // their requests' buffers, at depth.
+        (
+            srv.uri("mem"),
+            vec!["--bssplit=4k/40:64k/20:256k/20:1m/20", "--iodepth=32"],
+        ),
     ] {
         let out = run_ok(
             Command::new(&fio)

@@ -150,6 +150,12 @@ fn an_unaligned_write_zeroes_of_4_gib_allocates_no_buffer_of_that_size() {
     );
 }
 
+/// Two clients stop reading mid-stream, one with simple replies to 64 KiB
+/// reads, one with structured replies to 1 MiB reads (both sent from the
+/// requests' own buffers, which stay held until sent): nobody else is
+/// frozen meanwhile, both are cut off past the send timeout, and their
+/// slots are given back: a new connection is served and the server then
+/// stops gracefully (its drain waits for every slot of every connection).
 #[test]
 fn a_client_that_stops_reading_freezes_nobody_else_and_is_cut_off() {
     let srv = Serve::options()
@@ -159,6 +165,11 @@ fn a_client_that_stops_reading_freezes_nobody_else_and_is_cut_off() {
     let mut stalled = negotiated(&srv, "slow");
     // 128 MiB of replies: far more than both socket buffers hold.
     pipeline_unread(&mut stalled, 2_000, 64 << 10);
+    let mut stalled_big = RawClient::new(connect(&srv));
+    stalled_big.start().expect("greeting");
+    stalled_big.structured().expect("structured replies");
+    stalled_big.go("slow").expect("go");
+    pipeline_unread(&mut stalled_big, 200, 1 << 20);
     std::thread::sleep(Duration::from_millis(500));
     // The export's completion thread must not be stuck in a send to it.
     let mut other = negotiated(&srv, "slow");
@@ -175,24 +186,29 @@ fn a_client_that_stops_reading_freezes_nobody_else_and_is_cut_off() {
         "200 reads of another client took {:?}",
         t0.elapsed()
     );
-    // Past the send timeout the stalled client is disconnected: what was
-    // in flight on the wire drains, then EOF.
+    // Past the send timeout the stalled clients are disconnected: what
+    // was in flight on the wire drains, then EOF.
     std::thread::sleep(Duration::from_secs(4));
-    stalled
-        .s
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
-    let mut buf = vec![0u8; 1 << 20];
-    let t1 = Instant::now();
-    let closed = loop {
-        match stalled.s.read(&mut buf) {
-            Ok(0) | Err(_) => break true,
-            Ok(_) if t1.elapsed() > Duration::from_secs(20) => break false,
-            Ok(_) => {}
-        }
-    };
-    assert!(closed, "the stalled client was never disconnected");
+    for c in [&mut stalled, &mut stalled_big] {
+        c.s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut buf = vec![0u8; 1 << 20];
+        let t1 = Instant::now();
+        let closed = loop {
+            match c.s.read(&mut buf) {
+                Ok(0) | Err(_) => break true,
+                Ok(_) if t1.elapsed() > Duration::from_secs(20) => break false,
+                Ok(_) => {}
+            }
+        };
+        assert!(closed, "a stalled client was never disconnected");
+    }
     read_4k(&mut other, 999);
+    let mut fresh = negotiated(&srv, "slow");
+    read_4k(&mut fresh, 1000);
+    drop((other, fresh));
+    let (st, err) = srv.terminate();
+    assert!(st.success(), "server exit {st}: {err}");
 }
 
 fn prlimit_as(pid: u32, limit: &str) {

@@ -3,7 +3,7 @@
 //! well-behaved clients connected at the same time keep being served; many
 //! connections at once keep their data apart; SIGTERM stops gracefully.
 
-use blkstack_nbd::client::RawClient;
+use blkstack_nbd::client::{RawClient, Reply};
 use blkstack_nbd::proto::*;
 use blkstack_test_support::*;
 use std::io::{Read, Write};
@@ -207,4 +207,196 @@ fn sigterm_stops_gracefully_and_removes_the_socket() {
     assert!(!sock.exists(), "socket file left behind");
     // The connection that was open is closed by the stop.
     assert!(hung_up(&mut c));
+}
+
+/// A TCP client whose receive buffer is 4 KiB (set before connecting, so
+/// the window stays small): the server's replies stop short often, in
+/// the middle of a header or of a read's data.
+fn tcp_small_window(srv: &Serve) -> RawClient<TcpStream> {
+    use std::os::fd::FromRawFd;
+    let addr: std::net::SocketAddrV4 = srv.tcp_addr().parse().expect("ipv4 address");
+    // SAFETY: plain syscalls on a fresh fd, owned by the TcpStream below;
+    // `sa` and `rcvbuf` are valid for the calls.
+    let s = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let s = TcpStream::from_raw_fd(fd);
+        let rcvbuf: libc::c_int = 4096;
+        let r = libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&rcvbuf as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+        assert_eq!(r, 0, "SO_RCVBUF: {}", std::io::Error::last_os_error());
+        let sa = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: addr.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*addr.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let r = libc::connect(
+            fd,
+            (&sa as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(r, 0, "connect: {}", std::io::Error::last_os_error());
+        s
+    };
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    RawClient::new(s)
+}
+
+/// The handle of the next reply, left unread: bytes 8..16 of a simple
+/// reply and of a structured chunk header alike.
+fn peek_handle(s: &TcpStream) -> u64 {
+    let mut h = [0u8; 16];
+    loop {
+        let n = s.peek(&mut h).expect("peek reply");
+        assert!(n > 0, "the server closed the connection");
+        if n == h.len() {
+            return u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Read the reply to READ `handle` of `want.len()` bytes from `off`
+/// (simple, or structured: data and hole chunks, in any order, covering
+/// the range exactly once) and check every byte against `want`; how many
+/// hole chunks it had.
+fn check_read_reply<S: Read + Write>(
+    c: &mut RawClient<S>,
+    handle: u64,
+    off: u64,
+    want: &[u8],
+) -> usize {
+    let mut holes = 0;
+    let mut got = vec![0xa5u8; want.len()];
+    let mut covered = 0usize;
+    loop {
+        match c.any_reply().expect("reply") {
+            Reply::Simple(r) => {
+                assert_eq!((r.handle, r.error), (handle, 0), "simple reply");
+                c.s.read_exact(&mut got).expect("read data");
+                covered = want.len();
+                break;
+            }
+            Reply::Chunk(h, p) => {
+                assert_eq!(h.handle, handle, "replies to one READ are not interleaved");
+                let at = |p: &[u8]| u64::from_be_bytes(p[..8].try_into().expect("8 bytes"));
+                match h.typ {
+                    REPLY_TYPE_OFFSET_DATA => {
+                        let rel = (at(&p) - off) as usize;
+                        got[rel..rel + p.len() - 8].copy_from_slice(&p[8..]);
+                        covered += p.len() - 8;
+                    }
+                    REPLY_TYPE_OFFSET_HOLE => {
+                        let rel = (at(&p) - off) as usize;
+                        let n = u32::from_be_bytes(p[8..12].try_into().expect("4 bytes")) as usize;
+                        got[rel..rel + n].fill(0);
+                        holes += 1;
+                        covered += n;
+                    }
+                    t => panic!("unexpected chunk type {t} for READ {handle}"),
+                }
+                if h.flags & REPLY_FLAG_DONE != 0 {
+                    break;
+                }
+            }
+        }
+    }
+    assert_eq!(
+        covered,
+        want.len(),
+        "READ {handle}: chunks cover the range once"
+    );
+    assert!(
+        got == want,
+        "READ {handle} ({} bytes at {off}): data differs",
+        want.len()
+    );
+    holes
+}
+
+/// Reads of mixed sizes (512 B, copied into the reply, to 1 MiB, sent
+/// from the request's own buffer) pipelined 96 deep, all asked for before
+/// any reply is read: replies pile up past the socket buffers, so the
+/// server's sends stop short and resume (on a 4 KiB TCP window, mid
+/// header and mid data). The memory is written in stripes, so structured
+/// replies mix data and hole chunks. Every byte is checked, with simple
+/// and structured replies, then the connection ends cleanly.
+#[test]
+fn pipelined_mixed_reads_return_every_byte_simple_and_structured() {
+    let srv = Serve::start_tcp(STACK, "mem");
+    let size = 32usize << 20;
+    let mut image = vec![0u8; size];
+    let data = pattern(size, 11);
+    let mut w = unix(&srv);
+    w.start().expect("greeting");
+    w.go("mem").expect("go");
+    // Written: 1 MiB in every 3 MiB, and a 4 KiB page every 40 KiB.
+    let mut writes: Vec<(usize, usize)> =
+        (0..size).step_by(3 << 20).map(|o| (o, 1 << 20)).collect();
+    writes.extend((0..size).step_by(40 << 10).map(|o| (o, 4096)));
+    for (i, (o, l)) in writes.into_iter().enumerate() {
+        image[o..o + l].copy_from_slice(&data[o..o + l]);
+        let r = req(CMD_WRITE, 0, i as u64, o as u64, l as u32);
+        w.request(&r, &image[o..o + l]).expect("send write");
+        assert_eq!(w.status_reply().expect("write reply"), (i as u64, 0));
+    }
+    let sizes = [
+        512usize,
+        4096,
+        1 << 20,
+        64 << 10,
+        8192,
+        200 << 10,
+        4608,
+        128 << 10,
+    ];
+    for (structured, small_window) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut c = if small_window {
+            tcp_small_window(&srv)
+        } else {
+            tcp(&srv)
+        };
+        c.start().expect("greeting");
+        if structured {
+            c.structured().expect("structured replies");
+        }
+        c.go("mem").expect("go");
+        let mut reqs = Vec::new();
+        let mut burst = Vec::new();
+        let mut holes = 0;
+        for i in 0..96u64 {
+            let len = sizes[i as usize % sizes.len()];
+            let off = (i as usize * 1_234_567 % (size - len)) / 512 * 512;
+            reqs.push((i, off));
+            burst.extend_from_slice(&req(CMD_READ, 0, i, off as u64, len as u32).encode());
+        }
+        c.s.write_all(&burst).expect("send reads");
+        // Replies come back in completion order: check each by its handle.
+        for _ in 0..reqs.len() {
+            let handle = peek_handle(&c.s);
+            let (_, off) = reqs[handle as usize];
+            let len = sizes[handle as usize % sizes.len()];
+            holes += check_read_reply(&mut c, handle, off as u64, &image[off..off + len]);
+        }
+        // Structured replies to reads over the stripes split into chunks.
+        assert_eq!(
+            holes > 0,
+            structured,
+            "hole chunks in structured replies only"
+        );
+        c.request(&req(CMD_DISC, 0, 0, 0, 0), &[])
+            .expect("disconnect");
+        assert!(hung_up(&mut c), "the server closes after NBD_CMD_DISC");
+    }
+    let (st, err) = srv.terminate();
+    assert!(st.success(), "server exit {st}: {err}");
 }

@@ -161,9 +161,12 @@ fn fio_nbd_engine_verifies_writes_over_tls() {
     let out = run(
         Command::new(tool("fio"))
             .env("HOME", &home.0)
-            .args(["--name=tls", "--ioengine=nbd", "--rw=randwrite", "--bs=4k"])
+            // Small blocks (copied into the reply) and large ones (sent
+            // from their slots, encrypted by rustls from the slot).
+            .args(["--name=tls", "--ioengine=nbd", "--rw=randwrite"])
             .args([
-                "--size=2m",
+                "--bssplit=4k/50:256k/50",
+                "--size=4m",
                 "--iodepth=8",
                 "--verify=crc32c",
                 "--verify_state_save=0",
@@ -182,9 +185,9 @@ fn fio_nbd_engine_verifies_writes_over_tls() {
     let json = &text[text.find('{').expect("fio JSON")..];
     let job = &serde_json::from_str::<serde_json::Value>(json).expect("fio JSON")["jobs"][0];
     assert_eq!(job["error"], 0, "{json}");
-    assert_eq!(job["write"]["io_bytes"], 2 << 20, "{json}");
+    assert_eq!(job["write"]["io_bytes"], 4 << 20, "{json}");
     // Verification read everything back.
-    assert_eq!(job["read"]["io_bytes"], 2 << 20, "{json}");
+    assert_eq!(job["read"]["io_bytes"], 4 << 20, "{json}");
     // The same fio without TLS is refused by `--tls=require`.
     let plain = run(
         Command::new(tool("fio"))

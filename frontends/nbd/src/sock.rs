@@ -5,10 +5,11 @@
 //! writer lock). Going through `recv`/`send`/`sendmsg` directly, instead of
 //! `TcpStream`/`UnixStream`, gives one type for both families, lets replies
 //! go out with `MSG_NOSIGNAL` (a vanished client must not kill the server
-//! with SIGPIPE) and lets a header and a read's data leave in one
-//! `sendmsg` without copying the data. Completers send with
-//! `MSG_DONTWAIT` only ([`Sock::send_nowait2`]); blocking sends, bounded
-//! by the send timeout, are left to the connection's own threads. After
+//! with SIGPIPE) and lets the output queue's headers and READ data leave
+//! in one `sendmsg` of many iovecs without copying the data
+//! ([`Sock::send_iov`]). Completers send with `MSG_DONTWAIT` only;
+//! blocking sends, bounded by the send timeout, are left to the
+//! connection's own threads. After
 //! STARTTLS the same calls go through the connection's TLS session
 //! (`tls.rs`).
 
@@ -255,31 +256,6 @@ impl Sock {
         Ok(())
     }
 
-    /// Send as much of `a` then `b` as the socket takes without blocking
-    /// (`MSG_DONTWAIT`); how many bytes went. Over TLS nothing is sent
-    /// here (0): the records go out from the connection's writer thread,
-    /// which may block.
-    pub fn send_nowait2(&self, a: &[u8], b: &[u8]) -> io::Result<usize> {
-        if self.tls.get().is_some() {
-            return Ok(0);
-        }
-        let mut sent = 0;
-        while sent < a.len() + b.len() {
-            let (ra, rb) = if sent < a.len() {
-                (&a[sent..], b)
-            } else {
-                (&[][..], &b[sent - a.len()..])
-            };
-            match self.sendmsg(ra, rb, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => sent += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(sent)
-    }
-
     /// One `sendmsg` of `a` then `b`; retries on EINTR.
     fn sendmsg(&self, a: &[u8], b: &[u8], flags: libc::c_int) -> io::Result<usize> {
         let iov = [
@@ -307,6 +283,60 @@ impl Sock {
                 return Err(e);
             }
         }
+    }
+
+    /// One `sendmsg` of `iov` (the output queue's run of segments);
+    /// `block` false adds `MSG_DONTWAIT`. Blocking, it is bounded by the
+    /// send timeout (then WouldBlock). Plain sockets only: over TLS use
+    /// [`Sock::send_all_iov`]. Retries on EINTR.
+    pub fn send_iov(&self, iov: &[io::IoSlice<'_>], block: bool) -> io::Result<usize> {
+        let mut flags = libc::MSG_NOSIGNAL;
+        if !block {
+            flags |= libc::MSG_DONTWAIT;
+        }
+        // SAFETY: zeroed msghdr is a valid "no name, no control" header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // IoSlice is ABI-compatible with iovec on Unix (std guarantees it).
+        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = iov.len() as _;
+        loop {
+            // SAFETY: msg_iov points at `iov`, live slices, for the call.
+            let n = unsafe { libc::sendmsg(self.raw(), &msg, flags) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Send every byte of `iov`, blocking (bounded by the send timeout
+    /// without progress). Over TLS the slices are encrypted into records
+    /// and the records sent at once.
+    pub fn send_all_iov(&self, iov: &[io::IoSlice<'_>]) -> io::Result<()> {
+        let Some(t) = self.tls.get() else {
+            for s in iov {
+                self.raw_send_all2(s, &[])?;
+            }
+            return Ok(());
+        };
+        let mut conn = t.conn.lock();
+        let mut w = conn.writer();
+        // One vectored write: rustls fills its records across the slices
+        // (a reply header does not get a record of its own).
+        let mut skip = std::io::Write::write_vectored(&mut w, iov)?;
+        for s in iov {
+            if skip >= s.len() {
+                skip -= s.len();
+                continue;
+            }
+            // Only if rustls took less (it has no send limit here).
+            std::io::Write::write_all(&mut w, &s[skip..])?;
+            skip = 0;
+        }
+        t.flush(conn, |d| self.raw_send_all2(d, &[]))
     }
 
     pub fn send_all(&self, a: &[u8]) -> io::Result<()> {

@@ -8,11 +8,13 @@
 //! the rest of an I/O on a virtual machine. Whoever
 //! completes a bio writes its reply: the device's completion thread, or
 //! the reader itself when the device completes inline. Replies go through
-//! one per-connection writer lock (`Out`); while the reader is working
+//! one per-connection writer lock (`Out`) into the connection's output
+//! queue (`outq.rs`), which refers to a large READ's data in its slot
+//! rather than copying it; while the reader is working
 //! through requests that are already in its receive buffer it marks the
 //! connection as "batching", and replies produced meanwhile are only
-//! appended to the output buffer, to leave in one `send` when the reader is
-//! about to block. A completer that ends several bios in a row inside a
+//! appended to the output queue, to leave in one `sendmsg` when the reader
+//! is about to block. A completer that ends several bios in a row inside a
 //! completion batch (`blkstack_core::comp_batch`: a delay worker's pass)
 //! likewise sends their replies once, when its batch closes. Replies are
 //! therefore sent in completion order, not
@@ -26,7 +28,10 @@
 //!
 //! Each request in flight owns a slot (its index is the bio's cookie, as a
 //! blk-mq tag is a request's index): a reusable, page-aligned data buffer
-//! and the few fields needed to write the reply. The [`MAX_INFLIGHT`] slots
+//! and the few fields needed to write the reply; the slot of a READ
+//! larger than [`COPY_LIMIT`] is freed when its reply's data has been
+//! sent, not when the device completed it (the reply is sent from the
+//! slot's buffer). The [`MAX_INFLIGHT`] slots
 //! of a connection exist from the start, but a slot's buffer is allocated
 //! when a request first needs it and kept for the next one; a connection
 //! idle for [`Limits::idle_trim`] gives every buffer back, so an idle
@@ -41,14 +46,15 @@
 //! window sized from the gaps between requests, as qemu's event loop
 //! sizes its poll); it also asks the scheduler for a short slice so that
 //! its wake-up is not queued behind a CPU-bound thread. While requests are
-//! in flight it sleeps on the socket, an eventfd that the completer of
-//! the last of them signals (`IdleWake`), and, when the export's device
+//! in flight it sleeps on the socket, an eventfd that whoever frees the
+//! last of their slots signals (`IdleWake`), and, when the export's device
 //! lets a submitter reap its completions (a `delay` table's held bios, a
 //! `file` ring), that claim's descriptor, completing what is ready on its
 //! own thread (`claim.rs`). A fixed poll without
 //! those rules loses whenever the next request is slow to come, and costs
 //! CPU per I/O. When every slot is busy, or the data of the requests in
-//! flight plus the replies produced but not yet sent reach [`BUDGET`],
+//! flight (a READ's until its reply is sent) plus the other reply bytes
+//! produced but not yet sent reach [`BUDGET`],
 //! the reader stops reading: that is the connection's queue depth limit
 //! and the client's backpressure (nbdkit and qemu-nbd stop reading a
 //! client whose replies pile up the same way), and it bounds the memory
@@ -57,6 +63,7 @@
 mod claim;
 mod handshake;
 mod inbuf;
+mod outq;
 mod reply;
 mod transmission;
 mod unaligned;
@@ -69,6 +76,7 @@ use crate::sock::Sock;
 use crate::tls::TlsPolicy;
 use blkstack_core::timing::spin::{PollSetting, SpinPolicy};
 use inbuf::InBuf;
+use outq::Queue;
 use parking_lot::{Condvar, Mutex};
 use reply::{IdleWake, Out, Shared, Slot, SlotMeta, Slots};
 use std::io;
@@ -85,9 +93,10 @@ const MAX_OPTION_LEN: u32 = 1 << 20;
 /// Options one connection may send before being cut off (a client looping
 /// on NBD_OPT_LIST must not keep a thread for ever).
 const MAX_OPTIONS: u32 = 10_000;
-/// Reads larger than this are sent straight from the slot's buffer with
-/// `sendmsg` instead of being copied into the output buffer.
-const COPY_LIMIT: usize = 64 << 10;
+/// Reads up to this size are copied into the output queue and their slot
+/// freed at once (an iovec and a held slot cost more than such a copy);
+/// larger ones are sent straight from the slot's buffer (`outq.rs`).
+const COPY_LIMIT: usize = 4 << 10;
 const INBUF: usize = 256 << 10;
 /// Data buffers larger than this are given back when their request
 /// completes, so an idle connection keeps at most this much per slot.
@@ -202,13 +211,13 @@ fn new_shared(
         slots,
         out: Mutex::new(Out {
             // Grows on demand; an idle connection gives it back.
-            buf: Vec::new(),
+            queue: Queue::default(),
             batching: false,
             dead: false,
             writer_busy: false,
             in_writer: 0,
             sending: false,
-            spare: Vec::new(),
+            spare: Queue::default(),
             quit: false,
         }),
         dead: AtomicBool::new(false),

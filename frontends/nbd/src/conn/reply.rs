@@ -4,6 +4,16 @@
 //! structured with OFFSET_DATA / OFFSET_HOLE chunks). Whoever completes a
 //! bio writes its reply; see the parent module for the threading model.
 //!
+//! Replies go into the connection's output queue ([`Queue`], `outq.rs`):
+//! headers and short reads as bytes the queue owns, a larger READ's data
+//! as a reference to its slot's buffer, which the device filled, so that
+//! the data is never copied again on its way to the socket and many
+//! replies still leave in one `sendmsg`. Such a slot stays held (not
+//! free, its bytes on the budget) until its data has been sent; the
+//! sender then gives it back ([`Shared::give_back`]), on every path: a
+//! flush, the reader's inline send, the writer thread, and a dead
+//! connection's discard.
+//!
 //! A completer may be a thread every connection of a device shares (its
 //! completion thread, a kblockd worker), so it never blocks on this
 //! client's socket: it sends what the socket takes at once
@@ -14,10 +24,19 @@
 //! sends itself, under the same timeout, without the writer lock and
 //! without waking the writer thread (a hand-off per reply would cost a
 //! wake-up on every busy connection, over TLS on every reply). While the
-//! writer (thread or reader) holds bytes, replies are only appended
-//! behind them, so the stream stays in order. Unsent bytes count against the connection's
-//! budget (the reader stops reading requests while it is spent).
+//! writer (thread or reader) holds part of the queue, replies are only
+//! appended behind it, so the stream stays in order. Unsent bytes count
+//! against the connection's budget (the reader stops reading requests
+//! while it is spent): owned bytes as such, slot data through its held
+//! slot.
+//!
+//! Lock order: a slot's meta, then the writer lock, then the accounting
+//! lock (giving a slot back under the writer lock takes the accounting
+//! lock; the reader never waits for the writer lock while it holds the
+//! accounting one, and a slot's meta is only tried, never waited for,
+//! by whoever gives the slot back).
 
+use super::outq::{Held, Queue};
 use super::{COPY_LIMIT, KEEP_BUF, WRITER_STACK};
 use crate::proto::*;
 use crate::sock::Sock;
@@ -57,31 +76,32 @@ pub(super) struct Slot {
 /// The writer side, behind the writer lock.
 pub(super) struct Out {
     /// Reply bytes not yet sent, in stream order.
-    pub(super) buf: Vec<u8>,
+    pub(super) queue: Queue,
     /// The reader is working through buffered requests: append, don't send.
     pub(super) batching: bool,
     /// A send failed: the client is gone; stop writing, keep draining.
     pub(super) dead: bool,
     /// The writer thread owns the socket's sending side: everyone else
-    /// appends to `buf` behind what it is sending.
+    /// appends to `queue` behind what it is sending.
     pub(super) writer_busy: bool,
-    /// Bytes the writer (or a flush, see `sending`) took from `buf` and
-    /// is still sending.
+    /// Owned bytes the writer (or a flush, see `sending`) took from
+    /// `queue` and is still sending.
     pub(super) in_writer: usize,
     /// A [`Shared::flush`] is sending outside the writer lock: nobody
     /// else sends meanwhile, replies are appended behind and go in its
     /// next round.
     pub(super) sending: bool,
-    /// `buf`'s alternate while a flush sends, so neither is reallocated.
-    pub(super) spare: Vec<u8>,
+    /// `queue`'s alternate while a flush sends, so neither is reallocated.
+    pub(super) spare: Queue,
     /// The connection is over: the writer sends what is left and ends.
     pub(super) quit: bool,
 }
 
 impl Out {
-    /// Reply bytes produced and not yet sent.
+    /// Owned reply bytes produced and not yet sent (slot data is on the
+    /// budget through its slot).
     pub(super) fn unsent(&self) -> usize {
-        self.buf.len() + self.in_writer
+        self.queue.owned() + self.in_writer
     }
 
     /// Someone (the writer thread, the reader sending inline, or a flush)
@@ -90,10 +110,6 @@ impl Out {
         self.writer_busy || self.sending
     }
 }
-
-/// An empty reply buffer keeps at most this much capacity: a burst's
-/// buffer is given back once it has been sent.
-const KEEP_OUT: usize = 1 << 20;
 
 /// Slot accounting, behind its own lock so that the reader can start new
 /// requests while a completer is busy sending a large reply.
@@ -184,32 +200,31 @@ impl Shared {
     /// and yield until this thread ran again. Replies appended meanwhile
     /// leave in the next round of the loop.
     pub(super) fn flush(&self, out: &mut MutexGuard<'_, Out>) {
-        while !out.buf.is_empty() && !out.send_owned() {
+        while !out.queue.is_empty() && !out.send_owned() {
             if out.dead {
-                out.buf.clear();
-                return;
+                return self.discard(out);
             }
             let spare = std::mem::take(&mut out.spare);
-            let mut chunk = std::mem::replace(&mut out.buf, spare);
+            let mut batch = std::mem::replace(&mut out.queue, spare);
             out.sending = true;
-            out.in_writer = chunk.len();
-            let sent = MutexGuard::unlocked(out, || self.sock.send_nowait2(&chunk, &[]));
+            out.in_writer = batch.owned();
+            let sent =
+                MutexGuard::unlocked(out, || batch.send_nowait(&self.sock, |h| self.give_back(h)));
             out.in_writer = 0;
             out.sending = false;
             match sent {
-                _ if out.dead => break,
-                Ok(n) if n == chunk.len() => {
-                    chunk.clear();
-                    if chunk.capacity() <= KEEP_OUT {
-                        out.spare = chunk;
-                    }
+                _ if out.dead => {
+                    self.discard_batch(&mut batch);
+                    break;
                 }
-                Ok(n) => {
+                Ok(true) => {
+                    batch.reset_if_done();
+                    out.spare = batch;
+                }
+                Ok(false) => {
                     // The rest goes first, then what was appended meanwhile.
-                    chunk.drain(..n);
-                    chunk.extend_from_slice(&out.buf);
-                    out.buf.clear();
-                    out.spare = std::mem::replace(&mut out.buf, chunk);
+                    batch.append(&mut out.queue);
+                    out.spare = std::mem::replace(&mut out.queue, batch);
                     if self.on_reader() {
                         self.send_inline(out);
                     } else {
@@ -217,13 +232,43 @@ impl Shared {
                     }
                     return;
                 }
-                Err(_) => return self.kill(out),
+                Err(_) => {
+                    self.discard_batch(&mut batch);
+                    return self.kill(out);
+                }
             }
         }
         if out.quit {
             // The writer thread may be waiting for this flush to end.
             self.writer_wake.notify_one();
         }
+    }
+
+    /// Give back a held slot whose data has been sent (or will never be):
+    /// its big buffer goes too, as at the end of any request. Only tries
+    /// the slot's meta lock: the caller may hold the writer lock.
+    pub(super) fn give_back(&self, h: Held) {
+        let idx = h.idx as usize;
+        if let Some(mut m) = self.slots[idx].meta.try_lock() {
+            if m.buf.as_ref().is_some_and(|b| b.len() > KEEP_BUF) {
+                m.buf = None;
+            }
+        }
+        self.release(idx, h.bytes);
+    }
+
+    /// Drop a taken batch's unsent bytes (the client is gone), giving its
+    /// held slots back.
+    fn discard_batch(&self, batch: &mut Queue) {
+        for h in batch.drain_held() {
+            self.give_back(h);
+        }
+        batch.reset_if_done();
+    }
+
+    /// Drop the queue's unsent bytes (the client is gone).
+    fn discard(&self, out: &mut Out) {
+        self.discard_batch(&mut out.queue);
     }
 
     /// Whether the caller is the connection's reader: a thread of this
@@ -239,18 +284,19 @@ impl Shared {
     /// hand-off keeps a busy connection off the writer thread.
     fn send_inline(&self, out: &mut MutexGuard<'_, Out>) {
         out.writer_busy = true;
-        while !out.dead && !out.buf.is_empty() {
-            let chunk = std::mem::take(&mut out.buf);
-            out.in_writer = chunk.len();
-            let sent = MutexGuard::unlocked(out, || self.sock.send_all(&chunk));
+        while !out.dead && !out.queue.is_empty() {
+            let spare = std::mem::take(&mut out.spare);
+            let mut batch = std::mem::replace(&mut out.queue, spare);
+            out.in_writer = batch.owned();
+            let sent =
+                MutexGuard::unlocked(out, || batch.send_all(&self.sock, |h| self.give_back(h)));
             out.in_writer = 0;
-            if out.buf.is_empty() && chunk.capacity() <= KEEP_OUT {
-                out.buf = chunk;
-                out.buf.clear();
-            }
             if let Err(e) = sent {
+                self.discard_batch(&mut batch);
                 self.disconnect_slow(out, &e);
             }
+            batch.reset_if_done();
+            out.spare = batch;
         }
         out.writer_busy = false;
     }
@@ -306,7 +352,7 @@ impl Shared {
 
     pub(super) fn kill(&self, out: &mut Out) {
         out.dead = true;
-        out.buf.clear();
+        self.discard(out);
         self.dead.store(true, Ordering::Release);
         // Unblock the reader too: nobody is listening any more.
         self.sock.shutdown(std::net::Shutdown::Both);
@@ -323,11 +369,14 @@ impl Shared {
 
     /// Encode a reply with no payload (any command but a successful READ).
     pub(super) fn push_status(&self, out: &mut Out, handle: u64, error: u32, msg: &str) {
-        if error != 0 && self.structured {
-            encode_error_chunk(&mut out.buf, handle, error, msg);
-        } else {
-            encode_simple_reply(&mut out.buf, error, handle);
-        }
+        let structured = self.structured;
+        out.queue.push_owned(|b| {
+            if error != 0 && structured {
+                encode_error_chunk(b, handle, error, msg);
+            } else {
+                encode_simple_reply(b, error, handle);
+            }
+        });
     }
 
     pub(super) fn set_batching(&self, on: bool) {
@@ -372,80 +421,77 @@ impl Shared {
         }
     }
 
-    /// Write the reply of a finished READ. Writer lock held.
-    pub(super) fn push_read(&self, out: &mut Out, m: &SlotMeta) {
+    /// Write the reply of a finished READ, in slot `idx`. Writer lock
+    /// held. Data larger than [`COPY_LIMIT`] is not copied: the queue
+    /// refers to the slot's buffer and holds the slot (`true`: the caller
+    /// must not give it back, the sender will).
+    pub(super) fn push_read(&self, out: &mut Out, m: &SlotMeta, idx: usize) -> bool {
         let data = match &m.buf {
             Some(b) => &b.as_slice()[..m.len as usize],
             None => &[][..],
         };
-        if !self.structured {
-            encode_simple_reply(&mut out.buf, 0, m.handle);
-            self.push_data(out, data);
-            return;
-        }
-        if m.extents.is_empty() {
-            encode_data_chunk_header(&mut out.buf, REPLY_FLAG_DONE, m.handle, m.offset, m.len);
-            self.push_data(out, data);
-            return;
-        }
-        let last = m.extents.len() - 1;
-        for (i, e) in m.extents.iter().enumerate() {
-            let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
-            if e.hole {
-                encode_hole_chunk(&mut out.buf, flags, m.handle, e.offset, e.len as u32);
+        let zero_copy = data.len() > COPY_LIMIT && !out.dead;
+        let q = &mut out.queue;
+        let mut referenced = false;
+        let mut put = |q: &mut Queue, d: &[u8]| {
+            if zero_copy {
+                // SAFETY: `d` lies in slot `idx`'s buffer, which nobody
+                // writes or frees until the slot is given back: the slot
+                // is not free (no new request can take it), `trim` runs
+                // only with nothing in flight, and `end_io` keeps the
+                // buffer when the queue holds the slot (`hold` below).
+                unsafe { q.push_slot(d) };
+                referenced = true;
             } else {
-                let rel = (e.offset - m.offset) as usize;
-                encode_data_chunk_header(&mut out.buf, flags, m.handle, e.offset, e.len as u32);
-                self.push_data(out, &data[rel..rel + e.len as usize]);
+                q.push_owned(|b| b.extend_from_slice(d));
+            }
+        };
+        let (h, off, len) = (m.handle, m.offset, m.len);
+        if !self.structured {
+            q.push_owned(|b| encode_simple_reply(b, 0, h));
+            put(q, data);
+        } else if m.extents.is_empty() {
+            q.push_owned(|b| encode_data_chunk_header(b, REPLY_FLAG_DONE, h, off, len));
+            put(q, data);
+        } else {
+            let last = m.extents.len() - 1;
+            for (i, e) in m.extents.iter().enumerate() {
+                let flags = if i == last { REPLY_FLAG_DONE } else { 0 };
+                let elen = e.len as u32;
+                if e.hole {
+                    q.push_owned(|b| encode_hole_chunk(b, flags, h, e.offset, elen));
+                } else {
+                    let rel = (e.offset - m.offset) as usize;
+                    q.push_owned(|b| encode_data_chunk_header(b, flags, h, e.offset, elen));
+                    put(q, &data[rel..rel + e.len as usize]);
+                }
             }
         }
+        if referenced {
+            q.hold(idx as u16, data_bytes(m));
+        }
+        referenced
     }
 
     /// Answer a READ served outside the slots (an emulated unaligned one)
-    /// with `data`, from `offset`.
+    /// with `data`, from `offset`: the data is copied into the queue (it
+    /// lives in the caller's buffer).
     pub(super) fn reply_read_now(&self, handle: u64, offset: u64, data: &[u8]) {
         let mut out = self.out.lock();
-        if self.structured {
-            encode_data_chunk_header(
-                &mut out.buf,
-                REPLY_FLAG_DONE,
-                handle,
-                offset,
-                data.len() as u32,
-            );
-        } else {
-            encode_simple_reply(&mut out.buf, 0, handle);
+        let structured = self.structured;
+        if !out.dead {
+            out.queue.push_owned(|b| {
+                if structured {
+                    let len = data.len() as u32;
+                    encode_data_chunk_header(b, REPLY_FLAG_DONE, handle, offset, len);
+                } else {
+                    encode_simple_reply(b, 0, handle);
+                }
+                b.extend_from_slice(data);
+            });
         }
-        self.push_data(&mut out, data);
         if !out.batching {
             self.flush(&mut out);
-        }
-    }
-
-    pub(super) fn push_data(&self, out: &mut Out, data: &[u8]) {
-        if out.dead {
-            return;
-        }
-        if data.len() <= COPY_LIMIT || out.send_owned() {
-            out.buf.extend_from_slice(data);
-            return;
-        }
-        // Big: send what is queued and the data in one sendmsg, no copy;
-        // what the socket does not take now is copied for the writer.
-        match self.sock.send_nowait2(&out.buf, data) {
-            Ok(n) => {
-                let from_buf = n.min(out.buf.len());
-                out.buf.drain(..from_buf);
-                let rest = &data[n - from_buf..];
-                if !rest.is_empty() || !out.buf.is_empty() {
-                    out.buf.extend_from_slice(rest);
-                    // The reader sends it at its next flush.
-                    if !self.on_reader() {
-                        self.hand_to_writer(out);
-                    }
-                }
-            }
-            Err(_) => self.kill(out),
         }
     }
 }
@@ -455,16 +501,16 @@ impl Shared {
 /// disconnect; wake the reader as room frees up; at the end, send what is
 /// left and return.
 pub(super) fn writer(shared: &Shared) {
-    let mut spare: Vec<u8> = Vec::new();
+    let mut batch = Queue::default();
     let mut out = shared.out.lock();
     loop {
-        if out.dead || (out.buf.is_empty() && out.writer_busy) {
-            out.buf.clear();
+        if out.dead || (out.queue.is_empty() && out.writer_busy) {
+            shared.discard(&mut out);
             out.writer_busy = false;
             parking_lot::MutexGuard::unlocked(&mut out, || shared.notify_room());
         }
         if !out.writer_busy {
-            if out.quit && (out.buf.is_empty() || out.dead) && !out.sending {
+            if out.quit && (out.queue.is_empty() || out.dead) && !out.sending {
                 return;
             }
             if out.quit && !out.sending {
@@ -474,17 +520,17 @@ pub(super) fn writer(shared: &Shared) {
             shared.writer_wake.wait(&mut out);
             continue;
         }
-        std::mem::swap(&mut out.buf, &mut spare);
-        out.in_writer = spare.len();
-        let sent = parking_lot::MutexGuard::unlocked(&mut out, || shared.sock.send_all(&spare));
+        std::mem::swap(&mut out.queue, &mut batch);
+        out.in_writer = batch.owned();
+        let sent = parking_lot::MutexGuard::unlocked(&mut out, || {
+            batch.send_all(&shared.sock, |h| shared.give_back(h))
+        });
         out.in_writer = 0;
-        spare.clear();
-        if spare.capacity() > KEEP_OUT {
-            spare = Vec::new();
-        }
         if let Err(e) = sent {
+            shared.discard_batch(&mut batch);
             shared.disconnect_slow(&mut out, &e);
         }
+        batch.reset_if_done();
         parking_lot::MutexGuard::unlocked(&mut out, || shared.notify_room());
     }
 }
@@ -525,8 +571,8 @@ impl EndIo for Shared {
         let status = Status::from_u8(slot.err.swap(0, Ordering::AcqRel));
         let mut m = slot.meta.lock();
         let mut out = self.out.lock();
-        if status.is_ok() && m.cmd == CMD_READ {
-            self.push_read(&mut out, &m);
+        let held = if status.is_ok() && m.cmd == CMD_READ {
+            self.push_read(&mut out, &m, idx)
         } else {
             let err = if m.flags & CMD_FLAG_FAST_ZERO != 0 && status == Status::Again {
                 ENOTSUP
@@ -550,16 +596,21 @@ impl EndIo for Shared {
                 );
                 self.push_status(&mut out, m.handle, err, &status.to_string());
             }
+            false
+        };
+        let bytes = data_bytes(&m);
+        if !held && m.buf.as_ref().is_some_and(|b| b.len() > KEEP_BUF) {
+            m.buf = None;
         }
+        // Before the flush: the sender gives back slots (this one too),
+        // which tries their meta locks.
+        drop(m);
         if !out.batching && !self.defer_flush() {
             self.flush(&mut out);
         }
         drop(out);
-        let bytes = data_bytes(&m);
-        if m.buf.as_ref().is_some_and(|b| b.len() > KEEP_BUF) {
-            m.buf = None;
+        if !held {
+            self.release(idx, bytes);
         }
-        drop(m);
-        self.release(idx, bytes);
     }
 }

@@ -6,7 +6,7 @@
 
 use super::claim::Claim;
 use super::inbuf::InBuf;
-use super::reply::{Shared, SlotMeta};
+use super::reply::{Shared, SlotMeta, Slots};
 use super::{BASE_ALLOCATION_ID, BUDGET, MAX_DESCRIPTORS};
 use crate::export::Export;
 use crate::proto::*;
@@ -14,6 +14,7 @@ use blkstack_core::clock::now_ns;
 use blkstack_core::device::Extent;
 use blkstack_core::timing::spin::{self, SpinPolicy};
 use blkstack_core::{AlignedBuf, Bio, BioFlags, EndIo, IoBuf, Op};
+use parking_lot::MutexGuard;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -213,11 +214,9 @@ impl Transmission<'_> {
         }
         self.inb.release_if_empty();
         let mut out = self.shared.out.lock();
-        if out.buf.is_empty() {
-            out.buf = Vec::new();
-        }
+        out.queue.shrink();
         if !out.sending {
-            out.spare = Vec::new();
+            out.spare = Default::default();
         }
     }
 
@@ -261,6 +260,16 @@ impl Transmission<'_> {
         Ok(())
     }
 
+    /// Reply bytes not yet sent, read while holding the accounting lock
+    /// `a` without ever waiting for the writer lock under it: a sender
+    /// gives slots back under the writer lock, which takes `a`.
+    fn unsent(&self, a: &mut MutexGuard<'_, Slots>) -> usize {
+        if let Some(out) = self.shared.out.try_lock() {
+            return out.unsent();
+        }
+        MutexGuard::unlocked(a, || self.shared.out.lock().unsent())
+    }
+
     /// Wait while replies not yet sent and data in flight hold the whole
     /// budget: the client's backpressure, whatever it asks for next.
     fn wait_for_room(&self) -> io::Result<()> {
@@ -276,11 +285,11 @@ impl Transmission<'_> {
             if self.shared.dead.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
-            if self.shared.out.lock().unsent() + a.inflight_bytes < BUDGET {
+            if self.unsent(&mut a) + a.inflight_bytes < BUDGET {
                 return Ok(());
             }
-            // Bounded: a connection killed by a completer under the writer
-            // lock cannot take the accounting lock to wake us.
+            // Bounded: unsent bytes that a completer's flush sends wake
+            // nobody (only slots given back and the writer thread do).
             self.shared.freed.wait_for(&mut a, ROOM_RECHECK);
         }
     }
@@ -409,7 +418,7 @@ impl Transmission<'_> {
             if self.shared.dead.load(Ordering::Acquire) {
                 return Err(io::ErrorKind::BrokenPipe.into());
             }
-            let unsent = self.shared.out.lock().unsent();
+            let unsent = self.unsent(&mut a);
             let fits =
                 (a.inflight == 0 && unsent == 0) || a.inflight_bytes + unsent + bytes <= BUDGET;
             if fits {
@@ -431,8 +440,8 @@ impl Transmission<'_> {
                 a = self.shared.accounting.lock();
                 continue;
             }
-            // Bounded: a connection killed by a completer under the writer
-            // lock cannot take the accounting lock to wake us.
+            // Bounded: unsent bytes that a completer's flush sends wake
+            // nobody (only slots given back and the writer thread do).
             self.shared.freed.wait_for(&mut a, ROOM_RECHECK);
         }
     }
@@ -600,13 +609,9 @@ impl Transmission<'_> {
             desc.truncate(1);
         }
         let mut out = self.shared.out.lock();
-        encode_block_status_chunk(
-            &mut out.buf,
-            REPLY_FLAG_DONE,
-            r.handle,
-            BASE_ALLOCATION_ID,
-            &desc,
-        );
+        out.queue.push_owned(|b| {
+            encode_block_status_chunk(b, REPLY_FLAG_DONE, r.handle, BASE_ALLOCATION_ID, &desc)
+        });
         if !out.batching {
             self.shared.flush(&mut out);
         }
