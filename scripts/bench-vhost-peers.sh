@@ -6,7 +6,7 @@
 #
 #   scripts/bench-vhost-peers.sh
 #
-# Four vhost-user-blk disks in one guest (scripts/kernel-vm.sh, the guest's
+# Six vhost-user-blk disks in one guest (scripts/kernel-vm.sh, the guest's
 # RAM a shared memfd as vhost-user needs), in this order:
 #   /dev/vda  qsd-null  qemu-storage-daemon, null-co (read-zeroes=on), 1 GiB
 #   /dev/vdb  bs-null   blkstack serve, `null` (zeroed reads), 1 GiB
@@ -233,6 +233,13 @@ KERNEL_VM_MEM=${KERNEL_VM_MEM:-1024} "$top/scripts/kernel-vm.sh" run \
   --fwd "7000=$port" --bin "$fio_bin" --timeout $((reps * 24 * (rt + 15) + 300)) \
   "$work/guest.sh" > "$work/guest.out" || { cat "$work/guest.out" >&2; die "the guest failed"; }
 
+# The last point's end mark may still be stopping its perf: wait (a
+# bounded time) until every point has its end mark.
+npoints=$(grep -c '^POINT' "$work/guest.out" || true)
+for _ in $(seq 100); do
+  [ "$(grep -c '^end' "$work/marks" || true)" -ge "$npoints" ] && break
+  sleep 0.1
+done
 tck=$(getconf CLK_TCK)
 # Join the guest's points with the host's marks: CPU µs per I/O of the
 # leg's own server over its window (its ticks' field in the marks).
@@ -241,8 +248,7 @@ awk -v tck="$tck" '
   FNR == NR { key = $2" "$3" "$4" "$5; f = field($2); if ($1 == "begin") t0[key] = $f; else t1[key] = $f; next }
   $1 == "POINT" {
     key = $2" "$3" "$4" "$5; iops = $6; ios = $7
-    ticks = t1[key] - t0[key]
-    us = (ios > 0 && key in t1) ? ticks * 1e6 / tck / ios : -1
+    us = (ios > 0 && (key in t0) && (key in t1)) ? (t1[key] - t0[key]) * 1e6 / tck / ios : -1
     printf "RESULT %s %s %s %.0f %d %.2f\n", $2, $3, $4, iops, ios, us
   }' "$work/marks" "$work/guest.out" | tee "$work/results"
 
