@@ -3,7 +3,7 @@
 
 SYSTEM_TOOLS := fio nbdkit nbdinfo nbdcopy qemu-img qemu-io qemu-nbd chromium ip openssl thin_check thin_dump veritysetup cryptsetup
 
-.PHONY: test deps check lab loom fuzz thin-crash era-crash cache-crash crashtest
+.PHONY: test deps check lab loom fuzz thin-crash era-crash cache-crash crashtest vhost-floor-vm
 
 # Install the real peers the interop tests start (and the headless browser
 # that renders the lab's report page, and iproute2 for the multi-host
@@ -55,6 +55,12 @@ test: deps
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --profile loom --test loom_sbitmap
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --profile loom --test loom_runstate
+
+# The vhost-user-blk floor probe (bench-vhost-peers.sh's third server)
+# under a real guest: one kernel VM boot, dd through both of its waits
+# (its host-side tests run in `make test`).
+vhost-floor-vm:
+	cargo test -p blkstack-vhost-user-blk --example vhost-floor -- --ignored --nocapture
 
 # The long crash-consistency runs in the kernel VM: ext4 and xfs, each
 # checked with fsck at 100 or more FLUSH/FUA points (about 5 and 12
