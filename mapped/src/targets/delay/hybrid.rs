@@ -70,7 +70,7 @@ pub(super) struct Hybrid {
     wake_late_ns: AtomicU64,
     spin_ns: AtomicU64,
     /// Claims on the held bios, and the timer their holders poll.
-    pub(super) claim: super::reaper::ClaimState,
+    pub(super) claim: ClaimState,
 }
 
 /// Every worker's queue, and the claims on them (`reaper.rs`).
@@ -169,7 +169,7 @@ impl HybridFlusher {
             wakes: AtomicU64::new(0),
             wake_late_ns: AtomicU64::new(0),
             spin_ns: AtomicU64::new(0),
-            claim: super::reaper::ClaimState::new(reap_backstop_ns),
+            claim: ClaimState::new(reap_backstop_ns),
         });
         h.start_shard(slots - 1).ok_or_else(|| {
             TargetError::invalid("cannot start the delay worker or create its timer (timerfd)")
@@ -425,6 +425,41 @@ impl Flusher for HybridFlusher {
             per(get(&h.spin_ns), sent),
             margins.join(","),
             h.claim.stats_words()
+        )
+    }
+}
+
+/// What the hybrid flush keeps for its claimants (`reaper.rs` claims,
+/// reaps and arms it).
+pub(super) struct ClaimState {
+    /// How late past its deadline a claimed bio may go unreaped before a
+    /// worker sends it on.
+    pub(super) backstop_ns: u64,
+    /// The timer claimants poll, made at the first claim.
+    pub(super) timer: OnceLock<DeadlineTimer>,
+    /// Bios sent on by claimants.
+    pub(super) reaped: AtomicU64,
+    /// Bios sent on by a worker while claimed (left unreaped too long).
+    pub(super) backstopped: AtomicU64,
+}
+
+impl ClaimState {
+    pub(super) fn new(backstop_ns: u64) -> ClaimState {
+        ClaimState {
+            backstop_ns,
+            timer: OnceLock::new(),
+            reaped: AtomicU64::new(0),
+            backstopped: AtomicU64::new(0),
+        }
+    }
+
+    /// `reaped=` bios claimants sent on, `backstop=` bios the workers
+    /// sent on while claimed.
+    pub(super) fn stats_words(&self) -> String {
+        format!(
+            " reaped={} backstop={}",
+            self.reaped.load(Ordering::Relaxed),
+            self.backstopped.load(Ordering::Relaxed)
         )
     }
 }

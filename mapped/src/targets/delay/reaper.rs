@@ -28,48 +28,16 @@
 //! last claim wakes every worker with bios held, which take over at once.
 
 use super::held::{pop_due, Held};
-use super::hybrid::{Hybrid, Lane, Lanes, Shard};
+use super::hybrid::{ClaimState, Hybrid, Lane, Lanes, Shard};
 use blkstack_core::clock;
 use blkstack_core::timing::DeadlineTimer;
 use blkstack_core::Reaper;
 use parking_lot::{Mutex, MutexGuard};
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
-
-/// What the hybrid flush keeps for its claimants.
-pub(super) struct ClaimState {
-    /// How late past its deadline a claimed bio may go unreaped before a
-    /// worker sends it on.
-    backstop_ns: u64,
-    /// The timer claimants poll, made at the first claim.
-    timer: OnceLock<DeadlineTimer>,
-    /// Bios sent on by claimants.
-    reaped: AtomicU64,
-    /// Bios sent on by a worker while claimed (left unreaped too long).
-    backstopped: AtomicU64,
-}
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 impl ClaimState {
-    pub(super) fn new(backstop_ns: u64) -> ClaimState {
-        ClaimState {
-            backstop_ns,
-            timer: OnceLock::new(),
-            reaped: AtomicU64::new(0),
-            backstopped: AtomicU64::new(0),
-        }
-    }
-
-    /// `reaped=` bios claimants sent on, `backstop=` bios the workers
-    /// sent on while claimed.
-    pub(super) fn stats_words(&self) -> String {
-        format!(
-            " reaped={} backstop={}",
-            self.reaped.load(Ordering::Relaxed),
-            self.backstopped.load(Ordering::Relaxed)
-        )
-    }
-
     /// Arm the claimants' timer for `next` (disarm for `u64::MAX`) if it
     /// has fired by `now` (re-arming clears it) or would fire later than
     /// `next`.
