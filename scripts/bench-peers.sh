@@ -5,7 +5,7 @@
 # one-thread server that does only what each row physically requires
 # (read the requests a poll reports, answer the batch with one writev;
 # null from static zeros, memory straight into a Vec, delay on one
-# timerfd, TLS with rustls). Its CPU per I/O is what this host charges
+# timerfd, TLS with rustls). Its CPU per I/O is what the machine charges
 # for serving the row at all: a goal of 0.5x the best peer below it is
 # below what the host can do.
 #
@@ -71,7 +71,7 @@
 #        SERVERS="ours floor" scripts/bench-peers.sh      (default: all four)
 #        COUNT=1 RAMP=0 ROWS=... scripts/bench-peers.sh   (also count, with
 #          perf stat on the server over each fio run, its system calls and
-#          context switches per I/O: counts a loaded host barely moves)
+#          context switches per I/O: counts that other work barely moves)
 # Needs root or sudo only to install missing packages (fio, nbdkit,
 # qemu-utils) with apt-get.
 set -euo pipefail

@@ -35,7 +35,7 @@
 # With the floor's legs, `FLOOR <medium> <rw> qd<N> floor_us <f> ours/floor
 # <x> goal_us <0.7 x qsd> <verdict>`: met (ours <= 0.7x qsd's CPU per I/O),
 # missed, or BELOW FLOOR (0.7x qsd's is below what the floor itself spends:
-# no server can meet the goal on this host).
+# no server can meet the goal on the machine it runs on).
 #
 # With SYSCALLS=1, the work each server does per I/O, which load on the
 # host cannot change: around each point `perf stat` counts the leg's

@@ -1,5 +1,5 @@
 //! The floor probe for `scripts/bench-peers.sh` (issue 40): the least an
-//! NBD server can do per request on this host, as a fourth server beside
+//! NBD server can do per request on the machine it runs on, as a fourth server beside
 //! blkstack, nbdkit and qemu-nbd.
 //!
 //! Why it exists: issue 40 asks our server's CPU per I/O to be at most

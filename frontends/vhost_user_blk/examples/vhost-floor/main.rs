@@ -1,5 +1,5 @@
 //! The floor probe for `scripts/bench-vhost-peers.sh` (issue 40): the least
-//! a vhost-user-blk server can spend per request on this host, as a third
+//! a vhost-user-blk server can spend per request on the machine it runs on, as a third
 //! server beside qemu-storage-daemon's export and `blkstack serve
 //! --vhost-user-blk`, for the bench's two legs.
 //!
