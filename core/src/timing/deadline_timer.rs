@@ -45,39 +45,31 @@ impl DeadlineTimer {
     /// would disarm); a time already past fires at once.
     pub fn arm(&self, at_ns: u64) {
         let at_ns = at_ns.max(1);
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: (at_ns / 1_000_000_000) as libc::time_t,
-                tv_nsec: (at_ns % 1_000_000_000) as libc::c_long,
-            },
-        };
-        // SAFETY: valid descriptor and itimerspec.
-        unsafe {
-            libc::timerfd_settime(
-                self.fd.as_raw_fd(),
-                libc::TFD_TIMER_ABSTIME,
-                &spec,
-                std::ptr::null_mut(),
-            );
-        }
+        self.set(libc::timespec {
+            tv_sec: (at_ns / 1_000_000_000) as libc::time_t,
+            tv_nsec: (at_ns % 1_000_000_000) as libc::c_long,
+        });
     }
 
     /// Stop the timer: it will not fire, and a fire not yet waited for
     /// is forgotten (the descriptor no longer polls readable).
     pub fn disarm(&self) {
-        let zero = libc::timespec {
+        self.set(libc::timespec {
             tv_sec: 0,
             tv_nsec: 0,
-        };
+        });
+    }
+
+    /// Set the one-shot absolute expiry `value` (zero disarms).
+    fn set(&self, value: libc::timespec) {
         let spec = libc::itimerspec {
-            it_interval: zero,
-            it_value: zero,
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: value,
         };
-        // SAFETY: valid descriptor and itimerspec (a zero value disarms).
+        // SAFETY: valid descriptor and itimerspec.
         unsafe {
             libc::timerfd_settime(
                 self.fd.as_raw_fd(),

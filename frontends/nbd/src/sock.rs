@@ -258,31 +258,7 @@ impl Sock {
 
     /// One `sendmsg` of `a` then `b`; retries on EINTR.
     fn sendmsg(&self, a: &[u8], b: &[u8], flags: libc::c_int) -> io::Result<usize> {
-        let iov = [
-            libc::iovec {
-                iov_base: a.as_ptr() as *mut libc::c_void,
-                iov_len: a.len(),
-            },
-            libc::iovec {
-                iov_base: b.as_ptr() as *mut libc::c_void,
-                iov_len: b.len(),
-            },
-        ];
-        // SAFETY: zeroed msghdr is a valid "no name, no control" header.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = 2;
-        loop {
-            // SAFETY: iov points at two live slices for the call's duration.
-            let n = unsafe { libc::sendmsg(self.raw(), &msg, flags) };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
+        self.sendmsg_iov(&[io::IoSlice::new(a), io::IoSlice::new(b)], flags)
     }
 
     /// One `sendmsg` of `iov` (the output queue's run of segments);
@@ -294,6 +270,11 @@ impl Sock {
         if !block {
             flags |= libc::MSG_DONTWAIT;
         }
+        self.sendmsg_iov(iov, flags)
+    }
+
+    /// One `sendmsg` of `iov` with `flags`; retries on EINTR.
+    fn sendmsg_iov(&self, iov: &[io::IoSlice<'_>], flags: libc::c_int) -> io::Result<usize> {
         // SAFETY: zeroed msghdr is a valid "no name, no control" header.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         // IoSlice is ABI-compatible with iovec on Unix (std guarantees it).
