@@ -308,8 +308,11 @@ impl SpinPolicy {
 pub const READER_SLICE_NS: u64 = 100_000;
 
 /// Ask the scheduler for a short slice for the calling reader (see
-/// [`super::set_thread_sched_slice_ns`]): the reader runs a few
-/// microseconds per request, so a short slice costs it nothing.
+/// [`super::set_thread_sched_slice_ns`]): a reader that polls yields
+/// between polls and runs a few microseconds per request, so a short
+/// slice costs it nothing and gets its CPU back at once. A reader that
+/// only blocks should not ask: at wake-up it would preempt a client
+/// still sending on its CPU, once per request of the client's burst.
 pub fn ask_short_slice() {
     super::set_thread_sched_slice_ns(READER_SLICE_NS);
 }

@@ -44,8 +44,11 @@
 //! CPU between polls, and only while such polls keep finding requests
 //! (`blkstack_core::timing::spin`; with `--poll-us auto` the bound is a
 //! window sized from the gaps between requests, as qemu's event loop
-//! sizes its poll); it also asks the scheduler for a short slice so that
-//! its wake-up is not queued behind a CPU-bound thread. While requests are
+//! sizes its poll); a polling reader also asks the scheduler for a short
+//! slice so that its wake-up is not queued behind a CPU-bound thread. A
+//! reader that does not poll (the default) keeps the default slice: with
+//! a short one, it preempted a client on its CPU at every request of a
+//! burst, and read the burst one request per wake-up. While requests are
 //! in flight it sleeps on the socket, an eventfd that whoever frees the
 //! last of their slots signals (`IdleWake`), and, when the export's device
 //! lets a submitter reap its completions (a `delay` table's held bios, a
@@ -147,8 +150,14 @@ pub fn serve(
     sock.set_send_timeout(Some(limits.send_timeout))?;
     // Idle connections give their buffers back (`Transmission::fill`).
     sock.set_recv_timeout(Some(limits.idle_trim))?;
-    // The reader's wake-up is on every request's path: see blkstack_core::timing::spin.
-    blkstack_core::timing::spin::ask_short_slice();
+    // A polling reader yields between polls and wants its CPU back at
+    // once: a short slice (blkstack_core::timing::spin). A blocking one
+    // keeps the scheduler's default, so a client sending a burst of
+    // requests on the same CPU is not preempted at each one: the reader
+    // takes the burst in one read, one wake-up instead of one per request.
+    if poll != PollSetting::Off {
+        blkstack_core::timing::spin::ask_short_slice();
+    }
     let export = &exports[neg.export];
     // Live control: lets `unexport` see and disconnect this client.
     let _listed = export.attach(&sock);
