@@ -18,6 +18,12 @@
 //! and completed on one thread and the guest called once per reap, as
 //! qemu-storage-daemon's one AioContext does with its ring.
 //!
+//! Kicks are waited for edge-triggered and never read ([`crate::vring`]):
+//! the first event of a queue after vhost-user-backend (re)registered its
+//! kick turns the kick's item in that worker's epoll to `EPOLLET`
+//! ([`BlkBackend::set_epolls`] tells the backend each worker's epoll), so
+//! a kick costs the wait alone, as the floor probe's does.
+//!
 //! One backend serves one connection. Its guest memory is checked and
 //! watched by [`crate::guard`]: a memory table whose regions overrun
 //! their files is refused, and once a region has lost its pages the
@@ -29,9 +35,11 @@ use crate::config::{BlkGeometry, CONFIG_LEN};
 use crate::guard::{self, Regions};
 use crate::poll::{self, PollWindow};
 use crate::request::{self, Limits, Mem, ID_LEN};
+use crate::vring::BlkVring;
 use blkstack_core::comp_batch::CompletionBatch;
 use blkstack_core::{DeviceRef, Reaper};
 use parking_lot::{Condvar, Mutex, RwLock};
+use std::os::fd::RawFd;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -81,6 +89,9 @@ pub struct BlkBackend {
     /// This connection's claim on the device's completions, if it has
     /// one ([`BlkBackend::attach_reaper`]).
     reaper: Mutex<Option<Box<dyn Reaper>>>,
+    /// Each worker thread's epoll (by thread index), where its queue's
+    /// kick is turned edge-triggered; owned by the connection's daemon.
+    epolls: Mutex<Vec<RawFd>>,
 }
 
 impl BlkBackend {
@@ -128,6 +139,7 @@ impl BlkBackend {
             exits: parking_lot::Mutex::new(Vec::new()),
             exit_consumers: parking_lot::Mutex::new(Vec::new()),
             reaper: Mutex::new(None),
+            epolls: Mutex::new(Vec::new()),
         }))
     }
 
@@ -151,6 +163,7 @@ impl BlkBackend {
             drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
         }
         *self.conn.lock() = None;
+        self.epolls.lock().clear();
         // The device's own thread completes what is still in flight.
         self.detach_reaper();
         *self.mem.write() = None;
@@ -178,6 +191,48 @@ impl BlkBackend {
         let fd = r.fd();
         *self.reaper.lock() = Some(r);
         Some(fd)
+    }
+
+    /// The connection's worker epolls, by thread index (its daemon's
+    /// `get_epoll_handlers`), set before the daemon serves anything;
+    /// they live as long as the daemon, which ends before
+    /// [`BlkBackend::end_connection`].
+    pub fn set_epolls(&self, fds: Vec<RawFd>) {
+        *self.epolls.lock() = fds;
+    }
+
+    /// The first event of a queue since its kick was (re)registered: make
+    /// the kick's item in this thread's epoll edge-triggered. Without an
+    /// epoll to change (or if the change fails) the item stays
+    /// level-triggered and the kick is read, as vhost-user-backend does,
+    /// so the thread never spins on an unread kick.
+    fn arm_edge(&self, vring: &BlkVring, thread: usize, device_event: u16) {
+        if !vring.take_rearm() {
+            return;
+        }
+        let ep = self.epolls.lock().get(thread).copied();
+        let kick = vring.get_ref().get_kick().as_ref().map(|k| k.as_raw_fd());
+        let (Some(ep), Some(kick)) = (ep, kick) else {
+            vring.rearm_later();
+            vring.consume_kick();
+            return;
+        };
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: u64::from(device_event),
+        };
+        // SAFETY: epoll_ctl on the worker's live epoll (the daemon that
+        // owns it is serving this event) and the vring's kick, with one
+        // valid event.
+        let r = unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, kick, &mut ev) };
+        if r != 0 {
+            tracing::debug!(
+                "vhost-user-blk: kick stays level-triggered: {}",
+                std::io::Error::last_os_error()
+            );
+            vring.rearm_later();
+            vring.consume_kick();
+        }
     }
 
     /// Give the device's completions back to its own thread.
@@ -283,7 +338,7 @@ impl BlkBackend {
 
 impl VhostUserBackend for BlkBackend {
     type Bitmap = ();
-    type Vring = VringRwLock;
+    type Vring = BlkVring;
 
     fn num_queues(&self) -> usize {
         self.geo.num_queues as usize
@@ -360,8 +415,8 @@ impl VhostUserBackend for BlkBackend {
         &self,
         device_event: u16,
         evset: EventSet,
-        vrings: &[VringRwLock],
-        _thread_id: usize,
+        vrings: &[BlkVring],
+        thread_id: usize,
     ) -> std::io::Result<()> {
         if evset != EventSet::IN {
             return Err(std::io::Error::other("vhost-user-blk: unexpected event"));
@@ -370,11 +425,15 @@ impl VhostUserBackend for BlkBackend {
             self.reap();
             return Ok(());
         }
-        let Some(vring) = vrings.get(device_event as usize) else {
+        let Some(bv) = vrings.get(device_event as usize) else {
             return Ok(());
         };
+        self.arm_edge(bv, thread_id, device_event);
+        let vring = bv.ring();
         if self.event_idx.load(Ordering::Relaxed) {
-            let Some(window) = self.polls.get(device_event as usize) else {
+            // One queue per thread (`queues_per_thread`): the thread's
+            // index is its queue's.
+            let Some(window) = self.polls.get(thread_id) else {
                 return Ok(());
             };
             let mut window = window.lock();
