@@ -114,6 +114,17 @@ last_ir() {
   awk '/^(totals|summary):/ {print $2; exit}' "$f"
 }
 
+# Each function's own instructions (not its callees') in callgrind file
+# $1, per request ($2 requests), most first. (callgrind_annotate 3.19
+# shows inclusive costs only for these files.)
+self_cost() {
+  awk -v n="$2" '
+    /^fn=/ { f = substr($0, 4); next }
+    /^calls=/ { skip = 1; next }
+    /^[0-9+*-]/ { if (skip) { skip = 0; next } c[f] += $2 }
+    END { for (f in c) printf "%10.1f %s\n", c[f] / n, f }' "$1" | sort -rn
+}
+
 cg_leg() {
   local who=$1 medium=$2 qd=$3 rw=$4 a b t=${SETTLE_US:-3000}
   if [ "$who" = ours ] && [ "$medium" = file ]; then
@@ -134,7 +145,7 @@ cg_leg() {
   callgrind_control -d "n2" "$pid" > /dev/null 2>&1
   b=$(last_ir "$who" "$medium")
   if [ "${ANNOTATE:-0}" = 1 ]; then
-    callgrind_annotate --inclusive=no "$(ls -t "$out"/cg."$who"."$medium".* | head -1)" 2> /dev/null |
+    self_cost "$(ls -t "$out"/cg."$who"."$medium".* | head -1)" "$n2" |
       head -40 > "$out/top.$who.$medium.$rw.qd$qd.txt"
   fi
   stop
