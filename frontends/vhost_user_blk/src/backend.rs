@@ -16,7 +16,10 @@
 //! threads: its descriptor sits in each queue thread's epoll beside the
 //! kicks ([`BlkBackend::attach_reaper`]), so a request is taken, submitted
 //! and completed on one thread and the guest called once per reap, as
-//! qemu-storage-daemon's one AioContext does with its ring.
+//! qemu-storage-daemon's one AioContext does with its ring. While such a
+//! claim lives, a round's submissions are plugged
+//! ([`blkstack_core::plug`]): the ring is entered once per round, not
+//! once per request (qemu's `blk_io_plug` around a virtqueue's requests).
 //!
 //! Kicks are waited for edge-triggered and never read ([`crate::vring`]):
 //! the first event of a queue after vhost-user-backend (re)registered its
@@ -37,6 +40,7 @@ use crate::poll::{self, PollWindow};
 use crate::request::{self, Limits, Mem, ID_LEN};
 use crate::vring::BlkVring;
 use blkstack_core::comp_batch::CompletionBatch;
+use blkstack_core::plug::SubmitPlug;
 use blkstack_core::{DeviceRef, Reaper};
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::os::fd::RawFd;
@@ -89,6 +93,10 @@ pub struct BlkBackend {
     /// This connection's claim on the device's completions, if it has
     /// one ([`BlkBackend::attach_reaper`]).
     reaper: Mutex<Option<Box<dyn Reaper>>>,
+    /// A claim lives: plug each round's submissions (the claimed
+    /// device's submissions never wait, so a plug cannot hold up its
+    /// own thread).
+    plug: AtomicBool,
     /// Each worker thread's epoll (by thread index), where its queue's
     /// kick is turned edge-triggered; owned by the connection's daemon.
     epolls: Mutex<Vec<RawFd>>,
@@ -139,6 +147,7 @@ impl BlkBackend {
             exits: parking_lot::Mutex::new(Vec::new()),
             exit_consumers: parking_lot::Mutex::new(Vec::new()),
             reaper: Mutex::new(None),
+            plug: AtomicBool::new(false),
             epolls: Mutex::new(Vec::new()),
         }))
     }
@@ -190,6 +199,7 @@ impl BlkBackend {
         let r = self.dev.reaper()?;
         let fd = r.fd();
         *self.reaper.lock() = Some(r);
+        self.plug.store(true, Ordering::Relaxed);
         Some(fd)
     }
 
@@ -237,6 +247,7 @@ impl BlkBackend {
 
     /// Give the device's completions back to its own thread.
     pub fn detach_reaper(&self) {
+        self.plug.store(false, Ordering::Relaxed);
         *self.reaper.lock() = None;
     }
 
@@ -314,6 +325,8 @@ impl BlkBackend {
             return 0;
         };
         let mut taken = 0;
+        // Entered once when this ends (before the round's batch does).
+        let _plug = self.plug.load(Ordering::Relaxed).then(SubmitPlug::start);
         loop {
             let chain = vring
                 .get_mut()
