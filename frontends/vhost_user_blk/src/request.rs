@@ -208,7 +208,10 @@ impl EndIo for Request {
                     used += n as u32;
                 }
             }
-            if self.chain.memory().write_obj(st, at).is_ok() {
+            // One region lookup (`get_slice`), not vm-memory's general
+            // walk over regions that `write_obj` on the memory takes.
+            let wrote = self.chain.memory().get_slice(at, 1);
+            if wrote.is_ok_and(|b| b.write_obj(st, 0).is_ok()) {
                 used += 1;
             }
             return complete(&self.chain, &self.vring, used);
@@ -394,9 +397,11 @@ fn start_simple(
         return Some(chain);
     }
     let mem = chain.memory();
-    let Ok(hdr) = mem.read_obj::<[u8; 16]>(h.addr()) else {
-        return Some(chain);
-    };
+    let mut hdr = [0u8; 16];
+    match mem.get_slice(h.addr(), 16) {
+        Ok(b) if b.copy_to(&mut hdr[..]) == 16 => {}
+        _ => return Some(chain),
+    }
     let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
     let sector = u64::from_le_bytes(hdr[8..16].try_into().unwrap_or([0; 8]));
     let op = match (kind, d.is_write_only()) {
