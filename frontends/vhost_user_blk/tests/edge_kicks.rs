@@ -41,7 +41,7 @@ fn export(table: &str, poll: Duration) -> (tempfile::TempDir, VhostExport, Arc<R
 /// Many rounds at queue depth 1 and 32 on fresh connections (a VMM that
 /// reconnects), each request checked.
 fn rounds(e: &VhostExport, event_idx: bool) {
-    for (qd, n) in [(1usize, 3000u64), (32, 20_000)] {
+    for (qd, n) in [(1usize, 1000u64), (32, 6000)] {
         let mut vmm = Vmm::connect(&e.socket, event_idx).expect("connect");
         vmm.run(Mode::Verify, qd, n, SECTORS)
             .unwrap_or_else(|err| panic!("qd {qd}, event index {event_idx}: {err}"));
