@@ -317,13 +317,10 @@ impl BlkBackend {
     }
 
     /// Start every request the ring holds; how many were taken.
-    fn process(&self, vring: &VringRwLock) -> usize {
+    fn process(&self, vring: &VringRwLock, mem: &Mem, regions: &Arc<Regions>) -> usize {
         if self.dead.load(Ordering::SeqCst) {
             return 0;
         }
-        let Some((mem, regions)) = self.memory() else {
-            return 0;
-        };
         let mut taken = 0;
         // Entered once when this ends (before the round's batch does).
         let _plug = self.plug.load(Ordering::Relaxed).then(SubmitPlug::start);
@@ -340,7 +337,7 @@ impl BlkBackend {
                 return taken;
             };
             taken += 1;
-            request::start(chain, vring, &self.dev, &self.limits, Some(&regions));
+            request::start(chain, vring, &self.dev, &self.limits, Some(regions));
             if regions.poisoned() {
                 self.fail("guest memory vanished (its file was shrunk)");
                 return taken;
@@ -455,7 +452,9 @@ impl VhostUserBackend for BlkBackend {
             window.sleeping(Instant::now());
         } else {
             let _batch = CompletionBatch::start();
-            self.process(vring);
+            if let Some((mem, regions)) = self.memory() {
+                self.process(vring, &mem, &regions);
+            }
         }
         Ok(())
     }
@@ -475,19 +474,27 @@ impl BlkBackend {
         // kernel's vq_err do, instead of spinning on it for ever. One
         // empty round is allowed: the guest may add a request just
         // before notifications come back on.
+        //
+        // One look at the memory table per kick, and the queue's
+        // notification calls with it (VringState's own would load the
+        // table again for each).
+        let Some((mem, regions)) = self.memory() else {
+            return;
+        };
         let mut empty_rounds = 0;
         loop {
-            let _ = vring.disable_notification();
+            let _ = vring.get_mut().get_queue_mut().disable_notification(&*mem);
             let taken = {
                 // The round's inline completions call the guest once.
                 let _batch = CompletionBatch::start();
-                self.process(vring)
+                self.process(vring, &mem, &regions)
             };
             empty_rounds = if taken == 0 { empty_rounds + 1 } else { 0 };
-            if taken > 0 && self.poll_ring(vring, window) {
+            if taken > 0 && self.poll_ring(vring, &mem, window) {
                 continue;
             }
-            match vring.enable_notification() {
+            let enabled = vring.get_mut().get_queue_mut().enable_notification(&*mem);
+            match enabled {
                 Ok(true) if empty_rounds < 2 => continue,
                 Ok(true) => {
                     self.fail("the guest's available ring announces requests it does not hold (a corrupt avail index)");
@@ -501,17 +508,14 @@ impl BlkBackend {
     /// Watch the avail ring for the window's while: true as soon as the
     /// guest has added a request (notifications are still off, so it
     /// did not kick), false once the window has passed (or is closed).
-    fn poll_ring(&self, vring: &VringRwLock, window: &PollWindow) -> bool {
+    fn poll_ring(&self, vring: &VringRwLock, mem: &Mem, window: &PollWindow) -> bool {
         if window.window().is_zero() || self.dead.load(Ordering::Relaxed) {
             return false;
         }
-        let Some((mem, _)) = self.memory() else {
-            return false;
-        };
         poll::spin(window.window(), || {
             let v = vring.get_ref();
             let q = v.get_queue();
-            q.avail_idx(&*mem, Ordering::Acquire)
+            q.avail_idx(&**mem, Ordering::Acquire)
                 .is_ok_and(|idx| idx.0 != q.next_avail())
         })
     }

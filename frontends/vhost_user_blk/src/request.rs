@@ -132,7 +132,10 @@ fn complete(chain: &Chain, vring: &VringRwLock, used: u32) {
     // thread and the queue's own thread take this lock in turn.
     let key = {
         let mut state = vring.get_mut();
-        if let Err(e) = state.add_used(chain.head_index(), used) {
+        // With the chain's memory: VringState's own `add_used` would load
+        // the connection's memory table again.
+        let q = state.get_queue_mut();
+        if let Err(e) = q.add_used(chain.memory(), chain.head_index(), used) {
             tracing::warn!("vhost-user-blk: add_used: {e}");
             return;
         }
@@ -170,7 +173,7 @@ fn notify(vring: &VringRwLock, chain: &Chain, key: usize) {
 /// virtio-queue leaves to the device).
 fn signal(vring: &VringRwLock, mem: &GuestMemoryMmap<()>) {
     let mut v = vring.get_mut();
-    if !v.needs_notification().unwrap_or(true) {
+    if !v.get_queue_mut().needs_notification(mem).unwrap_or(true) {
         return;
     }
     if !v.get_queue().event_idx_enabled() {
