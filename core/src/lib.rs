@@ -19,6 +19,7 @@ pub mod clock;
 pub mod comp_batch;
 pub mod cpu;
 pub mod device;
+pub mod plug;
 pub mod status;
 pub mod sync;
 #[cfg(any(test, feature = "testing"))]

@@ -22,6 +22,11 @@
 //! waiting for a CQE on an IOPOLL ring with nothing in flight returns at
 //! once, and would spin.
 //!
+//! A submitter that takes several requests in a row may hold the ring's
+//! `io_uring_enter` back with a plug ([`blkstack_core::plug`], as the
+//! kernel's `blk_start_plug`): its SQEs are queued and entered once, all
+//! together, when its plug closes.
+//!
 //! A submitter with an event loop may claim the interrupt-driven ring's
 //! completions ([`blkstack_core::Reaper`], as qemu's block/io_uring.c
 //! hands its ring fd to its AioContext): it waits for the ring's
@@ -148,6 +153,8 @@ pub(super) fn setup_ring(entries: u32, flags: u32) -> std::io::Result<IoUring> {
 }
 
 pub(super) struct RingShared {
+    /// This ring, for a plug to flush it ([`blkstack_core::plug`]).
+    me: std::sync::Weak<RingShared>,
     name: String,
     ring: IoUring,
     /// Serializes access to the submission queue (submitters are many).
@@ -200,6 +207,7 @@ impl RingShared {
             })
             .collect();
         RingShared {
+            me: std::sync::Weak::new(),
             name,
             ring,
             sq: Mutex::new(()),
@@ -362,6 +370,21 @@ impl RingShared {
             }
             sq.sync();
         }
+        // A plug on this thread enters once for all its SQEs.
+        let key = self as *const RingShared as usize;
+        let me = || {
+            self.me
+                .upgrade()
+                .map(|r| r as Arc<dyn blkstack_core::plug::Flush>)
+        };
+        if blkstack_core::plug::defer(key, me) {
+            return;
+        }
+        self.enter();
+    }
+
+    /// Enter the kernel with the SQEs queued.
+    fn enter(&self) {
         loop {
             match self.ring.submit() {
                 Ok(_) => break,
@@ -673,7 +696,10 @@ pub(super) struct Ring {
 
 impl Ring {
     pub(super) fn spawn(shared: RingShared) -> std::io::Result<Ring> {
-        let shared = Arc::new(shared);
+        let shared = Arc::new_cyclic(|me| RingShared {
+            me: me.clone(),
+            ..shared
+        });
         let s2 = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("file-cq-{}", shared.name))
@@ -696,6 +722,12 @@ impl Drop for Ring {
             t.thread().unpark();
             join_unless_self(t);
         }
+    }
+}
+
+impl blkstack_core::plug::Flush for RingShared {
+    fn flush(&self) {
+        self.enter();
     }
 }
 

@@ -16,7 +16,16 @@
 //! threads: its descriptor sits in each queue thread's epoll beside the
 //! kicks ([`BlkBackend::attach_reaper`]), so a request is taken, submitted
 //! and completed on one thread and the guest called once per reap, as
-//! qemu-storage-daemon's one AioContext does with its ring.
+//! qemu-storage-daemon's one AioContext does with its ring. While such a
+//! claim lives, a round's submissions are plugged
+//! ([`blkstack_core::plug`]): the ring is entered once per round, not
+//! once per request (qemu's `blk_io_plug` around a virtqueue's requests).
+//!
+//! Kicks are waited for edge-triggered and never read ([`crate::vring`]):
+//! the first event of a queue after vhost-user-backend (re)registered its
+//! kick turns the kick's item in that worker's epoll to `EPOLLET`
+//! ([`BlkBackend::set_epolls`] tells the backend each worker's epoll), so
+//! a kick costs the wait alone, as the floor probe's does.
 //!
 //! One backend serves one connection. Its guest memory is checked and
 //! watched by [`crate::guard`]: a memory table whose regions overrun
@@ -29,9 +38,12 @@ use crate::config::{BlkGeometry, CONFIG_LEN};
 use crate::guard::{self, Regions};
 use crate::poll::{self, PollWindow};
 use crate::request::{self, Limits, Mem, ID_LEN};
+use crate::vring::BlkVring;
 use blkstack_core::comp_batch::CompletionBatch;
+use blkstack_core::plug::SubmitPlug;
 use blkstack_core::{DeviceRef, Reaper};
 use parking_lot::{Condvar, Mutex, RwLock};
+use std::os::fd::RawFd;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -81,6 +93,13 @@ pub struct BlkBackend {
     /// This connection's claim on the device's completions, if it has
     /// one ([`BlkBackend::attach_reaper`]).
     reaper: Mutex<Option<Box<dyn Reaper>>>,
+    /// A claim lives: plug each round's submissions (the claimed
+    /// device's submissions never wait, so a plug cannot hold up its
+    /// own thread).
+    plug: AtomicBool,
+    /// Each worker thread's epoll (by thread index), where its queue's
+    /// kick is turned edge-triggered; owned by the connection's daemon.
+    epolls: Mutex<Vec<RawFd>>,
 }
 
 impl BlkBackend {
@@ -128,6 +147,8 @@ impl BlkBackend {
             exits: parking_lot::Mutex::new(Vec::new()),
             exit_consumers: parking_lot::Mutex::new(Vec::new()),
             reaper: Mutex::new(None),
+            plug: AtomicBool::new(false),
+            epolls: Mutex::new(Vec::new()),
         }))
     }
 
@@ -151,6 +172,7 @@ impl BlkBackend {
             drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
         }
         *self.conn.lock() = None;
+        self.epolls.lock().clear();
         // The device's own thread completes what is still in flight.
         self.detach_reaper();
         *self.mem.write() = None;
@@ -177,11 +199,55 @@ impl BlkBackend {
         let r = self.dev.reaper()?;
         let fd = r.fd();
         *self.reaper.lock() = Some(r);
+        self.plug.store(true, Ordering::Relaxed);
         Some(fd)
+    }
+
+    /// The connection's worker epolls, by thread index (its daemon's
+    /// `get_epoll_handlers`), set before the daemon serves anything;
+    /// they live as long as the daemon, which ends before
+    /// [`BlkBackend::end_connection`].
+    pub fn set_epolls(&self, fds: Vec<RawFd>) {
+        *self.epolls.lock() = fds;
+    }
+
+    /// The first event of a queue since its kick was (re)registered: make
+    /// the kick's item in this thread's epoll edge-triggered. Without an
+    /// epoll to change (or if the change fails) the item stays
+    /// level-triggered and the kick is read, as vhost-user-backend does,
+    /// so the thread never spins on an unread kick.
+    fn arm_edge(&self, vring: &BlkVring, thread: usize, device_event: u16) {
+        if !vring.take_rearm() {
+            return;
+        }
+        let ep = self.epolls.lock().get(thread).copied();
+        let kick = vring.get_ref().get_kick().as_ref().map(|k| k.as_raw_fd());
+        let (Some(ep), Some(kick)) = (ep, kick) else {
+            vring.rearm_later();
+            vring.consume_kick();
+            return;
+        };
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: u64::from(device_event),
+        };
+        // SAFETY: epoll_ctl on the worker's live epoll (the daemon that
+        // owns it is serving this event) and the vring's kick, with one
+        // valid event.
+        let r = unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, kick, &mut ev) };
+        if r != 0 {
+            tracing::debug!(
+                "vhost-user-blk: kick stays level-triggered: {}",
+                std::io::Error::last_os_error()
+            );
+            vring.rearm_later();
+            vring.consume_kick();
+        }
     }
 
     /// Give the device's completions back to its own thread.
     pub fn detach_reaper(&self) {
+        self.plug.store(false, Ordering::Relaxed);
         *self.reaper.lock() = None;
     }
 
@@ -251,14 +317,13 @@ impl BlkBackend {
     }
 
     /// Start every request the ring holds; how many were taken.
-    fn process(&self, vring: &VringRwLock) -> usize {
+    fn process(&self, vring: &VringRwLock, mem: &Mem, regions: &Arc<Regions>) -> usize {
         if self.dead.load(Ordering::SeqCst) {
             return 0;
         }
-        let Some((mem, regions)) = self.memory() else {
-            return 0;
-        };
         let mut taken = 0;
+        // Entered once when this ends (before the round's batch does).
+        let _plug = self.plug.load(Ordering::Relaxed).then(SubmitPlug::start);
         loop {
             let chain = vring
                 .get_mut()
@@ -272,7 +337,7 @@ impl BlkBackend {
                 return taken;
             };
             taken += 1;
-            request::start(chain, vring, &self.dev, &self.limits, Some(&regions));
+            request::start(chain, vring, &self.dev, &self.limits, Some(regions));
             if regions.poisoned() {
                 self.fail("guest memory vanished (its file was shrunk)");
                 return taken;
@@ -283,7 +348,7 @@ impl BlkBackend {
 
 impl VhostUserBackend for BlkBackend {
     type Bitmap = ();
-    type Vring = VringRwLock;
+    type Vring = BlkVring;
 
     fn num_queues(&self) -> usize {
         self.geo.num_queues as usize
@@ -360,8 +425,8 @@ impl VhostUserBackend for BlkBackend {
         &self,
         device_event: u16,
         evset: EventSet,
-        vrings: &[VringRwLock],
-        _thread_id: usize,
+        vrings: &[BlkVring],
+        thread_id: usize,
     ) -> std::io::Result<()> {
         if evset != EventSet::IN {
             return Err(std::io::Error::other("vhost-user-blk: unexpected event"));
@@ -370,11 +435,15 @@ impl VhostUserBackend for BlkBackend {
             self.reap();
             return Ok(());
         }
-        let Some(vring) = vrings.get(device_event as usize) else {
+        let Some(bv) = vrings.get(device_event as usize) else {
             return Ok(());
         };
+        self.arm_edge(bv, thread_id, device_event);
+        let vring = bv.ring();
         if self.event_idx.load(Ordering::Relaxed) {
-            let Some(window) = self.polls.get(device_event as usize) else {
+            // One queue per thread (`queues_per_thread`): the thread's
+            // index is its queue's.
+            let Some(window) = self.polls.get(thread_id) else {
                 return Ok(());
             };
             let mut window = window.lock();
@@ -383,7 +452,9 @@ impl VhostUserBackend for BlkBackend {
             window.sleeping(Instant::now());
         } else {
             let _batch = CompletionBatch::start();
-            self.process(vring);
+            if let Some((mem, regions)) = self.memory() {
+                self.process(vring, &mem, &regions);
+            }
         }
         Ok(())
     }
@@ -403,19 +474,27 @@ impl BlkBackend {
         // kernel's vq_err do, instead of spinning on it for ever. One
         // empty round is allowed: the guest may add a request just
         // before notifications come back on.
+        //
+        // One look at the memory table per kick, and the queue's
+        // notification calls with it (VringState's own would load the
+        // table again for each).
+        let Some((mem, regions)) = self.memory() else {
+            return;
+        };
         let mut empty_rounds = 0;
         loop {
-            let _ = vring.disable_notification();
+            let _ = vring.get_mut().get_queue_mut().disable_notification(&*mem);
             let taken = {
                 // The round's inline completions call the guest once.
                 let _batch = CompletionBatch::start();
-                self.process(vring)
+                self.process(vring, &mem, &regions)
             };
             empty_rounds = if taken == 0 { empty_rounds + 1 } else { 0 };
-            if taken > 0 && self.poll_ring(vring, window) {
+            if taken > 0 && self.poll_ring(vring, &mem, window) {
                 continue;
             }
-            match vring.enable_notification() {
+            let enabled = vring.get_mut().get_queue_mut().enable_notification(&*mem);
+            match enabled {
                 Ok(true) if empty_rounds < 2 => continue,
                 Ok(true) => {
                     self.fail("the guest's available ring announces requests it does not hold (a corrupt avail index)");
@@ -429,17 +508,14 @@ impl BlkBackend {
     /// Watch the avail ring for the window's while: true as soon as the
     /// guest has added a request (notifications are still off, so it
     /// did not kick), false once the window has passed (or is closed).
-    fn poll_ring(&self, vring: &VringRwLock, window: &PollWindow) -> bool {
+    fn poll_ring(&self, vring: &VringRwLock, mem: &Mem, window: &PollWindow) -> bool {
         if window.window().is_zero() || self.dead.load(Ordering::Relaxed) {
             return false;
         }
-        let Some((mem, _)) = self.memory() else {
-            return false;
-        };
         poll::spin(window.window(), || {
             let v = vring.get_ref();
             let q = v.get_queue();
-            q.avail_idx(&*mem, Ordering::Acquire)
+            q.avail_idx(&**mem, Ordering::Acquire)
                 .is_ok_and(|idx| idx.0 != q.next_avail())
         })
     }

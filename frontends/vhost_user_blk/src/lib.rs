@@ -18,6 +18,7 @@ pub mod guard;
 pub mod poll;
 pub mod request;
 pub mod server;
+pub mod vring;
 
 pub use export_driver::{VhostArgs, VhostHost};
 pub use server::{VhostError, VhostExport};

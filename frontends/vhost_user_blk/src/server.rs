@@ -273,6 +273,15 @@ fn serve_one(sh: &Shared, acc: &Acceptor, listener: &mut Listener) -> bool {
             return false;
         }
     };
+    // Before any message: the workers' epolls, where kicks go
+    // edge-triggered (crate::vring).
+    backend.set_epolls(
+        daemon
+            .get_epoll_handlers()
+            .iter()
+            .map(|h| h.as_raw_fd())
+            .collect(),
+    );
     if let Err(e) = daemon.start(listener) {
         if !sh.stop.load(Ordering::SeqCst) {
             tracing::warn!(export = name, "vhost-user-blk: a connection failed: {e}");

@@ -11,11 +11,12 @@
 use blkstack_core::DeviceRef;
 use blkstack_mapped::Registry;
 use blkstack_vhost_user_blk::backend::BlkBackend;
+use blkstack_vhost_user_blk::vring::BlkVring;
 use std::os::fd::RawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VringT};
 use virtio_bindings::virtio_blk::{VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
@@ -40,7 +41,7 @@ struct Rig {
     _dir: tempfile::TempDir,
     disk: std::fs::File,
     mem: GuestMemoryAtomic<GuestMemoryMmap<()>>,
-    vring: VringRwLock,
+    vring: BlkVring,
     backend: Arc<BlkBackend>,
     _reg: Arc<Registry>,
 }
@@ -78,7 +79,7 @@ fn rig() -> Rig {
         .expect("map");
     let mem = GuestMemoryAtomic::new(table);
     backend.update_memory(mem.clone()).expect("memory table");
-    let vring = VringRwLock::new(mem.clone(), QUEUE).expect("vring");
+    let vring = BlkVring::new(mem.clone(), QUEUE).expect("vring");
     Rig {
         _dir: dir,
         disk,
