@@ -50,8 +50,8 @@ deps:
 test: deps
 	scripts/test.sh
 
-# Every loom model: the tag allocator's (about 12 minutes on 2 vCPUs) and
-# the queue-run state's (seconds).
+# Every loom model: the tag allocator's (the long one; its time is in
+# docs/BENCHMARKS.md, "Loom models") and the queue-run state's.
 loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --profile loom --test loom_sbitmap
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p blkstack-mq --profile loom --test loom_runstate
@@ -63,8 +63,8 @@ vhost-floor-vm:
 	cargo test -p blkstack-vhost-user-blk --example vhost-floor -- --ignored --nocapture
 
 # The long crash-consistency runs in the kernel VM: ext4 and xfs, each
-# checked with fsck at 100 or more FLUSH/FUA points (about 5 and 12
-# minutes on 2 vCPUs under TCG), the same with reorder and torn states
+# checked with fsck at 100 or more FLUSH/FUA points (times in
+# docs/BENCHMARKS.md, "Crash-consistency runs"), the same with reorder and torn states
 # after each flush point, ext4, xfs and SQLite on the `powercut` target
 # cut POWERCUT_CUTS times per mode (default 20), and the block workloads
 # at length.
